@@ -1,0 +1,36 @@
+"""clef-vllm: serve Cloudflare's Clef-Flash decision model over the SystemOne protocol.
+
+Importing this package is cheap: no torch, no vLLM, no CUDA. ``register()`` is the
+``vllm.general_plugins`` entry point; ``Clef`` (the offline API) is imported lazily.
+"""
+
+__version__ = "0.1.0"
+
+#: The architecture name written into repacked checkpoints' config.json and used as
+#: ``hf_overrides={"architectures": [...]}`` when serving the Cloudflare release.
+ARCHITECTURE = "ClefFlashForDecision"
+
+_registered = False
+
+
+def register() -> None:
+    """Register the Clef-Flash architecture with vLLM's ModelRegistry (idempotent, no CUDA)."""
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "clef_vllm.vllm.model:ClefFlashForDecision")
+    _registered = True
+
+
+def __getattr__(name):
+    if name == "Clef":
+        from clef_vllm.api import Clef
+
+        return Clef
+    raise AttributeError(f"module 'clef_vllm' has no attribute {name!r}")
+
+
+__all__ = ["ARCHITECTURE", "Clef", "__version__", "register"]

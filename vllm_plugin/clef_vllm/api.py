@@ -1,0 +1,74 @@
+"""Offline Python API.
+
+>>> from clef_vllm import Clef
+>>> with Clef("path/to/checkpoint", backend="reference") as clef:
+...     clef.systemone({"model": "clef-flash", "state": "Checkout is down.",
+...                     "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}})
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from clef_vllm.answers import build_response
+from clef_vllm.backends import Backend, make_backend
+from clef_vllm.encoding import DEFAULT_MAX_LENGTH
+from clef_vllm.protocol import Dialect, RequestError, parse_request
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> Path:
+    """``None`` or ``"demo"`` -> the generated demo checkpoint; else the given folder."""
+    if model_dir is None or str(model_dir) == "demo":
+        from clef_vllm.testing.tiny import demo_checkpoint
+
+        return demo_checkpoint()
+    return Path(model_dir)
+
+
+class Clef:
+    """Decide SystemOne requests with a Clef checkpoint, without a server.
+
+    ``backend``: ``"auto"`` (vLLM when a CUDA GPU and vLLM are usable, else reference),
+    ``"reference"`` or ``"vllm"``. ``dtype`` is the head's compute dtype. ``engine_options`` go to
+    the backend (e.g. ``device="cuda"`` for reference; ``gpu_memory_utilization=0.5`` for vLLM).
+    """
+
+    def __init__(self, model_dir: str | Path | None = "demo", backend: str = "auto", dtype: str = "bfloat16",
+                 max_model_len: int = DEFAULT_MAX_LENGTH, dialect: str = "reference", **engine_options: Any):
+        self.dialect = Dialect(dialect)
+        self.model_dir = resolve_model_dir(model_dir)
+        self.backend: Backend = make_backend(self.model_dir, backend, dtype=dtype, max_model_len=max_model_len,
+                                             **engine_options)
+
+    def systemone(self, request: dict) -> dict:
+        """Answer one SystemOne request; raises :class:`RequestError` (a ValueError) for invalid input."""
+        return self.systemone_batch([request])[0]
+
+    def systemone_batch(self, requests: Sequence[dict]) -> list[dict]:
+        """Answer many requests in one batch (order preserved). An invalid request raises
+        :class:`RequestError` naming its index (``requests[3].questions.x...``) before any work is done."""
+        parsed, encoded = [], []
+        for i, body in enumerate(requests):
+            try:
+                req = parse_request(body, self.dialect)
+                enc = self.backend.encoder.encode(req)
+            except RequestError as exc:
+                prefix = f"requests[{i}]" if len(requests) > 1 else None
+                field = ".".join(p for p in (prefix, exc.field) if p) or None
+                raise RequestError(exc.message, field=field, status=exc.status) from None
+            parsed.append(req)
+            encoded.append(enc)
+        if not encoded:
+            return []
+        probs = self.backend.decide_batch(encoded)
+        return [build_response(r, e, p, self.dialect) for r, e, p in zip(parsed, encoded, probs)]
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "Clef":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

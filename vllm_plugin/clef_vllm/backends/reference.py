@@ -1,0 +1,175 @@
+"""Reference backend: the Qwen3.5 text backbone through transformers, on CPU or CUDA.
+
+It reproduces what the release runs for text-only batches (clef-spec §4.3): the bare
+``Qwen3_5TextModel`` with ``use_cache=False``, right-padded batches with an attention mask,
+the final-norm hidden state of every position, then the shared joint head.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from clef_vllm.backends.base import Backend, MicroBatcher, parse_dtype
+from clef_vllm.checkpoint import (EMBED_KEYS, LM_HEAD_KEYS, CheckpointError, CheckpointFiles, check_finite,
+                                  iter_backbone_tensors, load_head, locate_checkpoint)
+from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
+from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+from clef_vllm.tables import DenseTable, LexicalTable, load_int8_tables
+
+log = logging.getLogger("clef_vllm")
+
+# Checkpoint-name prefixes of the text backbone (VL release layout first, then text-only layouts).
+TEXT_PREFIXES = ("model.language_model.", "model.")
+SKIPPED_PREFIXES = ("model.visual.", "mtp.", "lm_head.", "model.language_model.lm_head.")
+
+
+def text_config_from(files: CheckpointFiles):
+    """The transformers ``Qwen3_5TextConfig`` of a checkpoint (VL or text-only config.json)."""
+    from transformers import Qwen3_5TextConfig
+
+    cfg = dict(files.text_config)
+    cfg.pop("quantization_config", None)
+    cfg.setdefault("model_type", "qwen3_5_text")
+    return Qwen3_5TextConfig.from_dict(cfg)
+
+
+def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch.bfloat16):
+    """``(Qwen3_5TextModel, lm_head table)`` loaded strictly from either checkpoint layout."""
+    from transformers import Qwen3_5TextModel
+
+    if files.quantization_config is not None:
+        raise CheckpointError(f"{files.root / 'config.json'}: quantized backbone "
+                              f"({files.quantization_config.get('quant_method')}); the reference backend runs "
+                              "16-bit backbones only. Use --backend vllm on a GPU.")
+    config = text_config_from(files)
+    config._attn_implementation = "sdpa"
+    state: dict[str, torch.Tensor] = {}
+    lm_head = None
+    for name, tensor in iter_backbone_tensors(files, device=device):
+        if name in LM_HEAD_KEYS:
+            lm_head = tensor
+            continue
+        if name.startswith(SKIPPED_PREFIXES):
+            continue
+        for prefix in TEXT_PREFIXES:
+            if name.startswith(prefix):
+                state[name[len(prefix):]] = tensor
+                break
+    if files.tables_file is not None:
+        tables = load_int8_tables(files.tables_file, device=device)
+        if "embed_tokens.weight" in state or lm_head is not None:
+            raise CheckpointError(f"{files.root}: embed_tokens / lm_head are both in the backbone files and in "
+                                  f"{files.tables_file}; a repacked checkpoint keeps them in the tables only")
+        state["embed_tokens.weight"] = tables["embed_tokens"].dequantize(dtype)
+        lm_table: LexicalTable = tables["lm_head"]
+    else:
+        if lm_head is None:
+            raise CheckpointError(f"{files.root}: lm_head.weight not found in the backbone files and no "
+                                  "clef_head/tables_int8.safetensors; the head reads lm_head rows")
+        lm_table = DenseTable(lm_head)
+    for name, tensor in state.items():
+        check_finite(name, tensor, files.root)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3_5TextModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(f"{files.root}: backbone tensors do not match config.json: "
+                              f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    vocab = config.vocab_size
+    if lm_table.num_rows != vocab or lm_table.width != config.hidden_size:
+        raise CheckpointError(f"{files.root}: lm_head table is {lm_table.num_rows}x{lm_table.width}, "
+                              f"expected {vocab}x{config.hidden_size}")
+    return model.eval().requires_grad_(False), lm_table
+
+
+class ReferenceBackend(Backend):
+    """transformers backbone + shared head; batches requests by length with right padding."""
+
+    name = "reference"
+
+    def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: str = "bfloat16",
+                 max_model_len: int = DEFAULT_MAX_LENGTH, max_batch_size: int = 16, max_batch_tokens: int = 32768,
+                 encoder: RequestEncoder | None = None):
+        self.files = locate_checkpoint(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.head_dtype = parse_dtype(dtype)
+        self.max_model_len = int(max_model_len)
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max(max_batch_tokens, self.max_model_len)
+        self.head = load_head(self.files, dtype=self.head_dtype, device=self.device)
+        self.model, self.lm_table = load_text_backbone(self.files, self.device)
+        self.lm_table.to(self.device)
+        self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
+        pad = self.model.config.pad_token_id
+        self.pad_id = 0 if pad is None else int(pad)
+        self._batcher: MicroBatcher | None = None
+        log.info("reference backend: %s layout, head %s on %s, backbone bf16 (transformers %s)",
+                 self.files.layout, str(self.head_dtype).removeprefix("torch."), self.device, _tf_version())
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device": str(self.device), "layout": self.files.layout,
+                "head_dtype": str(self.head_dtype).removeprefix("torch."), "max_model_len": self.max_model_len}
+
+    def _batches(self, encoded: Sequence[EncodedRequest]) -> list[list[int]]:
+        order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens)
+        batches, cur = [], []
+        for i in order:
+            longest = encoded[i].num_tokens  # sorted ascending: the newest is the longest
+            if cur and (len(cur) >= self.max_batch_size or longest * (len(cur) + 1) > self.max_batch_tokens):
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    @torch.inference_mode()
+    def hidden_states(self, encoded: Sequence[EncodedRequest]) -> torch.Tensor:
+        """Final-norm hidden states ``[B, Lmax, H]`` of a right-padded batch (the reference forward)."""
+        longest = max(e.num_tokens for e in encoded)
+        ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), longest), dtype=torch.long)
+        for b, e in enumerate(encoded):
+            ids[b, : e.num_tokens] = torch.tensor(e.input_ids)
+            mask[b, : e.num_tokens] = 1
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def decide_batch(self, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
+        results: list[torch.Tensor | None] = [None] * len(encoded)
+        for group in self._batches(encoded):
+            hidden = self.hidden_states([encoded[i] for i in group])
+            accs = [RecordAccumulator(HeadSpec.from_encoded(encoded[i]), self.device) for i in group]
+            longest = hidden.shape[1]
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            accumulate(self.head, flat, [(acc, b * longest, acc.spec.num_tokens, 0) for b, acc in enumerate(accs)])
+            for i, probs in zip(group, decide_records(self.head, self.lm_table, accs)):
+                results[i] = probs.cpu()
+        return results
+
+    async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
+        if self._batcher is None:
+            self._batcher = MicroBatcher(self.decide_batch, self.max_batch_size, self.max_batch_tokens)
+        return await self._batcher.submit(encoded)
+
+    def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__

@@ -1,0 +1,328 @@
+"""JointSchemaHead (clef-spec §5): per-option logits for every field of every record.
+
+The module keeps the release's exact state-dict names (``joint_head.safetensors`` loads with
+strict checking) and splits the computation in two stages so that chunked prefill can feed it:
+
+* :meth:`JointSchemaHead.encode_tokens` is per token (LayerNorm + memory projection) and can run
+  on any chunk of hidden states;
+* :meth:`JointSchemaHead.decide` runs once per record on what the chunks accumulated (memory,
+  span means, last state) and is vectorised over records, fields and options: records are padded
+  into one batch, options and fields are flat index tensors, per-field softmaxes are segment ops.
+
+Numerics follow the reference: the head runs in the backbone's dtype (bf16) unless asked for
+fp32; reductions (span means, option pooling) accumulate in fp32 and round once, as a matmul or
+``mean`` does; only the final logits are upcast to fp32 for the softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LOG_100 = math.log(100.0)
+
+
+_REQUIRED_KEYS = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
+
+
+class HeadConfigError(ValueError):
+    """``joint_head_config.json`` is malformed."""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """``joint_head_config.json`` (clef-spec §5.1). Unknown keys are an error."""
+
+    hidden_size: int
+    width: int
+    routing_layers: int
+    layers: int
+    heads: int
+    feedforward: int
+    dropout: float = 0.0
+    requires_clef_vllm: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "joint_head_config.json") -> "HeadConfig":
+        if not isinstance(data, dict):
+            raise HeadConfigError(f"{source}: expected a JSON object")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise HeadConfigError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(known)}. "
+                                  "A newer clef-vllm may be needed for this checkpoint.")
+        missing = [n for n in _REQUIRED_KEYS if n not in data]
+        if missing:
+            raise HeadConfigError(f"{source}: missing key(s) {missing}")
+        for name in _REQUIRED_KEYS:
+            value = data[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if "layers" in name else 1):
+                raise HeadConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if data["width"] % data["heads"]:
+            raise HeadConfigError(f"{source}: width {data['width']} is not divisible by heads {data['heads']}")
+        marker = data.get("requires_clef_vllm")
+        if marker is not None and not isinstance(marker, str):
+            raise HeadConfigError(f"{source}: requires_clef_vllm must be a PEP 440 specifier string")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["requires_clef_vllm"] is None:
+            del out["requires_clef_vllm"]
+        if not out["dropout"]:
+            del out["dropout"]
+        return out
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class Attention(nn.Module):
+    """Multi-head attention with ``nn.MultiheadAttention``'s parameter layout (packed q;k;v).
+
+    Keys and values are the same tensor everywhere in the head. ``key_padding_mask`` is True
+    on padded key positions (records of different lengths in one batch); real keys are never
+    masked, as in the release.
+    """
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def forward(self, query: torch.Tensor, key_value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, lq, d = query.shape
+        lk = key_value.shape[1]
+        w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        h = self.heads
+        q = F.linear(query, w_q, b_q).view(b, lq, h, d // h).transpose(1, 2)
+        k = F.linear(key_value, w_k, b_k).view(b, lk, h, d // h).transpose(1, 2)
+        v = F.linear(key_value, w_v, b_v).view(b, lk, h, d // h).transpose(1, 2)
+        mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(out.transpose(1, 2).reshape(b, lq, d))
+
+
+class EvidenceLayer(nn.Module):
+    """Option queries attend to the (normalised) state memory, then a GELU feed-forward."""
+
+    def __init__(self, width: int, heads: int, feedforward: int, dropout: float = 0.0):
+        super().__init__()
+        self.query_norm = nn.LayerNorm(width)
+        self.memory_norm = nn.LayerNorm(width)
+        self.attention = Attention(width, heads)
+        self.feedforward_norm = nn.LayerNorm(width)
+        self.feedforward = nn.Sequential(nn.Linear(width, feedforward), nn.GELU(), nn.Dropout(dropout),
+                                         nn.Linear(feedforward, width), nn.Dropout(dropout))
+
+    def forward(self, queries, memory, memory_padding):
+        memory = self.memory_norm(memory)
+        queries = queries + self.attention(self.query_norm(queries), memory, memory_padding)
+        return queries + self.feedforward(self.feedforward_norm(queries))
+
+
+class DecoderLayer(nn.Module):
+    """``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")`` without masks, same names."""
+
+    def __init__(self, width: int, heads: int, feedforward: int, dropout: float = 0.0):
+        super().__init__()
+        self.self_attn = Attention(width, heads)
+        self.multihead_attn = Attention(width, heads)
+        self.linear1 = nn.Linear(width, feedforward)
+        self.linear2 = nn.Linear(feedforward, width)
+        self.norm1 = nn.LayerNorm(width)
+        self.norm2 = nn.LayerNorm(width)
+        self.norm3 = nn.LayerNorm(width)
+
+    def forward(self, x, field_padding, memory, memory_padding):
+        h = self.norm1(x)
+        x = x + self.self_attn(h, h, field_padding)
+        x = x + self.multihead_attn(self.norm2(x), memory, memory_padding)
+        return x + self.linear2(F.gelu(self.linear1(self.norm3(x))))
+
+
+# --------------------------------------------------------------------------- batch layout
+
+
+@dataclass
+class FieldLayout:
+    """Where every field and option of a batch of records sits, as flat index tensors."""
+
+    type_ids: torch.Tensor       # [Q] 0 noul, 1 choice, 2 score
+    field_record: torch.Tensor   # [Q] record of each field
+    field_slot: torch.Tensor     # [Q] position of the field inside its record
+    option_field: torch.Tensor   # [N] field of each option (global field index)
+    option_record: torch.Tensor  # [N]
+    option_slot: torch.Tensor    # [N] position of the option inside its record
+    num_records: int
+    max_fields: int
+    max_options: int
+
+    @classmethod
+    def from_records(cls, records: Sequence[tuple[Sequence[int], Sequence[int]]]) -> "FieldLayout":
+        """``records[b] = (type_ids, options_per_field)``."""
+        type_ids, field_record, field_slot = [], [], []
+        option_field, option_record, option_slot = [], [], []
+        max_fields = max_options = 0
+        for b, (types, counts) in enumerate(records):
+            slot = 0
+            for k, (t, n) in enumerate(zip(types, counts)):
+                gfield = len(type_ids)
+                type_ids.append(t)
+                field_record.append(b)
+                field_slot.append(k)
+                option_field.extend([gfield] * n)
+                option_record.extend([b] * n)
+                option_slot.extend(range(slot, slot + n))
+                slot += n
+            max_fields = max(max_fields, len(types))
+            max_options = max(max_options, slot)
+        t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        return cls(t(type_ids), t(field_record), t(field_slot), t(option_field), t(option_record), t(option_slot),
+                   len(records), max_fields, max_options)
+
+    def to(self, device) -> "FieldLayout":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return FieldLayout(**moved)
+
+
+@dataclass
+class DecisionBatch:
+    """What :meth:`JointSchemaHead.decide` needs for B records (all in the head's dtype)."""
+
+    memory: torch.Tensor                   # [B, Lmax, D] memory projection of every position
+    memory_padding: torch.Tensor | None    # [B, Lmax] True on padding, or None if no padding
+    last_state: torch.Tensor               # [B, H] normalised hidden state of the last token
+    question_state: torch.Tensor           # [Q, H] mean over each question span
+    option_context: torch.Tensor           # [N, H] mean over each option span
+    option_lexical: torch.Tensor           # [N, H] mean lm_head row of each option's tokens
+    layout: FieldLayout
+
+
+def _scatter_to_slots(values: torch.Tensor, record: torch.Tensor, slot: torch.Tensor, b: int, n: int):
+    out = values.new_zeros(b, n, values.shape[-1])
+    out[record, slot] = values
+    padding = torch.ones(b, n, dtype=torch.bool, device=values.device)
+    padding[record, slot] = False
+    return out, padding
+
+
+def segment_softmax(scores: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Softmax of ``scores`` within each segment (fp32 in, fp32 out); no cross-segment mixing."""
+    top = scores.new_full((num_segments,), float("-inf")).scatter_reduce(0, segment, scores, "amax")
+    e = torch.exp(scores - top[segment])
+    return e / scores.new_zeros(num_segments).index_add(0, segment, e)[segment]
+
+
+def segment_sum(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """fp32 sums of rows of ``values`` per segment."""
+    out = torch.zeros(num_segments, values.shape[-1], dtype=torch.float32, device=values.device)
+    return out.index_add_(0, segment, values.float())
+
+
+# --------------------------------------------------------------------------- the head
+
+
+class JointSchemaHead(nn.Module):
+    """The release's joint schema head. State-dict names match ``joint_head.safetensors``."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        h, d, f, p = config.hidden_size, config.width, config.feedforward, config.dropout
+        self.hidden_norm = nn.LayerNorm(h)
+        self.memory_projection = nn.Linear(h, d, bias=False)
+        self.question_projection = nn.Linear(h, d, bias=False)
+        self.option_question_projection = nn.Linear(h, d, bias=False)
+        self.global_projection = nn.Linear(h, d, bias=False)
+        self.option_context_projection = nn.Linear(h, d, bias=False)
+        self.option_lexical_projection = nn.Linear(h, d, bias=False)
+        self.type_embedding = nn.Embedding(3, d)
+        self.evidence_layers = nn.ModuleList(EvidenceLayer(d, config.heads, f, p) for _ in range(config.routing_layers))
+        self.option_summary_norm = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(DecoderLayer(d, config.heads, f, p) for _ in range(config.layers))
+        self.field_norm = nn.LayerNorm(d)
+        self.option_norm = nn.LayerNorm(d)
+        self.residual_scorer = nn.Sequential(nn.Linear(4 * d, d), nn.GELU(), nn.Dropout(p), nn.Linear(d, 1))
+        self.prior_logit_scale = nn.Parameter(torch.zeros(()))
+        self.joint_logit_scale = nn.Parameter(torch.zeros(()))
+        self.residual_gate = nn.Parameter(torch.zeros(()))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.memory_projection.weight.dtype
+
+    def encode_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token stage for any chunk ``[T, H]``: ``S = LN(X)`` and memory ``M = S·W_memᵀ``."""
+        states = self.hidden_norm(hidden.to(self.dtype))
+        return states, self.memory_projection(states)
+
+    def decide(self, batch: DecisionBatch) -> torch.Tensor:
+        """Per-option logits ``[N]`` (fp32), options in encoded order, fields in request order."""
+        lay = batch.layout
+        b, d = lay.num_records, self.config.width
+        q, g = batch.question_state, batch.last_state
+        memory, memory_padding = batch.memory, batch.memory_padding
+
+        # Option queries, then evidence routing over the state memory (per record, padded).
+        u = (self.option_context_projection(batch.option_context)
+             + self.option_lexical_projection(batch.option_lexical)
+             + self.option_question_projection(q)[lay.option_field])
+        queries, _ = _scatter_to_slots(u, lay.option_record, lay.option_slot, b, lay.max_options)
+        for layer in self.evidence_layers:
+            queries = layer(queries, memory, memory_padding)
+        routed = queries[lay.option_record, lay.option_slot]                     # [N, D]
+
+        # Field vectors: question base + attention-pooled options + global + type.
+        base = self.question_projection(q)                                       # [Q, D]
+        scores = (routed.float() * base[lay.option_field].float()).sum(-1).to(self.dtype) / math.sqrt(d)
+        weights = segment_softmax(scores.float(), lay.option_field, len(lay.type_ids)).to(self.dtype)
+        pooled = segment_sum(weights.float()[:, None] * routed.float(), lay.option_field, len(lay.type_ids)).to(self.dtype)
+        field_vec = (base + self.option_summary_norm(pooled) + self.global_projection(g)[lay.field_record]
+                     + self.type_embedding(lay.type_ids))
+
+        # Joint field decoder: fields attend to each other (per record) and to the raw memory.
+        fields_pad, field_padding = _scatter_to_slots(field_vec, lay.field_record, lay.field_slot, b, lay.max_fields)
+        for layer in self.layers:
+            fields_pad = layer(fields_pad, field_padding, memory, memory_padding)
+        final = self.field_norm(fields_pad[lay.field_record, lay.field_slot])    # [Q, D]
+
+        # Scores: lexical prior + gated (cosine + residual MLP).
+        sigma_p = self.prior_logit_scale.clamp(max=LOG_100).exp()
+        sigma_j = self.joint_logit_scale.clamp(max=LOG_100).exp()
+        gamma = torch.sigmoid(self.residual_gate)
+        anchor = (q[lay.option_field] + g[lay.option_record]).float()
+        prior = sigma_p * (F.normalize(batch.option_lexical.float(), dim=-1, eps=1e-12)
+                           * F.normalize(anchor, dim=-1, eps=1e-12)).sum(-1).to(self.dtype)
+        opt = self.option_norm(routed)
+        fld = final[lay.option_field]
+        residual = self.residual_scorer(torch.cat([fld, opt, fld * opt, (fld - opt).abs()], dim=-1)).squeeze(-1)
+        cosine = F.cosine_similarity(fld, opt, dim=-1, eps=1e-8)
+        return (prior + gamma * (sigma_j * cosine + residual)).float()
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, layout: FieldLayout) -> torch.Tensor:
+        """Per-field softmax of fp32 logits (no cross-field normalisation)."""
+        return segment_softmax(logits.float(), layout.option_field, len(layout.type_ids))
+
+
+def count_parameters(config: HeadConfig) -> int:
+    """Closed-form parameter count (clef-spec §5.6), for checking loaders."""
+    h, d, f = config.hidden_size, config.width, config.feedforward
+    routing = 4 * d * d + 2 * d * f + 11 * d + f
+    decoder = 8 * d * d + 2 * d * f + 15 * d + f
+    return (2 * h + 6 * h * d + 3 * d + config.routing_layers * routing + 2 * d
+            + config.layers * decoder + 4 * d + (4 * d * d + 2 * d + 1) + 3)

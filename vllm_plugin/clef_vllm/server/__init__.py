@@ -1,0 +1,1 @@
+"""The HTTP server (FastAPI) and the clef-systemone console script."""

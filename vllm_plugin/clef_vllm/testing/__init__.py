@@ -1,0 +1,1 @@
+"""Test and demo helpers: tiny checkpoints in the release layout."""
