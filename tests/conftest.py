@@ -16,7 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from support import vllm_cpu
+
 REPO = Path(__file__).resolve().parents[1]
+
+# vLLM picks its platform at first import: on a machine without a GPU, make that the CPU platform
+# (and stub torchvision) before any test imports vLLM.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        vllm_cpu.setup_env()
+except ImportError:  # pragma: no cover
+    pass
 
 
 @pytest.fixture(scope="session")

@@ -60,8 +60,11 @@ class CheckpointFiles:
         return self.config.get("quantization_config")
 
 
-def locate_checkpoint(path: str | Path) -> CheckpointFiles:
-    """Find every part of the checkpoint at ``path``; raise CheckpointError naming what is missing."""
+def locate_checkpoint(path: str | Path, require_weights: bool = True) -> CheckpointFiles:
+    """Find every part of the checkpoint at ``path``; raise CheckpointError naming what is missing.
+
+    ``require_weights=False`` accepts a folder without backbone/head weights (vLLM's
+    ``load_format="dummy"`` benchmarks need only the configs)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a directory (pass --model DIR, a Clef checkpoint folder)")
@@ -78,7 +81,7 @@ def locate_checkpoint(path: str | Path) -> CheckpointFiles:
         raise CheckpointError(f"{root}: no joint head found (expected {HEAD_CONFIG} + {HEAD_WEIGHTS} at the root "
                               f"or in {HEAD_DIR}/)")
     head_dir = root / HEAD_DIR if in_dir else root
-    for name in (HEAD_CONFIG, HEAD_WEIGHTS):
+    for name in (HEAD_CONFIG, HEAD_WEIGHTS) if require_weights else (HEAD_CONFIG,):
         if not (head_dir / name).is_file():
             raise CheckpointError(f"{head_dir / name}: missing")
     tables = head_dir / TABLES if in_dir and (head_dir / TABLES).is_file() else None
@@ -88,11 +91,11 @@ def locate_checkpoint(path: str | Path) -> CheckpointFiles:
         names = sorted(set(_read_json(index_file).get("weight_map", {}).values()))
         weight_files = tuple(root / n for n in names)
         missing = [str(p) for p in weight_files if not p.is_file()]
-        if missing:
+        if missing and require_weights:
             raise CheckpointError(f"{index_file}: lists shard(s) that are missing: {missing}")
     else:
         weight_files = tuple(sorted(root.glob("*.safetensors")))
-    if not weight_files:
+    if not weight_files and require_weights:
         raise CheckpointError(f"{root}: no backbone *.safetensors found")
     return CheckpointFiles(root, "repacked" if in_dir else "release", config, head_dir / HEAD_CONFIG,
                            head_dir / HEAD_WEIGHTS, tables, weight_files, index_file)

@@ -1,0 +1,112 @@
+"""Run vLLM 0.28's model construction and weight loading on a CPU-only machine (vllm-notes §8).
+
+The CUDA wheel of vLLM imports on CPU with three shims: ``VLLM_TARGET_DEVICE=cpu`` (CpuPlatform),
+an import-only ``torchvision`` stub (PyPI torchvision is a CUDA build that cannot load beside
+CPU torch), and a Python stand-in for the ``_C.silu_and_mul`` op bound at construction. NVFP4
+layers need vLLM's emulation kernel registered for the CPU platform. A single-process gloo group
+stands in for the distributed setup. A full backbone forward is not possible on CPU (GDN and
+attention kernels); the pooler and head are tested on synthetic hidden states instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+SITE = Path(__file__).parent / "vllm_cpu_site"
+_ready = False
+
+
+def setup_env() -> None:
+    """Environment shims; must run before vLLM is first imported (conftest does it at import)."""
+    if str(SITE) in sys.path:
+        return
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # Subprocesses (vLLM's model-inspection subprocess) get the torchvision stub via sitecustomize.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, str(SITE))
+    import torchvision_stub  # noqa: F401  (installs the finder)
+
+
+def setup() -> None:
+    """Install all shims once per process (idempotent)."""
+    global _ready
+    if _ready:
+        return
+    setup_env()
+    import torch
+    import torch.nn.functional as F
+
+    if not hasattr(torch.ops._C, "silu_and_mul"):
+        lib = torch.library.Library("_C", "FRAGMENT")
+        lib.define("silu_and_mul(Tensor! out, Tensor input) -> ()")
+
+        def silu_and_mul(out, x):
+            d = x.shape[-1] // 2
+            out.copy_(F.silu(x[..., :d]) * x[..., d:])
+
+        lib.impl("silu_and_mul", silu_and_mul, "CPU")
+        setup._lib = lib  # keep the registration alive
+    _register_cpu_nvfp4()
+    _ready = True
+
+
+def _register_cpu_nvfp4() -> None:
+    try:
+        from vllm.model_executor.kernels.linear import register_linear_kernel
+        from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+        from vllm.platforms import PlatformEnum
+    except ImportError:  # layout differs: NVFP4 tests will say so
+        return
+    register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+
+
+_dist_ready = False
+
+
+def init_distributed(vllm_config) -> None:
+    """A single-process gloo group (once per process)."""
+    global _dist_ready
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    if _dist_ready:
+        return
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='clef-gloo-')}")
+        ensure_model_parallel_initialized(1, 1)
+    _dist_ready = True
+
+
+def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 512, **model_kwargs):
+    """A CPU ``VllmConfig`` serving ``checkpoint`` as ClefFlashForDecision."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
+
+    from clef_vllm import ARCHITECTURE
+
+    model_kwargs.setdefault("hf_overrides", {"architectures": [ARCHITECTURE]})
+    mc = ModelConfig(model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                     max_model_len=max_model_len, runner="pooling", **model_kwargs)
+    return VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format=load_format))
+
+
+def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
+    """Build and load ClefFlashForDecision through vLLM's own loader, on CPU."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.models import ModelRegistry
+
+    from clef_vllm import ARCHITECTURE
+    from clef_vllm.vllm.model import ClefFlashForDecision
+
+    setup()
+    # In-process class registration (the entry point registers the lazy "module:Class" form).
+    ModelRegistry.register_model(ARCHITECTURE, ClefFlashForDecision)
+    vc = vllm_config_for(checkpoint, load_format=load_format, **model_kwargs)
+    init_distributed(vc)
+    with set_current_vllm_config(vc):
+        return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)

@@ -1,0 +1,363 @@
+"""The vLLM 0.28 plugin on CPU: discovery, engine settings, model construction and weight loading
+through vLLM's own loader (both layouts), the in-worker pooler across chunked prefill, and
+refusals. A full backbone forward needs a GPU (tests/gpu/, bench/)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib.metadata import entry_points
+
+import numpy as np
+import pytest
+import torch
+
+from support import vllm_cpu
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_shims():
+    vllm_cpu.setup()
+
+
+@pytest.fixture(scope="module")
+def release_model(tiny_release):
+    return vllm_cpu.load_model(tiny_release)
+
+
+@pytest.fixture(scope="module")
+def repacked_model(tiny_repacked):
+    return vllm_cpu.load_model(tiny_repacked)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_release):
+    from clef_vllm.encoding import RequestEncoder
+
+    return RequestEncoder.from_pretrained(tiny_release)
+
+
+def _requests():
+    from clef_vllm.protocol import parse_request
+
+    bodies = [
+        {"model": "m", "state": "Checkout fails for every customer.",
+         "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
+                       "team": {"type": "choice", "criteria": {"billing": "Payments", "technical": "Outages"}}}},
+        {"model": "m", "state": {"invoice": {"total": 1250.0, "status": "overdue"}, "notes": ["late"] * 12},
+         "questions": {"sev": {"type": "score", "criteria": ["none", "minor", "major", "critical"]}}},
+        {"model": "m", "state": "short",
+         "questions": {"a": {"type": "noul"}, "b": {"type": "choice", "criteria": {"x": None, "y": 1, "z": [2]}},
+                       "c": {"type": "score", "criteria": ["lo", "hi"]}}},
+    ]
+    return [parse_request(b) for b in bodies]
+
+
+# --------------------------------------------------------------------------- discovery and settings
+
+
+def test_entry_point_registers_the_architecture_idempotently():
+    import clef_vllm
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "clef"]
+    assert len(eps) == 1 and eps[0].value == "clef_vllm:register"
+    register = eps[0].load()
+    register()
+    register()  # idempotent
+    from vllm import ModelRegistry
+
+    assert clef_vllm.ARCHITECTURE in ModelRegistry.get_supported_archs()
+
+
+def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(tiny_release):
+    from vllm import AsyncEngineArgs
+
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    kwargs = engine_kwargs(tiny_release, max_model_len=2048, dtype="float32", data_parallel_size=1)
+    assert kwargs["hf_overrides"] == {"architectures": ["ClefFlashForDecision"]}  # release config names the VL class
+    cfg = AsyncEngineArgs(**kwargs).create_engine_config()
+    assert cfg.model_config.architectures == ["ClefFlashForDecision"]
+    assert cfg.model_config.runner_type == "pooling"
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.scheduler_config.enable_chunked_prefill is True
+    assert cfg.cache_config.mamba_ssm_cache_dtype == "float32"
+    assert cfg.additional_config["clef_head_dtype"] == "float32"
+    assert cfg.additional_config["gdn_prefill_backend"] == "triton"
+
+
+def test_repacked_checkpoint_names_its_own_architecture(tiny_repacked):
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    assert json.loads((tiny_repacked / "config.json").read_text())["architectures"] == ["ClefFlashForDecision"]
+    assert "hf_overrides" not in engine_kwargs(tiny_repacked)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _reference_state(checkpoint):
+    """The checkpoint's text backbone tensors, by vLLM name, unfused."""
+    from clef_vllm.checkpoint import iter_backbone_tensors, locate_checkpoint
+
+    out = {}
+    for name, t in iter_backbone_tensors(locate_checkpoint(checkpoint)):
+        if name.startswith("model.language_model."):
+            out["model." + name[len("model.language_model."):]] = t
+    return out
+
+
+def test_release_layout_loads_every_tensor(release_model, tiny_release):
+    from safetensors.torch import load_file
+
+    m = release_model
+    ref = _reference_state(tiny_release)
+    params = dict(m.named_parameters())
+    assert torch.equal(params["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
+    assert torch.equal(params["model.norm.weight"], ref["model.norm.weight"])
+    # GDN fused projection = cat(in_proj_qkv, in_proj_z); attention qkv = cat(q, k, v)
+    qkvz = params["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    assert torch.equal(qkvz, torch.cat([ref["model.layers.0.linear_attn.in_proj_qkv.weight"],
+                                        ref["model.layers.0.linear_attn.in_proj_z.weight"]]))
+    qkv = params["model.layers.3.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv, torch.cat([ref[f"model.layers.3.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    # lm_head of the release goes to the dense lexical table; the head loads strictly
+    lm = load_file(str(tiny_release / "model-00003-of-00003.safetensors")).get("lm_head.weight")
+    if lm is None:
+        from clef_vllm.checkpoint import find_backbone_tensor, locate_checkpoint
+
+        lm = find_backbone_tensor(locate_checkpoint(tiny_release), ("lm_head.weight",))
+    assert torch.equal(m.lm_table.weight, lm)
+    head = load_file(str(tiny_release / "joint_head.safetensors"))
+    assert all(torch.equal(m.head.state_dict()[k], v) for k, v in head.items())
+    assert not any(n.startswith(("mtp", "visual", "model.visual")) for n in params)
+
+
+def test_repacked_layout_dequantizes_the_embedding_and_keeps_lm_head_int8(repacked_model, release_model):
+    a, b = repacked_model, release_model
+    assert a.lm_table.weight.dtype == torch.int8
+    emb_err = (a.model.embed_tokens.weight.float() - b.model.embed_tokens.weight.float()).abs().max()
+    assert 0 < emb_err < 0.05 * b.model.embed_tokens.weight.float().abs().max()
+    ids = torch.tensor([1, 5, 77, 300])
+    rows = a.lm_table.rows(ids, torch.float32)
+    ref = b.lm_table.rows(ids, torch.float32)
+    assert torch.nn.functional.cosine_similarity(rows, ref, dim=1).min() > 0.999
+    # the backbone layers are identical
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert torch.equal(pa["model.layers.2.mlp.down_proj.weight"], pb["model.layers.2.mlp.down_proj.weight"])
+
+
+# --------------------------------------------------------------------------- pooler
+
+
+def _metadata(specs, scheduled, seq_lens, states):
+    from vllm import PoolingParams
+    from vllm.v1.pool.metadata import PoolingMetadata
+
+    params = [PoolingParams(task="plugin", extra_kwargs=None if s is None else {"clef": s.to_wire()}) for s in specs]
+    prompt_lens = torch.tensor([s.num_tokens if s is not None else n for s, n in zip(specs, seq_lens)])
+    md = PoolingMetadata(prompt_lens=prompt_lens, prompt_token_ids=None, prompt_token_ids_cpu=None,
+                         pooling_params=params, pooling_states=states)
+    md.build_pooling_cursor(np.array(scheduled), torch.tensor(seq_lens), device=torch.device("cpu"))
+    return md
+
+
+def _specs_and_hidden(encoder, hidden_size):
+    from clef_vllm.features import HeadSpec
+
+    specs = [HeadSpec.from_encoded(encoder.encode(r)) for r in _requests()]
+    g = torch.Generator().manual_seed(3)
+    hidden = [torch.randn(s.num_tokens, hidden_size, generator=g).to(torch.bfloat16) for s in specs]
+    return specs, hidden
+
+
+def _unchunked(model, specs, hidden):
+    from clef_vllm.features import RecordAccumulator, accumulate, decide_records
+
+    out = []
+    for spec, h in zip(specs, hidden):
+        acc = RecordAccumulator(spec, "cpu")
+        accumulate(model.head, h, [(acc, 0, spec.num_tokens, 0)])
+        out.append(decide_records(model.head, model.lm_table, [acc])[0])
+    return out
+
+
+@torch.inference_mode()
+def test_pooler_chunked_prefill_matches_single_pass(release_model, encoder):
+    from vllm.v1.pool.metadata import PoolingStates
+
+    m = release_model
+    specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
+    expected = _unchunked(m, specs, hidden)
+    la, lb, lc = (s.num_tokens for s in specs)
+    states = [PoolingStates() for _ in specs]
+    # step 1: A[0:40], B[0:100]       (both partial)
+    # step 2: A[40:], B[100:150], C[0:] (A and C finish)
+    # step 3: B[150:]                  (B finishes)
+    steps = [
+        ([0, 1], [(0, 40), (0, 100)]),
+        ([0, 1, 2], [(40, la), (100, 150), (0, lc)]),
+        ([1], [(150, lb)]),
+    ]
+    results = {}
+    for step, (which, ranges) in enumerate(steps):
+        x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
+        md = _metadata([specs[i] for i in which], [b - a for a, b in ranges], [b for _, b in ranges],
+                       [states[i] for i in which])
+        out = m.pooler(x, md)
+        for i, (a, b), o in zip(which, ranges, out):
+            if b < specs[i].num_tokens:
+                assert o is None, f"partial prefill of request {i} must return None (step {step})"
+            else:
+                assert o is not None and o.dtype == torch.float32 and o.shape == (specs[i].num_options,)
+                results[i] = o
+    for i in range(3):
+        torch.testing.assert_close(results[i], expected[i], atol=2e-3, rtol=0)
+        assert torch.all(results[i] > 0)
+
+
+@torch.inference_mode()
+def test_pooler_handles_warmup_calls_without_params_and_bad_specs(release_model, encoder):
+    from vllm.v1.pool.metadata import PoolingStates
+
+    from clef_vllm.features import HeadSpec
+
+    m = release_model
+    # vLLM's dummy run: PoolingParams(task="plugin") only, many short requests
+    n = [64, 64, 1, 200]
+    md = _metadata([None] * 4, n, n, [PoolingStates() for _ in n])
+    out = m.pooler(torch.randn(sum(n), m.config.hidden_size).to(torch.bfloat16), md)
+    assert [o.numel() for o in out] == [9, 9, 1, 9]  # synthetic 3-field spec; 1 value for a 1-token prompt
+    # a malformed spec never crashes the worker: that request gets NaN
+    spec = HeadSpec.from_encoded(encoder.encode(_requests()[0]))
+    bad = HeadSpec(spec.num_tokens, spec.type_ids, ((0, spec.num_tokens + 5),), spec.option_spans,
+                   spec.options_per_field, spec.lexical_ids)
+    md = _metadata([bad, spec], [bad.num_tokens, spec.num_tokens], [bad.num_tokens, spec.num_tokens],
+                   [PoolingStates(), PoolingStates()])
+    out = m.pooler(torch.randn(2 * spec.num_tokens, m.config.hidden_size).to(torch.bfloat16), md)
+    assert torch.isnan(out[0]).all()
+    assert out[1].shape == (spec.num_options,) and torch.isfinite(out[1]).all()
+
+
+@torch.inference_mode()
+def test_pooler_restarts_a_preempted_request(release_model, encoder):
+    from vllm.v1.pool.metadata import PoolingStates
+
+    m = release_model
+    specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
+    spec, h = specs[0], hidden[0]
+    st = PoolingStates()
+    assert m.pooler(h[:30], _metadata([spec], [30], [30], [st]))[0] is None
+    # preempted: the scheduler recomputes the prompt from position 0
+    out = m.pooler(h, _metadata([spec], [spec.num_tokens], [spec.num_tokens], [st]))[0]
+    torch.testing.assert_close(out, _unchunked(m, [spec], [h])[0], atol=2e-3, rtol=0)
+
+
+@torch.inference_mode()
+def test_pooler_output_equals_reference_head_on_same_hidden_states(release_model, tiny_release, encoder):
+    """The worker-side head and the reference backend's head are the same computation."""
+    from clef_vllm.backends.reference import ReferenceBackend
+    from clef_vllm.features import HeadSpec
+    from vllm.v1.pool.metadata import PoolingStates
+
+    ref = ReferenceBackend(tiny_release, device="cpu")
+    encoded = [encoder.encode(r) for r in _requests()]
+    hidden = [ref.hidden_states([e])[0] for e in encoded]
+    want = ref.decide_batch(encoded)
+    specs = [HeadSpec.from_encoded(e) for e in encoded]
+    md = _metadata(specs, [s.num_tokens for s in specs], [s.num_tokens for s in specs],
+                   [PoolingStates() for _ in specs])
+    got = release_model.pooler(torch.cat(hidden), md)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=0)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _copy(src, tmp_path, name="ckpt"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_shard(ckpt, edit):
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.language_model.layers.0.mlp.down_proj.weight"]
+    tensors = load_file(str(ckpt / shard))
+    edit(tensors)
+    save_file(tensors, str(ckpt / shard), metadata={"format": "pt"})
+    return index, shard
+
+
+def test_refuses_a_missing_backbone_tensor(tiny_release, tmp_path):
+    from clef_vllm.checkpoint import CheckpointError
+
+    ckpt = _copy(tiny_release, tmp_path)
+    index, shard = _rewrite_shard(ckpt, lambda t: t.pop("model.language_model.layers.0.mlp.down_proj.weight"))
+    del index["weight_map"]["model.language_model.layers.0.mlp.down_proj.weight"]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="not in the checkpoint.*layers.0.mlp.down_proj"):
+        vllm_cpu.load_model(ckpt)
+
+
+def test_refuses_an_unexpected_backbone_tensor(tiny_release, tmp_path):
+    ckpt = _copy(tiny_release, tmp_path)
+    index, shard = _rewrite_shard(ckpt, lambda t: t.__setitem__("model.language_model.layers.0.mlp.extra.weight",
+                                                                 torch.zeros(2, 2, dtype=torch.bfloat16)))
+    index["weight_map"]["model.language_model.layers.0.mlp.extra.weight"] = shard
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="mlp.extra"):
+        vllm_cpu.load_model(ckpt)
+
+
+def test_refuses_non_finite_tensors(tiny_release, tmp_path):
+    from clef_vllm.checkpoint import CheckpointError
+
+    ckpt = _copy(tiny_release, tmp_path)
+
+    def poison(t):
+        w = t["model.language_model.layers.0.mlp.down_proj.weight"].clone()
+        w[0, 0] = float("nan")
+        t["model.language_model.layers.0.mlp.down_proj.weight"] = w
+
+    _rewrite_shard(ckpt, poison)
+    with pytest.raises(CheckpointError, match="non-finite.*down_proj"):
+        vllm_cpu.load_model(ckpt)
+
+
+def test_refuses_a_missing_int8_table(tiny_repacked, tmp_path):
+    from clef_vllm.checkpoint import CheckpointError
+
+    ckpt = _copy(tiny_repacked, tmp_path)
+    (ckpt / "clef_head" / "tables_int8.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="tables_int8"):
+        vllm_cpu.load_model(ckpt)
+
+
+def test_refuses_a_version_marker_mismatch_in_the_worker(tiny_repacked, tmp_path):
+    from clef_vllm.checkpoint import CheckpointError
+
+    ckpt = _copy(tiny_repacked, tmp_path)
+    cfg_path = ckpt / "clef_head" / "joint_head_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["requires_clef_vllm"] = ">=9.0"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"requires clef-vllm>=9.0.*pip install"):
+        vllm_cpu.load_model(ckpt)
+
+
+def test_dummy_load_format_needs_only_configs(tiny_repacked, tmp_path):
+    """9B-shaped benchmarks use load_format='dummy': config + head config, no weights."""
+    ckpt = tmp_path / "dummy"
+    ckpt.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_repacked / name, ckpt / name)
+    (ckpt / "clef_head").mkdir()
+    shutil.copy(tiny_repacked / "clef_head" / "joint_head_config.json", ckpt / "clef_head")
+    m = vllm_cpu.load_model(ckpt, load_format="dummy")
+    assert m.lm_table.weight.dtype == torch.int8

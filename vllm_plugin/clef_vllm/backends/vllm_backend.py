@@ -1,0 +1,214 @@
+"""vLLM backend: an ``AsyncLLM`` pooling engine (data parallel through vLLM itself) with the
+joint head inside the worker (``ClefPooler``).
+
+The front-end encodes requests with the shared encoder and hands vLLM token ids plus a head
+spec (``PoolingParams(task="plugin", extra_kwargs={"clef": ...})``); the worker returns only the
+per-option probabilities. The engine lives on a private event-loop thread so the offline API
+(blocking) and the server (asyncio) share one code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from clef_vllm import ARCHITECTURE
+from clef_vllm.backends.base import Backend, parse_dtype
+from clef_vllm.checkpoint import load_head_config, locate_checkpoint
+from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
+from clef_vllm.features import HeadSpec
+
+log = logging.getLogger("clef_vllm")
+
+#: Engine settings that are not up to the user (vllm-notes §0.4, R5, R6).
+FIXED_ENGINE_SETTINGS = dict(
+    runner="pooling",
+    tensor_parallel_size=1,
+    enable_prefix_caching=False,      # "plugin" requests never read it; align-mode copies still cost
+    enable_chunked_prefill=True,      # the pooler is chunk-aware
+    mamba_ssm_cache_dtype="float32",  # GDN state across chunks in fp32 (the release config's mamba_ssm_dtype)
+    skip_tokenizer_init=True,         # prompts arrive as token ids; spans are absolute positions
+    disable_log_stats=True,
+)
+
+
+class EngineError(RuntimeError):
+    """The engine returned something other than the expected per-option probabilities."""
+
+
+def engine_kwargs(model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = DEFAULT_MAX_LENGTH,
+                  data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
+                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+                  gdn_prefill_backend: str | None = "triton", linear_backend: str | None = None,
+                  load_format: str = "auto", seed: int = 0, **extra: Any) -> dict:
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable)."""
+    files = locate_checkpoint(model_dir, require_weights=load_format != "dummy")
+    architectures = files.config.get("architectures") or []
+    kwargs = dict(FIXED_ENGINE_SETTINGS)
+    kwargs.update(
+        model=str(files.root), dtype="bfloat16", max_model_len=int(max_model_len),
+        data_parallel_size=int(data_parallel_size), gpu_memory_utilization=float(gpu_memory_utilization),
+        max_num_seqs=int(max_num_seqs),
+        max_num_batched_tokens=int(max_num_batched_tokens or max(8192, min(int(max_model_len), 16384))),
+        enforce_eager=bool(enforce_eager), load_format=load_format, seed=seed,
+        additional_config={"clef_head_dtype": "float32" if parse_dtype(dtype) == torch.float32 else "bfloat16"},
+    )
+    if ARCHITECTURE not in architectures:
+        # The Cloudflare release says Qwen3_5ForConditionalGeneration: serve it as our class.
+        kwargs["hf_overrides"] = {"architectures": [ARCHITECTURE]}
+    if gdn_prefill_backend:
+        kwargs["gdn_prefill_backend"] = gdn_prefill_backend
+    if linear_backend:
+        kwargs["linear_backend"] = linear_backend
+    kwargs.update(extra)
+    return kwargs
+
+
+class VllmBackend(Backend):
+    """AsyncLLM + ClefPooler. Use ``decide`` from asyncio or ``decide_batch`` from plain code."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = DEFAULT_MAX_LENGTH,
+                 warmup: bool = True, encoder: RequestEncoder | None = None, **engine_options: Any):
+        import vllm  # noqa: F401 - fail early with a clear ImportError
+
+        from clef_vllm import register
+
+        register()
+        self.files = locate_checkpoint(model_dir, require_weights=engine_options.get("load_format") != "dummy")
+        load_head_config(self.files)  # version marker, checked in the front-end too
+        self.max_model_len = int(max_model_len)
+        self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
+        self.kwargs = engine_kwargs(self.files.root, dtype=dtype, max_model_len=max_model_len, **engine_options)
+        self.warmup_enabled = warmup
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="clef-vllm-engine", daemon=True)
+        self._thread.start()
+        self.engine = None
+        self.kernels: dict = {}
+        self._submit(self._start()).result()
+
+    # ------------------------------------------------------------------ engine lifecycle
+
+    def _submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        args = AsyncEngineArgs(**self.kwargs)
+        self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+        tasks = await self.engine.get_supported_tasks()
+        if "plugin" not in tasks:
+            raise EngineError(f"engine supports {tasks}, not the 'plugin' pooling task: is the clef plugin loaded?")
+        log.info("vLLM engine up in %.1f s (dp=%s, max_model_len=%d, max_num_batched_tokens=%d)",
+                 time.perf_counter() - t0, self.kwargs["data_parallel_size"], self.kwargs["max_model_len"],
+                 self.kwargs["max_num_batched_tokens"])
+        self._report_kernels()
+        if self.warmup_enabled:
+            await self._warmup()
+
+    def _report_kernels(self) -> None:
+        """Say, per quantization scheme, which kernel runs on this GPU (never pretend)."""
+        try:
+            from clef_vllm.quant import describe_kernels  # written for clef_load / startup logs
+        except ImportError:
+            describe_kernels = None
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        if describe_kernels is not None:
+            try:
+                self.kernels = describe_kernels(self.files, cap)
+            except Exception as exc:  # noqa: BLE001 - a report must never stop the server
+                log.warning("could not describe kernels: %s", exc)
+        if self.kernels:
+            for line in self.kernels.get("lines", []):
+                log.info("kernels: %s", line)
+        elif self.files.quantization_config is None:
+            log.info("kernels: BF16 backbone (unquantized linear layers)")
+
+    async def _warmup(self) -> None:
+        """Run the shapes the server will see (Triton JIT, head paths) before /health says ready."""
+        t0 = time.perf_counter()
+        vocab = int(self.files.text_config.get("vocab_size", 1024))
+        lengths = sorted({min(n, self.max_model_len) for n in (64, 300, 1024, 4096, self.kwargs["max_num_batched_tokens"] + 17)})
+        rng = torch.Generator().manual_seed(0)
+        for n in lengths:
+            await self._run_ids(torch.randint(0, vocab, (n,), generator=rng).tolist())
+        await asyncio.gather(*[self._run_ids(torch.randint(0, vocab, (300,), generator=rng).tolist())
+                               for _ in range(min(32, self.kwargs["max_num_seqs"]))])
+        log.info("warm-up done in %.1f s (lengths %s + a batch of 32)", time.perf_counter() - t0, lengths)
+
+    async def _run_ids(self, ids: list[int]) -> torch.Tensor:
+        from clef_vllm.vllm.pooler import synthetic_spec
+
+        spec = synthetic_spec(len(ids))
+        return await self._encode(ids, spec)
+
+    # ------------------------------------------------------------------ requests
+
+    async def _encode(self, ids: list[int], spec: HeadSpec) -> torch.Tensor:
+        from vllm import PoolingParams, TokensPrompt
+
+        params = PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})
+        request_id = f"clef-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        final = None
+        async for out in self.engine.encode(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
+            final = out
+        if final is None:
+            raise EngineError("engine returned no output")
+        if list(final.prompt_token_ids) != ids:
+            raise EngineError("vLLM's prompt token ids differ from the encoded request (spans would be wrong)")
+        data = final.outputs.data
+        if not isinstance(data, torch.Tensor):
+            data = torch.as_tensor(data)
+        data = data.float().reshape(-1)
+        if data.numel() != spec.num_options or not bool(torch.isfinite(data).all()):
+            raise EngineError(f"engine returned {data.numel()} values for {spec.num_options} options "
+                              "(or non-finite values)")
+        return data
+
+    async def _decide(self, encoded: EncodedRequest) -> torch.Tensor:
+        return await self._encode(encoded.input_ids, HeadSpec.from_encoded(encoded))
+
+    async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
+        return await asyncio.wrap_future(self._submit(self._decide(encoded)))
+
+    def decide_batch(self, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
+        async def run_all():
+            return await asyncio.gather(*[self._decide(e) for e in encoded])
+
+        return list(self._submit(run_all()).result())
+
+    def describe(self) -> dict:
+        info = {"backend": self.name, "layout": self.files.layout, "max_model_len": self.max_model_len,
+                "data_parallel_size": self.kwargs["data_parallel_size"],
+                "quantization": (self.files.quantization_config or {}).get("quant_method")}
+        if self.kernels:
+            info["kernels"] = self.kernels.get("summary")
+        return info
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            try:
+                engine.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("engine shutdown: %s", exc)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+

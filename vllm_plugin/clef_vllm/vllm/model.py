@@ -1,0 +1,206 @@
+"""``ClefFlashForDecision``: Clef-Flash as a vLLM 0.28 pooling model.
+
+Composes vLLM's own Qwen3.5 text backbone (``Qwen3_5Model``: GDN + gated full attention,
+quantization per layer through the checkpoint's compressed-tensors config) and declares the
+hybrid / mamba-state / M-RoPE hooks vLLM needs for a custom Qwen3.5 class (the Qwen3.5
+config hooks in vLLM's ``MODELS_CONFIG_MAP`` do not run for a custom architecture). The joint
+head and the lm_head table live on the model and run inside the worker through
+:class:`~clef_vllm.vllm.pooler.ClefPooler`.
+
+Weights: the backbone streams through vLLM's loader (both layouts; vision and MTP tensors are
+skipped; ``lm_head.weight`` of the release goes to the lexical table). The head and the int8
+tables are read with :mod:`clef_vllm.checkpoint` / :mod:`clef_vllm.tables` — the same loaders
+as the reference backend. After loading, every expected tensor must have arrived and be
+finite, or the model refuses to start (vLLM does not check this for quantized checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
+from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+
+from clef_vllm.checkpoint import (EMBED_KEYS, LM_HEAD_KEYS, CheckpointError, load_head_config, load_head_state,
+                                  locate_checkpoint)
+from clef_vllm.head import JointSchemaHead
+from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
+from clef_vllm.vllm.pooler import ClefPooler
+
+log = logging.getLogger("clef_vllm")
+
+HEAD_DTYPE_KEY = "clef_head_dtype"
+# Backbone tensors we never load on the text path.
+SKIPPED = ("mtp.", "model.visual.", "visual.")
+# fp8 e4m3fn NaN encodings (S.1111.111); the format has no infinities.
+_FP8_NAN = (0x7F, 0xFF)
+
+
+def _head_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    name = (vllm_config.additional_config or {}).get(HEAD_DTYPE_KEY, "bfloat16")
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    if t.dtype in (torch.float8_e4m3fn,):
+        b = t.view(torch.uint8)
+        return not bool(((b == _FP8_NAN[0]) | (b == _FP8_NAN[1])).any())
+    if t.is_floating_point():
+        return bool(torch.isfinite(t).all())
+    return True
+
+
+class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
+    """Qwen3.5 text backbone + joint schema head, served through the ``plugin`` pooling task."""
+
+    is_pooling_model = True
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+        "in_proj_ba": ["in_proj_b", "in_proj_a"],
+    }
+    # Release checkpoints are VL-shaped (model.language_model.*); text-only ones use model.*.
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
+
+    # vLLM's Qwen3.5 mamba-state hooks, reused as they are.
+    get_mamba_state_dtype_from_config = classmethod(
+        Qwen3_5ForCausalLMBase.get_mamba_state_dtype_from_config.__func__)
+    get_mamba_state_shape_from_config = classmethod(
+        Qwen3_5ForCausalLMBase.get_mamba_state_shape_from_config.__func__)
+    get_mamba_state_copy_func = classmethod(Qwen3_5ForCausalLMBase.get_mamba_state_copy_func.__func__)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        model_config = vllm_config.model_config
+        config = model_config.hf_text_config
+        if vllm_config.cache_config.mamba_cache_mode == "all":
+            raise NotImplementedError("Clef-Flash (Qwen3.5) does not support mamba_cache_mode='all'")
+        self.config = config
+        self.dummy = vllm_config.load_config.load_format == "dummy"
+        self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)
+        head_config = load_head_config(self.files)          # checks requires_clef_vllm in every worker
+        if head_config.hidden_size != config.hidden_size:
+            raise CheckpointError(f"{self.files.head_config_file}: hidden_size {head_config.hidden_size} "
+                                  f"!= backbone hidden_size {config.hidden_size}")
+        self.model = Qwen3_5Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.head = JointSchemaHead(head_config).to(dtype=_head_dtype(vllm_config))
+        vocab, hidden = config.vocab_size, config.hidden_size
+        if self.files.layout == "repacked":
+            self.lm_table = Int8RowTable(torch.zeros(vocab, hidden, dtype=torch.int8), torch.ones(vocab))
+        else:
+            self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
+        self.pooler = ClefPooler(self.head, self.lm_table)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self._global_scales: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ vLLM model interface
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        """Final-norm hidden states of every scheduled token (what the head consumes)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):
+        """Text only: the three M-RoPE sections coincide with plain positions."""
+        positions = torch.arange(len(input_tokens), dtype=torch.long)
+        return positions.unsqueeze(0).expand(3, -1), 0
+
+    # ------------------------------------------------------------------ weights
+
+    def _backbone_stream(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Checkpoint tensors for vLLM's loader; diverts lm_head and records NVFP4 global scales."""
+        for name, tensor in weights:
+            if name in LM_HEAD_KEYS:
+                if self.files.layout == "repacked":
+                    raise CheckpointError(f"{self.files.root}: {name} is in the backbone files but this "
+                                          "checkpoint keeps lm_head in clef_head/tables_int8.safetensors")
+                self.lm_table.weight.copy_(tensor)
+                self._loaded_lm_head = True
+                continue
+            if name.startswith(SKIPPED):
+                continue
+            if not name.startswith("model."):
+                # e.g. joint_head.safetensors picked up by a root glob (no index): loaded separately.
+                continue
+            if name.endswith("weight_global_scale"):
+                self._global_scales[name] = tensor.detach().float().reshape(-1).cpu()
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self._loaded_lm_head = False
+        loader = AutoWeightsLoader(self, skip_prefixes=["head.", "lm_table.", "pooler."])
+        loaded = loader.load_weights(self._backbone_stream(weights), mapper=self.hf_to_vllm_mapper)
+        loaded |= self._load_tables()
+        loaded |= self._load_head()
+        self._check_complete(loaded)
+        self._check_fused_global_scales()
+        return loaded
+
+    def _load_tables(self) -> set[str]:
+        files = self.files
+        if files.layout != "repacked":
+            if not self._loaded_lm_head:
+                raise CheckpointError(f"{files.root}: lm_head.weight not found in the backbone files; "
+                                      "the head reads lm_head rows")
+            return {f"lm_table.{n}" for n, _ in self.lm_table.named_buffers()}
+        if files.tables_file is None:
+            raise CheckpointError(f"{files.root / 'clef_head'}: tables_int8.safetensors is missing")
+        tables = load_int8_tables(files.tables_file)
+        embed, lm = tables["embed_tokens"], tables["lm_head"]
+        want = (self.config.vocab_size, self.config.hidden_size)
+        for name, table in (("embed_tokens", embed), ("lm_head", lm)):
+            if (table.num_rows, table.width) != want:
+                raise CheckpointError(f"{files.tables_file}: {name} is {table.num_rows}x{table.width}, "
+                                      f"expected {want[0]}x{want[1]}")
+        # Embedding dequantized once into vLLM's (TP-aware) embedding; lm_head stays int8.
+        param = self.model.embed_tokens.weight
+        param.weight_loader(param, embed.dequantize(param.dtype))
+        self.lm_table.weight.copy_(lm.weight)
+        self.lm_table.scale.copy_(lm.scale)
+        return {"model.embed_tokens.weight"} | {f"lm_table.{n}" for n, _ in self.lm_table.named_buffers()}
+
+    def _load_head(self) -> set[str]:
+        state = load_head_state(self.files, self.head.config)
+        self.head.load_state_dict({k: v.to(self.head.dtype) for k, v in state.items()}, strict=True)
+        return {f"head.{k}" for k in state}
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        """Every parameter must have come from the checkpoint and be finite (R4)."""
+        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded)
+        if missing:
+            raise CheckpointError(f"{self.files.root}: {len(missing)} tensor(s) expected by the model were not in "
+                                  f"the checkpoint, e.g. {missing[:6]}")
+        bad = [n for n, p in list(self.named_parameters()) + list(self.named_buffers()) if not _all_finite(p.data)]
+        if bad:
+            raise CheckpointError(f"{self.files.root}: non-finite values in {bad[:6]}")
+
+    def _check_fused_global_scales(self) -> None:
+        """NVFP4 shards fused into one vLLM module must share one weight global scale (R1)."""
+        groups: dict[str, list[tuple[str, float]]] = {}
+        for fused, shards in self.packed_modules_mapping.items():
+            for name, value in self._global_scales.items():
+                module = name.rsplit(".", 2)[0]
+                for shard in shards:
+                    if module.endswith("." + shard):
+                        key = module[: -len(shard)] + fused
+                        groups.setdefault(key, []).extend((shard, float(v)) for v in value)
+        unequal = {k: v for k, v in groups.items() if len({round(s, 6) for _, s in v}) > 1}
+        if unequal:
+            first = next(iter(unequal.items()))
+            raise CheckpointError(
+                f"{self.files.root}: NVFP4 shards of {len(unequal)} fused module(s) have different weight global "
+                f"scales (e.g. {first[0]}: {first[1]}); vLLM would silently mis-scale them. Re-export with shared "
+                "scales or fix the checkpoint: python scripts/clef_load.py --fix-fused-scales DIR")
+
+
+__all__ = ["ClefFlashForDecision"]
