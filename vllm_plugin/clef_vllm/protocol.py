@@ -72,6 +72,9 @@ class RequestError(ValueError):
     """A client mistake. ``status`` is the HTTP status, ``field`` a dotted path into the body."""
 
     def __init__(self, message: str, *, field: str | None = None, status: int = 422):
+        # Field paths and messages can quote client strings; escape lone surrogates so the
+        # error body itself is always encodable as UTF-8.
+        message, field = _printable(message), None if field is None else _printable(field)
         super().__init__(f"{field}: {message}" if field else message)
         self.message = message
         self.field = field
@@ -84,6 +87,11 @@ class RequestError(ValueError):
             return {"success": False, "errors": [{"code": code, "message": str(self)}], "messages": [], "result": None}
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.field, "code": self.status}}
+
+
+def _printable(text: str) -> str:
+    """``text`` with unpaired UTF-16 surrogates written as ``\\udXXX`` escapes (valid UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # --------------------------------------------------------------------------- models
@@ -224,6 +232,8 @@ def _from_validation_error(err: ValidationError) -> RequestError:
         message = _MESSAGES.get(first["type"], first["msg"])
     if field is None and first["type"] in ("model_type", "model_attributes_type"):
         message = "request body must be a JSON object"
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found") and field:
+        field += ".type"
     return RequestError(message, field=field)
 
 
@@ -260,6 +270,7 @@ def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE) -> Syst
     if rules.max_questions is not None and len(req.questions) > rules.max_questions:
         raise RequestError(f"at most {rules.max_questions} questions are allowed, got {len(req.questions)}",
                            field="questions")
+    _require_utf8(req.model, "model")
     _require_utf8(req.state, "state")
 
     for qid, q in req.questions.items():
