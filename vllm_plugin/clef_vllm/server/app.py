@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,12 +53,21 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:32]} is out of range")
+    return value
+
+
 def decode_json(raw: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity); raises RequestError(400)."""
+    """Strict JSON (no NaN/Infinity, no number overflowing to infinity); raises RequestError(400)."""
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RequestError(f"body is not valid JSON: {exc}", status=400) from None
+    except RecursionError:
+        raise RequestError("body is not valid JSON: nested too deeply", status=400) from None
 
 
 def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | None = None) -> FastAPI:
