@@ -98,7 +98,11 @@ def load_int8_tables(path: str | Path, device="cpu", names=TABLE_NAMES) -> dict[
     from safetensors import safe_open
 
     out = {}
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
+    try:
+        handle = safe_open(str(path), framework="pt", device=str(device))
+    except Exception as exc:  # safetensors raises several types on corrupt or truncated files
+        raise TableError(f"{path}: unreadable safetensors file ({exc})") from None
+    with handle as f:
         keys = set(f.keys())
         for name in names:
             wk, sk = table_keys(name)

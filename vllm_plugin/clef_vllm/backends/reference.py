@@ -109,7 +109,7 @@ class ReferenceBackend(Backend):
         self.head = load_head(self.files, dtype=self.head_dtype, device=self.device)
         self.model, self.lm_table = load_text_backbone(self.files, self.device)
         self.lm_table.to(self.device)
-        self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
+        self.encoder = encoder or _load_encoder(self.files, self.max_model_len)
         pad = self.model.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self._batcher: MicroBatcher | None = None
@@ -167,6 +167,15 @@ class ReferenceBackend(Backend):
         if self._batcher is not None:
             self._batcher.close()
             self._batcher = None
+
+
+def _load_encoder(files: CheckpointFiles, max_length: int) -> RequestEncoder:
+    """The checkpoint's tokenizer as a request encoder; a broken tokenizer names the files."""
+    try:
+        return RequestEncoder.from_pretrained(files.root, max_length=max_length)
+    except Exception as exc:  # transformers raises several types for missing or corrupt files
+        raise CheckpointError(f"{files.root}: cannot load the tokenizer (tokenizer.json, tokenizer_config.json): "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
 
 
 def _tf_version() -> str:
