@@ -134,12 +134,12 @@ def build_head(config: HeadConfig, seed: int) -> JointSchemaHead:
     with torch.no_grad():
         for name, p in head.named_parameters():
             if p.dim() >= 2:
-                torch.nn.init.normal_(p, std=1.5 / p.shape[-1] ** 0.5)
+                torch.nn.init.normal_(p, std=1.0 / p.shape[-1] ** 0.5)
             elif name.endswith("bias"):
                 torch.nn.init.normal_(p, std=0.05)
             elif name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-        head.prior_logit_scale.fill_(2.5)    # sigma_p ~ 12
+        head.prior_logit_scale.fill_(1.5)    # sigma_p ~ 4.5
         head.joint_logit_scale.fill_(1.5)    # sigma_j ~ 4.5
         head.residual_gate.fill_(0.5)
     return head
