@@ -3,6 +3,9 @@
 Without ``--model`` it serves the generated demo checkpoint (built on first use) on the backend
 ``auto`` picks: vLLM when a CUDA GPU and vLLM are usable, else the CPU/GPU reference backend.
 Engine flags follow vLLM's names.
+
+Testing hook: when ``CLEF_VLLM_LOAD_GATE`` names a file, model loading waits (at most 10 minutes)
+until that file exists, so the "loading" state (``/health`` 503) can be observed deterministically.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
+from pathlib import Path
 
 from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
@@ -68,6 +74,20 @@ def curl_example(host: str, port: int) -> str:
             f"-d '{json.dumps(body)}'")
 
 
+LOAD_GATE_ENV = "CLEF_VLLM_LOAD_GATE"
+
+
+def _wait_for_load_gate(log: logging.Logger, timeout_s: float = 600.0) -> None:
+    """Testing hook: hold model loading until the file named by ``$CLEF_VLLM_LOAD_GATE`` exists."""
+    gate = os.environ.get(LOAD_GATE_ENV)
+    if not gate:
+        return
+    log.info("%s is set: loading waits for %s", LOAD_GATE_ENV, gate)
+    deadline = time.monotonic() + timeout_s
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -86,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     failure: list[BaseException] = []
 
     def load():
+        _wait_for_load_gate(log)
         model_dir = resolve_model_dir(args.model)
         log.info("loading %s (backend %s)", model_dir, args.backend)
         return make_backend(model_dir, args.backend, **options)
