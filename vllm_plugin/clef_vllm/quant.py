@@ -212,6 +212,11 @@ def _first_match(value: str, targets: Iterable[str], check_contains: bool = Fals
     return next((t for t in targets if _is_match(value, t, check_contains)), None)
 
 
+def first_matching_target(name: str, targets: Iterable[str]) -> str | None:
+    """The first target (exact name or ``re:`` regex, ``re.match`` semantics) matching ``name``."""
+    return _first_match(name, targets)
+
+
 def _shard_names(name: str) -> tuple[str, list[str]] | None:
     proj = name.rsplit(".", 1)[-1]
     if proj not in FUSED_MODULES:
@@ -586,8 +591,8 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def nvfp4_global_scale(amax: torch.Tensor | float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """compressed-tensors' global scale, a divisor: ``448·6 / amax`` computed in ``dtype`` (the
     observer works in the model dtype, hence BF16-representable values), returned as float32 [1]."""
-    amax = torch.as_tensor(amax).to(dtype).clamp_min(torch.finfo(dtype).tiny)
-    g = (torch.tensor(FP8_MAX * FP4_MAX, dtype=dtype) / amax).float()
+    amax = torch.as_tensor(amax).to(dtype).reshape(1).clamp_min(torch.finfo(dtype).tiny)
+    g = ((FP8_MAX * FP4_MAX) / amax).float()   # same expression (and CPU rounding) as compressed-tensors
     return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
 
 
@@ -649,7 +654,9 @@ def fp8_quantize_channel(weight: torch.Tensor, scale_dtype: torch.dtype | None =
     scale = (weight.abs().amax(dim=1, keepdim=True).to(scale_dtype) / FP8_MAX)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale_dtype).eps, dtype=scale_dtype, device=scale.device),
                         scale)
-    q = (weight.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # compressed-tensors divides in the weight's dtype (a BF16 rounding before the FP8 one); match it.
+    work = weight if weight.is_floating_point() else weight.float()
+    q = (work / scale.to(work.dtype)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
