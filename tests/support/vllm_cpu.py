@@ -96,6 +96,7 @@ def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 
 
 def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
     """Build and load ClefFlashForDecision through vLLM's own loader, on CPU."""
+    setup()
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.models import ModelRegistry
@@ -103,7 +104,6 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
     from clef_vllm import ARCHITECTURE
     from clef_vllm.vllm.model import ClefFlashForDecision
 
-    setup()
     # In-process class registration (the entry point registers the lazy "module:Class" form).
     ModelRegistry.register_model(ARCHITECTURE, ClefFlashForDecision)
     vc = vllm_config_for(checkpoint, load_format=load_format, **model_kwargs)

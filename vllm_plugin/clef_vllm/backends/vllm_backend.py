@@ -123,22 +123,34 @@ class VllmBackend(Backend):
             await self._warmup()
 
     def _report_kernels(self) -> None:
-        """Say, per quantization scheme, which kernel runs on this GPU (never pretend)."""
-        try:
-            from clef_vllm.quant import describe_kernels  # written for clef_load / startup logs
-        except ImportError:
-            describe_kernels = None
-        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        if describe_kernels is not None:
+        """Say, per quantization scheme, which kernel runs on this GPU (never pretend).
+
+        This is the front-end's prediction from the checkpoint config (clef_vllm.quant); each
+        worker also logs the kernels it actually instantiated ("clef kernels in use")."""
+        from clef_vllm import quant
+
+        cap = quant.cuda_capability()
+        backend = self.kwargs.get("linear_backend", "auto")
+        online = self.kwargs.get("quantization")
+        if self.files.quantization_config is None:
+            kinds = {quant.FP8_W8A8 if online == "fp8" else quant.UNQUANTIZED: None}
+        else:
             try:
-                self.kernels = describe_kernels(self.files, cap)
+                kinds = quant.summarize_schemes(quant.scheme_table(self.files.config))
             except Exception as exc:  # noqa: BLE001 - a report must never stop the server
-                log.warning("could not describe kernels: %s", exc)
-        if self.kernels:
-            for line in self.kernels.get("lines", []):
-                log.info("kernels: %s", line)
-        elif self.files.quantization_config is None:
-            log.info("kernels: BF16 backbone (unquantized linear layers)")
+                log.warning("could not resolve quantization schemes: %s", exc)
+                return
+        lines = []
+        for kind, count in kinds.items():
+            where = f" ({count} modules)" if count else (" (online FP8)" if online else "")
+            if cap is None:
+                lines.append(f"{kind}{where}: no CUDA GPU visible to the front-end")
+                continue
+            pred = quant.predict_kernel(kind, cap, linear_backend=backend)
+            lines.append(f"{kind}{where}: {pred.kernel} [{pred.numerics}] - {pred.description}")
+        self.kernels = {"capability": cap, "lines": lines, "summary": {k: v for k, v in kinds.items()}}
+        for line in lines:
+            log.info("kernels: %s", line)
 
     async def _warmup(self) -> None:
         """Run the shapes the server will see (Triton JIT, head paths) before /health says ready."""

@@ -56,6 +56,30 @@ def _all_finite(t: torch.Tensor) -> bool:
     return True
 
 
+def kernel_report(model: nn.Module) -> list[str]:
+    """What the worker actually runs per linear module: ``scheme -> GEMM kernel x count``.
+
+    On Hopper an NVFP4 W4A4 checkpoint shows ``MarlinNvFp4LinearKernel``: weight-only W4A16.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not isinstance(module, LinearBase):
+            continue
+        scheme = getattr(module, "scheme", None)
+        owner = scheme if scheme is not None else method
+        kernel = getattr(owner, "kernel", None) or getattr(owner, "fp8_linear", None)
+        label = type(owner).__name__ + (f" -> {type(kernel).__name__}" if kernel is not None else "")
+        counts[label] = counts.get(label, 0) + 1
+    lines = [f"{label} x{n}" for label, n in sorted(counts.items())]
+    if any("MarlinNvFp4" in line for line in lines):
+        lines.append("NVFP4 W4A4 layers run as Marlin W4A16 on this GPU: weights only, activations stay BF16 "
+                     "(no native FP4 before Blackwell)")
+    return lines
+
+
 class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     """Qwen3.5 text backbone + joint schema head, served through the ``plugin`` pooling task."""
 
@@ -144,6 +168,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         loaded |= self._load_head()
         self._check_complete(loaded)
         self._check_fused_global_scales()
+        for line in kernel_report(self):
+            log.info("clef kernels in use: %s", line)
         return loaded
 
     def _load_tables(self) -> set[str]:
