@@ -1,0 +1,404 @@
+"""``clef-bench``: load a SystemOne endpoint (or the raw vLLM backbone) and report speed.
+
+  clef-bench http://127.0.0.1:8000 --tokenizer CKPT --workload short,long --concurrency 1,4,16,64
+  clef-bench --raw-vllm CKPT --workload short,long --concurrency 1,4,16,64      # backbone baseline
+  clef-bench --compare raw.json server.json                                     # side by side
+
+Requests are generated deterministically (``--seed``) with the checkpoint's tokenizer, so each
+one's ``usage.input_tokens`` is known in advance and checked. For every (variant, concurrency)
+point: req/s, input tok/s, questions/s, p50/p90/p99 latency and errors by HTTP status. Results go
+to a JSON file (``-o``) and a one-screen table on stdout. Details: docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from clef_vllm import __version__
+from clef_vllm.bench import RESULT_SCHEMA_VERSION
+from clef_vllm.bench.loadgen import HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point, systemone_url
+from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
+from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
+                                       DEFAULT_SHORT_TOKENS, WORKLOADS, BenchRequest, RequestFactory, Variant,
+                                       build_variants, load_request_file)
+
+LONG_REQUEST_TOKENS = 2048
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_concurrency(items: list[str]) -> tuple[list[int], dict[str, list[int]]]:
+    """``["1,4,16", "long=1,4", "fanout-64q=1"]`` -> (default list, overrides by workload or variant name)."""
+    default: list[int] | None = None
+    overrides: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if sep:
+            overrides[name.strip()] = _ints(values)
+        else:
+            default = _ints(item)
+    return default or [1, 4, 16, 64], overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clef-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"clef-vllm {__version__}")
+    p.add_argument("url", nargs="?", help="server base URL or full /v1/systemone URL")
+    mode = p.add_argument_group("modes (instead of URL)")
+    mode.add_argument("--raw-vllm", metavar="MODEL_DIR",
+                      help="baseline: vLLM embed pooling of the same token ids on MODEL_DIR, in-process (GPU)")
+    mode.add_argument("--compare", nargs=2, metavar=("BASELINE.json", "RESULT.json"),
+                      help="print RESULT next to BASELINE (e.g. raw-vLLM vs server) and exit")
+
+    w = p.add_argument_group("requests")
+    w.add_argument("--tokenizer", "--model-dir", dest="tokenizer", metavar="DIR",
+                   help="checkpoint folder whose tokenizer sizes the requests (default with --raw-vllm: MODEL_DIR)")
+    w.add_argument("--workload", default="short",
+                   help=f"comma-separated: {', '.join(WORKLOADS)} or all (default short); "
+                        "'none' with --requests runs the file only")
+    w.add_argument("--requests", metavar="FILE.jsonl",
+                   help="also run these requests (one SystemOne body per line; extra keys are ignored)")
+    w.add_argument("--limit", type=int, default=None, help="read at most this many records from --requests")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--model-name", default="clef-flash", help='the "model" field of generated requests')
+    w.add_argument("--max-model-len", type=int, default=16384,
+                   help="the server's token limit, for the expected counts (default 16384, as clef-systemone)")
+    w.add_argument("--short-tokens", type=int, default=DEFAULT_SHORT_TOKENS, help="short: total input tokens")
+    w.add_argument("--long-tokens", type=_ints, default=list(DEFAULT_LONG_TOKENS),
+                   help="long: total input tokens per variant (default 4096,16384)")
+    w.add_argument("--fanout-tokens", type=int, default=DEFAULT_FANOUT_STATE_TOKENS,
+                   help="fanout: state tokens (default 4096)")
+    w.add_argument("--fanout-questions", type=_ints, default=list(DEFAULT_FANOUT_QUESTIONS),
+                   help="fanout: questions per variant (default 1,8,32,64)")
+
+    s = p.add_argument_group("sweep")
+    s.add_argument("-c", "--concurrency", nargs="+", default=["1,4,16,64"], metavar="LIST",
+                   help="closed-loop clients per point, e.g. '1,4,16,64'; add NAME=LIST to override per "
+                        "workload or variant: --concurrency 1,4,16,64 long=1,4,16 fanout=1,8")
+    s.add_argument("-n", "--num-requests", type=int, default=None,
+                   help="requests per point (default: 4×c, at least 16; 2×c, at least 8, above "
+                        f"{LONG_REQUEST_TOKENS} tokens; a request file: all of it)")
+    s.add_argument("--warmup", type=int, default=4, help="unmeasured requests per variant before its points")
+    s.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop starting requests after S seconds in a point (in-flight ones finish)")
+    s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    s.add_argument("--header", action="append", default=[], metavar="'Name: value'", help="extra HTTP header")
+    s.add_argument("--wait-ready", type=float, default=0.0, metavar="S",
+                   help="first wait up to S seconds for GET /health to say 200")
+
+    o = p.add_argument_group("output")
+    o.add_argument("-o", "--output", metavar="FILE.json", help="results file (default clef-bench-<time>.json)")
+    o.add_argument("--label", default=None, help="free text stored with the results (e.g. 'tiny bf16 dp1')")
+    o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    o.add_argument("--fail-on-error", action="store_true",
+                   help="exit 1 if any request got an unexpected status or a token count mismatch")
+
+    r = p.add_argument_group("raw-vLLM baseline (vLLM engine names)")
+    r.add_argument("--raw-arch", default="auto",
+                   help="architecture override: auto (stock Qwen3.5 class as declared, else Qwen3_5ForCausalLM), "
+                        "none, or a class name")
+    r.add_argument("--raw-load-format", default="auto", help="auto (dummy for repacked checkpoints) or dummy, ...")
+    r.add_argument("--raw-dtype", default="bfloat16")
+    r.add_argument("--raw-quantization", default=None, help="e.g. fp8 (online) for a BF16 checkpoint")
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    r.add_argument("--enforce-eager", action="store_true")
+    r.add_argument("--max-num-seqs", type=int, default=None)
+    r.add_argument("--max-num-batched-tokens", type=int, default=None)
+    r.add_argument("--raw-engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other AsyncEngineArgs field (VALUE as JSON when it parses)")
+    return p
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def requests_for(c: int, sample_tokens: int | None, fixed: int | None) -> int:
+    if fixed is not None:
+        return fixed
+    if sample_tokens is not None and sample_tokens > LONG_REQUEST_TOKENS:
+        return max(8, 2 * c)
+    return max(16, 4 * c)
+
+
+class PlanItem:
+    """One variant: its concurrencies, the measured pool and the warm-up requests."""
+
+    def __init__(self, variant: Variant | None, name: str, concurrencies: list[int], pool: list[BenchRequest],
+                 warm: list[BenchRequest], counts: dict[int, int]):
+        self.variant = variant
+        self.name = name
+        self.concurrencies = concurrencies
+        self.pool = pool
+        self.warm = warm
+        self.counts = counts
+
+    def describe(self) -> dict:
+        d = self.variant.describe() if self.variant else {"name": self.name, "workload": "file"}
+        expected = [r.expected_tokens for r in self.pool if r.expected_tokens is not None]
+        d["concurrency"] = self.concurrencies
+        d["requests_per_point"] = {str(c): n for c, n in self.counts.items()}
+        if expected:
+            d["expected_tokens"] = {"min": min(expected), "mean": round(sum(expected) / len(expected), 1),
+                                    "max": max(expected)}
+        return d
+
+
+def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) -> list[PlanItem]:
+    default_c, overrides = parse_concurrency(args.concurrency)
+    names = [w.strip() for w in args.workload.split(",") if w.strip()]
+    if names == ["all"]:
+        names = list(WORKLOADS)
+    if names == ["none"]:
+        names = []
+    plan: list[PlanItem] = []
+    if names:
+        if factory is None:
+            raise SystemExit("clef-bench: generated workloads need --tokenizer DIR (the checkpoint folder)")
+        variants = build_variants(names, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
+                                  fanout_state_tokens=args.fanout_tokens, fanout_questions=args.fanout_questions)
+        for v in variants:
+            cs = overrides.get(v.name) or overrides.get(v.workload) or default_c
+            first = factory.make(v, 0)
+            if v.total_tokens is not None and first.expected_tokens is not None:
+                floor = factory.min_total_tokens(v)
+                if floor > v.total_tokens:
+                    log(f"note: {v.name}: template + questions take {floor} tokens > target {v.total_tokens}; "
+                        "the state is empty and requests are larger than the target")
+            counts = {c: requests_for(c, first.expected_tokens, args.num_requests) for c in cs}
+            t0 = time.perf_counter()
+            pool = [first] + factory.requests(v, max(counts.values()) - 1, start=1)
+            warm = factory.requests(v, args.warmup, start=1_000_000) if args.warmup else []
+            log(f"generated {len(pool) + len(warm)} '{v.name}' requests in {time.perf_counter() - t0:.1f}s")
+            plan.append(PlanItem(v, v.name, cs, pool, warm, counts))
+    if args.requests:
+        records = load_request_file(args.requests, args.limit, args.model_name)
+        fac = factory or RequestFactory(None, seed=args.seed, model=args.model_name)
+        pool = [fac.finish("file", r.body, r.label) for r in records]
+        if not pool:
+            raise SystemExit(f"clef-bench: {args.requests} has no requests")
+        cs = overrides.get("file") or default_c
+        counts = {c: min(len(pool), args.num_requests or len(pool)) for c in cs}
+        warm = pool[: min(args.warmup, len(pool))]
+        plan.append(PlanItem(None, "file", cs, pool, warm, counts))
+    if not plan:
+        raise SystemExit("clef-bench: nothing to run (choose --workload and/or --requests)")
+    return plan
+
+
+# --------------------------------------------------------------------------- running
+
+
+async def run_plan(plan: list[PlanItem], session: Callable[[int], Any], *, time_limit: float | None,
+                   progress: bool, log: Callable[[str], None]) -> list[dict]:
+    """Warm up and measure every (variant, concurrency) point; ``session(c)`` yields a sender."""
+    from tqdm import tqdm
+
+    points = []
+    for item in plan:
+        if item.warm:
+            c = min(len(item.warm), max(item.concurrencies))
+            async with session(c) as sender:
+                warm, _ = await closed_loop(item.warm, c, sender.send)
+            bad = [o for o in warm if o is not None and str(o.status) != "200"]
+            if bad:
+                log(f"warm-up '{item.name}': {len(bad)}/{len(warm)} not 200 (first: {bad[0].status} {bad[0].error})")
+        for c in item.concurrencies:
+            reqs = item.pool[: item.counts[c]]
+            bar = tqdm(total=len(reqs), desc=f"{item.name} c={c}", leave=False, disable=not progress,
+                       file=sys.stderr, dynamic_ncols=True)
+            async with session(c) as sender:
+                cpu0 = time.process_time()
+                outcomes, wall = await closed_loop(reqs, c, sender.send, time_limit=time_limit, on_done=bar.update)
+                cpu = time.process_time() - cpu0
+            bar.close()
+            point = summarize_point(item.name, c, reqs, outcomes, wall, client_cpu_s=cpu)
+            points.append(point)
+            log("  ".join(bench_row(point)))
+    return points
+
+
+def http_session_factory(url: str, timeout: float, headers: dict):
+    @contextlib.asynccontextmanager
+    async def session(c: int) -> AsyncIterator[HttpSender]:
+        sender = HttpSender(url, concurrency=c, timeout=timeout, headers=headers)
+        try:
+            yield sender
+        finally:
+            await sender.aclose()
+
+    return session
+
+
+def wait_ready(url: str, seconds: float, headers: dict) -> str:
+    """Poll ``GET /health``; returns 'ok', 'no-health-route' or raises SystemExit after ``seconds``."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    last = "no answer"
+    while True:
+        try:
+            r = httpx.get(base_url(url) + "/health", timeout=5.0, headers=headers)
+            if r.status_code == 200:
+                return "ok"
+            if r.status_code == 404:
+                return "no-health-route"
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"clef-bench: {url} not ready after {seconds:.0f}s ({last})")
+        time.sleep(1.0)
+
+
+def server_info(url: str, headers: dict) -> dict | None:
+    import httpx
+
+    try:
+        r = httpx.get(base_url(url) + "/v1/models", timeout=10.0, headers=headers)
+        return r.json() if r.status_code == 200 else {"status": r.status_code}
+    except Exception as exc:  # noqa: BLE001 - informational only
+        return {"error": type(exc).__name__}
+
+
+def environment() -> dict:
+    env: dict[str, Any] = {"host": socket.gethostname(), "python": platform.python_version(),
+                           "platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            env["gpus"] = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+def _compare(args) -> int:
+    baseline, result = (json.loads(Path(p).read_text()) for p in args.compare)
+    rows = compare_points(baseline, result)
+    name = {"raw-vllm": "raw vLLM", "http": "server"}
+    print(compare_table(rows, name.get(baseline.get("mode"), "baseline"), name.get(result.get("mode"), "result")))
+    if args.output:
+        doc = {"schema": f"clef-bench-compare/{RESULT_SCHEMA_VERSION}", "baseline": args.compare[0],
+               "result": args.compare[1], "baseline_target": baseline.get("target"),
+               "result_target": result.get("target"), "rows": rows}
+        Path(args.output).write_text(dumps(doc) + "\n")
+    return 0 if rows else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.compare:
+        return _compare(args)
+    if bool(args.url) == bool(args.raw_vllm):
+        build_parser().error("give a server URL or --raw-vllm MODEL_DIR (not both)")
+    raw = args.raw_vllm is not None
+    headers = parse_headers(args.header)
+    tokenizer = args.tokenizer or (args.raw_vllm if raw else None)
+    factory = None
+    if tokenizer:
+        from clef_vllm.encoding import RequestEncoder
+
+        encoder = RequestEncoder.from_pretrained(tokenizer, max_length=args.max_model_len)
+        factory = RequestFactory(encoder, seed=args.seed, model=args.model_name, keep_ids=raw)
+    elif raw:
+        build_parser().error("--raw-vllm needs a tokenizer")
+
+    created = dt.datetime.now(dt.timezone.utc)
+    results: dict[str, Any] = {
+        "schema": f"clef-bench/{RESULT_SCHEMA_VERSION}",
+        "tool": "clef-bench", "clef_vllm_version": __version__,
+        "created_utc": created.isoformat(timespec="seconds"),
+        "argv": ["clef-bench", *(argv if argv is not None else sys.argv[1:])],
+        "mode": "raw-vllm" if raw else "http",
+        "label": args.label,
+        "settings": {"seed": args.seed, "tokenizer": tokenizer, "max_model_len": args.max_model_len,
+                     "warmup": args.warmup, "time_limit_s": args.time_limit, "timeout_s": args.timeout,
+                     "num_requests": args.num_requests or "auto", "workload": args.workload,
+                     "requests_file": args.requests},
+        "environment": environment(),
+    }
+    plan = make_plan(args, factory, log)
+    if raw:  # requests the server would refuse (e.g. 413) have nothing to embed
+        for item in plan:
+            item.pool = [r for r in item.pool if r.input_ids is not None]
+            item.warm = [r for r in item.warm if r.input_ids is not None]
+            item.counts = {c: min(n, len(item.pool)) for c, n in item.counts.items()}
+    results["variants"] = [item.describe() for item in plan]
+
+    if raw:
+        from clef_vllm.bench.raw_vllm import RawVllmEngine, parse_engine_arg, raw_engine_kwargs
+
+        extra = dict(parse_engine_arg(a) for a in args.raw_engine_arg)
+        kwargs = raw_engine_kwargs(args.raw_vllm, arch=args.raw_arch, load_format=args.raw_load_format,
+                                   dtype=args.raw_dtype, max_model_len=args.max_model_len,
+                                   gpu_memory_utilization=args.gpu_memory_utilization,
+                                   enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   quantization=args.raw_quantization, tokenizer=tokenizer, extra=extra)
+        engine = RawVllmEngine(kwargs)
+
+        @contextlib.asynccontextmanager
+        async def session(c: int):
+            yield engine
+
+        async def go():
+            log(f"starting vLLM (raw embed pooling) on {args.raw_vllm}")
+            await engine.start()
+            log(f"engine ready in {engine.start_s:.1f}s")
+            try:
+                return await run_plan(plan, session, time_limit=args.time_limit, progress=args.progress, log=log)
+            finally:
+                results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm, **engine.describe()}
+                engine.close()
+
+        results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm}
+        points = asyncio.run(go())
+    else:
+        if args.wait_ready > 0:
+            log(f"waiting for {args.url}: {wait_ready(args.url, args.wait_ready, headers)}")
+        results["target"] = {"kind": "http", "url": systemone_url(args.url)}
+        results["server"] = server_info(args.url, headers)
+        points = asyncio.run(run_plan(plan, http_session_factory(args.url, args.timeout, headers),
+                                      time_limit=args.time_limit, progress=args.progress, log=log))
+    results["points"] = points
+    results["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+    out = Path(args.output or f"clef-bench-{created:%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dumps(results) + "\n")
+    print(bench_table(results))
+    log(f"results: {out}")
+    bad = [p for p in points if p["unexpected_status"] or p["input_tokens"]["mismatches"]]
+    if bad:
+        log(f"WARNING: {len(bad)} point(s) with unexpected statuses or token-count mismatches")
+    return 1 if (bad and args.fail_on_error) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

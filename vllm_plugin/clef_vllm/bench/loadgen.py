@@ -1,0 +1,222 @@
+"""Closed-loop async load: ``C`` workers each send one request, wait for it, and send the next.
+
+:func:`closed_loop` is the engine both tools share; :class:`HttpSender` posts SystemOne bodies
+with httpx; :func:`summarize_point` turns one sweep point's outcomes into the reported numbers.
+Latency is measured from just before the request is handed to the client until the whole
+response body has arrived (JSON decoding and checks happen after the clock stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+from clef_vllm.bench.workloads import BenchRequest
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+SYSTEMONE_PATH = "/v1/systemone"
+
+
+@dataclass
+class Outcome:
+    """What happened to one request. ``status`` is the HTTP status as a string, or an error kind
+    (``timeout``, ``connect_error``, ``bad_response``, ``engine_error``, an httpx error name)."""
+
+    status: str
+    latency_s: float
+    input_tokens: int | None = None     # as reported by the server (usage.input_tokens)
+    server_ms: float | None = None      # Server-Timing total, when the server sends one
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "200"
+
+
+async def closed_loop(items: Sequence[T], concurrency: int, call: Callable[[T], Awaitable[R]], *,
+                      time_limit: float | None = None, on_done: Callable[[], None] | None = None,
+                      ) -> tuple[list[R | None], float]:
+    """Run ``call`` over ``items`` with ``concurrency`` workers; results in item order.
+
+    With ``time_limit`` (seconds) no new item starts after the limit; items never started stay
+    ``None``. Returns ``(results, wall seconds from first send to last completion)``.
+    """
+    results: list[R | None] = [None] * len(items)
+    next_index = 0
+    started = time.perf_counter()
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < len(items):
+            if time_limit is not None and time.perf_counter() - started > time_limit:
+                return
+            i = next_index
+            next_index += 1
+            results[i] = await call(items[i])
+            if on_done is not None:
+                on_done()
+
+    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(items) or 1)))))
+    return results, time.perf_counter() - started
+
+
+def systemone_url(url: str) -> str:
+    """Accept a base URL (``http://host:8000``) or the full endpoint URL."""
+    url = url.rstrip("/")
+    return url if url.endswith(SYSTEMONE_PATH) else url + SYSTEMONE_PATH
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len(SYSTEMONE_PATH)] if url.endswith(SYSTEMONE_PATH) else url
+
+
+def unwrap_envelope(body: Any) -> Any:
+    """The bare SystemOne body from a Workers-AI style ``{result, success, errors, messages}`` envelope."""
+    if isinstance(body, dict) and "result" in body and "success" in body and "answers" not in body:
+        return body["result"]
+    return body
+
+
+_SERVER_TIMING = re.compile(r"(?:^|,)\s*total\s*;[^,]*?dur=([0-9.]+)")
+
+
+def server_total_ms(header: str | None) -> float | None:
+    """The ``total`` metric of a ``Server-Timing`` header, in ms."""
+    if not header:
+        return None
+    m = _SERVER_TIMING.search(header)
+    return float(m.group(1)) if m else None
+
+
+def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
+    """``["Authorization: Bearer x", ...]`` -> dict."""
+    out = {}
+    for p in pairs:
+        name, sep, value = p.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"header must look like 'Name: value', got {p!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+class HttpSender:
+    """Posts :class:`BenchRequest` payloads to one ``/v1/systemone`` URL over a pooled httpx client."""
+
+    def __init__(self, url: str, *, concurrency: int, timeout: float = 600.0, headers: dict | None = None):
+        import httpx
+
+        self.url = systemone_url(url)
+        self._httpx = httpx
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)), limits=limits,
+                                        headers={"content-type": "application/json", **(headers or {})})
+
+    async def send(self, req: BenchRequest) -> Outcome:
+        httpx = self._httpx
+        t0 = time.perf_counter()
+        try:
+            resp = await self.client.post(self.url, content=req.payload)
+        except httpx.TimeoutException:
+            return Outcome("timeout", time.perf_counter() - t0, error="timed out")
+        except httpx.ConnectError as exc:
+            return Outcome("connect_error", time.perf_counter() - t0, error=str(exc)[:200])
+        except httpx.HTTPError as exc:
+            return Outcome(type(exc).__name__, time.perf_counter() - t0, error=str(exc)[:200])
+        latency = time.perf_counter() - t0
+        server_ms = server_total_ms(resp.headers.get("server-timing"))
+        if resp.status_code != 200:
+            return Outcome(str(resp.status_code), latency, server_ms=server_ms, error=resp.text[:300])
+        try:
+            body = unwrap_envelope(resp.json())
+            answers = body["answers"]
+            tokens = body.get("usage", {}).get("input_tokens")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return Outcome("bad_response", latency, server_ms=server_ms, error=f"unreadable body: {exc}"[:300])
+        if not isinstance(answers, dict) or len(answers) != req.questions:
+            return Outcome("bad_response", latency, server_ms=server_ms,
+                           error=f"{len(answers) if isinstance(answers, dict) else '?'} answers for "
+                                 f"{req.questions} questions")
+        return Outcome("200", latency, input_tokens=tokens if isinstance(tokens, int) else None, server_ms=server_ms)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _dist_ms(values_s: Sequence[float], scale: float = 1000.0) -> dict | None:
+    if not values_s:
+        return None
+    v = [x * scale for x in values_s]
+    return {"p50": round(percentile(v, 50), 3), "p90": round(percentile(v, 90), 3),
+            "p99": round(percentile(v, 99), 3), "mean": round(sum(v) / len(v), 3),
+            "min": round(min(v), 3), "max": round(max(v), 3)}
+
+
+def summarize_point(variant: str, concurrency: int, requests: Sequence[BenchRequest],
+                    outcomes: Sequence[Outcome | None], wall_s: float, *, client_cpu_s: float | None = None,
+                    max_examples: int = 5) -> dict:
+    """One sweep point's numbers (see docs/bench.md for each field)."""
+    done = [(r, o) for r, o in zip(requests, outcomes) if o is not None]
+    ok = [(r, o) for r, o in done if o.ok]
+    errors = Counter(o.status for _, o in done if not o.ok)
+    unexpected = sum(1 for r, o in done if o.status != str(r.expected_status))
+    error_examples = [{"request": r.label, "status": o.status, "error": o.error}
+                      for r, o in done if not o.ok][:max_examples]
+
+    checked = [(r, o) for r, o in ok if r.expected_tokens is not None and o.input_tokens is not None]
+    mismatched = [(r, o) for r, o in checked if r.expected_tokens != o.input_tokens]
+    tokens_in = sum((o.input_tokens if o.input_tokens is not None else (r.expected_tokens or 0)) for r, o in ok)
+    questions = sum(r.questions for r, _ in ok)
+    wall = max(wall_s, 1e-9)
+    server = [o.server_ms / 1000.0 for _, o in ok if o.server_ms is not None]
+    expected = [r.expected_tokens for r in requests if r.expected_tokens is not None]
+    return {
+        "variant": variant,
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "sent": len(done),
+        "ok": len(ok),
+        "errors": dict(sorted(errors.items())),
+        "unexpected_status": unexpected,
+        "duration_s": round(wall_s, 4),
+        "req_per_s": round(len(ok) / wall, 4),
+        "input_tok_per_s": round(tokens_in / wall, 2),
+        "questions_per_s": round(questions / wall, 4),
+        "latency_ms": _dist_ms([o.latency_s for _, o in ok]),
+        "server_ms": _dist_ms(server),
+        "input_tokens": {
+            "mean_expected": round(sum(expected) / len(expected), 1) if expected else None,
+            "total_reported": sum(o.input_tokens for _, o in ok if o.input_tokens is not None),
+            "checked": len(checked),
+            "mismatches": len(mismatched),
+            "mismatch_examples": [{"request": r.label, "expected": r.expected_tokens, "reported": o.input_tokens}
+                                  for r, o in mismatched[:max_examples]],
+        },
+        "error_examples": error_examples,
+        "client_cpu_s": None if client_cpu_s is None else round(client_cpu_s, 3),
+    }
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, ensure_ascii=False)

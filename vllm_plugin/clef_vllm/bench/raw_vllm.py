@@ -1,0 +1,149 @@
+"""The raw-backbone baseline: vLLM ``embed`` pooling of the very same token ids, in-process.
+
+No head, no HTTP, no JSON: an ``AsyncLLM`` engine on the same checkpoint receives each request's
+encoded ids (``TokensPrompt``) and returns one pooled vector. It is driven by the same closed
+loop at the same concurrencies as the server, so ``server tok/s ÷ raw tok/s`` is the fraction of
+the backbone's throughput the whole server delivers.
+
+vLLM is imported only inside :meth:`RawVllmEngine.start`, so this module is safe to import on CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from clef_vllm.bench.loadgen import Outcome
+from clef_vllm.bench.workloads import BenchRequest
+
+#: Architectures vLLM can run as a plain Qwen3.5 backbone; anything else (e.g. our own
+#: ``ClefFlashForDecision`` in repacked checkpoints) is overridden to the text-only class.
+STOCK_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+TEXT_ARCHITECTURE = "Qwen3_5ForCausalLM"
+
+
+def parse_engine_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE parsed as JSON when it is JSON (``true``, ``0.8``, ``{"a":1}``), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"engine argument must look like KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
+
+
+def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format: str = "auto",
+                      dtype: str = "bfloat16", max_model_len: int = 16384, gpu_memory_utilization: float = 0.9,
+                      enforce_eager: bool = False, max_num_seqs: int | None = None,
+                      max_num_batched_tokens: int | None = None, quantization: str | None = None,
+                      tokenizer: str | Path | None = None, extra: dict | None = None) -> dict:
+    """``AsyncEngineArgs`` keyword arguments for the baseline (pure data; no vLLM import).
+
+    ``arch="auto"`` keeps a stock Qwen3.5 architecture and otherwise overrides it to
+    ``Qwen3_5ForCausalLM``; ``"none"`` never overrides. ``load_format="auto"`` becomes ``dummy``
+    for a repacked checkpoint (its embedding and lm_head live in ``clef_head/`` int8 tables that a
+    stock class cannot load; throughput does not depend on the weight values).
+    """
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    declared = (config.get("architectures") or [None])[0]
+    if arch == "auto":
+        arch = None if declared in STOCK_ARCHITECTURES else TEXT_ARCHITECTURE
+    elif arch == "none":
+        arch = None
+    effective = arch or declared or ""
+    if load_format == "auto" and (model_dir / "clef_head").is_dir():
+        load_format = "dummy"
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "tokenizer": str(tokenizer or model_dir),
+        "runner": "pooling",
+        "convert": "embed",
+        "pooler_config": {"seq_pooling_type": "LAST"},
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,          # as the server: the head reads every position
+        "gdn_prefill_backend": "triton",          # Hopper: FlashInfer's GDN prefill needs cutlass-dsl
+        "mamba_ssm_cache_dtype": "float32",
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "enforce_eager": enforce_eager,
+        "tensor_parallel_size": 1,
+        "disable_log_stats": True,
+        "seed": 0,
+    }
+    if arch is not None:
+        kwargs["hf_overrides"] = {"architectures": [arch]}
+    if effective.endswith("ForConditionalGeneration"):
+        kwargs["language_model_only"] = True      # text only: no vision tower, no image profiling
+    if load_format != "auto":
+        kwargs["load_format"] = load_format
+    if quantization:
+        kwargs["quantization"] = quantization
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    kwargs.update(extra or {})
+    return kwargs
+
+
+class RawVllmEngine:
+    """An in-process ``AsyncLLM`` pooling engine; :meth:`send` has the HTTP sender's signature."""
+
+    def __init__(self, engine_kwargs: dict):
+        self.engine_kwargs = dict(engine_kwargs)
+        self.engine = None
+        self.start_s: float | None = None
+        self._ids = itertools.count()
+        self._params = None
+        self._prompt = None
+
+    async def start(self) -> None:
+        """Build the engine (minutes on a cold GPU machine). Must run inside the event loop."""
+        from vllm import AsyncEngineArgs, PoolingParams, TokensPrompt
+        from vllm.config import PoolerConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = dict(self.engine_kwargs)
+        if isinstance(kwargs.get("pooler_config"), dict):
+            kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
+        t0 = time.perf_counter()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self.start_s = time.perf_counter() - t0
+        self._params = PoolingParams(task="embed")
+        self._prompt = TokensPrompt
+
+    def describe(self) -> dict:
+        info: dict[str, Any] = {"engine_kwargs": self.engine_kwargs, "engine_start_s": self.start_s}
+        try:
+            import vllm
+
+            info["vllm_version"] = vllm.__version__
+        except Exception:  # noqa: BLE001 - informational only
+            pass
+        return info
+
+    async def send(self, req: BenchRequest) -> Outcome:
+        if req.input_ids is None:
+            return Outcome("not_encodable", 0.0, error=f"expected HTTP {req.expected_status}; nothing to embed")
+        prompt = self._prompt(prompt_token_ids=req.input_ids.tolist())
+        t0 = time.perf_counter()
+        final = None
+        try:
+            async for out in self.engine.encode(prompt, self._params, request_id=f"raw-{next(self._ids)}"):
+                final = out
+        except Exception as exc:  # noqa: BLE001 - counted as an error of this point
+            return Outcome("engine_error", time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+        latency = time.perf_counter() - t0
+        if final is None:
+            return Outcome("engine_error", latency, error="no output")
+        return Outcome("200", latency, input_tokens=len(final.prompt_token_ids))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

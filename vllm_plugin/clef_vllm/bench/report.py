@@ -1,0 +1,178 @@
+"""Human-readable output: the one-screen bench table, the server-vs-baseline table, the parity summary."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 10000:
+        return f"{x / 1000:.1f}k"
+    return f"{x:.{digits}f}"
+
+
+def _ms(d: dict | None, key: str) -> str:
+    return "-" if not d or d.get(key) is None else _num(d[key], 1)
+
+
+def _errors(point: dict) -> str:
+    errs = point.get("errors") or {}
+    return ",".join(f"{k}:{v}" for k, v in errs.items()) or "0"
+
+
+def _tokens(point: dict) -> str:
+    t = point.get("input_tokens") or {}
+    mean = t.get("mean_expected")
+    base = "-" if mean is None else f"{mean:.0f}"
+    if t.get("mismatches"):
+        return f"{base} ({t['mismatches']}/{t['checked']} MISMATCH)"
+    return base + (" ok" if t.get("checked") else "")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+
+    def fmt(cells):
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+BENCH_HEADER = ("variant", "c", "ok/n", "errors", "req/s", "in tok/s", "q/s", "p50 ms", "p90 ms", "p99 ms",
+                "tokens/req")
+
+
+def bench_row(p: dict) -> list[str]:
+    lat = p.get("latency_ms")
+    return [p["variant"], str(p["concurrency"]), f"{p['ok']}/{p['requests']}", _errors(p), _num(p["req_per_s"], 2),
+            _num(p["input_tok_per_s"], 0), _num(p["questions_per_s"], 1), _ms(lat, "p50"), _ms(lat, "p90"),
+            _ms(lat, "p99"), _tokens(p)]
+
+
+def bench_table(results: dict) -> str:
+    """One line per (variant, concurrency) point."""
+    title = f"clef-bench {results.get('mode')}: {_target_name(results)}"
+    if results.get("label"):
+        title += f"  [{results['label']}]"
+    rows = [bench_row(p) for p in results.get("points", [])]
+    return title + "\n" + _table(BENCH_HEADER, rows, right=set(range(1, len(BENCH_HEADER) - 1)))
+
+
+def _target_name(results: dict) -> str:
+    t = results.get("target") or {}
+    return t.get("url") or t.get("model_dir") or "?"
+
+
+def compare_points(baseline: dict, result: dict) -> list[dict]:
+    """Join two bench results on (variant, concurrency): throughput and latency ratios result/baseline."""
+    base = {(p["variant"], p["concurrency"]): p for p in baseline.get("points", [])}
+    out = []
+    for p in result.get("points", []):
+        b = base.get((p["variant"], p["concurrency"]))
+        if b is None:
+            continue
+
+        def ratio(x, y):
+            return round(x / y, 4) if x is not None and y not in (None, 0) else None
+
+        lat_r = (p.get("latency_ms") or {}).get("p50")
+        lat_b = (b.get("latency_ms") or {}).get("p50")
+        out.append({
+            "variant": p["variant"], "concurrency": p["concurrency"],
+            "baseline_tok_per_s": b["input_tok_per_s"], "result_tok_per_s": p["input_tok_per_s"],
+            "throughput_ratio": ratio(p["input_tok_per_s"], b["input_tok_per_s"]),
+            "baseline_p50_ms": lat_b, "result_p50_ms": lat_r, "p50_ratio": ratio(lat_r, lat_b),
+            "baseline_req_per_s": b["req_per_s"], "result_req_per_s": p["req_per_s"],
+            "baseline_errors": b.get("errors") or {}, "result_errors": p.get("errors") or {},
+        })
+    return out
+
+
+def compare_table(rows: Sequence[dict], baseline_name: str, result_name: str) -> str:
+    header = ("variant", "c", "base tok/s", "tok/s", "tput ratio", "base p50", "p50", "p50 ratio")
+    body = [[r["variant"], str(r["concurrency"]), _num(r["baseline_tok_per_s"], 0), _num(r["result_tok_per_s"], 0),
+             _num(r["throughput_ratio"], 3), _num(r["baseline_p50_ms"]), _num(r["result_p50_ms"]),
+             _num(r["p50_ratio"], 2)] for r in rows]
+    title = (f"{result_name} vs baseline {baseline_name}  "
+             f"(tput ratio = tok/s ÷ base tok/s; p50 ratio = p50 ÷ base p50)")
+    return title + "\n" + _table(header, body, right=set(range(1, len(header))))
+
+
+# --------------------------------------------------------------------------- parity
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f} %"
+
+
+def _f(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def parity_markdown(receipt: dict) -> str:
+    """The short markdown summary of a parity receipt."""
+    a, b = receipt["a"], receipt["b"]
+    rs = receipt["request_set"]
+    cmp_ = receipt["comparison"]
+    noise = receipt.get("noise_floor") or {}
+    lines = [f"# clef-parity: `{a['spec']}` (A) vs `{b['spec']}` (B)", ""]
+    lines.append(f"- Request set: {rs['source']}, {rs['requests']} requests, {rs['questions']['total']} questions "
+                 f"(noul {rs['questions']['noul']}, choice {rs['questions']['choice']}, score "
+                 f"{rs['questions']['score']}); sha256 `{rs['sha256'][:16]}`")
+    cond = receipt["conditions"]
+    lines.append(f"- A vs B: both at {_cond(cond['main'])}; compared {cmp_['requests_compared']}/{cmp_['requests']} "
+                 f"requests")
+    for side, sec in noise.items():
+        lines.append(f"- Noise floor {side}: {side} at {_cond(sec['condition'])} vs {side} at {_cond(cond['main'])}")
+    if cmp_["status_pairs_not_compared"]:
+        lines.append(f"- Not compared (A/B status): {cmp_['status_pairs_not_compared']}")
+    if cmp_["input_token_mismatches"]:
+        lines.append(f"- **usage.input_tokens differs on {cmp_['input_token_mismatches']} requests**")
+    lines.append("")
+    header = "| type | questions | top-1 agreement | mean TV | mean KL | max abs Δp | flips |"
+    cols = ["A vs B"] + [f"noise {side}" for side in noise]
+    lines += [header.replace("| type |", "| run | type |"), "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for t in ("noul", "choice", "score", "overall"):
+        for name, sec in zip(cols, [cmp_] + [noise[s]["comparison"] for s in noise]):
+            st = sec["overall"] if t == "overall" else sec["per_type"][t]
+            if not st["questions"]:
+                continue
+            lines.append(f"| {name} | {t} | {st['questions']} | {_pct(st['top1_agreement'])} | {_f(st['mean_tv'])} | "
+                         f"{_f(st['mean_kl'], 5)} | {_f(st['max_abs_dp'])} | {st['flips']} |")
+    lines.append("")
+    flips = cmp_["flips"]
+    if flips:
+        lines += ["## Flips A vs B (largest A margin first)", "",
+                  "| request | question | type | A top | B top | A margin | B margin | TV |", "|---|---|---|---|---|---:|---:|---:|"]
+        for f in flips[:20]:
+            lines.append(f"| {f['label']} | {f['question']} | {f['type']} | {f['a_top']} | {f['b_top']} | "
+                         f"{f['a_margin']:.4f} | {f['b_margin']:.4f} | {f['tv']:.4f} |")
+        if len(flips) > 20:
+            lines.append(f"| … {len(flips) - 20} more in the JSON receipt | | | | | | | |")
+    else:
+        lines.append("No flips between A and B.")
+    lines.append("")
+    lines.append(f"Command: `{' '.join(receipt.get('argv') or [])}`")
+    return "\n".join(lines) + "\n"
+
+
+def _cond(c: dict) -> str:
+    order = "request order" if c["order"] == "request" else f"shuffled order (seed {c.get('seed', 0)})"
+    return f"concurrency {c['concurrency']}, {order}"
+
+
+def parity_table(receipt: dict) -> str:
+    """A compact plain-text version for the terminal."""
+    cmp_ = receipt["comparison"]
+    noise = receipt.get("noise_floor") or {}
+    header = ("run", "type", "n", "top-1", "mean TV", "mean KL", "max |dp|", "flips")
+    rows: list[list[Any]] = []
+    for name, sec in [("A vs B", cmp_)] + [(f"noise {s}", noise[s]["comparison"]) for s in noise]:
+        for t in ("noul", "choice", "score", "overall"):
+            st = sec["overall"] if t == "overall" else sec["per_type"][t]
+            if st["questions"]:
+                rows.append([name, t, str(st["questions"]), _pct(st["top1_agreement"]), _f(st["mean_tv"]),
+                             _f(st["mean_kl"], 5), _f(st["max_abs_dp"]), str(st["flips"])])
+    return _table(header, rows, right={2, 3, 4, 5, 6, 7})
