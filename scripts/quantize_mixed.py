@@ -191,9 +191,21 @@ def calibration_ids(data: str | Path | None, tokenizer_dir: Path, num: int, max_
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.protocol import parse_request
 
-    records = read_records(data, limit=num) if data else list(synthetic_records(num))
+    from clef_vllm.protocol import RequestError
+
+    records = read_records(data) if data else synthetic_records(10 * num)
     encoder = RequestEncoder.from_pretrained(tokenizer_dir, max_length=max_len)
-    return [encoder.encode(parse_request(request_body(r))).input_ids for r in records]
+    out = []
+    for r in records:
+        try:
+            out.append(encoder.encode(parse_request(request_body(r))).input_ids)
+        except RequestError:   # schema longer than --max-seq-length: skip the record
+            continue
+        if len(out) >= num:
+            break
+    if not out:
+        raise SystemExit(f"no calibration record fits --max-seq-length {max_len}")
+    return out
 
 
 # --------------------------------------------------------------------------- engines

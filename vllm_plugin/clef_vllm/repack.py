@@ -124,9 +124,14 @@ def repack_tables(src: str | Path, dst: str | Path, marker: str | None = None,
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         if dst.exists():
-            backup = dst.with_name(f".{dst.name}.old")
+            backup = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=parent))
+            backup.rmdir()
             os.replace(dst, backup)
-            os.replace(tmp, dst)
+            try:
+                os.replace(tmp, dst)
+            except BaseException:
+                os.replace(backup, dst)   # put the original back: never leave dst missing
+                raise
             shutil.rmtree(backup)
         else:
             os.replace(tmp, dst)
@@ -134,6 +139,20 @@ def repack_tables(src: str | Path, dst: str | Path, marker: str | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return reports
+
+
+def set_marker(path: str | Path, marker: str | None = None) -> str:
+    """Write ``requires_clef_vllm`` into a repacked checkpoint's head config (atomic rename);
+    returns the marker. Used when a repacked checkpoint is repacked again."""
+    files = locate_checkpoint(path)
+    if files.layout != "repacked":
+        raise ValueError(f"{path}: not a repacked checkpoint (no {HEAD_DIR}/)")
+    head_cfg = json.loads(files.head_config_file.read_text())
+    head_cfg[MARKER] = marker or head_cfg.get(MARKER) or default_marker()
+    tmp = files.head_config_file.with_name(f".{HEAD_CONFIG}.tmp")
+    write_json(tmp, head_cfg)
+    os.replace(tmp, files.head_config_file)
+    return head_cfg[MARKER]
 
 
 def _numel(shape) -> int:
