@@ -1,0 +1,422 @@
+"""JointSchemaHead (clef-spec §5): the vectorised head against a LITERAL loop implementation of §5.3.
+
+The literal version below loops per record, per field and per option, and uses PyTorch's own
+``nn.MultiheadAttention`` and ``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")``
+modules loaded from the head's state dict, so it shares no code with ``clef_vllm.head``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead, count_parameters
+from clef_vllm.tables import DenseTable
+
+SMALL = HeadConfig(hidden_size=48, width=32, routing_layers=2, layers=2, heads=4, feedforward=64)
+RELEASE = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
+VOCAB = 97
+
+
+def random_head(config: HeadConfig, seed: int = 0, prior=0.9, joint=4.8, gate=0.3) -> JointSchemaHead:
+    """Every parameter random (biases, LayerNorm affines, scalars), so each one matters."""
+    torch.manual_seed(seed)
+    head = JointSchemaHead(config)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 / math.sqrt(p.shape[-1]))
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+        head.prior_logit_scale.fill_(prior)
+        head.joint_logit_scale.fill_(joint)   # above ln 100: exercises the clamp
+        head.residual_gate.fill_(gate)
+    return head.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- the literal §5.3
+
+
+@torch.no_grad()
+def literal_logits(head: JointSchemaHead, X, ids, E, fields) -> list[torch.Tensor]:
+    """clef-spec §5.3 for ONE record, written out with loops. ``fields = [(type_id, (a, b), [(c, d), ...])]``."""
+    cfg = head.config
+    sd = {k: v.detach().float() for k, v in head.state_dict().items()}
+    D, L = cfg.width, X.shape[0]
+
+    def ln(name, x):
+        return F.layer_norm(x, (x.shape[-1],), sd[f"{name}.weight"], sd[f"{name}.bias"], eps=1e-5)
+
+    def W(name, x):
+        return sd[f"{name}.weight"] @ x
+
+    def mha(prefix):
+        m = nn.MultiheadAttention(D, cfg.heads, dropout=0.0, bias=True, batch_first=True)
+        m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
+        return m.eval()
+
+    S = ln("hidden_norm", X)                                  # [L, H]
+    M = S @ sd["memory_projection.weight"].T                   # [L, D]
+    g = S[L - 1]
+    q, lex, U = [], [], []
+    for _, (a, b), options in fields:
+        q_k = S[a:b].mean(0)
+        q.append(q_k)
+        lex.append([])
+        for c, d in options:
+            ctx = S[c:d].mean(0)
+            lx = torch.stack([E[ids[i]] for i in range(c, d)]).mean(0)
+            lex[-1].append(lx)
+            U.append(W("option_context_projection", ctx) + W("option_lexical_projection", lx)
+                     + W("option_question_projection", q_k))
+    U = torch.stack(U)
+    for r in range(cfg.routing_layers):
+        p = f"evidence_layers.{r}."
+        attn = mha(p + "attention.")
+        mem = ln(p + "memory_norm", M)
+        U = U + attn(ln(p + "query_norm", U)[None], mem[None], mem[None], need_weights=False)[0][0]
+        h = ln(p + "feedforward_norm", U)
+        h = F.gelu(h @ sd[p + "feedforward.0.weight"].T + sd[p + "feedforward.0.bias"])
+        U = U + h @ sd[p + "feedforward.3.weight"].T + sd[p + "feedforward.3.bias"]
+    R, start = [], 0
+    for _, _, options in fields:
+        R.append(U[start:start + len(options)])
+        start += len(options)
+
+    Fk = []
+    for k, (t, _, options) in enumerate(fields):
+        f0 = W("question_projection", q[k])
+        scores = torch.stack([R[k][j] @ f0 / math.sqrt(D) for j in range(len(options))])
+        att = torch.softmax(scores, 0)
+        s_k = sum(att[j] * R[k][j] for j in range(len(options)))
+        Fk.append(f0 + ln("option_summary_norm", s_k) + W("global_projection", g) + sd["type_embedding.weight"][t])
+    Fm = torch.stack(Fk)[None]
+    for l in range(cfg.layers):
+        layer = nn.TransformerDecoderLayer(D, cfg.heads, cfg.feedforward, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        prefix = f"layers.{l}."
+        layer.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
+        Fm = layer.eval()(Fm, M[None])
+    Fm = ln("field_norm", Fm[0])
+
+    sp = math.exp(min(float(sd["prior_logit_scale"]), math.log(100)))
+    sj = math.exp(min(float(sd["joint_logit_scale"]), math.log(100)))
+    gamma = 1 / (1 + math.exp(-float(sd["residual_gate"])))
+    out = []
+    for k, (_, _, options) in enumerate(fields):
+        logits = []
+        for j in range(len(options)):
+            anchor = q[k] + g
+            prior = sp * (lex[k][j] / max(lex[k][j].norm(), 1e-12)) @ (anchor / max(anchor.norm(), 1e-12))
+            o = ln("option_norm", R[k][j])
+            f = Fm[k]
+            x = torch.cat([f, o, f * o, (f - o).abs()])
+            res = sd["residual_scorer.3.weight"] @ F.gelu(sd["residual_scorer.0.weight"] @ x
+                                                          + sd["residual_scorer.0.bias"]) + sd["residual_scorer.3.bias"]
+            cos = (f @ o) / max(float(f.norm() * o.norm()), 1e-8)
+            logits.append(prior + gamma * (sj * cos + res[0]))
+        out.append(torch.stack(logits))
+    return out
+
+
+# --------------------------------------------------------------------------- random records
+
+
+def random_record(rng: random.Random, n_fields: int, length: int, hidden: int):
+    """Hidden states, token ids and non-overlapping spans like an encoded request's."""
+    fields, pos = [], 8
+    for _ in range(n_fields):
+        a = pos
+        b = a + rng.randint(1, 5)
+        options, pos = [], b + 2
+        for _ in range(rng.randint(1, 6)):
+            c = pos + 1
+            d = c + rng.randint(1, 4)
+            options.append((c, d))
+            pos = d + 1
+        fields.append((rng.choice([0, 1, 2]), (a, b), options))
+        pos += 2
+    length = max(length, pos + 3)
+    gen = torch.Generator().manual_seed(rng.randint(0, 10**6))
+    X = torch.randn(length, hidden, generator=gen) * 2 + 0.5
+    ids = [rng.randrange(VOCAB) for _ in range(length)]
+    return X, ids, fields
+
+
+def spec_of(X, ids, fields) -> HeadSpec:
+    opt_spans = tuple(tuple(s) for _, _, o in fields for s in o)
+    return HeadSpec(num_tokens=X.shape[0], type_ids=tuple(t for t, _, _ in fields),
+                    question_spans=tuple(tuple(s) for _, s, _ in fields), option_spans=opt_spans,
+                    options_per_field=tuple(len(o) for _, _, o in fields),
+                    lexical_ids=tuple(ids[i] for c, d in opt_spans for i in range(c, d)))
+
+
+def vectorised(head, table, records, *, logits=True, chunk: int | None = None) -> list[torch.Tensor]:
+    """The production path: accumulate hidden states (optionally in chunks), then decide_records."""
+    accs = [RecordAccumulator(spec_of(*r), "cpu") for r in records]
+    for acc, (X, _, _) in zip(accs, records):
+        acc.spec.validate()
+        step = chunk or X.shape[0]
+        for start in range(0, X.shape[0], step):
+            piece = X[start:start + step]
+            accumulate(head, piece, [(acc, 0, piece.shape[0], start)])
+    if logits:
+        head.probabilities = lambda lg, layout: lg    # capture the logits instead of the softmax
+    try:
+        return decide_records(head, table, accs)
+    finally:
+        if logits:
+            del head.probabilities
+
+
+@pytest.fixture(scope="module")
+def setup():
+    head = random_head(SMALL)
+    E = torch.randn(VOCAB, SMALL.hidden_size, generator=torch.Generator().manual_seed(3))
+    rng = random.Random(7)
+    records = [random_record(rng, n, length, SMALL.hidden_size)
+               for n, length in [(1, 20), (3, 75), (2, 41), (4, 120), (1, 33)]]
+    return head, E, records
+
+
+def test_vectorised_head_equals_the_literal_loops_in_float32(setup):
+    head, E, records = setup
+    assert {len(r[2]) for r in records} == {1, 2, 3, 4}                     # field counts differ
+    assert len({r[0].shape[0] for r in records}) == len(records)              # lengths differ
+    got = vectorised(head, DenseTable(E), records)                           # one padded batch
+    assert len(got) == len(records)
+    for (X, ids, fields), logits in zip(records, got):
+        want = torch.cat(literal_logits(head, X, ids, E, fields))
+        assert logits.dtype == torch.float32 and logits.shape == want.shape
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_accumulation_equals_one_pass(setup):
+    head, E, records = setup
+    whole = vectorised(head, DenseTable(E), records)
+    chunked = vectorised(head, DenseTable(E), records, chunk=7)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_every_scalar_and_branch_matters(setup):
+    """Sanity of the oracle comparison: changing any single part moves the logits."""
+    head, E, records = setup
+    base = torch.cat(vectorised(head, DenseTable(E), records[:2]))
+    for name in ("prior_logit_scale", "residual_gate", "type_embedding.weight", "layers.1.norm2.bias",
+                 "evidence_layers.1.memory_norm.weight", "residual_scorer.3.bias"):
+        other = random_head(SMALL)
+        with torch.no_grad():
+            p = other.get_parameter(name)
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        moved = torch.cat(vectorised(other, DenseTable(E), records[:2]))
+        assert not torch.allclose(base, moved, atol=1e-4), name
+    # θ_j above ln 100 is clamped: 4.8 and 10 give the same logits
+    clamped = random_head(SMALL, joint=10.0)
+    torch.testing.assert_close(torch.cat(vectorised(clamped, DenseTable(E), records[:2])), base)
+
+
+def test_probabilities_sum_to_one_per_question(setup):
+    head, E, records = setup
+    probs = vectorised(head, DenseTable(E), records, logits=False)
+    for (_, _, fields), p in zip(records, probs):
+        assert p.dtype == torch.float32 and bool((p >= 0).all())
+        for part in p.split([len(o) for _, _, o in fields]):
+            assert abs(float(part.sum()) - 1.0) < 1e-6
+        # a one-option field is certain
+        for (_, _, o), part in zip(fields, p.split([len(o) for _, _, o in fields])):
+            if len(o) == 1:
+                assert float(part[0]) == 1.0
+
+
+def test_a_batch_equals_each_record_alone_in_bf16(setup):
+    head, E, records = setup
+    bf = random_head(SMALL).to(torch.bfloat16)
+    table = DenseTable(E.to(torch.bfloat16))
+    batched = vectorised(bf, table, records, logits=False)
+    for record, p in zip(records, batched):
+        alone = vectorised(bf, table, [record], logits=False)[0]
+        torch.testing.assert_close(p, alone, atol=1e-2, rtol=0)
+    # and bf16 stays close to the float32 head
+    fp32 = vectorised(random_head(SMALL), DenseTable(E), records, logits=False)
+    for a, b in zip(batched, fp32):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=0)
+
+
+def test_padding_rows_do_not_leak_between_records(setup):
+    """The same record next to a much longer one (padded memory) gives the same float32 logits."""
+    head, E, records = setup
+    short, long_ = records[0], records[3]
+    alone = vectorised(head, DenseTable(E), [short])[0]
+    for batch, i in (([short, long_], 0), ([long_, short], 1)):
+        got = vectorised(head, DenseTable(E), batch)[i]
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- names, shapes, counts
+
+
+def spec_state_dict_shapes(H, D, Fw, routing, layers) -> dict[str, tuple]:
+    """clef-spec §5.2, row by row."""
+    s = {"hidden_norm.weight": (H,), "hidden_norm.bias": (H,)}
+    for p in ("memory", "question", "option_question", "global", "option_context", "option_lexical"):
+        s[f"{p}_projection.weight"] = (D, H)
+    s["type_embedding.weight"] = (3, D)
+
+    def attn(prefix):
+        return {f"{prefix}.in_proj_weight": (3 * D, D), f"{prefix}.in_proj_bias": (3 * D,),
+                f"{prefix}.out_proj.weight": (D, D), f"{prefix}.out_proj.bias": (D,)}
+
+    for r in range(routing):
+        p = f"evidence_layers.{r}"
+        for n in ("query_norm", "memory_norm", "feedforward_norm"):
+            s[f"{p}.{n}.weight"] = s[f"{p}.{n}.bias"] = (D,)
+        s.update(attn(f"{p}.attention"))
+        s.update({f"{p}.feedforward.0.weight": (Fw, D), f"{p}.feedforward.0.bias": (Fw,),
+                  f"{p}.feedforward.3.weight": (D, Fw), f"{p}.feedforward.3.bias": (D,)})
+    s["option_summary_norm.weight"] = s["option_summary_norm.bias"] = (D,)
+    for l in range(layers):
+        p = f"layers.{l}"
+        s.update(attn(f"{p}.self_attn"))
+        s.update(attn(f"{p}.multihead_attn"))
+        s.update({f"{p}.linear1.weight": (Fw, D), f"{p}.linear1.bias": (Fw,),
+                  f"{p}.linear2.weight": (D, Fw), f"{p}.linear2.bias": (D,)})
+        for n in ("norm1", "norm2", "norm3"):
+            s[f"{p}.{n}.weight"] = s[f"{p}.{n}.bias"] = (D,)
+    for n in ("field_norm", "option_norm"):
+        s[f"{n}.weight"] = s[f"{n}.bias"] = (D,)
+    s.update({"residual_scorer.0.weight": (D, 4 * D), "residual_scorer.0.bias": (D,),
+              "residual_scorer.3.weight": (1, D), "residual_scorer.3.bias": (1,)})
+    s.update({"prior_logit_scale": (), "joint_logit_scale": (), "residual_gate": ()})
+    return s
+
+
+def test_release_state_dict_names_shapes_and_parameter_count():
+    with torch.device("meta"):
+        head = JointSchemaHead(RELEASE)
+    sd = head.state_dict()
+    expected = spec_state_dict_shapes(4096, 1024, 4096, 2, 4)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expected
+    assert len(sd) == 122
+    assert sum(v.numel() for v in sd.values()) == 121_762_820
+    assert sum(p.numel() for p in head.parameters()) == 121_762_820
+    assert count_parameters(RELEASE) == 121_762_820
+    assert not list(head.buffers())                                           # nothing hidden outside the file
+
+
+def test_parameter_count_of_the_27b_head_and_others():
+    big = HeadConfig(hidden_size=5120, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
+    assert count_parameters(big) == 128_056_324
+    for cfg in (big, SMALL, HeadConfig(hidden_size=64, width=48, routing_layers=0, layers=3, heads=6, feedforward=80)):
+        with torch.device("meta"):
+            n = sum(p.numel() for p in JointSchemaHead(cfg).parameters())
+        assert count_parameters(cfg) == n
+
+
+def test_strict_loading_of_a_joint_head_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = random_head(SMALL).to(torch.bfloat16)
+    path = tmp_path / "joint_head.safetensors"
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(path), metadata={"format": "pt"})
+    state = load_file(str(path))
+    assert set(state) == set(spec_state_dict_shapes(48, 32, 64, 2, 2))
+    dst = JointSchemaHead(SMALL)
+    dst.load_state_dict(state, strict=True)
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v.to(torch.bfloat16), state[k])
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        JointSchemaHead(SMALL).load_state_dict({**state, "extra.weight": torch.zeros(1)}, strict=True)
+    missing = dict(state)
+    del missing["residual_gate"]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        JointSchemaHead(SMALL).load_state_dict(missing, strict=True)
+
+
+# --------------------------------------------------------------------------- HeadConfig
+
+
+RELEASE_JSON = {"hidden_size": 4096, "width": 1024, "routing_layers": 2, "layers": 4, "heads": 16, "feedforward": 4096}
+
+
+def test_head_config_parses_the_release_file():
+    cfg = HeadConfig.from_dict(dict(RELEASE_JSON))
+    assert cfg == RELEASE and cfg.dropout == 0.0 and cfg.requires_clef_vllm is None
+    assert cfg.to_dict() == RELEASE_JSON
+    marked = HeadConfig.from_dict(RELEASE_JSON | {"requires_clef_vllm": ">=0.1", "dropout": 0.1})
+    assert marked.requires_clef_vllm == ">=0.1" and marked.dropout == 0.1
+    assert HeadConfig.from_dict(marked.to_dict()) == marked
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"ff": 4096}, r"unknown key\(s\) \['ff'\]"),
+    ({"temperature": 1.0}, r"unknown key\(s\) \['temperature'\]"),
+    ({"feedforward": -1}, "feedforward must be a positive integer"),
+    ({"routing_layers": -1}, "routing_layers must be a positive integer"),
+    ({"width": 64.0}, "width must be a positive integer"),
+    ({"width": 1000}, "width 1000 is not divisible by heads 16"),
+    ({"heads": 0}, "heads must be a positive integer"),
+    ({"hidden_size": "4096"}, "hidden_size must be a positive integer"),
+    ({"layers": True}, "layers must be a positive integer"),
+    ({"requires_clef_vllm": 1}, "requires_clef_vllm must be a PEP 440 specifier string"),
+])
+def test_head_config_refuses_bad_files(change, message):
+    with pytest.raises(HeadConfigError, match=message):
+        HeadConfig.from_dict(RELEASE_JSON | change, source="cfg.json")
+
+
+@pytest.mark.parametrize("key", sorted(RELEASE_JSON))
+def test_head_config_missing_key_is_named(key):
+    data = dict(RELEASE_JSON)
+    del data[key]
+    with pytest.raises(HeadConfigError, match=rf"some/joint_head_config.json: missing key\(s\) \['{key}'\]"):
+        HeadConfig.from_dict(data, source="some/joint_head_config.json")
+
+
+def test_head_config_must_be_an_object():
+    with pytest.raises(HeadConfigError, match="expected a JSON object"):
+        HeadConfig.from_dict([RELEASE_JSON])
+
+
+def test_zero_routing_or_decoder_layers_are_allowed():
+    HeadConfig.from_dict(RELEASE_JSON | {"routing_layers": 0, "layers": 0})
+
+
+# --------------------------------------------------------------------------- end to end on the tiny checkpoint
+
+
+@pytest.fixture(scope="module")
+def clef(tiny_release, cache_dir):
+    from clef_vllm import Clef
+
+    with Clef(tiny_release, backend="reference") as c:
+        yield c
+
+
+def test_request_order_of_choice_keys_does_not_change_answers(clef):
+    crit = {"technical": "Outages and errors", "billing": "Payments", "sales": "Plans", "legal": None,
+            "Accounts": "Logins"}
+    base = {"model": "m", "state": "Checkout has been failing for every customer for an hour.",
+            "questions": {"team": {"type": "choice", "instructions": "Which team?", "criteria": crit},
+                          "urgent": {"type": "noul", "instructions": "Urgent?"}}}
+    answers = []
+    rng = random.Random(0)
+    for _ in range(4):
+        items = list(crit.items())
+        rng.shuffle(items)
+        req = {**base, "questions": {**base["questions"], "team": {**base["questions"]["team"],
+                                                                   "criteria": dict(items)}}}
+        out = clef.systemone(req)
+        team = out["answers"]["team"]
+        assert list(team["probabilities"]) == [k for k, _ in items]          # keys in request order
+        answers.append((team["choice"], team["confidence"], dict(sorted(team["probabilities"].items())),
+                        out["answers"]["urgent"], out["usage"]))
+    assert all(a == answers[0] for a in answers)
