@@ -114,17 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--fail-on-error", action="store_true",
                    help="exit 1 if any request got an unexpected status or a token count mismatch")
 
-    r = p.add_argument_group("raw-vLLM baseline (vLLM engine names)")
+    r = p.add_argument_group("raw-vLLM baseline (vLLM engine names; other settings as the server's vLLM backend)")
     r.add_argument("--raw-arch", default="auto",
                    help="architecture override: auto (stock Qwen3.5 class as declared, else Qwen3_5ForCausalLM), "
                         "none, or a class name")
     r.add_argument("--raw-load-format", default="auto", help="auto (dummy for repacked checkpoints) or dummy, ...")
-    r.add_argument("--raw-dtype", default="bfloat16")
     r.add_argument("--raw-quantization", default=None, help="e.g. fp8 (online) for a BF16 checkpoint")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     r.add_argument("--enforce-eager", action="store_true")
-    r.add_argument("--max-num-seqs", type=int, default=None)
-    r.add_argument("--max-num-batched-tokens", type=int, default=None)
+    r.add_argument("--max-num-seqs", type=int, default=None, help="default: the server backend's default")
+    r.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the server backend's default")
+    r.add_argument("--linear-backend", default=None, help="vLLM --linear-backend (e.g. emulation)")
     r.add_argument("--raw-engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other AsyncEngineArgs field (VALUE as JSON when it parses)")
     return p
@@ -356,11 +356,12 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = dict(parse_engine_arg(a) for a in args.raw_engine_arg)
         kwargs = raw_engine_kwargs(args.raw_vllm, arch=args.raw_arch, load_format=args.raw_load_format,
-                                   dtype=args.raw_dtype, max_model_len=args.max_model_len,
+                                   max_model_len=args.max_model_len,
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                   quantization=args.raw_quantization, tokenizer=tokenizer, extra=extra)
+                                   quantization=args.raw_quantization, linear_backend=args.linear_backend,
+                                   extra=extra)
         engine = RawVllmEngine(kwargs)
 
         @contextlib.asynccontextmanager

@@ -37,17 +37,23 @@ def parse_engine_arg(text: str) -> tuple[str, Any]:
 
 
 def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format: str = "auto",
-                      dtype: str = "bfloat16", max_model_len: int = 16384, gpu_memory_utilization: float = 0.9,
-                      enforce_eager: bool = False, max_num_seqs: int | None = None,
-                      max_num_batched_tokens: int | None = None, quantization: str | None = None,
-                      tokenizer: str | Path | None = None, extra: dict | None = None) -> dict:
+                      max_model_len: int = 16384, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                      max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                      quantization: str | None = None, linear_backend: str | None = None,
+                      extra: dict | None = None) -> dict:
     """``AsyncEngineArgs`` keyword arguments for the baseline (pure data; no vLLM import).
 
-    ``arch="auto"`` keeps a stock Qwen3.5 architecture and otherwise overrides it to
-    ``Qwen3_5ForCausalLM``; ``"none"`` never overrides. ``load_format="auto"`` becomes ``dummy``
-    for a repacked checkpoint (its embedding and lm_head live in ``clef_head/`` int8 tables that a
-    stock class cannot load; throughput does not depend on the weight values).
+    They start from the server's own vLLM settings (:func:`clef_vllm.backends.vllm_backend.engine_kwargs`:
+    prefix caching off, chunked prefill, fp32 SSM cache, Triton GDN prefill, the same batch limits)
+    and change only what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
+    head options, and the architecture. ``arch="auto"`` keeps a stock Qwen3.5 architecture and
+    otherwise (our ``ClefFlashForDecision``) uses ``Qwen3_5ForCausalLM``; ``"none"`` keeps whatever
+    config.json declares. ``load_format="auto"`` becomes ``dummy`` for a repacked checkpoint: its
+    embedding and lm_head live in ``clef_head/`` int8 tables that a stock class cannot load, and
+    throughput does not depend on weight values.
     """
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     declared = (config.get("architectures") or [None])[0]
@@ -58,35 +64,21 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
     effective = arch or declared or ""
     if load_format == "auto" and (model_dir / "clef_head").is_dir():
         load_format = "dummy"
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir),
-        "tokenizer": str(tokenizer or model_dir),
-        "runner": "pooling",
-        "convert": "embed",
-        "pooler_config": {"seq_pooling_type": "LAST"},
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "enable_prefix_caching": False,          # as the server: the head reads every position
-        "gdn_prefill_backend": "triton",          # Hopper: FlashInfer's GDN prefill needs cutlass-dsl
-        "mamba_ssm_cache_dtype": "float32",
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "enforce_eager": enforce_eager,
-        "tensor_parallel_size": 1,
-        "disable_log_stats": True,
-        "seed": 0,
-    }
+    limits = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+              if v is not None}
+    kwargs = engine_kwargs(model_dir, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=enforce_eager, load_format=load_format, gdn_prefill_backend="triton",
+                           linear_backend=linear_backend, **limits)
+    kwargs.pop("additional_config", None)   # the Clef head's options
+    kwargs.pop("hf_overrides", None)        # the server's ClefFlashForDecision
+    kwargs["convert"] = "embed"
+    kwargs["pooler_config"] = {"seq_pooling_type": "LAST"}
     if arch is not None:
         kwargs["hf_overrides"] = {"architectures": [arch]}
     if effective.endswith("ForConditionalGeneration"):
         kwargs["language_model_only"] = True      # text only: no vision tower, no image profiling
-    if load_format != "auto":
-        kwargs["load_format"] = load_format
     if quantization:
         kwargs["quantization"] = quantization
-    if max_num_seqs is not None:
-        kwargs["max_num_seqs"] = max_num_seqs
-    if max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     kwargs.update(extra or {})
     return kwargs
 

@@ -1,0 +1,393 @@
+"""clef-bench and clef-parity: request generation, statistics, parity math, and both tools
+against a real ``clef-systemone`` on the tiny checkpoint (small runs, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import socket
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clef_vllm.bench.bench_cli import main as bench_main
+from clef_vllm.bench.bench_cli import parse_concurrency
+from clef_vllm.bench.loadgen import percentile, server_total_ms, systemone_url, unwrap_envelope
+from clef_vllm.bench.parity import compare_runs, distribution, kl_divergence, total_variation
+from clef_vllm.bench.parity_cli import main as parity_main
+from clef_vllm.bench.targets import Answered, Condition
+from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_variants, load_request_file,
+                                       synthetic_parity_set)
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_release):
+    from clef_vllm.encoding import RequestEncoder
+
+    return RequestEncoder.from_pretrained(tiny_release)
+
+
+@pytest.fixture(scope="module")
+def tiny_short_tokens(tiny_encoder) -> int:
+    """A short-request target the tiny tokenizer can meet (its BPE spends more tokens on the template)."""
+    factory = RequestFactory(tiny_encoder)
+    short = build_variants(["short"])[0]
+    return max(factory.min_total_tokens(short), 400) + 100
+
+
+def _write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+GOOD = {"model": "clef-flash", "state": "Checkout has been failing for every customer for the last hour.",
+        "questions": {"urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
+                      "team": {"type": "choice", "instructions": "Which team?",
+                               "criteria": {"technical": "Outages", "billing": "Payments"}},
+                      "severity": {"type": "score", "criteria": ["None", "Minor", "Major", "Critical"]}}}
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 50, 333, 2000])
+def test_state_writer_hits_exact_token_counts(tiny_encoder, n):
+    text = StateWriter(tiny_encoder).text(n, random.Random(n))
+    assert len(tiny_encoder.tokenize(text)) == n
+
+
+def test_qwen_tokenizer_workloads_have_exact_totals(qwen_tokenizer_dir):
+    from clef_vllm.encoding import RequestEncoder
+
+    factory = RequestFactory(RequestEncoder.from_pretrained(qwen_tokenizer_dir), seed=3)
+    short, long4k, long16k = build_variants(["short", "long"])
+    assert factory.min_total_tokens(short) < short.total_tokens  # default short target leaves room for a state
+    assert {r.expected_tokens for r in factory.requests(short, 12)} == {short.total_tokens}
+    assert [r.expected_tokens for r in factory.requests(long4k, 2)] == [4096, 4096]
+    assert factory.make(long16k, 0).expected_tokens == 16384
+    req = factory.make(short, 5)
+    assert [len(q) for q in req.body["questions"]] and [q["type"] for q in req.body["questions"].values()] == \
+        ["noul", "choice", "score"]
+
+
+def test_fanout_variants_share_one_state(tiny_encoder):
+    factory = RequestFactory(tiny_encoder)
+    one, eight = build_variants(["fanout"], fanout_state_tokens=300, fanout_questions=[1, 8])
+    a, b = factory.make(one, 2), factory.make(eight, 2)
+    assert a.body["state"] == b.body["state"]
+    assert len(tiny_encoder.tokenize(a.body["state"])) == 300
+    assert (a.questions, b.questions) == (1, 8)
+    assert b.expected_tokens > a.expected_tokens
+    types = [q["type"] for q in b.body["questions"].values()]
+    assert types[:3] == ["noul", "choice", "score"] and len(set(b.body["questions"])) == 8
+
+
+def test_requests_are_deterministic_and_prefix_stable(tiny_encoder):
+    v = build_variants(["short"], short_tokens=600)[0]
+    a = RequestFactory(tiny_encoder, seed=1).requests(v, 6)
+    b = RequestFactory(tiny_encoder, seed=1).requests(v, 3)
+    c = RequestFactory(tiny_encoder, seed=2).requests(v, 3)
+    assert [r.payload for r in a[:3]] == [r.payload for r in b]
+    assert [r.payload for r in b] != [r.payload for r in c]
+    assert len({r.payload for r in a}) == 6
+
+
+def test_mixed_workload_shares(tiny_encoder):
+    factory = RequestFactory(tiny_encoder)
+    (mixed,) = build_variants(["mixed"], short_tokens=600, long_tokens=[700, 900])
+    sizes = [factory.make(mixed, i).expected_tokens for i in range(200)]
+    share = {n: sizes.count(n) / len(sizes) for n in (700, 900)}
+    assert 0.15 < share[700] < 0.35 and 0.15 < share[900] < 0.35
+    assert 0.4 < sizes.count(600) / len(sizes) < 0.6
+
+
+def test_request_file_keeps_only_request_keys(tmp_path):
+    path = _write_jsonl(tmp_path / "r.jsonl", [
+        {**GOOD, "id": "rec-1", "answer": "technical", "source": "x"},
+        {"request": {"state": "hi", "questions": GOOD["questions"]}, "id": 7},
+        {"state": "no model", "questions": GOOD["questions"]},
+    ])
+    records = load_request_file(path)
+    assert [r.label for r in records] == ["rec-1", "7", "line3"]
+    assert set(records[0].body) == {"model", "state", "questions"}
+    assert records[1].body["model"] == records[2].body["model"] == "clef-flash"
+    assert len(load_request_file(path, limit=2)) == 2
+    (tmp_path / "bad.jsonl").write_text("{}\nnot json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_request_file(tmp_path / "bad.jsonl")
+
+
+def test_synthetic_parity_set_is_varied_and_deterministic():
+    a, b = synthetic_parity_set(40, seed=5), synthetic_parity_set(40, seed=5)
+    assert a == b and a != synthetic_parity_set(40, seed=6)
+    types = {q["type"] for body in a for q in body["questions"].values()}
+    assert types == {"noul", "choice", "score"}
+    choice_ids = [list(q["criteria"]) for body in a for q in body["questions"].values() if q["type"] == "choice"]
+    assert any(ids != sorted(ids) for ids in choice_ids)  # wire order is not the encoded order
+    assert any(not isinstance(body["state"], str) for body in a)
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def test_parse_concurrency_and_helpers():
+    assert parse_concurrency(["1,4,16"]) == ([1, 4, 16], {})
+    assert parse_concurrency(["1,4", "long=1,2", "fanout-64q=1"]) == ([1, 4], {"long": [1, 2], "fanout-64q": [1]})
+    assert parse_concurrency(["long=2"]) == ([1, 4, 16, 64], {"long": [2]})
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
+    assert percentile(list(range(101)), 90) == 90
+    assert server_total_ms("total;dur=12.5") == 12.5 and server_total_ms("db;dur=3, total;dur=7") == 7.0
+    assert server_total_ms(None) is None
+    assert systemone_url("http://h:1/") == systemone_url("http://h:1/v1/systemone") == "http://h:1/v1/systemone"
+    assert unwrap_envelope({"result": {"answers": {}}, "success": True}) == {"answers": {}}
+
+
+def test_bench_modules_import_without_torch_or_vllm():
+    code = ("import sys, clef_vllm.bench.bench_cli, clef_vllm.bench.parity_cli, clef_vllm.bench.raw_vllm; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_raw_vllm_engine_settings(tiny_release, tiny_repacked):
+    from clef_vllm.bench.raw_vllm import raw_engine_kwargs
+
+    release = raw_engine_kwargs(tiny_release, max_model_len=4096)
+    repacked = raw_engine_kwargs(tiny_repacked, extra={"max_num_seqs": 7})
+    for kw in (release, repacked):
+        assert kw["runner"] == "pooling" and kw["convert"] == "embed"
+        assert kw["enable_prefix_caching"] is False and kw["gdn_prefill_backend"] == "triton"
+        assert kw["pooler_config"] == {"seq_pooling_type": "LAST"}
+        assert "additional_config" not in kw  # no head options
+    # The release declares Qwen3_5ForConditionalGeneration: stock class, text only, real weights.
+    assert "hf_overrides" not in release and release["language_model_only"] is True
+    assert release["load_format"] == "auto" and release["max_model_len"] == 4096
+    # Repacked (ClefFlashForDecision, int8 tables): stock text class on dummy weights.
+    assert repacked["hf_overrides"] == {"architectures": ["Qwen3_5ForCausalLM"]}
+    assert repacked["load_format"] == "dummy" and repacked["max_num_seqs"] == 7
+    assert "language_model_only" not in repacked
+    assert raw_engine_kwargs(tiny_release, arch="Qwen3_5ForCausalLM")["hf_overrides"] == {
+        "architectures": ["Qwen3_5ForCausalLM"]}
+
+
+# --------------------------------------------------------------------------- parity math
+
+
+def _noul(p):
+    return {"type": "noul", "noul": p}
+
+
+def _choice(probs):
+    return {"type": "choice", "choice": max(probs, key=probs.get), "confidence": max(probs.values()),
+            "probabilities": probs}
+
+
+def _score(probs):
+    return {"type": "score", "score": sum(i * p for i, p in enumerate(probs)), "confidence": max(probs),
+            "legend": {str(i): str(i) for i in range(len(probs))},
+            "probabilities": {str(i): p for i, p in enumerate(probs)}}
+
+
+def _ok(answers, tokens=100):
+    return Answered("200", body={"model": "m", "answers": answers, "usage": {"input_tokens": tokens}})
+
+
+def test_distribution_tv_kl():
+    d = distribution(_choice({"b": 0.7, "a": 0.2, "c": 0.1}))
+    assert d.top == "b" and d.labels == ["b", "a", "c"] and d.margin == pytest.approx(0.5)
+    assert distribution(_noul(0.5)).top == "true" and distribution(_noul(0.4999)).top == "false"
+    assert distribution(_score([0.4, 0.4, 0.2])).top == "0"  # ties: first level
+    assert total_variation([0.5, 0.5], [0.7, 0.3]) == pytest.approx(0.2)
+    assert kl_divergence([0.5, 0.5], [0.5, 0.5]) == 0
+    assert kl_divergence([1.0, 0.0], [0.0, 1.0]) > 10  # floored, finite
+    assert kl_divergence([0.5, 0.5], [0.9, 0.1]) == pytest.approx(
+        0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1), rel=1e-4)
+
+
+def test_compare_runs_counts_flips_errors_and_tokens():
+    a = [_ok({"n": _noul(0.9), "c": _choice({"x": 0.55, "y": 0.45}), "s": _score([0.1, 0.2, 0.7])}),
+         _ok({"n": _noul(0.2)}, tokens=50),
+         Answered("422", error="bad"),
+         Answered("413", error="too long")]
+    b = [_ok({"n": _noul(0.88), "c": _choice({"y": 0.52, "x": 0.48}), "s": _score([0.1, 0.2, 0.7])}),
+         _ok({"n": _noul(0.2)}, tokens=51),
+         Answered("422", error="bad"),
+         _ok({"n": _noul(0.5)})]
+    r = compare_runs(["r0", "r1", "r2", "r3"], a, b)
+    assert r["requests_compared"] == 2
+    assert r["status_pairs_not_compared"] == {"413/200": 1, "422/422": 1}
+    assert r["problems"][0]["label"] == "r3"  # the status disagreement is listed, the shared 422 is not
+    assert r["input_token_mismatches"] == 1 and r["input_token_mismatch_examples"][0]["label"] == "r1"
+    assert r["per_type"]["noul"]["questions"] == 2 and r["per_type"]["noul"]["flips"] == 0
+    assert r["per_type"]["noul"]["max_abs_dp"] == pytest.approx(0.02)
+    choice = r["per_type"]["choice"]
+    assert choice["flips"] == 1 and choice["top1_agreement"] == 0 and choice["mean_tv"] == pytest.approx(0.07)
+    assert r["per_type"]["score"]["mean_tv"] == 0 and r["per_type"]["score"]["mean_abs_d_score"] == 0
+    assert r["overall"]["questions"] == 4 and r["overall"]["top1_agreement"] == pytest.approx(0.75)
+    (flip,) = r["flips"]
+    assert (flip["label"], flip["question"], flip["a_top"], flip["b_top"]) == ("r0", "c", "x", "y")
+    assert flip["a_margin"] == pytest.approx(0.1) and flip["b_margin"] == pytest.approx(0.04)
+
+
+def test_condition_orders():
+    assert Condition("m", 4).indices(5) == [0, 1, 2, 3, 4]
+    shuffled = Condition("n", 1, "shuffled", seed=3).indices(50)
+    assert sorted(shuffled) == list(range(50)) and shuffled != list(range(50))
+    assert shuffled == Condition("n", 1, "shuffled", seed=3).indices(50)
+
+
+# --------------------------------------------------------------------------- against a live server
+
+
+def _bench(argv, out: Path) -> tuple[int, dict]:
+    rc = bench_main([*argv, "-o", str(out), "--no-progress"])
+    return rc, json.loads(out.read_text())
+
+
+def _check_point(p: dict) -> None:
+    assert p["ok"] == p["sent"] == p["requests"] and p["errors"] == {} and p["unexpected_status"] == 0
+    assert p["req_per_s"] > 0 and p["input_tok_per_s"] > 0 and p["questions_per_s"] > 0 and p["duration_s"] > 0
+    lat = p["latency_ms"]
+    assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert p["server_ms"]["p50"] <= lat["p50"]  # our server reports Server-Timing; it excludes the network
+    tokens = p["input_tokens"]
+    assert tokens["checked"] == p["ok"] and tokens["mismatches"] == 0
+    assert tokens["total_reported"] == pytest.approx(p["input_tok_per_s"] * p["duration_s"], rel=1e-3)
+
+
+def test_bench_short_and_fanout_against_live_server(live_server, tiny_release, tiny_short_tokens, tmp_path, capsys):
+    rc, res = _bench([live_server.url, "--tokenizer", str(tiny_release), "--workload", "short,fanout",
+                      "--short-tokens", str(tiny_short_tokens), "--fanout-tokens", "64", "--fanout-questions", "1,3",
+                      "--concurrency", "1,2", "fanout=2", "-n", "4", "--warmup", "1", "--wait-ready", "30",
+                      "--label", "ci", "--fail-on-error"], tmp_path / "bench.json")
+    assert rc == 0
+    assert res["schema"] == "clef-bench/1" and res["mode"] == "http" and res["label"] == "ci"
+    assert res["target"]["url"] == live_server.url + "/v1/systemone"
+    assert res["server"]["data"][0]["backend"] == "reference"
+    assert [(p["variant"], p["concurrency"]) for p in res["points"]] == [
+        ("short", 1), ("short", 2), ("fanout-1q", 2), ("fanout-3q", 2)]
+    for p in res["points"]:
+        _check_point(p)
+    short = res["points"][0]
+    assert short["input_tokens"]["mean_expected"] == tiny_short_tokens
+    assert short["input_tokens"]["total_reported"] == 4 * tiny_short_tokens
+    assert [v["questions"] for v in res["variants"]] == [3, 1, 3]
+    table = capsys.readouterr().out
+    assert "p99 ms" in table and "fanout-3q" in table and "MISMATCH" not in table
+
+
+def test_bench_detects_token_count_mismatch(live_server, tiny_release, tiny_short_tokens, tmp_path):
+    # The client believes the server cuts requests at 8 tokens fewer than it does: every count differs.
+    rc, res = _bench([live_server.url, "--tokenizer", str(tiny_release), "--short-tokens", str(tiny_short_tokens),
+                      "--max-model-len", str(tiny_short_tokens - 8), "-c", "1", "-n", "3", "--warmup", "0",
+                      "--fail-on-error"], tmp_path / "mismatch.json")
+    assert rc == 1
+    tokens = res["points"][0]["input_tokens"]
+    assert tokens["checked"] == 3 and tokens["mismatches"] == 3
+    assert tokens["mismatch_examples"][0] == {"request": "short#0", "expected": tiny_short_tokens - 8,
+                                              "reported": tiny_short_tokens}
+
+
+def test_bench_request_file_counts_errors_by_status(live_server, tiny_release, tmp_path):
+    path = _write_jsonl(tmp_path / "file.jsonl", [
+        {**GOOD, "id": "ok-1", "answer": "technical"},
+        {**GOOD, "id": "empty-choice", "questions": {"team": {"type": "choice", "criteria": {}}}},
+        {**GOOD, "id": "bad-type", "questions": {"q": {"type": "ranking"}}},
+        {**GOOD, "id": "ok-2", "state": {"ticket": 1}},
+    ])
+    rc, res = _bench([live_server.url, "--tokenizer", str(tiny_release), "--workload", "none", "--requests", str(path),
+                      "-c", "2", "--warmup", "0"], tmp_path / "file.json")
+    assert rc == 0
+    (p,) = res["points"]
+    assert p["variant"] == "file" and (p["requests"], p["ok"]) == (4, 2)
+    assert p["errors"] == {"422": 2} and p["unexpected_status"] == 0  # the encoder predicted both refusals
+    assert p["input_tokens"]["checked"] == 2 and p["input_tokens"]["mismatches"] == 0
+    assert {e["request"] for e in p["error_examples"]} == {"empty-choice", "bad-type"}
+
+
+def test_bench_counts_connection_errors(tiny_release, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    rc, res = _bench([url, "--tokenizer", str(tiny_release), "--short-tokens", "600", "-c", "1", "-n", "2",
+                      "--warmup", "0", "--timeout", "5", "--fail-on-error"], tmp_path / "dead.json")
+    assert rc == 1
+    p = res["points"][0]
+    assert p["errors"] == {"connect_error": 2} and p["ok"] == 0 and p["latency_ms"] is None
+
+
+def test_bench_compare_mode(tmp_path, capsys):
+    def result(mode, tok_s, p50):
+        point = {"variant": "short", "concurrency": 4, "input_tok_per_s": tok_s, "req_per_s": tok_s / 300,
+                 "latency_ms": {"p50": p50}, "errors": {}}
+        return {"mode": mode, "target": {}, "points": [point, {**point, "variant": "long-4k"}]}
+
+    base, res = tmp_path / "raw.json", tmp_path / "server.json"
+    base.write_text(json.dumps(result("raw-vllm", 40000.0, 10.0)))
+    res.write_text(json.dumps({**result("http", 30000.0, 12.5), "points": result("http", 30000.0, 12.5)["points"][:1]}))
+    assert bench_main(["--compare", str(base), str(res), "-o", str(tmp_path / "cmp.json")]) == 0
+    (row,) = json.loads((tmp_path / "cmp.json").read_text())["rows"]
+    assert row["throughput_ratio"] == 0.75 and row["p50_ratio"] == 1.25
+    out = capsys.readouterr().out
+    assert "server vs baseline raw vLLM" in out and "0.750" in out
+
+
+def test_parity_server_vs_offline_reference(live_server, tiny_release, tmp_path, capsys):
+    receipt_path = tmp_path / "parity.json"
+    rc = parity_main([live_server.url, f"reference:{tiny_release}", "--synthetic", "12", "--device", "cpu",
+                      "-c", "4", "--noise-floor", "a", "-o", str(receipt_path), "--no-progress", "--fail-below", "1.0"])
+    assert rc == 0
+    receipt = json.loads(receipt_path.read_text())
+    assert receipt["schema"] == "clef-parity/1"
+    assert receipt["a"]["kind"] == "http" and receipt["b"]["kind"] == "offline"
+    assert receipt["request_set"]["requests"] == 12 and len(receipt["request_set"]["sha256"]) == 64
+    cmp_ = receipt["comparison"]
+    assert cmp_["requests_compared"] == 12 and cmp_["input_token_mismatches"] == 0 and cmp_["problems"] == []
+    overall = cmp_["overall"]
+    assert overall["questions"] == receipt["request_set"]["questions"]["total"]
+    assert overall["top1_agreement"] == 1.0 and cmp_["flips"] == []
+    assert overall["max_abs_dp"] < 0.01 and overall["mean_tv"] < 0.002
+    for t in ("noul", "choice", "score"):
+        assert cmp_["per_type"][t]["questions"] == receipt["request_set"]["questions"][t]
+    noise = receipt["noise_floor"]["A"]
+    assert noise["condition"] == {"name": "noise", "concurrency": 1, "order": "shuffled", "seed": 0}
+    assert noise["comparison"]["overall"]["questions"] == overall["questions"]
+    assert noise["comparison"]["overall"]["top1_agreement"] == 1.0
+    assert receipt["conditions"]["main"] == {"name": "main", "concurrency": 4, "order": "request"}
+    summary = receipt_path.with_suffix(".md").read_text()
+    assert "| A vs B | overall |" in summary and "| noise A | overall |" in summary and "No flips" in summary
+    assert "top-1" in capsys.readouterr().out
+
+
+def test_parity_offline_against_itself_from_file(tiny_release, tmp_path):
+    path = _write_jsonl(tmp_path / "held_out.jsonl", [
+        {**GOOD, "id": "a", "answer": "technical", "source": "test"},
+        {**GOOD, "id": "b", "state": {"invoice": {"total": 1250.0, "status": "overdue"}}},
+        {**GOOD, "id": "c", "questions": {"team": {"type": "choice", "criteria": {}}}},  # refused by both
+    ])
+    out = tmp_path / "self.json"
+    rc = parity_main([f"reference:{tiny_release}", f"reference:{tiny_release}", "--requests", str(path),
+                      "--device", "cpu", "-c", "2", "--noise-floor", "none", "-o", str(out),
+                      "--summary", str(tmp_path / "s.md"), "--no-progress"])
+    assert rc == 0
+    receipt = json.loads(out.read_text())
+    cmp_ = receipt["comparison"]
+    assert receipt["request_set"]["source"].startswith("file") and receipt["request_set"]["synthetic"] == 0
+    assert cmp_["status_pairs_not_compared"] == {"422/422": 1} and cmp_["requests_compared"] == 2
+    assert cmp_["overall"]["questions"] == 6 and cmp_["overall"]["mean_tv"] == 0 and cmp_["overall"]["max_abs_dp"] == 0
+    assert receipt["noise_floor"] == {}
+    assert (tmp_path / "s.md").read_text().startswith("# clef-parity")
+
+
+def test_console_scripts_installed():
+    for name in ("clef-bench", "clef-parity"):
+        exe = shutil.which(name)
+        if exe is None:
+            pytest.skip(f"{name} not on PATH (pip install -e ./vllm_plugin --no-deps)")
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
+        assert out.stdout.startswith("clef-vllm ")
