@@ -134,6 +134,33 @@ def _dtype_ok(want: str, got: str) -> bool:
 # --------------------------------------------------------------------------- the checks
 
 
+def check_config_only(path: str | Path, capability=None, prefix: str = "model.") -> Report:
+    """Checks that need no weights (a checkpoint whose weights are build outputs): config.json's
+    quantization config and per-module schemes, the head config and marker, the kernels."""
+    from clef_vllm.checkpoint import HEAD_CONFIG, HEAD_DIR, CheckpointError, check_version_marker
+    from clef_vllm.head import HeadConfig, HeadConfigError
+
+    root = Path(path)
+    report = Report(str(path))
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    report.add("layout", OK, f"config only; architectures {config.get('architectures')}")
+    head_file = root / HEAD_DIR / HEAD_CONFIG if (root / HEAD_DIR / HEAD_CONFIG).is_file() else root / HEAD_CONFIG
+    try:
+        head = HeadConfig.from_dict(json.loads(head_file.read_text(encoding="utf-8")), str(head_file))
+        check_version_marker(head.requires_clef_vllm, head_file)
+        hidden = config.get("text_config", config).get("hidden_size")
+        level = OK if head.hidden_size == hidden else ERROR
+        report.add("head", level, f"{head_file.relative_to(root)}: hidden {head.hidden_size} (backbone {hidden}), width "
+                                  f"{head.width}; requires_clef_vllm {head.requires_clef_vllm} (satisfied)")
+        if head.requires_clef_vllm is None:
+            report.add("head", ERROR, f"{head_file}: no requires_clef_vllm marker")
+    except (OSError, HeadConfigError, CheckpointError, ValueError) as exc:
+        report.add("head", ERROR, str(exc))
+    _check_quantization(report, config, prefix)
+    _predict_kernels(report, capability)
+    return report
+
+
 def check_checkpoint(path: str | Path, capability=None, check_values: bool = True, prefix: str = "model.") -> Report:
     """Run every check on the checkpoint at ``path``; never raises for a bad checkpoint."""
     from safetensors import safe_open
@@ -183,33 +210,7 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
         report.add("tables", OK, "embed_tokens and lm_head in the backbone files (release layout, 16-bit)")
 
     # quantization config and per-module schemes
-    table = []
-    try:
-        qconfig = Q.read_quantization_config(files.config)
-        table = Q.scheme_table(files.config, qconfig, prefix=prefix)
-        if qconfig is None:
-            report.add("quantization", OK, "not quantized (16-bit backbone)")
-        else:
-            import compressed_tensors
-
-            report.add("quantization", OK, f"compressed-tensors config parses with compressed-tensors "
-                                           f"{compressed_tensors.__version__} (written by "
-                                           f"{files.quantization_config.get('version', '?')}); format {qconfig.format}; "
-                                           f"groups {', '.join(qconfig.config_groups)}; {len(qconfig.ignore or [])} ignore entries")
-        report.schemes = Q.summarize_schemes(table)
-        for row in table:
-            for problem in row.problems:
-                report.add("quantization", ERROR, problem)
-        per_layer: dict[int, dict] = {}
-        for row in table:
-            entry = per_layer.setdefault(row.module.layer, {"layer": row.module.layer, "modules": {}})
-            entry["modules"][row.module.proj] = row.kind
-        types = text.get("layer_types") or []
-        for i, entry in sorted(per_layer.items()):
-            entry["type"] = "GDN" if i < len(types) and types[i] == "linear_attention" else "attention"
-            report.layers.append(entry)
-    except Q.QuantConfigError as exc:
-        report.add("quantization", ERROR, str(exc))
+    table = _check_quantization(report, files.config, prefix)
 
     # tensors: missing / unexpected / shapes / non-finite
     hf_prefix = "model.language_model." if "text_config" in files.config else "model."
@@ -268,7 +269,48 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
     except Exception as exc:  # noqa: BLE001
         report.add("fused scales", ERROR, f"could not read global scales: {exc}")
 
-    # kernels
+    _predict_kernels(report, capability)
+    return report
+
+
+def _check_quantization(report: Report, config: dict, prefix: str) -> list:
+    """Parse quantization_config with compressed-tensors and resolve every vLLM module's scheme."""
+    from clef_vllm import quant as Q
+
+    table = []
+    text = config.get("text_config", config)
+    try:
+        qconfig = Q.read_quantization_config(config)
+        table = Q.scheme_table(config, qconfig, prefix=prefix)
+        if qconfig is None:
+            report.add("quantization", OK, "not quantized (16-bit backbone)")
+        else:
+            import compressed_tensors
+
+            report.add("quantization", OK, f"compressed-tensors config parses with compressed-tensors "
+                                           f"{compressed_tensors.__version__} (written by "
+                                           f"{config['quantization_config'].get('version', '?')}); format {qconfig.format}; "
+                                           f"groups {', '.join(qconfig.config_groups)}; {len(qconfig.ignore or [])} ignore entries")
+        report.schemes = Q.summarize_schemes(table)
+        for row in table:
+            for problem in row.problems:
+                report.add("quantization", ERROR, problem)
+        per_layer: dict[int, dict] = {}
+        for row in table:
+            entry = per_layer.setdefault(row.module.layer, {"layer": row.module.layer, "modules": {}})
+            entry["modules"][row.module.proj] = row.kind
+        types = text.get("layer_types") or []
+        for i, entry in sorted(per_layer.items()):
+            entry["type"] = "GDN" if i < len(types) and types[i] == "linear_attention" else "attention"
+            report.layers.append(entry)
+    except Q.QuantConfigError as exc:
+        report.add("quantization", ERROR, str(exc))
+    return table
+
+
+def _predict_kernels(report: Report, capability) -> None:
+    from clef_vllm import quant as Q
+
     cap = capability if capability is not None else Q.cuda_capability()
     assumed = cap is None
     cap = (9, 0) if cap is None else Q.parse_capability(cap)
@@ -282,7 +324,6 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
         report.add("kernels", OK if k.supported else ERROR,
                    f"{kind} ({report.schemes.get(kind, 0)} modules): {k.scheme_class} -> {k.kernel}. {k.description}"
                    + (" [capability assumed: no GPU here; pass --capability]" if assumed else ""))
-    return report
 
 
 def format_layers(report: Report) -> list[str]:
@@ -303,20 +344,25 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-values", action="store_true", help="do not read tensor values (no non-finite check)")
     ap.add_argument("--prefix", default="model.", help="vLLM module prefix ('model.' for the plugin's class, "
                                                        "'language_model.model.' for vLLM's VL class)")
+    ap.add_argument("--config-only", action="store_true", help="check config.json and the head config only "
+                                                                "(weights not built yet, e.g. the repo root)")
     ap.add_argument("--json", type=Path, help="also write the report as JSON")
     ap.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
     a = ap.parse_args(argv)
-    report = check_checkpoint(a.checkpoint, a.capability, not a.skip_values, a.prefix)
+    if a.config_only:
+        report = check_config_only(a.checkpoint, a.capability, a.prefix)
+    else:
+        report = check_checkpoint(a.checkpoint, a.capability, not a.skip_values, a.prefix)
     section = None
     for f in report.findings:
         if a.quiet and f.level == OK:
             continue
         if f.section != section:
-            section = f.section
-            print(f"[{section}]")
-            if section == "tensors" and report.layers and not a.quiet:
+            if section == "quantization" and report.layers and not a.quiet:
                 print("  per-layer schemes (vLLM modules):")
                 print("\n".join(format_layers(report)))
+            section = f.section
+            print(f"[{section}]")
         print(f"  {'OK ' if f.level == OK else f.level.upper()}: {f.message}")
     if a.json:
         a.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
