@@ -1,0 +1,195 @@
+"""The CPU reference backend (clef-spec §4.3, §5.4) on the tiny checkpoints, both layouts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from clef_vllm.answers import build_response
+from clef_vllm.backends import make_backend, resolve_backend
+from clef_vllm.backends.reference import ReferenceBackend
+from clef_vllm.protocol import parse_request
+from clef_vllm.tables import DenseTable, Int8RowTable
+
+WORDS = ("the customer order invoice payment refund billing technical sales account support ticket urgent error "
+         "outage service login password email team product price plan upgrade cancel status paid overdue draft "
+         "total vendor amount today week minor major critical security incident alert spam fraud safe").split()
+
+
+def generated_requests(n: int, seed: int = 0) -> list[dict]:
+    """Varied requests: 1-3 questions of every type, 2-5 options, states of 3-40 words or JSON."""
+    rng = random.Random(seed)
+
+    def words(lo, hi):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for i in range(n):
+        questions = {}
+        for k in range(rng.randint(1, 3)):
+            qtype = rng.choice(["noul", "choice", "score"])
+            q = {"type": qtype, "instructions": words(2, 9) + "?"}
+            if qtype == "choice":
+                q["criteria"] = {f"{rng.choice(WORDS)}_{j}": (words(1, 5) if rng.random() < 0.8 else None)
+                                 for j in range(rng.randint(2, 5))}
+            elif qtype == "score":
+                q["criteria"] = [words(1, 3) for _ in range(rng.randint(2, 5))]
+            elif rng.random() < 0.5:
+                q["criteria"] = {"true": words(2, 6), "false": words(2, 6)}
+            questions[f"q{k}_{rng.choice(WORDS)}"] = q
+        state = words(3, 40) if i % 3 else {"ticket": {"id": i, "text": words(3, 20), "score": rng.random()}}
+        out.append({"model": "clef-flash", "state": state, "questions": questions})
+    return out
+
+
+@pytest.fixture(scope="module")
+def release(tiny_release, cache_dir):
+    backend = ReferenceBackend(tiny_release, device="cpu")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def repacked(tiny_repacked, cache_dir):
+    backend = ReferenceBackend(tiny_repacked, device="cpu")
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def requests_():
+    return generated_requests(24)
+
+
+@pytest.fixture(scope="module")
+def release_probs(release, requests_):
+    """The release backend's answers to ``requests_`` (one batched call, shared by several tests)."""
+    enc = encode_all(release, requests_)
+    return enc, release.decide_batch(enc)
+
+
+def encode_all(backend, requests):
+    return [backend.encoder.encode(parse_request(r)) for r in requests]
+
+
+def test_backend_selection():
+    assert resolve_backend("reference") == "reference"
+    if not torch.cuda.is_available():
+        assert resolve_backend("auto") == "reference"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("tensorrt")
+
+
+def test_both_layouts_load_and_answer(release, repacked, requests_):
+    assert release.files.layout == "release" and isinstance(release.lm_table, DenseTable)
+    assert repacked.files.layout == "repacked" and isinstance(repacked.lm_table, Int8RowTable)
+    for backend in (release, repacked):
+        assert backend.head.dtype == torch.bfloat16
+        assert next(backend.model.parameters()).dtype == torch.bfloat16
+        assert backend.describe()["layout"] == backend.files.layout
+        req = parse_request(requests_[0])
+        enc = backend.encoder.encode(req)
+        body = build_response(req, enc, backend.decide_batch([enc])[0])
+        assert list(body["answers"]) == list(requests_[0]["questions"])
+        assert body["usage"]["input_tokens"] == enc.num_tokens == len(enc.input_ids)
+
+
+def test_hidden_states_equal_the_transformers_release_model(release, tiny_release):
+    """The loader's name mapping is right: same final-norm states as HF's own from_pretrained."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    full = Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny_release), dtype=torch.bfloat16,
+                                                           attn_implementation="sdpa").eval()
+    enc = encode_all(release, generated_requests(2, seed=5))
+    ours = release.hidden_states(enc[:1])
+    with torch.inference_mode():
+        ids = torch.tensor([enc[0].input_ids])
+        theirs = full.model.language_model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                           use_cache=False).last_hidden_state
+    assert ours.shape == theirs.shape == (1, enc[0].num_tokens, 128)
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    # and lm_head is the release's untied lm_head.weight
+    assert torch.equal(release.lm_table.weight, full.lm_head.weight)
+    assert not torch.equal(full.lm_head.weight, full.model.language_model.embed_tokens.weight)
+
+
+def test_probabilities_are_distributions_and_not_flat(release_probs):
+    enc, probs = release_probs
+    top = []
+    for e, p in zip(enc, probs):
+        assert p.dtype == torch.float32 and p.shape == (sum(len(f.option_ids) for f in e.fields),)
+        for part in p.split([len(f.option_ids) for f in e.fields]):
+            assert abs(float(part.sum()) - 1) < 1e-5
+            top.append(float(part.max()) - 1 / len(part))
+    assert max(top) > 0.2                                  # the tiny model has opinions
+
+
+def test_int8_tables_agree_with_bf16_tables(release_probs, repacked, requests_):
+    """Same seed, same weights; only embed_tokens / lm_head went through per-row int8 (≤ 1e-2)."""
+    enc_a, pa = release_probs
+    enc_b = encode_all(repacked, requests_)
+    assert [e.input_ids for e in enc_a] == [e.input_ids for e in enc_b]
+    pb = repacked.decide_batch(enc_b)
+    deltas = [float((a - b).abs().max()) for a, b in zip(pa, pb)]
+    assert max(deltas) <= 1e-2, max(deltas)
+    assert max(deltas) > 0                                  # the int8 path really ran
+    for e, a, b in zip(enc_a, pa, pb):
+        for x, y in zip(a.split([len(f.option_ids) for f in e.fields]), b.split([len(f.option_ids) for f in e.fields])):
+            top2 = x.topk(2).values if len(x) > 1 else x
+            if len(x) > 1 and float(top2[0] - top2[1]) > 2e-2:
+                assert int(x.argmax()) == int(y.argmax())
+
+
+def test_a_batch_equals_each_request_alone(release, requests_):
+    """Right padding is harmless (causal backbone, masked head): bf16 tolerance."""
+    enc = encode_all(release, requests_[:6])
+    assert len({e.num_tokens for e in enc}) > 3
+    batched = release.decide_batch(enc)
+    for e, p in zip(enc, batched):
+        torch.testing.assert_close(p, release.decide_batch([e])[0], atol=1e-2, rtol=0)
+
+
+def test_batch_splitting_keeps_the_order(release, release_probs):
+    enc, whole = release_probs[0][:7], release_probs[1][:7]
+    saved = release.max_batch_size, release.max_batch_tokens
+    try:
+        release.max_batch_size = 3
+        groups = release._batches(enc)
+        assert sorted(i for g in groups for i in g) == list(range(7)) and max(map(len, groups)) == 3
+        split = release.decide_batch(enc)
+    finally:
+        release.max_batch_size, release.max_batch_tokens = saved
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=0)
+
+
+def test_micro_batched_async_path_equals_the_blocking_path(tiny_release, requests_, cache_dir):
+    backend = ReferenceBackend(tiny_release, device="cpu", max_batch_size=4)
+    try:
+        enc = encode_all(backend, requests_[:6])
+
+        async def run():
+            return await asyncio.gather(*(backend.decide(e) for e in enc))
+
+        got = asyncio.run(run())
+        for e, p in zip(enc, got):
+            torch.testing.assert_close(p, backend.decide_batch([e])[0], atol=1e-2, rtol=0)
+    finally:
+        backend.close()
+
+
+def test_float32_head(tiny_release, release, requests_, cache_dir):
+    backend = make_backend(tiny_release, "reference", dtype="float32", device="cpu")
+    try:
+        assert backend.head.dtype == torch.float32
+        assert next(backend.model.parameters()).dtype == torch.bfloat16    # the backbone stays bf16
+        enc = encode_all(backend, requests_[:4])
+        for a, b in zip(backend.decide_batch(enc), release.decide_batch(enc)):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        make_backend(tiny_release, "reference", dtype="float16")
