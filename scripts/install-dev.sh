@@ -8,3 +8,17 @@ python -m pip install -q --upgrade pip
 python -m pip install -q -e "./vllm_plugin[test]"
 python -m pip install -q --no-deps "vllm==0.28.0"
 python -m pip install -q -r requirements/vllm-cpu.txt
+python -m pip install -q -r requirements/scripts.txt
+# llm-compressor (scripts/quantize_mixed.py) lives in its own venv: llmcompressor 0.14.0.1 pins
+# compressed-tensors 0.19.0, vLLM 0.28 pins 0.17.0 (requirements/quant.txt). CLEF_QUANT_VENV moves it.
+QUANT_VENV="${CLEF_QUANT_VENV:-.venv-quant}"
+if [ ! -x "$QUANT_VENV/bin/python" ]; then
+    python -m venv "$QUANT_VENV"
+fi
+"$QUANT_VENV/bin/python" -m pip install -q -r requirements/quant.txt
+"$QUANT_VENV/bin/python" -m pip install -q --no-deps -e ./vllm_plugin
+# keep the default venv out of git and of the device tool's working-tree transfers
+if [ "$QUANT_VENV" = ".venv-quant" ] && [ -d .git ]; then
+    mkdir -p .git/info
+    grep -qxF '/.venv-quant/' .git/info/exclude 2>/dev/null || echo '/.venv-quant/' >> .git/info/exclude
+fi
