@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--raw-vllm", metavar="MODEL_DIR",
                       help="baseline: vLLM embed pooling of the same token ids on MODEL_DIR, in-process (GPU)")
     mode.add_argument("--compare", nargs=2, metavar=("BASELINE.json", "RESULT.json"),
-                      help="print RESULT next to BASELINE (e.g. raw-vLLM vs server) and exit")
+                      help="print RESULT next to BASELINE (e.g. raw-vLLM vs server) and exit; with -o, JSON + .txt")
 
     w = p.add_argument_group("requests")
     w.add_argument("--tokenizer", "--model-dir", dest="tokenizer", metavar="DIR",
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first wait up to S seconds for GET /health to say 200")
 
     o = p.add_argument_group("output")
-    o.add_argument("-o", "--output", metavar="FILE.json", help="results file (default clef-bench-<time>.json)")
+    o.add_argument("-o", "--output", metavar="FILE.json",
+                   help="results file (default clef-bench-<time>.json); the table also goes to FILE.txt")
     o.add_argument("--label", default=None, help="free text stored with the results (e.g. 'tiny bf16 dp1')")
     o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     o.add_argument("--fail-on-error", action="store_true",
@@ -210,11 +211,15 @@ def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) 
 
 
 async def run_plan(plan: list[PlanItem], session: Callable[[int], Any], *, time_limit: float | None,
-                   progress: bool, log: Callable[[str], None]) -> list[dict]:
-    """Warm up and measure every (variant, concurrency) point; ``session(c)`` yields a sender."""
+                   progress: bool, log: Callable[[str], None],
+                   on_point: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Warm up and measure every (variant, concurrency) point; ``session(c)`` yields a sender.
+
+    ``on_point(points so far)`` runs after each point (the CLI saves partial results there).
+    """
     from tqdm import tqdm
 
-    points = []
+    points: list[dict] = []
     for item in plan:
         if item.warm:
             c = min(len(item.warm), max(item.concurrencies))
@@ -235,6 +240,8 @@ async def run_plan(plan: list[PlanItem], session: Callable[[int], Any], *, time_
             point = summarize_point(item.name, c, reqs, outcomes, wall, client_cpu_s=cpu)
             points.append(point)
             log("  ".join(bench_row(point)))
+            if on_point is not None:
+                on_point(points)
     return points
 
 
@@ -298,12 +305,15 @@ def _compare(args) -> int:
     baseline, result = (json.loads(Path(p).read_text()) for p in args.compare)
     rows = compare_points(baseline, result)
     name = {"raw-vllm": "raw vLLM", "http": "server"}
-    print(compare_table(rows, name.get(baseline.get("mode"), "baseline"), name.get(result.get("mode"), "result")))
+    table = compare_table(rows, name.get(baseline.get("mode"), "baseline"), name.get(result.get("mode"), "result"))
+    print(table)
     if args.output:
         doc = {"schema": f"clef-bench-compare/{RESULT_SCHEMA_VERSION}", "baseline": args.compare[0],
                "result": args.compare[1], "baseline_target": baseline.get("target"),
                "result_target": result.get("target"), "rows": rows}
-        Path(args.output).write_text(dumps(doc) + "\n")
+        out = Path(args.output)
+        out.write_text(dumps(doc) + "\n")
+        out.with_suffix(".txt").write_text(table + "\n")
     return 0 if rows else 1
 
 
@@ -343,6 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                      "requests_file": args.requests},
         "environment": environment(),
     }
+    out = Path(args.output or f"clef-bench-{created:%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(points: list[dict], complete: bool) -> None:
+        """Write the results so far (a run killed by a timeout keeps its finished points)."""
+        results["points"] = points
+        results["complete"] = complete
+        if complete:
+            results["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        out.write_text(dumps(results) + "\n")
+        out.with_suffix(".txt").write_text(bench_table(results) + "\n")
+
     plan = make_plan(args, factory, log)
     if raw:  # requests the server would refuse (e.g. 413) have nothing to embed
         for item in plan:
@@ -373,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             await engine.start()
             log(f"engine ready in {engine.start_s:.1f}s")
             try:
-                return await run_plan(plan, session, time_limit=args.time_limit, progress=args.progress, log=log)
+                return await run_plan(plan, session, time_limit=args.time_limit, progress=args.progress, log=log,
+                                      on_point=lambda pts: save(pts, False))
             finally:
                 results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm, **engine.describe()}
                 engine.close()
@@ -386,15 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         results["target"] = {"kind": "http", "url": systemone_url(args.url)}
         results["server"] = server_info(args.url, headers)
         points = asyncio.run(run_plan(plan, http_session_factory(args.url, args.timeout, headers),
-                                      time_limit=args.time_limit, progress=args.progress, log=log))
-    results["points"] = points
-    results["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-    out = Path(args.output or f"clef-bench-{created:%Y%m%d-%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dumps(results) + "\n")
+                                      time_limit=args.time_limit, progress=args.progress, log=log,
+                                      on_point=lambda pts: save(pts, False)))
+    save(points, True)
     print(bench_table(results))
-    log(f"results: {out}")
+    log(f"results: {out} (table: {out.with_suffix('.txt')})")
     bad = [p for p in points if p["unexpected_status"] or p["input_tokens"]["mismatches"]]
     if bad:
         log(f"WARNING: {len(bad)} point(s) with unexpected statuses or token-count mismatches")

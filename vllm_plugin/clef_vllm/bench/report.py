@@ -56,6 +56,8 @@ def bench_table(results: dict) -> str:
     title = f"clef-bench {results.get('mode')}: {_target_name(results)}"
     if results.get("label"):
         title += f"  [{results['label']}]"
+    if results.get("complete") is False:
+        title += "  (PARTIAL: the run stopped before its last point)"
     rows = [bench_row(p) for p in results.get("points", [])]
     return title + "\n" + _table(BENCH_HEADER, rows, right=set(range(1, len(BENCH_HEADER) - 1)))
 
