@@ -27,6 +27,16 @@ from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_varian
 
 
 @pytest.fixture(scope="module")
+def hosted_server(tiny_release, cache_dir):
+    """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits)."""
+    from conftest import LiveServer
+
+    server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai"]).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def tiny_encoder(tiny_release):
     from clef_vllm.encoding import RequestEncoder
 
@@ -277,6 +287,8 @@ def test_bench_short_and_fanout_against_live_server(live_server, tiny_release, t
     assert short["input_tokens"]["mean_expected"] == tiny_short_tokens
     assert short["input_tokens"]["total_reported"] == 4 * tiny_short_tokens
     assert [v["questions"] for v in res["variants"]] == [3, 1, 3]
+    assert res["complete"] is True and res["finished_utc"]
+    assert (tmp_path / "bench.txt").read_text().startswith("clef-bench http")
     table = capsys.readouterr().out
     assert "p99 ms" in table and "fanout-3q" in table and "MISMATCH" not in table
 
@@ -391,3 +403,22 @@ def test_console_scripts_installed():
             pytest.skip(f"{name} not on PATH (pip install -e ./vllm_plugin --no-deps)")
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
         assert out.stdout.startswith("clef-vllm ")
+
+
+def test_bench_and_parity_against_a_hosted_dialect_server(live_server, hosted_server, tiny_release,
+                                                         tiny_short_tokens, tmp_path):
+    # clef-bench unwraps the {result, success, ...} envelope and still checks the token counts.
+    rc, res = _bench([hosted_server.url, "--tokenizer", str(tiny_release), "--short-tokens", str(tiny_short_tokens),
+                      "-c", "2", "-n", "4", "--warmup", "0", "--fail-on-error"], tmp_path / "hosted.json")
+    assert rc == 0
+    _check_point(res["points"][0])
+    # Two different servers, one model: the same probabilities (confidence formulas differ, and are ignored).
+    out = tmp_path / "dialects.json"
+    rc = parity_main([live_server.url, hosted_server.url, "--synthetic", "8", "-c", "2", "--noise-floor", "b",
+                      "-o", str(out), "--no-progress"])
+    assert rc == 0
+    receipt = json.loads(out.read_text())
+    cmp_ = receipt["comparison"]
+    assert cmp_["requests_compared"] == 8 and cmp_["problems"] == [] and cmp_["input_token_mismatches"] == 0
+    assert cmp_["overall"]["top1_agreement"] == 1.0 and cmp_["overall"]["max_abs_dp"] < 0.01
+    assert list(receipt["noise_floor"]) == ["B"]

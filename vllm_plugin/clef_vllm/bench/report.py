@@ -132,6 +132,7 @@ def parity_markdown(receipt: dict) -> str:
         lines.append(f"- Not compared (A/B status): {cmp_['status_pairs_not_compared']}")
     if cmp_["input_token_mismatches"]:
         lines.append(f"- **usage.input_tokens differs on {cmp_['input_token_mismatches']} requests**")
+    lines += [f"- {line}" for line in verdict_lines(receipt)]
     lines.append("")
     header = "| type | questions | top-1 agreement | mean TV | mean KL | max abs Δp | flips |"
     cols = ["A vs B"] + [f"noise {side}" for side in noise]
@@ -158,6 +159,23 @@ def parity_markdown(receipt: dict) -> str:
     lines.append("")
     lines.append(f"Command: `{' '.join(receipt.get('argv') or [])}`")
     return "\n".join(lines) + "\n"
+
+
+def verdict_lines(receipt: dict) -> list[str]:
+    """A vs B overall, next to each noise floor (agreement gap and TV ratio)."""
+    ab = receipt["comparison"]["overall"]
+    if not ab["questions"]:
+        return ["No question was answered by both sides."]
+    out = [f"A vs B overall: top-1 {_pct(ab['top1_agreement'])}, mean TV {_f(ab['mean_tv'])}, "
+           f"max |Δp| {_f(ab['max_abs_dp'])}, {ab['flips']} flips"]
+    for side, sec in (receipt.get("noise_floor") or {}).items():
+        nf = sec["comparison"]["overall"]
+        if not nf["questions"]:
+            continue
+        ratio = ("n/a" if not nf["mean_tv"] else f"{ab['mean_tv'] / nf['mean_tv']:.1f}× the noise floor")
+        out.append(f"noise floor {side}: top-1 {_pct(nf['top1_agreement'])}, mean TV {_f(nf['mean_tv'])}, "
+                   f"max |Δp| {_f(nf['max_abs_dp'])}, {nf['flips']} flips → A-vs-B mean TV is {ratio}")
+    return out
 
 
 def _cond(c: dict) -> str:
