@@ -164,8 +164,9 @@ def test_bench_modules_import_without_torch_or_vllm():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_raw_vllm_engine_settings(tiny_release, tiny_repacked):
+def test_raw_vllm_engine_settings(tiny_release, tiny_repacked, tmp_path):
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
+    from clef_vllm.testing.release import write_config_only_checkpoint
 
     release = raw_engine_kwargs(tiny_release, max_model_len=4096)
     repacked = raw_engine_kwargs(tiny_repacked, extra={"max_num_seqs": 7})
@@ -183,6 +184,9 @@ def test_raw_vllm_engine_settings(tiny_release, tiny_repacked):
     assert "language_model_only" not in repacked
     assert raw_engine_kwargs(tiny_release, arch="Qwen3_5ForCausalLM")["hf_overrides"] == {
         "architectures": ["Qwen3_5ForCausalLM"]}
+    # A 9B-shaped config-only folder: nothing to load, so dummy weights.
+    config_only = raw_engine_kwargs(write_config_only_checkpoint(tmp_path / "9b", tiny_release))
+    assert config_only["load_format"] == "dummy" and config_only["language_model_only"] is True
 
 
 # --------------------------------------------------------------------------- parity math
