@@ -339,3 +339,20 @@ def test_root_files_are_generated_from_the_clef_flash_config(tmp_path):
     report = check_config_only(REPO, capability="9.0")
     assert report.ok, report.errors()
     assert report.schemes == {"fp8_w8a8": 68, "nvfp4_w4a4": 60, "unquantized": 24}
+
+
+# --------------------------------------------------------------------------- sensitivity scan
+
+
+def test_sensitivity_scan_on_the_tiny_checkpoint(hybrid_pipeline, tmp_path):
+    out = tmp_path / "scan.json"
+    proc = run_script("sensitivity_scan.py", "--model", hybrid_pipeline.source, "--data", hybrid_pipeline.data,
+                      "--records", 4, "--max-length", 1024, "--device", "cpu", "--json", out)
+    result = json.loads(out.read_text())
+    assert len(result["entries"]) == 2 * result["layers"] == 8
+    assert {e["group"] for e in result["entries"]} == {"attn", "mlp"}
+    assert all(e["kl"] >= 0 and 0 <= e["agreement"] <= 1 for e in result["entries"])
+    assert [s["split"] for s in result["splits"]] == list(range(5)) and "kl" in result["splits"][0]
+    assert 0 <= result["suggested_split"] <= 4
+    assert (tmp_path / "scan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "cumulative damage" in proc.stdout and "suggested split: K =" in proc.stdout
