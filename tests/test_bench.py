@@ -125,6 +125,7 @@ def test_request_file_keeps_only_request_keys(tmp_path):
     ])
     records = load_request_file(path)
     assert [r.label for r in records] == ["rec-1", "7", "line3"]
+    assert records[0].answer is None  # only a dict {question_id: option} is an answer key
     assert set(records[0].body) == {"model", "state", "questions"}
     assert records[1].body["model"] == records[2].body["model"] == "clef-flash"
     assert len(load_request_file(path, limit=2)) == 2
@@ -246,6 +247,19 @@ def test_compare_runs_counts_flips_errors_and_tokens():
     (flip,) = r["flips"]
     assert (flip["label"], flip["question"], flip["a_top"], flip["b_top"]) == ("r0", "c", "x", "y")
     assert flip["a_margin"] == pytest.approx(0.1) and flip["b_margin"] == pytest.approx(0.04)
+
+
+def test_accuracy_against_answer_keys():
+    from clef_vllm.bench.parity import accuracy
+
+    bodies = [{"questions": {"n": {"type": "noul"}, "c": {"type": "choice"}}}, {"questions": {"s": {"type": "score"}}},
+              {"questions": {"n": {"type": "noul"}}}]
+    run = [_ok({"n": _noul(0.9), "c": _choice({"x": 0.3, "y": 0.7})}), _ok({"s": _score([0.2, 0.8])}),
+           Answered("503", error="busy")]
+    acc = accuracy(run, bodies, [{"n": "true", "c": "x"}, {"s": "1"}, {"n": "false"}])
+    assert acc["per_type"]["noul"] == {"questions": 2, "correct": 1, "accuracy": 0.5}
+    assert acc["per_type"]["choice"]["correct"] == 0 and acc["per_type"]["score"]["accuracy"] == 1.0
+    assert acc["overall"] == {"questions": 4, "correct": 2, "accuracy": 0.5} and acc["unanswered"] == 1
 
 
 def test_condition_orders():
@@ -382,7 +396,7 @@ def test_parity_server_vs_offline_reference(live_server, tiny_release, tmp_path,
 
 def test_parity_offline_against_itself_from_file(tiny_release, tmp_path):
     path = _write_jsonl(tmp_path / "held_out.jsonl", [
-        {**GOOD, "id": "a", "answer": "technical", "source": "test"},
+        {**GOOD, "id": "a", "answer": {"team": "technical", "urgent": "true"}, "source": "test"},
         {**GOOD, "id": "b", "state": {"invoice": {"total": 1250.0, "status": "overdue"}}},
         {**GOOD, "id": "c", "questions": {"team": {"type": "choice", "criteria": {}}}},  # refused by both
     ])
@@ -397,7 +411,11 @@ def test_parity_offline_against_itself_from_file(tiny_release, tmp_path):
     assert cmp_["status_pairs_not_compared"] == {"422/422": 1} and cmp_["requests_compared"] == 2
     assert cmp_["overall"]["questions"] == 6 and cmp_["overall"]["mean_tv"] == 0 and cmp_["overall"]["max_abs_dp"] == 0
     assert receipt["noise_floor"] == {}
-    assert (tmp_path / "s.md").read_text().startswith("# clef-parity")
+    acc = receipt["accuracy"]
+    assert acc["A"] == acc["B"] and acc["A"]["overall"]["questions"] == 2 and acc["A"]["unanswered"] == 0
+    assert (acc["A"]["per_type"]["choice"]["questions"], acc["A"]["per_type"]["noul"]["questions"]) == (1, 1)
+    summary = (tmp_path / "s.md").read_text()
+    assert summary.startswith("# clef-parity") and "Accuracy of A against the answer keys" in summary
 
 
 def test_console_scripts_installed():

@@ -187,6 +187,31 @@ def compare_runs(labels: Sequence[str], a: Sequence[Answered], b: Sequence[Answe
     }
 
 
+def accuracy(run: Sequence[Answered], bodies: Sequence[dict], keys: Sequence[dict | None]) -> dict:
+    """Top-1 accuracy of one run against answer keys (``{question_id: correct option id}``, as
+    build_data writes them), per question type. A question the run did not answer counts as wrong."""
+    tally = {t: [0, 0] for t in QUESTION_TYPES}
+    unanswered = 0
+    for res, body, key in zip(run, bodies, keys):
+        for qid, correct in (key or {}).items():
+            qtype = ((body.get("questions") or {}).get(qid) or {}).get("type")
+            if qtype not in tally:
+                continue
+            tally[qtype][1] += 1
+            try:
+                top = distribution(res.body["answers"][qid]).top if res.ok else None
+            except (KeyError, ValueError, TypeError):
+                top = None
+            unanswered += top is None
+            tally[qtype][0] += int(top is not None and top == str(correct))
+
+    def row(correct: int, n: int) -> dict:
+        return {"questions": n, "correct": correct, "accuracy": round(correct / n, 6) if n else None}
+
+    return {"per_type": {t: row(*tally[t]) for t in QUESTION_TYPES}, "unanswered": unanswered,
+            "overall": row(sum(c for c, _ in tally.values()), sum(n for _, n in tally.values()))}
+
+
 def count_questions(bodies: Sequence[dict]) -> dict[str, Any]:
     """Questions per type in a request set."""
     counts = {t: 0 for t in QUESTION_TYPES}

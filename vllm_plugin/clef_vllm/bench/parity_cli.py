@@ -8,6 +8,8 @@ A and B are each an ``http(s)://`` URL of a ``/v1/systemone`` endpoint or an off
 a seeded synthetic set) at the same concurrency and order. Per question type the receipt gives
 top-1 agreement, mean TV, mean KL, max |Δp| and every flip with A's top-2 margin.
 
+Records with an answer key (build_data's ``answer``) also give each side's top-1 accuracy.
+
 The noise floor runs one side again under another batch composition: serially (concurrency 1)
 and in a shuffled order, and compares it with that side's own main pass. A vs B differences at
 the size of the noise floor are not evidence of a bug. Details: docs/bench.md.
@@ -24,7 +26,7 @@ from typing import Any
 from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
 from clef_vllm.bench.loadgen import dumps, parse_headers
-from clef_vllm.bench.parity import compare_runs, count_questions
+from clef_vllm.bench.parity import accuracy, compare_runs, count_questions
 from clef_vllm.bench.raw_vllm import parse_engine_arg
 from clef_vllm.bench.report import parity_markdown, parity_table
 from clef_vllm.bench.targets import Answered, Condition, Target, open_target
@@ -77,25 +79,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_set(args) -> tuple[list[dict], list[str], dict]:
-    bodies, labels = [], []
+def load_set(args) -> tuple[list[dict], list[str], list[dict | None], dict]:
+    """Bodies, labels, answer keys (file records that carry ``answer``) and the set's description."""
+    bodies, labels, keys = [], [], []
     sources = []
     if args.requests:
         records = load_request_file(args.requests, args.limit, args.model_name)
         bodies += [r.body for r in records]
         labels += [r.label for r in records]
+        keys += [r.answer for r in records]
         sources.append(f"file {args.requests}")
     n_syn = args.synthetic if args.synthetic is not None else (0 if args.requests else DEFAULT_SYNTHETIC)
     if n_syn:
         syn = synthetic_parity_set(n_syn, seed=args.seed, model=args.model_name)
         bodies += syn
         labels += [f"syn{i}" for i in range(n_syn)]
+        keys += [None] * n_syn
         sources.append(f"synthetic (seed {args.seed}, n {n_syn})")
     if not bodies:
         raise SystemExit("clef-parity: empty request set")
     info = {"source": " + ".join(sources), "requests": len(bodies), "questions": count_questions(bodies),
-            "sha256": request_set_digest(bodies), "file": args.requests, "synthetic": n_syn, "seed": args.seed}
-    return bodies, labels, info
+            "answer_keys": sum(1 for k in keys if k), "sha256": request_set_digest(bodies), "file": args.requests,
+            "synthetic": n_syn, "seed": args.seed}
+    return bodies, labels, keys, info
 
 
 def run_side(spec: str, args, bodies: list[dict], conditions: list[Condition],
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    bodies, labels, set_info = load_set(args)
+    bodies, labels, keys, set_info = load_set(args)
     main_cond = Condition("main", args.concurrency, "request")
     noise_cond = Condition("noise", args.noise_concurrency, "shuffled", args.seed)
     noise_sides = {"a": ["a"], "b": ["b"], "both": ["a", "b"], "none": []}[args.noise_floor]
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                        "noise_sides": [s.upper() for s in noise_sides]},
         "comparison": comparison,
         "noise_floor": noise,
+        "accuracy": ({side.upper(): accuracy(sides[side]["runs"][0], bodies, keys) for side in ("a", "b")}
+                     if any(keys) else None),
         "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
     out = Path(args.output or f"clef-parity-{created:%Y%m%d-%H%M%S}.json")

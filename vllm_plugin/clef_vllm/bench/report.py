@@ -133,6 +133,11 @@ def parity_markdown(receipt: dict) -> str:
     if cmp_["input_token_mismatches"]:
         lines.append(f"- **usage.input_tokens differs on {cmp_['input_token_mismatches']} requests**")
     lines += [f"- {line}" for line in verdict_lines(receipt)]
+    for side, acc in (receipt.get("accuracy") or {}).items():
+        parts = [f"{t} {_pct(acc['per_type'][t]['accuracy'])} (n {acc['per_type'][t]['questions']})"
+                 for t in ("noul", "choice", "score") if acc["per_type"][t]["questions"]]
+        lines.append(f"- Accuracy of {side} against the answer keys: overall {_pct(acc['overall']['accuracy'])}; "
+                     + ", ".join(parts) + (f"; {acc['unanswered']} unanswered" if acc["unanswered"] else ""))
     lines.append("")
     header = "| type | questions | top-1 agreement | mean TV | mean KL | max abs Δp | flips |"
     cols = ["A vs B"] + [f"noise {side}" for side in noise]

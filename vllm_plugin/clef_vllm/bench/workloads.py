@@ -334,10 +334,12 @@ class RequestFactory:
 
 @dataclass
 class RequestRecord:
-    """A request from a file: the SystemOne body and a label (the record's ``id`` or its line)."""
+    """A request from a file: the SystemOne body, a label (the record's ``id`` or its line) and,
+    when the record has one (build_data's ``answer``), the correct option id per question."""
 
     body: dict
     label: str
+    answer: dict | None = None
 
 
 def body_from_record(record: dict, default_model: str = "clef-flash") -> dict:
@@ -367,7 +369,8 @@ def load_request_file(path: str | Path, limit: int | None = None,
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: a record must be a JSON object")
             label = str(record.get("id", f"line{lineno}"))
-            out.append(RequestRecord(body_from_record(record, default_model), label))
+            answer = record.get("answer") if isinstance(record.get("answer"), dict) else None
+            out.append(RequestRecord(body_from_record(record, default_model), label, answer))
             if limit is not None and len(out) >= limit:
                 break
     return out
