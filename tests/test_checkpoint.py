@@ -351,3 +351,26 @@ def test_quantized_backbone_is_refused_by_the_reference_backend(tiny_release, tm
     ckpt = copy_of(tiny_release, tmp_path)
     edit_json(ckpt / "config.json", quantization_config={"quant_method": "compressed-tensors"})
     refuses(ckpt, str(ckpt / "config.json"), "quantized backbone (compressed-tensors)", "--backend vllm")
+
+
+def test_unsharded_checkpoint_in_both_layouts(tmp_path, cache_dir):
+    """One ``model.safetensors`` without an index: the root's joint_head.safetensors is not a backbone file."""
+    from clef_vllm import Clef
+    from clef_vllm.repack import repack_tables
+    from clef_vllm.testing.tiny import build_tiny_checkpoint
+
+    single = build_tiny_checkpoint(tmp_path / "single", shard_mb=100)
+    files = locate_checkpoint(single)
+    assert files.index_file is None
+    assert [p.name for p in files.weight_files] == ["model.safetensors"]
+    repacked = tmp_path / "single-repacked"
+    repack_tables(single, repacked)
+    files = locate_checkpoint(repacked)
+    assert files.layout == "repacked" and [p.name for p in files.weight_files] == ["model.safetensors"]
+    assert not (repacked / "joint_head.safetensors").exists()
+    request = {"model": "m", "state": "Checkout is down.", "questions": {"q": {"type": "noul", "instructions": "Ok?"}}}
+    answers = []
+    for path in (single, repacked):
+        with Clef(path, backend="reference") as clef:
+            answers.append(clef.systemone(request)["answers"]["q"]["noul"])
+    assert abs(answers[0] - answers[1]) <= 1e-2

@@ -93,8 +93,8 @@ def locate_checkpoint(path: str | Path, require_weights: bool = True) -> Checkpo
         missing = [str(p) for p in weight_files if not p.is_file()]
         if missing and require_weights:
             raise CheckpointError(f"{index_file}: lists shard(s) that are missing: {missing}")
-    else:
-        weight_files = tuple(sorted(root.glob("*.safetensors")))
+    else:  # a single unsharded file: everything at the root except the head's own files
+        weight_files = tuple(p for p in sorted(root.glob("*.safetensors")) if p.name not in (HEAD_WEIGHTS, TABLES))
     if not weight_files and require_weights:
         raise CheckpointError(f"{root}: no backbone *.safetensors found")
     return CheckpointFiles(root, "repacked" if in_dir else "release", config, head_dir / HEAD_CONFIG,
