@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +31,8 @@ def hosted_server(tiny_release, cache_dir):
     """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits)."""
     from conftest import LiveServer
 
-    server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai"]).wait_ready()
+    args = ["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai"]
+    server = LiveServer(args).wait_ready()
     yield server
     server.stop()
 

@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator, Callable
 
 from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
-from clef_vllm.bench.loadgen import HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point, systemone_url
+from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point,
+                                     systemone_url)
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHORT_TOKENS, WORKLOADS, BenchRequest, RequestFactory, Variant,
@@ -186,7 +187,8 @@ def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) 
                 if floor > v.total_tokens:
                     log(f"note: {v.name}: template + questions take {floor} tokens > target {v.total_tokens}; "
                         "the state is empty and requests are larger than the target")
-            counts = {c: requests_for(c, first.expected_tokens, args.num_requests) for c in cs}
+            typical = v.typical_tokens or first.expected_tokens
+            counts = {c: requests_for(c, typical, args.num_requests) for c in cs}
             t0 = time.perf_counter()
             pool = [first] + factory.requests(v, max(counts.values()) - 1, start=1)
             warm = factory.requests(v, args.warmup, start=1_000_000) if args.warmup else []

@@ -32,10 +32,11 @@ def _tokens(point: dict) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    widths = [max([len(str(h))] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]
 
     def fmt(cells):
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
@@ -153,7 +154,8 @@ def parity_markdown(receipt: dict) -> str:
     flips = cmp_["flips"]
     if flips:
         lines += ["## Flips A vs B (largest A margin first)", "",
-                  "| request | question | type | A top | B top | A margin | B margin | TV |", "|---|---|---|---|---|---:|---:|---:|"]
+                  "| request | question | type | A top | B top | A margin | B margin | TV |",
+                  "|---|---|---|---|---|---:|---:|---:|"]
         for f in flips[:20]:
             lines.append(f"| {f['label']} | {f['question']} | {f['type']} | {f['a_top']} | {f['b_top']} | "
                          f"{f['a_margin']:.4f} | {f['b_margin']:.4f} | {f['tv']:.4f} |")

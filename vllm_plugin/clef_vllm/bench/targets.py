@@ -70,7 +70,7 @@ class Target(ABC):
     def describe(self) -> dict:
         return {"spec": self.spec}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release engines and connections."""
 
 

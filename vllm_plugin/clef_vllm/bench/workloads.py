@@ -193,6 +193,13 @@ class Variant:
     state_tokens: int | None = None
     parts: tuple[tuple["Variant", float], ...] = ()  # mixed: component variants and their shares
 
+    @property
+    def typical_tokens(self) -> float | None:
+        """The intended total size (a mix: its share-weighted mean); None when only the state is fixed."""
+        if self.parts:
+            return sum(share * (v.total_tokens or 0) for v, share in self.parts)
+        return self.total_tokens
+
     def describe(self) -> dict:
         d = {"name": self.name, "workload": self.workload, "questions": self.questions}
         if self.total_tokens is not None:
@@ -310,13 +317,14 @@ class RequestFactory:
         return self.finish(variant.name, body, f"{variant.name}#{i}")
 
     def _make_mixed(self, variant: Variant, i: int) -> BenchRequest:
-        pick = _rng(self.seed, variant.name, "pick", i).random()
-        acc = 0.0
+        pick = _rng(self.seed, variant.name, "pick", i).random() * sum(share for _, share in variant.parts)
+        chosen = variant.parts[-1][0]
         for part, share in variant.parts:
-            acc += share
-            if pick < acc:
+            if pick < share:
+                chosen = part
                 break
-        req = self.make(part, i)
+            pick -= share
+        req = self.make(chosen, i)
         req.variant = variant.name
         return req
 
