@@ -125,9 +125,7 @@ def run_clef(args, ours: Path) -> dict:
     fut = asyncio.run_coroutine_threadsafe(measure(submit, reqs, reqs[: args.singles]), backend._loop)
     res = fut.result()
     res.update(engine_start_s=round(start_s, 1), input_tokens=tokens, mean_tokens=round(tokens / len(reqs), 1),
-               tokens_per_s=round(tokens / res["throughput_wall_s"], 0),
-               token_ids_file=str(workdir() / "ids.json"))
-    (workdir() / "ids.json").write_text(json.dumps([r.input_ids for r in reqs]))
+               tokens_per_s=round(tokens / res["throughput_wall_s"], 0))
     backend.close()
     return res
 
@@ -136,7 +134,10 @@ def run_raw(args, raw: Path) -> dict:
     from vllm import AsyncEngineArgs, PoolingParams, TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    ids = json.loads((workdir() / "ids.json").read_text())
+    from clef_vllm.encoding import RequestEncoder
+
+    reqs = make_requests(RequestEncoder.from_pretrained(prepare(workdir())[0]), args.n, args.tokens)
+    ids = [r.input_ids for r in reqs]
     kw = dict(COMMON, model=str(raw), runner="pooling", convert="embed", load_format="dummy", dtype="bfloat16",
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_util, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.eager)
