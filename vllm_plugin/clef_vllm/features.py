@@ -10,7 +10,7 @@ of finished records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -94,12 +94,26 @@ class HeadSpec:
             raise ValueError("head spec: lexical ids do not match the option spans")
 
 
+def upload(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    """Copy small int64 CPU tensors to ``device`` in ONE pinned, non-blocking transfer.
+
+    A copy from pageable memory synchronises the host with the GPU stream; inside vLLM's step that
+    would make the CPU wait for the backbone forward before it can launch any head kernel.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).pin_memory()
+    moved = flat.to(device, non_blocking=True)
+    return [m.view(t.shape) for m, t in zip(moved.split([t.numel() for t in tensors]), tensors)]
+
+
 class RecordAccumulator:
     """Per-record state across prefill chunks: memory chunks, fp32 span sums, last normalised state."""
 
     def __init__(self, spec: HeadSpec, device: torch.device | str):
         self.spec = spec
-        self.segments = spec.token_segments().to(device, non_blocking=True)
+        self.segments = upload([spec.token_segments()], device)[0]
         self.sums: torch.Tensor | None = None
         self.memory: list[torch.Tensor] = []
         self.last_state: torch.Tensor | None = None
@@ -141,42 +155,47 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
                    states[off + n - 1].clone(), start + n)
 
 
-def _span_means(acc: RecordAccumulator, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = acc.spec
-    lengths = torch.tensor([b - a for a, b in spec.spans()], dtype=torch.float32, device=acc.sums.device)
-    means = (acc.sums[:-1] / lengths[:, None]).to(dtype)
-    return means[:spec.num_fields], means[spec.num_fields:]
-
-
 def decide_records(head: JointSchemaHead, table: LexicalTable,
                    records: Sequence[RecordAccumulator]) -> list[torch.Tensor]:
-    """Run the head on finished records; returns per-record fp32 probabilities (encoded option order)."""
+    """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
+
+    All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
+    so the head's kernels queue behind the backbone's instead of stalling the step.
+    """
     dtype = head.dtype
     device = records[0].sums.device
-    layout = FieldLayout.from_records([(r.spec.type_ids, r.spec.options_per_field) for r in records]).to(device)
-    questions, contexts, lex_ids, lex_seg, memories = [], [], [], [], []
-    option_base = 0
+    cpu_layout = FieldLayout.from_records([(r.spec.type_ids, r.spec.options_per_field) for r in records])
+    lex_ids, lex_seg, option_counts, span_lengths = [], [], [], []
     for r in records:
-        q, c = _span_means(r, dtype)
-        questions.append(q)
-        contexts.append(c)
         counts = [b - a for a, b in r.spec.option_spans]
         lex_ids.extend(r.spec.lexical_ids)
-        lex_seg.extend(option_base + j for j, n in enumerate(counts) for _ in range(n))
-        option_base += len(counts)
-        memories.append(torch.cat(r.memory) if len(r.memory) > 1 else r.memory[0])
-
-    ids = torch.tensor(lex_ids, dtype=torch.long).to(device, non_blocking=True)
-    seg = torch.tensor(lex_seg, dtype=torch.long).to(device, non_blocking=True)
-    counts = torch.bincount(seg, minlength=option_base).float()
-    lexical = (segment_sum(table.rows(ids, dtype), seg, option_base) / counts[:, None]).to(dtype)
-
+        lex_seg.extend(len(option_counts) + j for j, n in enumerate(counts) for _ in range(n))
+        option_counts.extend(counts)
+        span_lengths.extend(b - a for a, b in r.spec.spans())
+    memories = [torch.cat(r.memory) if len(r.memory) > 1 else r.memory[0] for r in records]
     lengths = [m.shape[0] for m in memories]
+    names = ("type_ids", "field_record", "field_slot", "option_field", "option_record", "option_slot")
+    moved = upload([getattr(cpu_layout, n) for n in names]
+                   + [torch.tensor(v, dtype=torch.long) for v in (lex_ids, lex_seg, option_counts, span_lengths,
+                                                                   lengths)], device)
+    layout = replace(cpu_layout, **dict(zip(names, moved[:6])))
+    ids, seg, counts, span_len, mem_len = moved[6:]
+
+    questions, contexts, start = [], [], 0
+    for r in records:
+        n = r.spec.num_segments
+        means = (r.sums[:-1] / span_len[start:start + n, None].float()).to(dtype)
+        questions.append(means[: r.spec.num_fields])
+        contexts.append(means[r.spec.num_fields:])
+        start += n
+    num_options = len(option_counts)
+    lexical = (segment_sum(table.rows(ids, dtype), seg, num_options) / counts[:, None].float()).to(dtype)
+
     if len(set(lengths)) == 1:
         memory, padding = torch.stack(memories), None
     else:
         memory = torch.nn.utils.rnn.pad_sequence(memories, batch_first=True)
-        padding = torch.arange(memory.shape[1], device=device)[None, :] >= torch.tensor(lengths, device=device)[:, None]
+        padding = torch.arange(memory.shape[1], device=device)[None, :] >= mem_len[:, None]
     batch = DecisionBatch(memory=memory, memory_padding=padding,
                           last_state=torch.stack([r.last_state for r in records]),
                           question_state=torch.cat(questions), option_context=torch.cat(contexts),
