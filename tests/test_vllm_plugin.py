@@ -361,3 +361,63 @@ def test_dummy_load_format_needs_only_configs(tiny_repacked, tmp_path):
     shutil.copy(tiny_repacked / "clef_head" / "joint_head_config.json", ckpt / "clef_head")
     m = vllm_cpu.load_model(ckpt, load_format="dummy")
     assert m.lm_table.weight.dtype == torch.int8
+
+
+# --------------------------------------------------------------------------- compressed-tensors Hybrid
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tiny_release, tmp_path_factory):
+    """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 (compressed-tensors), int8 tables: the scripts'
+    pipeline with the native exporter (llm-compressor's path is covered in test_scripts.py)."""
+    import subprocess
+    import sys
+
+    from support.vllm_cpu import REPO
+
+    base = tmp_path_factory.mktemp("hybrid-vllm")
+    run = lambda *a: subprocess.run([sys.executable, *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
+    run(REPO / "scripts" / "build_data.py", "--out", base / "data", "--synthetic", "--synthetic-count", 60)
+    run(REPO / "scripts" / "quantize_mixed.py", "--source", tiny_release, "--split", 2, "--data", base / "data",
+        "--out", base / "q", "--engine", "native", "--num-calibration-samples", 8)
+    run(REPO / "scripts" / "shrink_tables.py", base / "q", "--out", base / "hybrid")
+    return base / "hybrid"
+
+
+def test_hybrid_fp8_nvfp4_checkpoint_loads_with_one_scheme_per_layer_group(hybrid_checkpoint):
+    from clef_vllm.vllm.model import kernel_report
+
+    m = vllm_cpu.load_model(hybrid_checkpoint)
+    schemes = {}
+    for name, module in m.named_modules():
+        if hasattr(module, "scheme"):
+            schemes[name] = type(module.scheme).__name__
+    fp8 = {n for n, s in schemes.items() if s == "CompressedTensorsW8A8Fp8"}
+    fp4 = {n for n, s in schemes.items() if s == "CompressedTensorsW4A4Fp4"}
+    assert fp8 and all(".layers.0." in n or ".layers.1." in n for n in fp8)
+    assert fp4 and all(".layers.2." in n or ".layers.3." in n for n in fp4)
+    assert "model.layers.2.linear_attn.in_proj_qkvz" in fp4 and "model.layers.3.self_attn.qkv_proj" in fp4
+    params = dict(m.named_parameters())
+    assert "model.layers.2.linear_attn.in_proj_ba.weight" in params                # kept BF16
+    assert params["model.layers.2.linear_attn.in_proj_ba.weight"].dtype == torch.bfloat16
+    assert m.lm_table.weight.dtype == torch.int8
+    report = kernel_report(m)
+    assert any("CompressedTensorsW4A4Fp4" in line for line in report)
+    assert any("CompressedTensorsW8A8Fp8" in line for line in report)
+
+
+def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoint, tmp_path):
+    """Risk R1: vLLM keeps the max divisor of a fused module and silently mis-scales the others."""
+    from safetensors.torch import load_file, save_file
+
+    from clef_vllm.checkpoint import CheckpointError
+
+    ckpt = _copy(hybrid_checkpoint, tmp_path)
+    key = "model.language_model.layers.2.linear_attn.in_proj_z.weight_global_scale"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = ckpt / index["weight_map"][key]
+    tensors = load_file(str(shard))
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="different weight global scales.*in_proj_qkvz"):
+        vllm_cpu.load_model(ckpt)

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 SITE = Path(__file__).parent / "vllm_cpu_site"
+REPO = Path(__file__).resolve().parents[2]
 _ready = False
 
 

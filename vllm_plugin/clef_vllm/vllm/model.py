@@ -200,9 +200,21 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.head.load_state_dict({k: v.to(self.head.dtype) for k, v in state.items()}, strict=True)
         return {f"head.{k}" for k in state}
 
+    def _optional_parameters(self) -> set[str]:
+        """KV-cache quantization scales (q/k/v_scale, zero points) that vLLM registers on attention
+        layers of quantized models and defaults when a checkpoint has no kv_cache_scheme."""
+        from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+        out = set()
+        for name, module in self.named_modules():
+            if isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod):
+                out.update(f"{name}.{p}" for p, _ in module.named_parameters(recurse=False))
+        return out
+
     def _check_complete(self, loaded: set[str]) -> None:
         """Every parameter must have come from the checkpoint and be finite (R4)."""
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded)
+        optional = self._optional_parameters()
+        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded and n not in optional)
         if missing:
             raise CheckpointError(f"{self.files.root}: {len(missing)} tensor(s) expected by the model were not in "
                                   f"the checkpoint, e.g. {missing[:6]}")
@@ -215,7 +227,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         groups: dict[str, list[tuple[str, float]]] = {}
         for fused, shards in self.packed_modules_mapping.items():
             for name, value in self._global_scales.items():
-                module = name.rsplit(".", 2)[0]
+                module = name.rsplit(".", 1)[0]
                 for shard in shards:
                     if module.endswith("." + shard):
                         key = module[: -len(shard)] + fused
