@@ -368,10 +368,23 @@ def test_bench_compare_mode(tmp_path, capsys):
     assert "server vs baseline raw vLLM" in out and "0.750" in out
 
 
+def _flips_are_near_ties(section: dict) -> None:
+    """Batch composition may flip a near-tie, never a clear decision: every flip's margin on the
+    reference side is within the largest probability change seen (x2 for the two options moving)."""
+    limit = 2 * section["overall"]["max_abs_dp"] + 1e-4
+    assert all(f["a_margin"] <= limit for f in section["flips"]), (limit, section["flips"])
+    assert section["overall"]["top1_agreement"] >= 0.9
+
+
 def test_parity_server_vs_offline_reference(live_server, tiny_release, tmp_path, capsys):
+    # Main pass serial on both sides: the server and the offline API run the same code on batches of
+    # one, so the answers are identical. The noise floor re-runs the server 4 at a time, shuffled:
+    # the micro-batcher pads them together, which moves probabilities a little.
     receipt_path = tmp_path / "parity.json"
-    rc = parity_main([live_server.url, f"reference:{tiny_release}", "--synthetic", "12", "--device", "cpu",
-                      "-c", "4", "--noise-floor", "a", "-o", str(receipt_path), "--no-progress", "--fail-below", "1.0"])
+    rc = parity_main([live_server.url, f"reference:{tiny_release}", "--synthetic", "12",
+                      "--synthetic-max-words", "120", "--device", "cpu", "-c", "1", "--noise-floor", "a",
+                      "--noise-concurrency", "4", "--wait-ready", "30",
+                      "-o", str(receipt_path), "--no-progress", "--fail-below", "1.0"])
     assert rc == 0
     receipt = json.loads(receipt_path.read_text())
     assert receipt["schema"] == "clef-parity/1"
@@ -382,16 +395,19 @@ def test_parity_server_vs_offline_reference(live_server, tiny_release, tmp_path,
     overall = cmp_["overall"]
     assert overall["questions"] == receipt["request_set"]["questions"]["total"]
     assert overall["top1_agreement"] == 1.0 and cmp_["flips"] == []
-    assert overall["max_abs_dp"] < 0.01 and overall["mean_tv"] < 0.002
+    assert overall["max_abs_dp"] == 0 and overall["mean_tv"] == 0 and overall["mean_kl"] == 0
     for t in ("noul", "choice", "score"):
         assert cmp_["per_type"][t]["questions"] == receipt["request_set"]["questions"][t]
     noise = receipt["noise_floor"]["A"]
-    assert noise["condition"] == {"name": "noise", "concurrency": 1, "order": "shuffled", "seed": 0}
-    assert noise["comparison"]["overall"]["questions"] == overall["questions"]
-    assert noise["comparison"]["overall"]["top1_agreement"] == 1.0
-    assert receipt["conditions"]["main"] == {"name": "main", "concurrency": 4, "order": "request"}
+    assert noise["condition"] == {"name": "noise", "concurrency": 4, "order": "shuffled", "seed": 0}
+    assert receipt["conditions"]["main"] == {"name": "main", "concurrency": 1, "order": "request"}
+    nf = noise["comparison"]
+    assert nf["overall"]["questions"] == overall["questions"] and nf["requests_compared"] == 12
+    assert nf["overall"]["max_abs_dp"] < 0.02 and nf["overall"]["mean_tv"] < 0.005
+    _flips_are_near_ties(nf)
     summary = receipt_path.with_suffix(".md").read_text()
     assert "| A vs B | overall |" in summary and "| noise A | overall |" in summary and "No flips" in summary
+    assert "the noise floor" in summary
     assert "top-1" in capsys.readouterr().out
 
 
@@ -437,11 +453,13 @@ def test_bench_and_parity_against_a_hosted_dialect_server(live_server, hosted_se
     _check_point(res["points"][0])
     # Two different servers, one model: the same probabilities (confidence formulas differ, and are ignored).
     out = tmp_path / "dialects.json"
-    rc = parity_main([live_server.url, hosted_server.url, "--synthetic", "8", "-c", "2", "--noise-floor", "b",
-                      "-o", str(out), "--no-progress"])
+    rc = parity_main([live_server.url, hosted_server.url, "--synthetic", "8", "--synthetic-max-words", "120",
+                      "-c", "1", "--noise-floor", "b",
+                      "--noise-concurrency", "3", "-o", str(out), "--no-progress"])
     assert rc == 0
     receipt = json.loads(out.read_text())
     cmp_ = receipt["comparison"]
     assert cmp_["requests_compared"] == 8 and cmp_["problems"] == [] and cmp_["input_token_mismatches"] == 0
-    assert cmp_["overall"]["top1_agreement"] == 1.0 and cmp_["overall"]["max_abs_dp"] < 0.01
+    assert cmp_["overall"]["top1_agreement"] == 1.0 and cmp_["overall"]["max_abs_dp"] == 0
     assert list(receipt["noise_floor"]) == ["B"]
+    _flips_are_near_ties(receipt["noise_floor"]["B"]["comparison"])

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable
 from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
 from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point,
-                                     systemone_url)
+                                     systemone_url, wait_ready)
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHORT_TOKENS, WORKLOADS, BenchRequest, RequestFactory, Variant,
@@ -259,27 +259,6 @@ def http_session_factory(url: str, timeout: float, headers: dict):
     return session
 
 
-def wait_ready(url: str, seconds: float, headers: dict) -> str:
-    """Poll ``GET /health``; returns 'ok', 'no-health-route' or raises SystemExit after ``seconds``."""
-    import httpx
-
-    deadline = time.monotonic() + seconds
-    last = "no answer"
-    while True:
-        try:
-            r = httpx.get(base_url(url) + "/health", timeout=5.0, headers=headers)
-            if r.status_code == 200:
-                return "ok"
-            if r.status_code == 404:
-                return "no-health-route"
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            last = type(exc).__name__
-        if time.monotonic() >= deadline:
-            raise SystemExit(f"clef-bench: {url} not ready after {seconds:.0f}s ({last})")
-        time.sleep(1.0)
-
-
 def server_info(url: str, headers: dict) -> dict | None:
     import httpx
 
@@ -407,7 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         points = asyncio.run(go())
     else:
         if args.wait_ready > 0:
-            log(f"waiting for {args.url}: {wait_ready(args.url, args.wait_ready, headers)}")
+            try:
+                log(f"waiting for {args.url}: {wait_ready(args.url, args.wait_ready, headers)}")
+            except TimeoutError as exc:
+                raise SystemExit(f"clef-bench: {exc}") from None
         results["target"] = {"kind": "http", "url": systemone_url(args.url)}
         results["server"] = server_info(args.url, headers)
         points = asyncio.run(run_plan(plan, http_session_factory(args.url, args.timeout, headers),

@@ -108,6 +108,27 @@ def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def wait_ready(url: str, seconds: float, headers: dict) -> str:
+    """Poll ``GET /health`` until it says 200 (returns ``"ok"``) or 404 (``"no-health-route"``: a server
+    without the route); raises TimeoutError after ``seconds``."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    last = "no answer"
+    while True:
+        try:
+            r = httpx.get(base_url(url) + "/health", timeout=5.0, headers=headers)
+            if r.status_code == 200:
+                return "ok"
+            if r.status_code == 404:
+                return "no-health-route"
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{url} not ready after {seconds:.0f}s ({last})")
+        time.sleep(1.0)
+
 class HttpSender:
     """Posts :class:`BenchRequest` payloads to one ``/v1/systemone`` URL over a pooled httpx client."""
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
-from clef_vllm.bench.loadgen import dumps, parse_headers
+from clef_vllm.bench.loadgen import dumps, parse_headers, wait_ready
 from clef_vllm.bench.parity import accuracy, compare_runs, count_questions
 from clef_vllm.bench.raw_vllm import parse_engine_arg
 from clef_vllm.bench.report import parity_markdown, parity_table
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--limit", type=int, default=None, help="read at most this many records")
     r.add_argument("--synthetic", type=int, default=None, metavar="N",
                    help=f"N generated requests (default {DEFAULT_SYNTHETIC} when no --requests)")
+    r.add_argument("--synthetic-max-words", type=int, default=400, metavar="W",
+                   help="longest synthetic text state, in words (default 400)")
     r.add_argument("--seed", type=int, default=0, help="synthetic set and shuffle seed")
     r.add_argument("--model-name", default="clef-flash")
 
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="noise pass concurrency / batch size, in shuffled order (default 1: serial)")
     c.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout, seconds")
     c.add_argument("--header", action="append", default=[], metavar="'Name: value'")
+    c.add_argument("--wait-ready", type=float, default=0.0, metavar="S",
+                   help="first wait up to S seconds for an HTTP side's GET /health to say 200")
 
     o = p.add_argument_group("offline backends (BACKEND:DIR)")
     o.add_argument("--device", default=None, help="reference backend device (cpu / cuda)")
@@ -91,17 +95,21 @@ def load_set(args) -> tuple[list[dict], list[str], list[dict | None], dict]:
         sources.append(f"file {args.requests}")
     n_syn = args.synthetic if args.synthetic is not None else (0 if args.requests else DEFAULT_SYNTHETIC)
     if n_syn:
-        syn = synthetic_parity_set(n_syn, seed=args.seed, model=args.model_name)
+        syn = synthetic_parity_set(n_syn, seed=args.seed, model=args.model_name, max_words=args.synthetic_max_words)
         bodies += syn
         labels += [f"syn{i}" for i in range(n_syn)]
         keys += [None] * n_syn
-        sources.append(f"synthetic (seed {args.seed}, n {n_syn})")
+        sources.append(f"synthetic (seed {args.seed}, n {n_syn}, ≤{args.synthetic_max_words} words)")
     if not bodies:
         raise SystemExit("clef-parity: empty request set")
     info = {"source": " + ".join(sources), "requests": len(bodies), "questions": count_questions(bodies),
             "answer_keys": sum(1 for k in keys if k), "sha256": request_set_digest(bodies), "file": args.requests,
             "synthetic": n_syn, "seed": args.seed}
     return bodies, labels, keys, info
+
+
+def is_http(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
 
 
 def run_side(spec: str, args, bodies: list[dict], conditions: list[Condition],
@@ -113,7 +121,13 @@ def run_side(spec: str, args, bodies: list[dict], conditions: list[Condition],
     options.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype),
                                       ("max_model_len", args.max_model_len)) if v is not None})
     log(f"opening {spec}")
-    target: Target = open_target(spec, timeout=args.timeout, headers=parse_headers(args.header), **options)
+    headers = parse_headers(args.header)
+    if args.wait_ready > 0 and is_http(spec):
+        try:
+            log(f"waiting for {spec}: {wait_ready(spec, args.wait_ready, headers)}")
+        except TimeoutError as exc:
+            raise SystemExit(f"clef-parity: {exc}") from None
+    target: Target = open_target(spec, timeout=args.timeout, headers=headers, **options)
     try:
         info = target.describe()
         runs = []

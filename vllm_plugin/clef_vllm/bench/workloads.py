@@ -418,7 +418,7 @@ def synthetic_parity_set(n: int, seed: int = 0, model: str = "clef-flash", max_w
         if r.random() < 0.3:
             state: Any = r.choice(_JSON_STATES)(r)
         else:
-            words = r.randint(5, max_words)
+            words = r.randint(min(5, max_words), max_words)
             state = " ".join(r.choice(_NOUNS + _VERBS + _ADJS + _SMALL) for _ in range(words)).capitalize() + "."
         questions: dict[str, dict] = {}
         for k in range(r.randint(1, 6)):
