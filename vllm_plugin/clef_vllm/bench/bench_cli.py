@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"starting vLLM (raw embed pooling) on {args.raw_vllm}")
             await engine.start()
             log(f"engine ready in {engine.start_s:.1f}s")
+            results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm, **engine.describe()}
             try:
                 return await run_plan(plan, session, time_limit=args.time_limit, progress=args.progress, log=log,
                                       on_point=lambda pts: save(pts, False))
