@@ -327,35 +327,6 @@ def layer_kinds(table: Sequence[LayerScheme]) -> dict[int, str]:
     return {i: "+".join(sorted(per.get(i, {UNQUANTIZED}))) for i in range(n)}
 
 
-#: Tensor suffixes a checkpoint holds for a linear module of each kind (compressed format).
-TENSOR_SUFFIXES: dict[str, tuple[str, ...]] = {
-    UNQUANTIZED: ("weight",),
-    FP8_W8A8: ("weight", "weight_scale"),
-    FP8_W8A16: ("weight", "weight_scale"),
-    NVFP4_W4A4: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
-    NVFP4_W4A16: ("weight_packed", "weight_scale", "weight_global_scale"),
-}
-
-
-def expected_linear_tensors(table: Sequence[LayerScheme], hf_prefix: str = "model.language_model.",
-                            vllm_prefix: str = "model.") -> dict[str, str]:
-    """Checkpoint tensor names the linear modules need, mapped to the vLLM module that reads them.
-
-    A quantized module's ``input_scale`` (static FP8 activations) is not listed: the Hybrid
-    recipe uses dynamic per-token activations.
-    """
-    out = {}
-    for row in table:
-        base = row.name
-        if base.startswith(vllm_prefix):
-            base = hf_prefix + base[len(vllm_prefix):]
-        stem = base.rsplit(".", 1)[0]
-        for shard in row.module.shards:
-            for suffix in TENSOR_SUFFIXES.get(row.kind, ()):
-                out[f"{stem}.{shard}.{suffix}"] = row.name
-    return out
-
-
 # --------------------------------------------------------------------------- kernels
 
 
