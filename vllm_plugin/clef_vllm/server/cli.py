@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["triton", "flashinfer", "cutedsl"],
                      help="GDN prefill kernel (default: triton on Hopper)")
     eng.add_argument("--linear-backend", default=None, help="vLLM --linear-backend (e.g. emulation)")
+    eng.add_argument("--quantization", default=None,
+                     help="online quantization of a BF16 checkpoint (e.g. fp8); quantized checkpoints need none")
+    eng.add_argument("--load-format", default=None,
+                     help="vLLM load format; 'dummy' = random weights for benchmarks (configs only)")
     eng.add_argument("--no-warmup", dest="warmup", action="store_false", default=True,
                      help="skip the start-up warm-up (first requests will be slow)")
     return p
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     options = {k: getattr(args, k) for k in (
         "device", "max_batch_size", "data_parallel_size", "gpu_memory_utilization", "max_num_seqs",
-        "max_num_batched_tokens", "enforce_eager", "gdn_prefill_backend", "linear_backend")}
+        "max_num_batched_tokens", "enforce_eager", "gdn_prefill_backend", "linear_backend", "quantization",
+        "load_format")}
     options.update(dtype=args.dtype, max_model_len=args.max_model_len, warmup=args.warmup)
     failure: list[BaseException] = []
 
