@@ -126,6 +126,14 @@ def test_special_token_ids(enc):
         assert enc.tokenize(text) == [tid], text
 
 
+def test_a_tokenizer_without_the_prompt_special_tokens_is_refused():
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    with pytest.raises(ValueError, match="does not have the special token <\\|im_start\\|>"):
+        RequestEncoder(Tokenizer(BPE()))                 # what transformers 5.24 builds without tokenizer.json
+
+
 def test_prefix_is_36_tokens(enc, tiktoken_tok):
     ids = encode(enc, req()).input_ids
     assert enc.prefix_ids == tiktoken_tok.encode(PREFIX)

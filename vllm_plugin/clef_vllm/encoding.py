@@ -30,6 +30,8 @@ NOUL_DEFAULTS = {
     "false": "The proposition is false or the answer is no.",
 }
 DEFAULT_MAX_LENGTH = 16384
+#: Special tokens the fixed prompt text relies on; each must be ONE added token.
+PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
 
 def render(value: Any) -> str:
@@ -123,6 +125,17 @@ class RequestEncoder:
         self._field_end = self.tokenize(FIELD_END_TEXT)
         self._suffix = self.tokenize(SUFFIX_TEXT)
         self._option_label = lru_cache(maxsize=1024)(lambda j: self.tokenize(f"OPTION {j}: "))
+        self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        """Refuse a tokenizer that cannot encode the prompt (e.g. an empty one, which recent
+        transformers builds silently when ``tokenizer.json`` is missing)."""
+        for token in PROMPT_SPECIAL_TOKENS:
+            if len(self.tokenize(token)) != 1:
+                raise ValueError(f"the tokenizer does not have the special token {token} (Qwen3.5 tokenizer expected)")
+        text = PREFIX_TEXT + SUFFIX_TEXT
+        if self._tok.decode(self._prefix + self._suffix, skip_special_tokens=False) != text:
+            raise ValueError("the tokenizer does not round-trip the prompt text (Qwen3.5 tokenizer expected)")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "RequestEncoder":
