@@ -13,9 +13,10 @@
 # Results: $OUT/quality.{json,md}, $OUT/sensitivity_scan.{json,png}, $OUT/vllm-*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="/root/site:$PWD/vllm_plugin:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
-export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export VLLM_ENABLE_V1_MULTIPROCESSING=0
+# staged vLLM + this tree's plugin on PYTHONPATH, plugin entry points registered for every vLLM process
+. tests/gpu/env.sh
+export PYTHONPATH="$PYTHONPATH:$PWD/scripts"
+export TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-bench/results/quality}"
 WORK="${WORK:-/root/clef-quality}"
 mkdir -p "$OUT" "$WORK"
