@@ -74,11 +74,13 @@ def environment() -> dict:
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
            "capability": list(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None}
-    for name in ("vllm", "compressed_tensors", "fla"):
+    from importlib import metadata
+
+    for name, dist in (("vllm", "vllm"), ("compressed_tensors", "compressed-tensors"), ("fla", "fla-core")):
         try:
-            env[name] = __import__(name).__version__
-        except Exception as exc:  # noqa: BLE001
-            env[name] = f"unavailable ({type(exc).__name__})"
+            env[name] = metadata.version(dist)     # no import: importing vllm costs ~17 s
+        except metadata.PackageNotFoundError:
+            env[name] = "not installed"
     return env
 
 
@@ -586,6 +588,8 @@ def run_all(a) -> int:
             elif stage == "simulate":
                 simulate(work, data, device, a.records, results)
             elif stage == "vllm":
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()     # the engines run in their own processes
                 vllm_stage(work, data, a.records, out, results, a.engine_timeout)
             errors.pop(stage, None)
         except Exception:  # noqa: BLE001 - record and go on with the next stage
