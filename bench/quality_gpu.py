@@ -447,8 +447,9 @@ def vllm_eval(model: Path, requests_file: Path, probs_out: Path, order: str) -> 
 
     requests = json.loads(requests_file.read_text())
     t0 = time.perf_counter()
-    clef = Clef(model, backend="vllm", max_model_len=MAX_LEN, gpu_memory_utilization=0.25, enforce_eager=True,
-                max_num_seqs=64)
+    backend = os.environ.get("CLEF_QUALITY_BACKEND", "vllm")    # "reference": CPU smoke test of this stage
+    options = dict(gpu_memory_utilization=0.25, enforce_eager=True, max_num_seqs=64) if backend == "vllm" else {}
+    clef = Clef(model, backend=backend, max_model_len=MAX_LEN, **options)
     start = time.perf_counter() - t0
     encoded = encode_all(clef.backend.encoder, requests)
     idx = [i for i, e in enumerate(encoded) if e is not None]
@@ -544,6 +545,10 @@ def write_markdown(out: Path, results: Results) -> None:
                   "| build | top-answer agreement | mean KL (nats) | max KL | mean TV |", "|---|---|---|---|---|"]
         for name, m in d[section]["table"].items():
             lines.append(f"| {name} | {m['agreement']:.4f} | {m['kl']:.2e} | {m['max_kl']:.2e} | {m['tv']:.4f} |")
+    failed = {k: v for k, v in d.get("vllm_runs", {}).items() if v.get("returncode") != 0}
+    if failed:
+        lines += ["", "Engine runs that failed (see the logs): " + ", ".join(f"{k} ({v.get('returncode')}, {v.get('log')})"
+                                                                          for k, v in failed.items())]
     if "builds" in d:
         lines += ["", "## Builds", "", "| build | schemes | clef_load | size |", "|---|---|---|---|"]
         for name, b in d["builds"].items():
