@@ -193,14 +193,14 @@ def pad(seqs: list[list[int]], pad_id: int, device):
     return ids.to(device), mask.to(device)
 
 
-def decision_probs(model, head, lm_weight, batch_encoded, device, dtype=torch.bfloat16):
-    """Differentiable per-record option probabilities with the package's head path."""
+def decision_probs(model, head, lm_weight, batch_encoded, device):
+    """Differentiable per-record option probabilities with the package's head path (fp32 training;
+    the small proxy needs no autocast, and fp32 is the path the CPU smoke run exercises)."""
     from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
     from clef_vllm.tables import DenseTable
 
     ids, mask = pad([e.input_ids for e in batch_encoded], 0, device)
-    with torch.autocast(device_type=device.type, dtype=dtype, enabled=device.type == "cuda"):
-        hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     accs = [RecordAccumulator(HeadSpec.from_encoded(e), device) for e in batch_encoded]
     flat = hidden.float().reshape(-1, hidden.shape[-1])
     longest = hidden.shape[1]
@@ -220,6 +220,8 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     rng = random.Random(seed)
     train = read_records(data)
     held = read_records(data, split="heldout")
@@ -258,9 +260,8 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
             break
         batch = next(it)
         ids, mask = pad([e.input_ids for _, e, _ in batch], 0, device)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            logits = lm_head(hidden[:, :-1]).float()
+        hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        logits = lm_head(hidden[:, :-1]).float()
         target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -298,7 +299,7 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
     model.eval()
     head.eval()
 
-    # held-out accuracy of the proxy (BF16 autocast, as trained)
+    # held-out accuracy of the proxy (fp32, as trained)
     correct, total = {}, {}
     with torch.no_grad():
         held_ex = []
