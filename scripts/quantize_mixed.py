@@ -189,9 +189,7 @@ def calibration_ids(data: str | Path | None, tokenizer_dir: Path, num: int, max_
     from build_data import read_records, request_body, synthetic_records
 
     from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import parse_request
-
-    from clef_vllm.protocol import RequestError
+    from clef_vllm.protocol import RequestError, parse_request
 
     records = read_records(data) if data else synthetic_records(10 * num)
     encoder = RequestEncoder.from_pretrained(tokenizer_dir, max_length=max_len)
