@@ -225,6 +225,7 @@ def quantize_llmcompressor(source: Path, out: Path, config: dict, split: int, id
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoTokenizer
 
     if fuse_gdn and GDN_FUSED not in observer_helpers.FUSED_LAYER_NAMES:
         observer_helpers.FUSED_LAYER_NAMES.append(GDN_FUSED)
@@ -235,16 +236,13 @@ def quantize_llmcompressor(source: Path, out: Path, config: dict, split: int, id
         model = model.to(device)   # the 9B: calibrate on the GPU (about 19 GB in BF16)
     modifier = QuantizationModifier(config_groups=groups, ignore=RECIPE_IGNORE)
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-    from transformers import AutoTokenizer
-
     oneshot(model=model, dataset=dataset, recipe=modifier, max_seq_length=max_len,
             processor=AutoTokenizer.from_pretrained(str(source)),
             num_calibration_samples=len(ids), pipeline="sequential" if "text_config" not in config else "basic")
-    model.save_pretrained(str(out), save_compressed=True)
+    model.save_pretrained(str(out), save_compressed=True, max_shard_size="5GB")
 
 
-def quantize_native(source: Path, out: Path, config: dict, split: int, ids: list[list[int]], device: str = "cpu",
-                    shard_mb: int = 4096) -> None:
+def quantize_native(source: Path, out: Path, config: dict, split: int, ids: list[list[int]], device: str = "cpu") -> None:
     """The same checkpoint format without llm-compressor: weights through ``clef_vllm.quant``
     (compressed-tensors' formulas), NVFP4 input global scales from a calibration forward of the
     reference backbone, fused groups sharing the max-amax divisor."""
