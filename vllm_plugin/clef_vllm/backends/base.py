@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import torch
 
@@ -28,11 +32,52 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
+class BackendDeadError(RuntimeError):
+    """The engine can no longer serve (its process died, its loop stopped): restart, do not retry."""
+
+
+@dataclass
+class RequestStats:
+    """What a batching backend measured for one request (filled by :class:`MicroBatcher`).
+
+    The server puts one in :data:`REQUEST_STATS` before calling ``decide``; backends that do not
+    batch leave it empty. Times are seconds and describe the whole micro-batch the request ran in.
+    """
+
+    batch_size: int = 0
+    first_in_batch: bool = False     # exactly one request per batch carries it (count batches once)
+    batch_wait_s: float = 0.0        # submitted -> its batch started
+    run_s: float = 0.0               # the batch's decide_batch call
+    stages: dict[str, float] = field(default_factory=dict)   # e.g. {"backbone": s}; see measure_stage
+
+
+#: The current request's :class:`RequestStats` (``None`` outside the server).
+REQUEST_STATS: contextvars.ContextVar[RequestStats | None] = contextvars.ContextVar("clef_request_stats",
+                                                                                     default=None)
+_stage_clock = threading.local()
+
+
+@contextmanager
+def measure_stage(name: str) -> Iterator[None]:
+    """Add the time spent in the block to stage ``name`` of the batch running on this thread.
+
+    A no-op outside a :class:`MicroBatcher` batch; backends wrap their backbone forward in it so the
+    server can report backbone and head time separately."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times = getattr(_stage_clock, "times", None)
+        if times is not None:
+            times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+
+
 class Backend(ABC):
     """Runs the backbone and the joint head on encoded requests.
 
     ``decide_batch`` is the synchronous path (offline API); ``decide`` the asyncio path (server).
     Both return, per request, the fp32 per-option probabilities in encoded option order.
+    Cancelling ``decide`` must drop the request from the engine when it has not run yet.
     """
 
     name: str = "backend"
@@ -54,6 +99,16 @@ class Backend(ABC):
         """What runs where, for startup logs and ``/v1/models``."""
         return {"backend": self.name}
 
+    def check_health(self) -> None:
+        """Raise :class:`BackendDeadError` if the engine can no longer serve (cheap; polled by the server)."""
+
+    def suggested_max_in_flight(self) -> int:
+        """How many requests the server should let into the engine at once.
+
+        Default: two micro-batches for batching backends (``max_batch_size``), else 32."""
+        batch = getattr(self, "max_batch_size", None)
+        return 2 * int(batch) if batch else 32
+
     def close(self) -> None:
         """Release engines and threads."""
 
@@ -63,6 +118,7 @@ class MicroBatcher:
 
     One worker thread owns the model; callers await futures. A batch is whatever is queued
     when the worker becomes free (up to ``max_batch_size`` requests / ``max_batch_tokens``).
+    A caller that is cancelled before its batch starts is dropped from it (never computed).
     """
 
     def __init__(self, run_batch, max_batch_size: int = 32, max_batch_tokens: int = 65536):
@@ -70,49 +126,83 @@ class MicroBatcher:
         self._max_size = max_batch_size
         self._max_tokens = max_batch_tokens
         self._queue: queue.Queue = queue.Queue()
+        self.batches = 0              # batches run
+        self.dropped = 0              # requests cancelled before their batch started
         self._thread = threading.Thread(target=self._loop, name="clef-reference-batcher", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     async def submit(self, encoded: EncodedRequest) -> torch.Tensor:
+        if not self.alive:
+            raise BackendDeadError("the micro-batcher thread is not running")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put((encoded, fut, loop))
+        self._queue.put((encoded, fut, loop, REQUEST_STATS.get(), time.perf_counter()))
         return await fut
+
+    def _next_batch(self) -> list | None:
+        item = self._queue.get()
+        if item is None:
+            return None
+        batch, tokens = [item], item[0].num_tokens
+        while len(batch) < self._max_size:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._queue.put(None)
+                break
+            if tokens + nxt[0].num_tokens > self._max_tokens:
+                self._queue.put(nxt)  # next batch; order among queued requests is not promised
+                break
+            batch.append(nxt)
+            tokens += nxt[0].num_tokens
+        return batch
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            batch = self._next_batch()
+            if batch is None:
                 return
-            batch, tokens = [item], item[0].num_tokens
-            while len(batch) < self._max_size:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                if tokens + nxt[0].num_tokens > self._max_tokens:
-                    self._queue.put(nxt)  # next batch; order among queued requests is not promised
-                    break
-                batch.append(nxt)
-                tokens += nxt[0].num_tokens
             live = [b for b in batch if not b[1].cancelled()]
+            self.dropped += len(batch) - len(live)
             if not live:
                 continue
+            started = time.perf_counter()
+            _stage_clock.times = {}
             try:
                 results = self._run([b[0] for b in live])
-                for (_, fut, loop), res in zip(live, results):
-                    loop.call_soon_threadsafe(_resolve, fut, res, None)
+                error = None
             except BaseException as exc:  # noqa: BLE001 - hand every failure back to its caller
                 log.exception("batch of %d requests failed", len(live))
-                for _, fut, loop in live:
-                    loop.call_soon_threadsafe(_resolve, fut, None, exc)
+                results, error = [None] * len(live), exc
+            finally:
+                stages, _stage_clock.times = _stage_clock.times, None
+            self.batches += 1
+            run_s = time.perf_counter() - started
+            for k, (_, fut, loop, stats, submitted) in enumerate(live):
+                if stats is not None:
+                    stats.batch_size, stats.first_in_batch = len(live), k == 0
+                    stats.batch_wait_s, stats.run_s, stats.stages = started - submitted, run_s, dict(stages)
+                loop.call_soon_threadsafe(_resolve, fut, results[k], error)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        while True:  # anything still queued will never run: fail it instead of leaving callers waiting
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                try:
+                    item[2].call_soon_threadsafe(_resolve, item[1], None, BackendDeadError("backend closed"))
+                except RuntimeError:  # its event loop is already closed
+                    pass
 
 
 def _resolve(fut: asyncio.Future, result, exc) -> None:

@@ -1,176 +1,173 @@
-"""FastAPI app: ``POST /v1/systemone``, ``GET /health``, ``GET /v1/models``, OpenAPI at ``/docs``.
+"""FastAPI app: ``POST /v1/systemone``, ``POST /v1/systemone/bulk``, ``GET /health``,
+``GET /health/live``, ``GET /metrics``, ``GET /v1/models``; OpenAPI at ``/docs``.
 
 The model loads in the background after the server starts listening, so ``/health`` can say
-503 ("loading") instead of refusing connections; it says 200 only once requests can be served.
-Client mistakes map to 400 (malformed JSON), 413 (too long), 422 (invalid, field named) and
-503 (not ready); nothing a client sends produces a 500 or a stack trace.
+503 ("loading") instead of refusing connections; it says 200 only once requests can be served,
+and 503 again while draining (SIGTERM) or after the engine failed. Client mistakes map to 400
+(malformed JSON), 401 (API key), 413 (too large / too long), 422 (invalid, field named); the
+server's own limits to 429 (at capacity, with ``Retry-After``), 503 (not ready, draining, engine
+failed) and 504 (timed out). Nothing a client sends produces a 500 or a stack trace.
+See docs/operating.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from clef_vllm import __version__
-from clef_vllm.answers import build_response, hosted_envelope
-from clef_vllm.backends.base import Backend
-from clef_vllm.protocol import (ChoiceAnswer, Dialect, NoulAnswer, RequestError, ScoreAnswer, SystemOneRequest,
-                                SystemOneResponse, parse_request)
+from clef_vllm.backends.base import Backend, measure_stage
+from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, RequestError, ScoreAnswer, SystemOneRequest, SystemOneResponse
+from clef_vllm.server.body import decode_json, read_body  # noqa: F401 - decode_json is part of this module's API
+from clef_vllm.server.bulk import BulkStream
+from clef_vllm.server.context import ServerError, reason_of
+from clef_vllm.server.metrics import ServerMetrics
+from clef_vllm.server.middleware import CONTEXT_KEY, BearerAuth, EdgeMiddleware, error_response
+from clef_vllm.server.service import FAILED, READY, DecisionService
+from clef_vllm.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings  # noqa: F401 - re-exported
 
 log = logging.getLogger("clef_vllm.server")
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
+def time_backbone(backend: Backend) -> None:
+    """Report a reference backend's backbone time as its own stage (the rest of a batch is the head).
 
-@dataclass
-class ServerSettings:
-    """Everything the app needs besides the backend."""
+    ``ReferenceBackend.decide_batch`` runs ``self.hidden_states`` (the backbone forward) and then
+    the head; wrapping that method in :func:`measure_stage` lets ``Server-Timing`` split the engine
+    time without changing the backend. A backend that calls ``measure_stage`` itself needs none."""
+    target = getattr(backend, "inner", backend)          # a FaultyBackend wraps the real one
+    forward = getattr(target, "hidden_states", None)
+    if forward is None or getattr(forward, "_clef_timed", False):
+        return
 
-    dialect: Dialect = Dialect.REFERENCE
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    served_model: str = "clef-flash"
-    on_ready: Callable[[], None] | None = None
-    on_load_error: Callable[[BaseException], None] | None = None
+    def timed(*args, **kwargs):
+        with measure_stage("backbone"):
+            return forward(*args, **kwargs)
 
-
-class _State:
-    def __init__(self):
-        self.backend: Backend | None = None
-        self.error: BaseException | None = None
-        self.ready = asyncio.Event()
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:32]} is out of range")
-    return value
-
-
-def decode_json(raw: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity, no number overflowing to infinity); raises RequestError(400)."""
-    try:
-        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError(f"body is not valid JSON: {exc}", status=400) from None
-    except RecursionError:
-        raise RequestError("body is not valid JSON: nested too deeply", status=400) from None
+    timed._clef_timed = True
+    target.hidden_states = timed
 
 
 def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | None = None) -> FastAPI:
     """Build the app. ``load_backend`` runs in a worker thread after startup (it may take minutes)."""
     settings = settings or ServerSettings()
-    state = _State()
+    metrics = ServerMetrics(settings.near_tie_margin)
+    service = DecisionService(settings, metrics)
     dialect = settings.dialect
 
-    def error_response(exc: RequestError, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(exc.body(dialect), status_code=exc.status, headers=headers)
-
-    async def load() -> None:
-        try:
-            backend = await asyncio.to_thread(load_backend)
-            await backend.start()
-            state.backend = backend
-            state.ready.set()
-            log.info("ready: %s", backend.describe())
-            if settings.on_ready is not None:
-                settings.on_ready()
-        except BaseException as exc:  # noqa: BLE001 - reported through /health and the exit code
-            state.error = exc
-            log.error("model failed to load: %s", exc)
-            if settings.on_load_error is not None:
-                settings.on_load_error(exc)
+    def load() -> Backend:
+        backend = load_backend()
+        time_backbone(backend)
+        return backend
 
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(load())
-        app.state.clef = state
+        task = asyncio.create_task(service.run(load))
         try:
             yield
         finally:
             task.cancel()
-            if state.backend is not None:
-                await asyncio.to_thread(state.backend.close)
+            await asyncio.gather(task, return_exceptions=True)
+            await service.close()
 
     app = FastAPI(title="clef-vllm SystemOne server", version=__version__, lifespan=lifespan,
                   description="Clef-Flash decisions over the SystemOne protocol (`POST /v1/systemone`).")
+    app.state.clef = service
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        return error_response(exc)
+        request.scope["state"][CONTEXT_KEY].reason = reason_of(exc)
+        return error_response(exc, dialect)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return error_response(RequestError("internal server error", status=500))
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return error_response(RequestError(message, status=exc.status_code), dialect, exc.headers)
 
-    @app.get("/health", summary="200 once the model is loaded and serving; 503 while loading or failed")
+    @app.get("/health", summary="200 once the model is loaded and serving; 503 while loading, draining or failed")
     async def health():
-        if state.ready.is_set():
+        if service.status == READY:
             return {"status": "ok"}
-        status = "failed" if state.error is not None else "loading"
-        return JSONResponse({"status": status}, status_code=503)
+        return JSONResponse({"status": service.status}, status_code=503)
+
+    @app.get("/health/live", summary="Liveness: 200 unless the model failed to load or the engine died")
+    async def live():
+        if service.status == FAILED:
+            return JSONResponse({"status": FAILED}, status_code=503)
+        return {"status": service.status}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", summary="The served model and backend")
     async def models():
-        info = state.backend.describe() if state.backend is not None else {}
+        info = service.backend.describe() if service.backend is not None else {}
         return {"object": "list", "data": [{"id": settings.served_model, "object": "model", "owned_by": "clef-vllm",
                                              "clef_vllm_version": __version__, **info}]}
 
     @app.post("/v1/systemone", summary="Answer every question of a SystemOne request in one forward pass",
               response_model=None, responses=_openapi_responses(),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}}})
+                  "schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}},
+                  "parameters": _timeout_header()})
     async def systemone(request: Request) -> Response:
-        started = time.perf_counter()
-        if not state.ready.is_set():
-            raise RequestError("model is not ready" if state.error is None else "model failed to load", status=503)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            raise RequestError(f"body exceeds {settings.max_body_bytes} bytes", status=413)
-        raw = await _read_body(request, settings.max_body_bytes)
-        body = decode_json(raw)
-        parsed = parse_request(body, dialect)
-        backend = state.backend
-        encoded = await run_in_threadpool(backend.encoder.encode, parsed)
-        probs = await backend.decide(encoded)
-        payload = build_response(parsed, encoded, probs, dialect)
-        if dialect is Dialect.WORKERS_AI:
-            payload = hosted_envelope(payload)
-        elapsed = (time.perf_counter() - started) * 1000
-        return JSONResponse(payload, headers={"Server-Timing": f"total;dur={elapsed:.2f}"})
+        ctx = request.scope["state"][CONTEXT_KEY]
+        service.check_accepting()
+        with service.track():
+            ctx.timeout_s = service.timeout_for(request.headers.get("x-request-timeout"))
+            raw = await read_body(request, settings.max_body_bytes)
+            payload = await service.answer_unless_disconnected(decode_json(raw), ctx, request.receive)
+        return JSONResponse(payload)
 
+    @app.post("/v1/systemone/bulk", summary="Stream many requests: NDJSON in, one NDJSON line per record as it "
+              "finishes", response_model=None, responses=_bulk_openapi_responses(),
+              openapi_extra={"requestBody": {"required": True, "content": {"application/x-ndjson": {
+                  "schema": {"type": "string", "description": "One SystemOneRequest JSON object per line"}}}},
+                  "parameters": _timeout_header()})
+    async def bulk(request: Request) -> Response:
+        ctx = request.scope["state"][CONTEXT_KEY]
+        service.check_accepting()
+        if service.bulk_streams >= settings.max_bulk_streams:
+            raise ServerError(f"{service.bulk_streams} bulk streams are open (--max-bulk-streams)", status=429,
+                              reason="bulk_streams", headers={"Retry-After": str(service.admission.retry_after())})
+        ctx.timeout_s = service.timeout_for(request.headers.get("x-request-timeout"))
+        return BulkStream(service, ctx)
+
+    app.add_middleware(EdgeMiddleware, metrics=metrics, dialect=dialect,
+                       auth=BearerAuth(settings.api_keys, settings.auth_health_metrics))
+    if settings.cors_origins:             # added last = outermost: preflights never need the API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Request-Timeout"],
+                           expose_headers=["Server-Timing", "X-Request-Id", "Retry-After"])
     _install_openapi(app)
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"body exceeds {limit} bytes", status=413)
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _timeout_header() -> list[dict]:
+    return [{"name": "X-Request-Timeout", "in": "header", "required": False,
+             "description": "Seconds; shortens (never lengthens) the server's --request-timeout",
+             "schema": {"type": "number", "exclusiveMinimum": 0}}]
 
 
 def _openapi_responses() -> dict:
     err = {"description": "Error body: {error: {message, type, param, code}} (workers-ai dialect: hosted envelope)"}
     return {200: {"description": "Answers", "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}},
-            400: err, 413: err, 422: err, 503: err}
+            400: err, 401: err, 413: err, 422: err, 429: err, 503: err, 504: err}
+
+
+def _bulk_openapi_responses() -> dict:
+    err = {"description": "Error body (the stream did not start)"}
+    return {200: {"description": 'NDJSON: {"index", "status", "body"} per record as it finishes, then {"summary"}',
+                  "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
+            400: err, 401: err, 429: err, 503: err}
 
 
 def _install_openapi(app: FastAPI) -> None:

@@ -4,8 +4,11 @@ Without ``--model`` it serves the generated demo checkpoint (built on first use)
 ``auto`` picks: vLLM when a CUDA GPU and vLLM are usable, else the CPU/GPU reference backend.
 Engine flags follow vLLM's names.
 
-Testing hook: when ``CLEF_VLLM_LOAD_GATE`` names a file, model loading waits (at most 10 minutes)
-until that file exists, so the "loading" state (``/health`` 503) can be observed deterministically.
+Operating it (limits, auth, metrics, errors, graceful shutdown): docs/operating.md. Exit status:
+0 after a graceful shutdown (SIGTERM/SIGINT: accepted requests finish, new ones get 503), 1 when
+the model fails to load or the engine dies while serving, 2 for bad flags.
+
+Testing hooks (``CLEF_VLLM_LOAD_GATE``, ``CLEF_VLLM_FAULTS``): clef_vllm/server/faults.py.
 """
 
 from __future__ import annotations
@@ -14,15 +17,20 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
-import time
-from pathlib import Path
+import threading
+
+import uvicorn
 
 from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import Dialect
-from clef_vllm.server.app import DEFAULT_MAX_BODY_BYTES
+from clef_vllm.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S,
+                                       OVER_LENGTH_POLICIES)
+
+API_KEY_ENV = "CLEF_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,11 +45,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--dialect", choices=[d.value for d in Dialect], default=Dialect.REFERENCE.value,
                    help="acceptance rules, confidence formula and envelope (default: reference)")
-    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_LENGTH,
-                   help="token limit per request; longer states are cut from the end (default 16384)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the joint head's dtype")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    lim = p.add_argument_group("limits and admission control")
+    lim.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_LENGTH,
+                     help="token limit per request (prompt + state + schema; default 16384)")
+    lim.add_argument("--over-length", choices=OVER_LENGTH_POLICIES, default="truncate",
+                     help="a state that does not fit: 'truncate' cuts its end, as the reference does (reported in "
+                          "usage.truncated_state_tokens); 'reject' answers 413 with the token counts. A schema that "
+                          "does not fit is always 413 (default: truncate)")
+    lim.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help=f"request body cap, 413 above it; also the per-line cap of the bulk endpoint "
+                          f"(default {DEFAULT_MAX_BODY_BYTES})")
+    lim.add_argument("--max-in-flight", type=_positive_int, default=None,
+                     help="requests in the engine at once (default: vLLM max-num-seqs x data-parallel-size; "
+                          "reference: 2 x max-batch-size)")
+    lim.add_argument("--max-queue", type=_non_negative_int, default=None,
+                     help="requests waiting for the engine; beyond it 429 + Retry-After (default 2 x max-in-flight)")
+    lim.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                     help=f"seconds from admission to answer, queueing included; then 504 and the request is "
+                          f"cancelled in the engine; 0 = none (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    lim.add_argument("--load-timeout", type=float, default=0,
+                     help="seconds allowed for loading and warm-up; then exit 1; 0 = none (default)")
+    lim.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                     help=f"on SIGTERM, seconds to finish accepted requests before exiting "
+                          f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    lim.add_argument("--bulk-concurrency", type=_positive_int, default=8,
+                     help="records of one bulk stream in progress at once (default 8)")
+    lim.add_argument("--max-bulk-streams", type=_positive_int, default=4,
+                     help="bulk streams open at once; beyond it 429 (default 4)")
+
+    sec = p.add_argument_group("auth and browsers")
+    sec.add_argument("--api-key", action="append", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys). Prefer the "
+                          f"{API_KEY_ENV} environment variable (comma-separated keys): flags show in ps")
+    sec.add_argument("--auth-health-metrics", action="store_true",
+                     help="with an API key, also require it on /health, /health/live and /metrics (default: open)")
+    sec.add_argument("--cors-origins", action="append", default=None,
+                     help="allow browser calls from these origins (comma-separated or repeated; '*' = any). "
+                          "Default: CORS off")
+
+    obs = p.add_argument_group("logs and metrics")
+    obs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    obs.add_argument("--log-format", default="text", choices=["text", "json"],
+                     help="json = one object per line with request_id; request bodies are never logged")
+    obs.add_argument("--near-tie-margin", type=float, default=0.05,
+                     help="an answer whose top-2 probabilities differ by less counts as a near tie in /metrics "
+                          "(default 0.05)")
 
     ref = p.add_argument_group("reference backend")
     ref.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -78,40 +128,62 @@ def curl_example(host: str, port: int) -> str:
             f"-d '{json.dumps(body)}'")
 
 
-LOAD_GATE_ENV = "CLEF_VLLM_LOAD_GATE"
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
-def _wait_for_load_gate(log: logging.Logger, timeout_s: float = 600.0) -> None:
-    """Testing hook: hold model loading until the file named by ``$CLEF_VLLM_LOAD_GATE`` exists."""
-    gate = os.environ.get(LOAD_GATE_ENV)
-    if not gate:
-        return
-    log.info("%s is set: loading waits for %s", LOAD_GATE_ENV, gate)
-    deadline = time.monotonic() + timeout_s
-    while not Path(gate).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(v.strip() for item in values or () for v in item.split(",") if v.strip())
+
+
+def api_keys(args: argparse.Namespace, environ=os.environ) -> tuple[str, ...]:
+    """``--api-key`` values, else the comma-separated keys of ``$CLEF_API_KEY``."""
+    return _split(args.api_key) or _split([environ.get(API_KEY_ENV, "")])
+
+
+def _exit_code(code: int) -> int:
+    """``code``, leaving at once if a thread still holds the process (a load stuck in a dead engine)."""
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if code != 0 and stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("clef_vllm")
+    from clef_vllm.server.logs import setup_logging
 
-    import uvicorn
+    setup_logging(args.log_level, args.log_format)
+    log = logging.getLogger("clef_vllm")
 
     from clef_vllm.api import resolve_model_dir
     from clef_vllm.backends import make_backend
-    from clef_vllm.server.app import ServerSettings, create_app
+    from clef_vllm.server.app import create_app
+    from clef_vllm.server.faults import wrap_load
+    from clef_vllm.server.settings import ServerSettings
 
     options = {k: getattr(args, k) for k in (
         "device", "max_batch_size", "data_parallel_size", "gpu_memory_utilization", "max_num_seqs",
         "max_num_batched_tokens", "enforce_eager", "gdn_prefill_backend", "linear_backend", "quantization",
         "load_format")}
     options.update(dtype=args.dtype, max_model_len=args.max_model_len, warmup=args.warmup)
-    failure: list[BaseException] = []
+    load_failure: list[BaseException] = []
+    engine_failure: list[BaseException] = []
 
     def load():
-        _wait_for_load_gate(log)
         model_dir = resolve_model_dir(args.model)
         log.info("loading %s (backend %s)", model_dir, args.backend)
         return make_backend(model_dir, args.backend, **options)
@@ -121,19 +193,64 @@ def main(argv: list[str] | None = None) -> int:
               f"try:\n  {curl_example(args.host, args.port)}\n", flush=True)
 
     def on_load_error(exc: BaseException):
-        failure.append(exc)
+        load_failure.append(exc)
         server.should_exit = True
 
-    settings = ServerSettings(dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes,
-                              served_model=args.served_model_name, on_ready=on_ready, on_load_error=on_load_error)
-    app = create_app(load, settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    server = uvicorn.Server(config)
+    def on_fatal(exc: BaseException):
+        engine_failure.append(exc)
+        server.should_exit = True
+
+    def on_drained():
+        server.should_exit = True
+
+    keys = api_keys(args)
+    settings = ServerSettings(
+        dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_model=args.served_model_name,
+        max_in_flight=args.max_in_flight, max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout or None, load_timeout_s=args.load_timeout or None,
+        shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
+        auth_health_metrics=args.auth_health_metrics, cors_origins=_split(args.cors_origins),
+        near_tie_margin=args.near_tie_margin, bulk_concurrency=args.bulk_concurrency,
+        max_bulk_streams=args.max_bulk_streams, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal,
+        on_drained=on_drained)
+    if keys:
+        log.info("API key required on /v1/*%s (%d key(s))", " and the probes" if args.auth_health_metrics else "",
+                 len(keys))
+    app = create_app(wrap_load(load), settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=10)
+    server = DrainingServer(config, app.state.clef)
     server.run()
-    if failure:
-        print(f"clef-systemone: could not load the model: {failure[0]}", file=sys.stderr)
-        return 1
-    return 0
+    if load_failure:
+        print(f"clef-systemone: could not load the model: {load_failure[0]}", file=sys.stderr, flush=True)
+        return _exit_code(1)
+    if engine_failure:
+        print(f"clef-systemone: the engine failed while serving: {engine_failure[0]}", file=sys.stderr, flush=True)
+        return _exit_code(1)
+    return _exit_code(0)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with a graceful first SIGTERM/SIGINT (drain, then exit 0); a second one exits at once.
+
+    uvicorn itself stops listening at once and re-raises the signal after shutdown (exit status
+    -15); here the first signal only starts the service's drain, which sets ``should_exit``."""
+
+    def __init__(self, config: uvicorn.Config, service):
+        super().__init__(config)
+        self.service = service
+        self.signalled = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        name = signal.Signals(sig).name
+        log = logging.getLogger("clef_vllm")
+        if self.signalled or self.service.loop is None:
+            log.warning("%s again: exiting now", name)
+            self.should_exit = self.force_exit = True
+            return
+        self.signalled = True
+        log.info("%s: graceful shutdown", name)
+        self.service.loop.call_soon_threadsafe(self.service.begin_drain)
 
 
 if __name__ == "__main__":

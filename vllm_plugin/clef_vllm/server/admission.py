@@ -1,0 +1,78 @@
+"""Admission control: at most ``max_in_flight`` requests in the engine, a bounded wait queue.
+
+Interactive requests (``POST /v1/systemone``) wait in a queue of at most ``max_queue``; when it
+is full they are refused at once (HTTP 429 with ``Retry-After``). Bulk records wait without a
+bound of their own (each bulk stream has its own concurrency bound) and are served only when no
+interactive request is waiting. Slots are handed over first-in first-out within each class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+
+INTERACTIVE = "interactive"
+BULK = "bulk"
+
+
+class QueueFull(Exception):
+    """No engine slot and no room in the interactive wait queue."""
+
+
+class Admission:
+    def __init__(self, max_in_flight: int, max_queue: int):
+        if max_in_flight < 1 or max_queue < 0:
+            raise ValueError("max_in_flight must be >= 1 and max_queue >= 0")
+        self.max_in_flight = max_in_flight
+        self.max_queue = max_queue
+        self.in_flight = 0
+        self._waiting: dict[str, deque[asyncio.Future]] = {INTERACTIVE: deque(), BULK: deque()}
+        self._service_s = 0.0         # moving average of how long a slot is held
+
+    def waiting(self, kind: str = INTERACTIVE) -> int:
+        return len(self._waiting[kind])
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0 and not any(self._waiting.values())
+
+    async def acquire(self, kind: str = INTERACTIVE) -> None:
+        """Take a slot, waiting if needed; raise :class:`QueueFull` (interactive only) when full."""
+        if self.in_flight < self.max_in_flight and not any(self._waiting.values()):
+            self.in_flight += 1
+            return
+        queue = self._waiting[kind]
+        if kind == INTERACTIVE and len(queue) >= self.max_queue:
+            raise QueueFull()
+        fut = asyncio.get_running_loop().create_future()
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()            # the slot arrived just as we were cancelled: pass it on
+            else:
+                try:
+                    queue.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def release(self, held_s: float | None = None) -> None:
+        """Give a slot back: to the oldest interactive waiter, else the oldest bulk waiter."""
+        if held_s is not None:
+            self._service_s = held_s if self._service_s == 0 else 0.9 * self._service_s + 0.1 * held_s
+        for kind in (INTERACTIVE, BULK):
+            queue = self._waiting[kind]
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+        self.in_flight -= 1
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the time to drain the queue ahead of it (1..60)."""
+        waves = (self.waiting(INTERACTIVE) + self.in_flight) / self.max_in_flight
+        return int(min(60, max(1, math.ceil(waves * self._service_s))))

@@ -1,0 +1,145 @@
+"""Testing hooks, off unless their environment variables are set. Never used in production.
+
+* ``CLEF_VLLM_LOAD_GATE=PATH``: model loading waits (at most 10 minutes) until PATH exists, so the
+  "loading" state (``/health`` 503) can be observed deterministically.
+* ``CLEF_VLLM_FAULTS=key[=value],...`` wraps the loaded backend in :class:`FaultyBackend`:
+
+  - ``hold_dir=DIR``: a decision whose question ids include ``hold.NAME`` stays in the engine
+    until ``DIR/NAME`` exists (deterministic in-flight, queue-full, timeout and drain states);
+  - ``engine_pid_file=PATH``: start a stand-in "engine process" (a child that idles) and write its
+    pid to PATH. Killing it makes the backend dead, as when vLLM's engine core dies: health
+    checks and decisions raise :class:`BackendDeadError`. Killed while the load is held by
+    ``CLEF_VLLM_LOAD_GATE``, it makes the load fail, as vLLM's start-up handshake does;
+  - ``load_fail``: the load raises after the gate (a model that never comes up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from clef_vllm.backends.base import Backend, BackendDeadError
+from clef_vllm.encoding import EncodedRequest
+
+log = logging.getLogger("clef_vllm.faults")
+
+LOAD_GATE_ENV = "CLEF_VLLM_LOAD_GATE"
+FAULTS_ENV = "CLEF_VLLM_FAULTS"
+HOLD_PREFIX = "hold."
+
+
+def parse_faults(text: str | None) -> dict[str, str]:
+    """``"a=1,b"`` -> ``{"a": "1", "b": ""}``."""
+    out = {}
+    for item in (text or "").split(","):
+        if item.strip():
+            key, _, value = item.strip().partition("=")
+            out[key] = value
+    return out
+
+
+class EngineStandIn:
+    """A child process playing the engine: the backend is dead once it exits."""
+
+    def __init__(self, pid_file: str):
+        code = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent:\n    time.sleep(0.2)\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        Path(pid_file).write_text(str(self.proc.pid))
+        log.info("fault hook: stand-in engine process pid %d", self.proc.pid)
+
+    def check(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise BackendDeadError(f"engine process {self.proc.pid} exited with code {code}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wrap_load(load: Callable[[], Backend], environ=os.environ) -> Callable[[], Backend]:
+    """The CLI's loader with the hooks of the environment applied (unchanged when none is set)."""
+    gate = environ.get(LOAD_GATE_ENV)
+    faults = parse_faults(environ.get(FAULTS_ENV))
+    if not gate and not faults:
+        return load
+
+    def hooked() -> Backend:
+        engine = EngineStandIn(faults["engine_pid_file"]) if "engine_pid_file" in faults else None
+        try:
+            if gate:
+                log.info("%s is set: loading waits for %s", LOAD_GATE_ENV, gate)
+                deadline = time.monotonic() + 600
+                while not Path(gate).exists() and time.monotonic() < deadline:
+                    if engine is not None:
+                        engine.check()       # a dead engine fails the load instead of hanging it
+                    time.sleep(0.05)
+            if "load_fail" in faults:
+                raise RuntimeError("fault hook: the engine failed while loading")
+            backend = load()
+            if engine is not None:
+                engine.check()
+        except BaseException:
+            if engine is not None:
+                engine.stop()
+            raise
+        return FaultyBackend(backend, faults, engine) if faults else backend
+
+    return hooked
+
+
+class FaultyBackend(Backend):
+    """Delegates to a real backend, adding the hooks of ``CLEF_VLLM_FAULTS``."""
+
+    def __init__(self, inner: Backend, faults: dict[str, str], engine: EngineStandIn | None):
+        self.inner = inner
+        self.name = inner.name
+        self.encoder = inner.encoder
+        self.max_model_len = inner.max_model_len
+        self.hold_dir = Path(faults["hold_dir"]) if faults.get("hold_dir") else None
+        self.engine = engine
+
+    def decide_batch(self, encoded: Sequence[EncodedRequest]):
+        self.check_health()
+        return self.inner.decide_batch(encoded)
+
+    async def decide(self, encoded: EncodedRequest):
+        self.check_health()
+        holds = [f.question_id[len(HOLD_PREFIX):] for f in encoded.fields if f.question_id.startswith(HOLD_PREFIX)]
+        if holds and self.hold_dir is not None:
+            try:
+                while not all((self.hold_dir / name).exists() for name in holds):
+                    self.check_health()
+                    await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                log.info("fault hook: held decision %s cancelled", ",".join(holds))
+                raise
+        return await self.inner.decide(encoded)
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "fault_hooks": True}
+
+    def check_health(self) -> None:
+        if self.engine is not None:
+            self.engine.check()
+        self.inner.check_health()
+
+    def suggested_max_in_flight(self) -> int:
+        return self.inner.suggested_max_in_flight()
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            if self.engine is not None:
+                self.engine.stop()

@@ -1,0 +1,50 @@
+"""Server settings in one place (the CLI fills them from flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from clef_vllm.protocol import Dialect
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_REQUEST_TIMEOUT_S = 120.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
+OVER_LENGTH_POLICIES = ("truncate", "reject")
+
+
+@dataclass
+class ServerSettings:
+    """Everything the app needs besides the backend. ``None`` limits are sized from the backend."""
+
+    dialect: Dialect = Dialect.REFERENCE
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    served_model: str = "clef-flash"
+    # admission control
+    max_in_flight: int | None = None          # default: backend.suggested_max_in_flight()
+    max_queue: int | None = None              # default: 2 x max_in_flight
+    request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    load_timeout_s: float | None = None
+    health_poll_s: float = 1.0
+    # size limits
+    over_length: str = "truncate"             # "truncate" (cut the state's end) | "reject" (413)
+    # auth and browsers
+    api_keys: tuple[str, ...] = ()
+    auth_health_metrics: bool = False
+    cors_origins: tuple[str, ...] = ()
+    # metrics
+    near_tie_margin: float = 0.05
+    # bulk endpoint
+    bulk_concurrency: int = 8
+    max_bulk_streams: int = 4
+    # hooks (the CLI uses them to print the banner and to set the exit status)
+    on_ready: Callable[[], None] | None = None
+    on_load_error: Callable[[BaseException], None] | None = None
+    on_fatal: Callable[[BaseException], None] | None = None
+    on_drained: Callable[[], None] | None = None
+
+    def __post_init__(self):
+        if self.over_length not in OVER_LENGTH_POLICIES:
+            raise ValueError(f"over_length must be one of {OVER_LENGTH_POLICIES}, got {self.over_length!r}")
+        self.dialect = Dialect(self.dialect)
