@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from clef_vllm import ARCHITECTURE
-from clef_vllm.backends.base import Backend, parse_dtype
+from clef_vllm.backends.base import Backend, BackendDeadError, parse_dtype
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
@@ -174,12 +174,21 @@ class VllmBackend(Backend):
 
     async def _encode(self, ids: list[int], spec: HeadSpec) -> torch.Tensor:
         from vllm import PoolingParams, TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})
         request_id = f"clef-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         final = None
-        async for out in self.engine.encode(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
-            final = out
+        engine = self.engine
+        if engine is None:
+            raise BackendDeadError("the vLLM engine is not running")
+        # Cancelling this coroutine (server timeout, client gone) makes AsyncLLM.encode abort the
+        # request in the engine core; an engine-core death surfaces as EngineDeadError.
+        try:
+            async for out in engine.encode(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
+                final = out
+        except EngineDeadError as exc:
+            raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
         if final is None:
             raise EngineError("engine returned no output")
         if list(final.prompt_token_ids) != ids:
@@ -204,6 +213,19 @@ class VllmBackend(Backend):
             return await asyncio.gather(*[self._decide(e) for e in encoded])
 
         return list(self._submit(run_all()).result())
+
+    def check_health(self) -> None:
+        """Dead when AsyncLLM says so (engine core process gone, output handler stopped) or when
+        our engine loop thread stopped; cheap enough to poll every second."""
+        engine = self.engine
+        if engine is not None and engine.errored:
+            raise BackendDeadError("vLLM engine core died (AsyncLLM.errored); see the engine log above")
+        if not self._thread.is_alive():
+            raise BackendDeadError("the vLLM engine loop thread stopped")
+
+    def suggested_max_in_flight(self) -> int:
+        """vLLM's own concurrency: max_num_seqs per engine, times the data-parallel engines."""
+        return int(self.kwargs["max_num_seqs"]) * int(self.kwargs["data_parallel_size"])
 
     def describe(self) -> dict:
         info = {"backend": self.name, "layout": self.files.layout, "max_model_len": self.max_model_len,
