@@ -524,7 +524,12 @@ def main(argv=None) -> int:
     ap.add_argument("--source-config", type=Path, help="the BF16 release config.json (with --emit-config-only)")
     ap.add_argument("--head-config", type=Path, help="joint_head_config.json to copy (with --emit-config-only)")
     ap.add_argument("--marker", help="requires_clef_vllm specifier (default: this plugin's minor series)")
+    ap.add_argument("--compile", action="store_true",
+                    help="let compressed-tensors torch.compile its FP4 helpers (a cold CPU compile takes ~4-5 min; "
+                         "by default TORCHDYNAMO_DISABLE=1 runs them eagerly, with bit-identical output)")
     a = ap.parse_args(argv)
+    if not a.compile:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")   # before torch is imported
     if a.emit_config_only:
         if a.source_config is None:
             ap.error("--emit-config-only needs --source-config")
