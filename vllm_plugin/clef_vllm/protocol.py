@@ -97,6 +97,17 @@ def _printable(text: str) -> str:
 # --------------------------------------------------------------------------- models
 
 
+def _require_non_empty(message: str):
+    """A pydantic field validator refusing empty containers with ``message``."""
+
+    def check(cls, value):
+        if not value:
+            raise ValueError(message)
+        return value
+
+    return classmethod(check)
+
+
 class _QuestionBase(BaseModel):
     # Extra keys are kept so the workers-ai dialect can refuse them; the reference ignores them.
     model_config = ConfigDict(extra="allow")
@@ -123,12 +134,7 @@ class ChoiceQuestion(_QuestionBase):
     type: Literal["choice"]
     criteria: dict[str, Any] = Field(description="option_id -> description (any JSON or null); not empty.")
 
-    @field_validator("criteria")
-    @classmethod
-    def _not_empty(cls, value):
-        if not value:
-            raise ValueError("must not be empty")
-        return value
+    _not_empty = field_validator("criteria")(_require_non_empty("must not be empty"))
 
 
 class ScoreQuestion(_QuestionBase):
@@ -137,12 +143,7 @@ class ScoreQuestion(_QuestionBase):
     type: Literal["score"]
     criteria: list[Any] = Field(description="Level descriptions, lowest first; not empty.")
 
-    @field_validator("criteria")
-    @classmethod
-    def _not_empty(cls, value):
-        if not value:
-            raise ValueError("must not be empty")
-        return value
+    _not_empty = field_validator("criteria")(_require_non_empty("must not be empty"))
 
 
 Question = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], Field(discriminator="type")]
@@ -159,12 +160,7 @@ class SystemOneRequest(BaseModel):
     images: list[Any] | None = Field(default=None, description="Not supported by this build (HTTP 400 if non-empty).")
     videos: list[Any] | None = Field(default=None, description="Not supported by this build (HTTP 400 if non-empty).")
 
-    @field_validator("questions")
-    @classmethod
-    def _at_least_one(cls, value):
-        if not value:
-            raise ValueError("at least one question is required")
-        return value
+    _at_least_one = field_validator("questions")(_require_non_empty("at least one question is required"))
 
 
 class NoulAnswer(BaseModel):
