@@ -1,25 +1,44 @@
-"""``clef-systemone`` as a real uvicorn subprocess on loopback: every success and error path.
+"""``clef-systemone`` as a real uvicorn subprocess on loopback: every success and error path,
+and the production surface (limits, admission control, auth, metrics, logs, bulk, shutdown, faults).
 
 Servers used (started in parallel, once per module):
 * ``live_server`` (conftest): reference dialect, defaults;
 * ``limits``: reference dialect with ``--max-model-len 600 --max-body-bytes 8192``;
 * ``hosted``: ``--dialect workers-ai``;
-* ``gated``: loading held by ``CLEF_VLLM_LOAD_GATE`` (server/cli.py) until the test creates the
+* ``gated``: loading held by ``CLEF_VLLM_LOAD_GATE`` (server/faults.py) until the test creates the
   gate file, so the 503 "loading" state is observed deterministically, not by racing the loader;
-* ``broken``: ``--model`` pointing at a folder without a head; it must exit non-zero and say why.
+* ``broken``: ``--model`` pointing at a folder without a head; it must exit non-zero and say why;
+* ``ops``: small limits (2 in flight, a queue of 1, 600 tokens, ``--over-length reject``), two API
+  keys, CORS for one origin, JSON logs, 2 records per bulk stream and 1 stream; decisions with a
+  question id ``hold.NAME`` stay in the engine until the test creates ``NAME`` in the hold folder
+  (``CLEF_VLLM_FAULTS=hold_dir=...``), so "in flight", "queue full", "timed out" and "draining" are
+  states the tests create, not races. Its last test sends SIGTERM;
+* ``dying`` / ``dying_load``: a stand-in engine process (``engine_pid_file``) that the tests kill
+  while serving / while loading; ``slow_load``: ``--load-timeout 1`` with the load held;
+* ``corrupt-*``: checkpoints with a damaged file; the CLI must refuse to start and name the file.
+
+Nothing here asserts on durations: waits poll a state (``/metrics``, ``/health``, a log line) with
+a generous bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import shutil
+import signal
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import LiveServer
+from conftest import REPO, LiveServer
 
 REQUEST = {
     "model": "clef-flash",
@@ -35,6 +54,39 @@ REQUEST = {
 }
 
 
+OPS_KEYS = ("k-one", "k-two")
+AUTH = {"Authorization": f"Bearer {OPS_KEYS[0]}"}
+ORIGIN = "https://app.example"
+
+
+def corrupt_variants(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
+    """Copies of ``src`` with one damaged file each -> (folder, the file the error must name)."""
+    out = {}
+
+    def variant(name, damage):
+        folder = root / f"corrupt-{name}"
+        shutil.copytree(src, folder)
+        out[name] = (folder, str(damage(folder)))
+
+    def truncate_shard(folder):
+        shard = sorted(folder.glob("model-*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        return shard
+
+    def garbage_head(folder):
+        (folder / "joint_head.safetensors").write_bytes(os.urandom(4096))
+        return folder / "joint_head.safetensors"
+
+    def broken_tokenizer(folder):
+        (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
+        return folder / "tokenizer.json"
+
+    variant("shard", truncate_shard)
+    variant("head", garbage_head)
+    variant("tokenizer", broken_tokenizer)
+    return out
+
+
 @pytest.fixture(scope="module")
 def servers(request, tiny_release, cache_dir, tmp_path_factory):
     """Start every extra server at once (they load in parallel), then the shared live server."""
@@ -43,20 +95,43 @@ def servers(request, tiny_release, cache_dir, tmp_path_factory):
     shutil.copytree(tiny_release, nohead)
     (nohead / "joint_head.safetensors").unlink()
     (nohead / "joint_head_config.json").unlink()
-    gate = tmp / "gate"
+    gate, never = tmp / "gate", tmp / "never"
+    holds = tmp / "holds"
+    holds.mkdir()
     model = ["--model", str(tiny_release), "--backend", "reference"]
+    ops_args = model + ["--max-model-len", "600", "--over-length", "reject", "--max-in-flight", "2", "--max-queue", "1",
+                        "--request-timeout", "120", "--bulk-concurrency", "2", "--max-bulk-streams", "1",
+                        "--api-key", OPS_KEYS[0], "--api-key", OPS_KEYS[1], "--cors-origins", ORIGIN,
+                        "--log-format", "json", "--near-tie-margin", "1.0"]
     started = {
         "limits": LiveServer(model + ["--max-model-len", "600", "--max-body-bytes", "8192"]),
         "hosted": LiveServer(model + ["--dialect", "workers-ai"]),
         "gated": LiveServer(model, env={"CLEF_VLLM_LOAD_GATE": str(gate)}),
         "broken": LiveServer(["--model", str(nohead), "--backend", "reference"]),
+        "ops": LiveServer(ops_args, env={"CLEF_VLLM_FAULTS": f"hold_dir={holds}"}),
+        "dying": LiveServer(model, env={"CLEF_VLLM_FAULTS": f"hold_dir={holds},engine_pid_file={tmp / 'engine.pid'}"}),
+        "dying_load": LiveServer(model, env={"CLEF_VLLM_LOAD_GATE": str(never),
+                                             "CLEF_VLLM_FAULTS": f"engine_pid_file={tmp / 'load-engine.pid'}"}),
+        "slow_load": LiveServer(model + ["--load-timeout", "1"], env={"CLEF_VLLM_LOAD_GATE": str(never)}),
     }
-    started["gate"] = gate
+    corrupt = corrupt_variants(tiny_release, tmp)
+    for name, (folder, _) in corrupt.items():
+        started[f"corrupt-{name}"] = LiveServer(["--model", str(folder), "--backend", "reference"])
+    started.update(gate=gate, holds=holds, tmp=tmp, corrupt=corrupt)
     started["live"] = request.getfixturevalue("live_server")
     yield started
     gate.touch()
-    for name in ("limits", "hosted", "gated", "broken"):
-        started[name].stop()
+    mine = [server for name, server in started.items() if isinstance(server, LiveServer) and name != "live"]
+    for server in mine:                          # signal all first: they shut down in parallel
+        if server.proc.poll() is None:
+            server.proc.terminate()
+    for server in mine:
+        server.stop()
+    for pid_file in tmp.glob("*.pid"):          # stand-in engines exit with their server; be sure
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -352,3 +427,620 @@ def test_a_model_that_fails_to_load_exits_non_zero_and_says_why(servers):
     log = broken.log()
     assert "could not load the model" in log and "no joint head found" in log
     assert "Traceback" not in log
+
+
+# --------------------------------------------------------------------------- helpers for the production surface
+
+
+def metrics_of(server: LiveServer, headers=None) -> dict:
+    """``{(sample name, sorted label items): value}`` from ``GET /metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(server.url + "/metrics", headers=headers, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(resp.text) for s in family.samples}
+
+
+def metric(server: LiveServer, name: str, **labels) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in metrics_of(server).items()
+               if n == name and all(dict(ls).get(k) == str(w) for k, w in labels.items()))
+
+
+def wait_until(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def held(name: str, **fields) -> dict:
+    """A request that stays in the engine until the test creates ``holds/name`` (fault hook)."""
+    return {"model": "clef-flash", "state": f"held {name}", "questions": {f"hold.{name}": {"type": "noul"}}, **fields}
+
+
+def release(servers, *names: str) -> None:
+    for name in names:
+        (servers["holds"] / name).touch()
+
+
+def server_timing(resp: httpx.Response) -> dict[str, float]:
+    out = {}
+    for part in resp.headers["server-timing"].split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+class RawHttp:
+    """A bare HTTP/1.1 client: stream a request body and read the response while still sending it
+    (httpx writes the whole body before it reads), or send part of a body and stop."""
+
+    def __init__(self, server: LiveServer, path: str, headers: dict | None = None, content_length: int | None = None):
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        self.reader = self.sock.makefile("rb")
+        self.chunked = content_length is None
+        head = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}", "Content-Type: application/x-ndjson",
+                *(f"{k}: {v}" for k, v in (headers or {}).items()),
+                "Transfer-Encoding: chunked" if self.chunked else f"Content-Length: {content_length}"]
+        self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        self._buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+
+    def send_line(self, obj) -> None:
+        self.send((obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n")
+
+    def end(self) -> None:
+        if self.chunked:
+            self.sock.sendall(b"0\r\n\r\n")
+
+    def response_head(self) -> tuple[int, dict]:
+        status = int(self.reader.readline().split()[1])
+        headers = {}
+        while (line := self.reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode().partition(":")
+            headers[key.strip().lower()] = value.strip()
+        return status, headers
+
+    def read_line(self) -> dict:
+        """The next NDJSON line of a chunked response."""
+        while b"\n" not in self._buf:
+            size = int(self.reader.readline().strip(), 16)
+            if size == 0:
+                raise EOFError("response ended")
+            self._buf += self.reader.read(size)
+            self.reader.readline()
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def read_json_response(self) -> tuple[int, dict]:
+        status, headers = self.response_head()
+        return status, json.loads(self.reader.read(int(headers["content-length"])))
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------- metrics, timing, request ids (live)
+
+
+def test_server_timing_and_request_id_on_every_response(live):
+    ok = post(live, REQUEST, headers={"X-Request-Id": "client-id.42:a"})
+    assert ok.headers["x-request-id"] == "client-id.42:a"
+    stages = server_timing(ok)
+    # the reference backend tells backbone and head apart; every stage of a decision is there
+    assert list(stages) == ["queue", "encode", "batch_wait", "backbone", "head", "engine", "total"]
+    assert stages["total"] >= stages["engine"] >= stages["backbone"] and stages["head"] >= 0
+    for resp in (post(live, {"model": "m"}), post(live, content=b"{"), httpx.get(live.url + "/health"),
+                 httpx.get(live.url + "/nope"), httpx.get(live.url + "/metrics")):
+        assert "total" in server_timing(resp) and re.fullmatch(r"[0-9a-f]{32}", resp.headers["x-request-id"])
+    for insane in (b"has space", b"x" * 129, b"semi;colon", "\u00fcn\u00ef".encode()):
+        rid = post(live, REQUEST, headers={"X-Request-Id": insane}).headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", rid)
+    assert "access-control-allow-origin" not in post(live, REQUEST, headers={"Origin": ORIGIN}).headers  # CORS off
+
+
+def test_metrics_count_requests_stages_tokens_batches_and_answers(live):
+    before = metrics_of(live)
+
+    def delta(name, **labels):
+        now = metric(live, name, **labels)
+        then = sum(v for (n, ls), v in before.items()
+                   if n == name and all(dict(ls).get(k) == str(w) for k, w in labels.items()))
+        return now - then
+
+    assert post(live, REQUEST).status_code == 200
+    assert post(live, {"model": "m", "state": "s", "questions": {}}).status_code == 422
+    assert post(live, content=b"nope").status_code == 400
+    route = "/v1/systemone"
+    assert delta("clef_requests_total", route=route, status=200, reason="ok") == 1
+    assert delta("clef_requests_total", route=route, status=422, reason="invalid") == 1
+    assert delta("clef_requests_total", route=route, status=400, reason="bad_request") == 1
+    for stage in ("queue", "encode", "batch_wait", "backbone", "head", "engine"):
+        assert delta("clef_stage_seconds_count", stage=stage, kind="interactive") == 1, stage
+    assert delta("clef_stage_seconds_count", stage="total", kind="interactive") == 3       # errors are timed too
+    assert delta("clef_input_tokens_count") == 1 and delta("clef_input_tokens_sum") > 100
+    assert delta("clef_questions_per_request_sum") == 3
+    assert delta("clef_batch_size_count") == 1 and delta("clef_batch_size_sum") == 1
+    assert delta("clef_answers_total", type="noul") == 1 and delta("clef_answers_total", type="choice") == 1
+    m = metrics_of(live)
+    assert m[("clef_ready", ())] == 1 and m[("clef_in_flight", ())] == 0 and m[("clef_near_tie_margin", ())] == 0.05
+    assert m[("clef_max_in_flight", ())] == 32 and m[("clef_max_queue", ())] == 64       # 2 x max-batch-size 16
+    assert m[("clef_model_load_seconds", ())] > 0
+
+
+# --------------------------------------------------------------------------- bulk endpoint (live)
+
+
+def test_bulk_answers_each_line_like_the_single_endpoint(live):
+    lines = [json.dumps(REQUEST | {"model": "line-0"}), "this is not json", "",
+             json.dumps({"model": "line-3", "state": "x", "questions": {}}),
+             json.dumps(REQUEST | {"model": "line-4", "state": {"deep": [1, {"ü": None}]}}), "   ",
+             json.dumps(REQUEST | {"images": ["data:image/png;base64,AAAA"]})]
+    resp = httpx.post(live.url + "/v1/systemone/bulk", content=("\n".join(lines) + "\n").encode(), timeout=60,
+                      headers={"X-Request-Id": "bulk-job-1"})
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
+    assert resp.headers["x-request-id"] == "bulk-job-1"
+    out = [json.loads(line) for line in resp.text.splitlines()]
+    assert out[-1] == {"summary": {"records": 5, "ok": 2, "failed": 3, "aborted": None}}
+    records = {o["index"]: o for o in out[:-1]}
+    assert sorted(records) == [0, 1, 3, 4, 6]                      # blank lines skipped, still counted
+    for index, line in enumerate(lines):
+        if index not in records:
+            continue
+        single = post(live, content=line.encode())
+        assert records[index]["status"] == single.status_code, (index, records[index])
+        if single.status_code != 200:
+            assert records[index]["body"] == single.json()
+        else:
+            got, want = records[index]["body"], single.json()
+            assert got["model"] == want["model"] and got["usage"] == want["usage"]
+            assert list(got["answers"]) == list(want["answers"])
+            assert abs(got["answers"]["urgent"]["noul"] - want["answers"]["urgent"]["noul"]) <= 1e-2
+    assert 'invalid_request_error' in resp.text and "Traceback" not in live.log()
+
+
+def test_bulk_streams_a_line_per_record_while_the_body_is_still_being_sent(live):
+    raw = RawHttp(live, "/v1/systemone/bulk", headers={"X-Request-Id": "stream-1"})
+    try:
+        raw.send_line(REQUEST | {"model": "first"})
+        status, headers = raw.response_head()
+        assert status == 200 and headers["x-request-id"] == "stream-1" and "content-length" not in headers
+        first = raw.read_line()                         # answered before the next line exists
+        assert first["index"] == 0 and first["status"] == 200 and first["body"]["model"] == "first"
+        raw.send(b'{"model": "second", "state": ')       # a line split across two writes
+        raw.send(b'"x", "questions": {"q": {"type": "noul"}}}\n')
+        second = raw.read_line()
+        assert second["index"] == 1 and second["body"]["model"] == "second"
+        raw.send_line(b"[1, 2")
+        raw.end()
+        assert raw.read_line()["status"] == 400
+        assert raw.read_line() == {"summary": {"records": 3, "ok": 2, "failed": 1, "aborted": None}}
+    finally:
+        raw.close()
+
+
+def test_bulk_line_over_the_size_cap_fails_alone(limits):
+    big = json.dumps(REQUEST | {"state": "y" * 9000})               # > --max-body-bytes 8192
+    body = "\n".join([json.dumps(REQUEST | {"model": "a"}), big, json.dumps(REQUEST | {"model": "c"})])
+    out = [json.loads(x) for x in httpx.post(limits.url + "/v1/systemone/bulk", content=body, timeout=60).text.splitlines()]
+    by_index = {o["index"]: o for o in out[:-1]}
+    assert by_index[1]["status"] == 413 and "line exceeds 8192 bytes" in by_index[1]["body"]["error"]["message"]
+    assert by_index[0]["body"]["model"] == "a" and by_index[2]["body"]["model"] == "c"
+    assert out[-1]["summary"] == {"records": 3, "ok": 2, "failed": 1, "aborted": None}
+
+
+def test_truncation_is_reported_and_counted(limits):
+    before = metric(limits, "clef_truncations_total"), metric(limits, "clef_truncated_state_tokens_total")
+    body = post(limits, REQUEST | {"state": "word " * 1500}).json()
+    cut = body["usage"]["truncated_state_tokens"]
+    assert cut > 900
+    assert metric(limits, "clef_truncations_total") == before[0] + 1
+    assert metric(limits, "clef_truncated_state_tokens_total") == before[1] + cut
+
+
+def test_soak_script_smoke(live, tmp_path):
+    """bench/soak.py for a few seconds against the live server: every response checked, none lost."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--url", live.url, "--duration", "3",
+                           "--concurrency", "6", "--sample-every", "1", "--pid", str(live.proc.pid),
+                           "--out", str(out)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    assert summary["requests"]["ok"] > 0 and summary["requests"]["mismatched"] == 0
+    assert summary["requests"]["lost"] == 0 and summary["requests"]["errors"] == {}
+    assert summary["memory"]["rss_mb"]["samples"] >= 2
+
+
+# --------------------------------------------------------------------------- ops server: auth, CORS, limits, admission
+
+
+@pytest.fixture(scope="module")
+def ops(servers) -> LiveServer:
+    return servers["ops"].wait_ready()
+
+
+def opost(server: LiveServer, body=None, *, content=None, headers=None) -> httpx.Response:
+    return post(server, body, content=content, headers={**AUTH, **(headers or {})})
+
+
+def test_api_key_guards_v1_routes_only(ops):
+    for headers in ({}, {"Authorization": "Basic k-one"}, {"Authorization": "Bearer k-three"},
+                    {"Authorization": "Bearer"}, {"Authorization": "Bearer k-one-and-more"}, {"Authorization": "k-one"}):
+        resp = post(ops, REQUEST, headers=headers)
+        assert_error(resp, 401, "missing or invalid API key")
+        assert resp.headers["www-authenticate"] == "Bearer" and "x-request-id" in resp.headers
+    for key in OPS_KEYS:
+        assert post(ops, REQUEST, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert httpx.get(ops.url + "/v1/models").status_code == 401
+    assert httpx.get(ops.url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.post(ops.url + "/v1/systemone/bulk", content=b"{}\n").status_code == 401
+    for path in ("/health", "/health/live", "/metrics", "/openapi.json", "/docs"):   # open unless --auth-health-metrics
+        assert httpx.get(ops.url + path).status_code == 200, path
+    assert metric(ops, "clef_requests_total", route="/v1/systemone", status=401, reason="unauthorized") == 6
+
+
+def test_cors_is_opt_in_per_origin(ops):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(ops.url + "/v1/systemone", headers={"Origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN  # no key needed
+    refused = httpx.options(ops.url + "/v1/systemone", headers={"Origin": "https://other.example", **preflight})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    resp = opost(ops, REQUEST, headers={"Origin": ORIGIN})
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == ORIGIN
+    assert {"server-timing", "x-request-id", "retry-after"} <= set(resp.headers["access-control-expose-headers"]
+                                                                   .lower().replace(" ", "").split(","))
+
+
+def test_over_length_reject_names_the_token_counts(ops):
+    body = assert_error(opost(ops, REQUEST | {"state": "word " * 1500}), 413, "maximum is 600 (--max-model-len)",
+                        "--over-length reject", param="state")
+    need, state = map(int, re.search(r"needs (\d+) tokens \(state (\d+)", body["error"]["message"]).groups())
+    assert need > 600 and 1000 < state < need
+    many = REQUEST | {"questions": {f"q{i}": {"type": "noul"} for i in range(12)}}
+    assert_error(opost(ops, many), 413, "schema requires", "maximum is 600", param="questions")  # always refused
+    assert opost(ops, REQUEST).json()["usage"]["truncated_state_tokens"] == 0
+    assert metric(ops, "clef_requests_total", status=413, reason="too_many_tokens") == 1
+    assert metric(ops, "clef_requests_total", status=413, reason="schema_too_long") == 1
+    assert metric(ops, "clef_truncations_total") == 0
+
+
+def test_full_engine_and_queue_answer_429_with_retry_after(ops, servers):
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(opost, ops, held("a1"))
+        wait_until(lambda: metric(ops, "clef_in_flight") == 1, "a1 in the engine")
+        second = pool.submit(opost, ops, held("a2"))
+        wait_until(lambda: metric(ops, "clef_in_flight") == 2, "a2 in the engine")
+        queued = pool.submit(opost, ops, held("a3"))
+        wait_until(lambda: metric(ops, "clef_queue_depth") == 1, "a3 queued")
+        refused = opost(ops, REQUEST)
+        assert_error(refused, 429, "at capacity (2 in flight, 1 queued)")
+        assert int(refused.headers["retry-after"]) >= 1
+        assert httpx.get(ops.url + "/health").status_code == 200           # busy, not broken
+        release(servers, "a1", "a2", "a3")
+        assert [f.result().status_code for f in (first, second, queued)] == [200, 200, 200]
+    wait_until(lambda: metric(ops, "clef_in_flight") == 0, "slots released")
+    assert metric(ops, "clef_queue_depth") == 0
+    assert metric(ops, "clef_requests_total", status=429, reason="queue_full") == 1
+
+
+def test_timeouts_cancel_the_request_in_the_engine_and_in_the_queue(ops, servers):
+    resp = opost(ops, held("t1"), headers={"X-Request-Timeout": "0.5", "X-Request-Id": "timeout-t1"})
+    assert_error(resp, 504, "did not finish within 0.5 s", "cancelled")
+    wait_until(lambda: "held decision t1 cancelled" in ops.log(), "the engine call cancelled")
+    wait_until(lambda: metric(ops, "clef_in_flight") == 0, "slot released")
+    cancelled = [json.loads(line) for line in ops.log().splitlines() if "held decision t1 cancelled" in line]
+    assert cancelled[0]["request_id"] == "timeout-t1"
+    with ThreadPoolExecutor(2) as pool:
+        holders = [pool.submit(opost, ops, held(name)) for name in ("q1", "q2")]
+        wait_until(lambda: metric(ops, "clef_in_flight") == 2, "q1, q2 in the engine")
+        assert_error(opost(ops, REQUEST, headers={"X-Request-Timeout": "0.5"}), 504, "did not finish")  # while queued
+        assert metric(ops, "clef_queue_depth") == 0
+        release(servers, "q1", "q2")
+        assert [f.result().status_code for f in holders] == [200, 200]
+    assert metric(ops, "clef_requests_total", status=504, reason="timeout") == 2
+    for bad in ("-1", "soon", "nan", "inf"):
+        assert_error(opost(ops, REQUEST, headers={"X-Request-Timeout": bad}), 400, "X-Request-Timeout")
+    assert metric(ops, "clef_engine_cancellations_total") >= 1
+
+
+def test_a_client_that_goes_away_is_cancelled_in_the_engine(ops):
+    body = json.dumps(held("d1")).encode()
+    raw = RawHttp(ops, "/v1/systemone", headers={**AUTH, "X-Request-Id": "gone-d1"}, content_length=len(body))
+    raw.send(body)
+    wait_until(lambda: metric(ops, "clef_in_flight") == 1, "d1 in the engine")
+    raw.close()
+    wait_until(lambda: "held decision d1 cancelled" in ops.log(), "the engine call cancelled")
+    wait_until(lambda: metric(ops, "clef_in_flight") == 0, "slot released")
+    wait_until(lambda: metric(ops, "clef_requests_total", status=499, reason="client_disconnected") == 1, "counted")
+
+
+def test_bulk_concurrency_bound_and_stream_limit(ops, servers):
+    raw = RawHttp(ops, "/v1/systemone/bulk", headers=AUTH)
+    try:
+        for name in ("b1", "b2", "b3"):
+            raw.send_line(held(name))
+        wait_until(lambda: metric(ops, "clef_in_flight") == 2, "two records in the engine")
+        assert metric(ops, "clef_bulk_records_in_progress") == 2      # --bulk-concurrency 2: b3 is not read yet
+        second = httpx.post(ops.url + "/v1/systemone/bulk", content=json.dumps(REQUEST) + "\n", headers=AUTH)
+        assert_error(second, 429, "bulk streams are open (--max-bulk-streams)")
+        assert int(second.headers["retry-after"]) >= 1
+        release(servers, "b2")
+        assert raw.response_head()[0] == 200
+        assert raw.read_line()["index"] == 1                             # b2 finished first: its line first
+        wait_until(lambda: metric(ops, "clef_bulk_records_in_progress") == 2, "b3 read once a slot freed")
+        release(servers, "b1", "b3")
+        raw.end()
+        rest = [raw.read_line() for _ in range(2)]
+        assert sorted(r["index"] for r in rest) == [0, 2] and {r["status"] for r in rest} == {200}
+        assert raw.read_line() == {"summary": {"records": 3, "ok": 3, "failed": 0, "aborted": None}}
+    finally:
+        raw.close()
+    assert metric(ops, "clef_bulk_records_total", status=200, reason="ok") == 3
+
+
+def test_near_tie_counter_follows_the_margin_flag(ops):
+    """--near-tie-margin 1.0: every answer with two or more options is a near tie."""
+    answers, ties = metric(ops, "clef_answers_total"), metric(ops, "clef_near_ties_total")
+    assert opost(ops, REQUEST).status_code == 200
+    assert metric(ops, "clef_answers_total") - answers == 3
+    assert metric(ops, "clef_near_ties_total") - ties == 3
+    assert metric(ops, "clef_near_tie_margin") == 1.0
+
+
+def test_json_logs_carry_the_request_id_and_never_the_body(ops):
+    marker = "SECRET-STATE-7f3a"
+    assert opost(ops, REQUEST | {"state": marker}, headers={"X-Request-Id": "log-check-1"}).status_code == 200
+    assert opost(ops, {"model": marker, "state": marker, "questions": {}},
+                 headers={"X-Request-Id": "log-check-2"}).status_code == 422
+    wait_until(lambda: '"log-check-2"' in ops.log(), "the access line")
+    records = [json.loads(line) for line in ops.log().splitlines() if line.strip()]     # every line is JSON
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+    ok = [r for r in records if r.get("request_id") == "log-check-1" and r["logger"] == "clef_vllm.access"]
+    assert len(ok) == 1 and ok[0]["status"] == 200 and ok[0]["path"] == "/v1/systemone"
+    assert ok[0]["input_tokens"] > 0 and ok[0]["questions"] == 3 and ok[0]["duration_ms"] > 0
+    bad = [r for r in records if r.get("request_id") == "log-check-2"]
+    assert bad and bad[-1]["status"] == 422 and bad[-1]["reason"] == "invalid"
+    assert marker not in ops.log()
+
+
+def test_sigterm_finishes_accepted_requests_refuses_new_ones_and_exits_0(ops, servers):
+    with ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(opost, ops, held("s1"))
+        wait_until(lambda: metric(ops, "clef_in_flight") == 1, "s1 in the engine")
+        ops.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(ops.url + "/health").status_code == 503, "draining")
+        assert httpx.get(ops.url + "/health").json() == {"status": "draining"}
+        assert httpx.get(ops.url + "/health/live").status_code == 200
+        assert_error(opost(ops, REQUEST), 503, "server is shutting down")
+        assert httpx.post(ops.url + "/v1/systemone/bulk", content=b"\n", headers=AUTH).status_code == 503
+        assert ops.proc.poll() is None
+        release(servers, "s1")
+        assert accepted.result().status_code == 200
+    assert ops.proc.wait(timeout=60) == 0
+    assert "every accepted request was answered" in ops.log()
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def health_code(server: LiveServer) -> int | None:
+    try:
+        return httpx.get(server.url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_engine_death_while_serving_fails_requests_and_exits_non_zero(servers):
+    dying: LiveServer = servers["dying"].wait_ready()
+    pid = int((servers["tmp"] / "engine.pid").read_text())
+    body = json.dumps(REQUEST).encode()
+    slow = RawHttp(dying, "/v1/systemone", content_length=len(body))  # accepted, its body still arriving
+    slow.send(body[:10])
+    with ThreadPoolExecutor(1) as pool:
+        in_engine = pool.submit(post, dying, held("x1"))
+        wait_until(lambda: metric(dying, "clef_in_flight") == 1, "x1 in the engine")
+        os.kill(pid, signal.SIGKILL)
+        assert_error(in_engine.result(), 503, "engine failed", f"engine process {pid} exited")
+    health = httpx.get(dying.url + "/health")
+    assert health.status_code == 503 and health.json() == {"status": "failed"}
+    assert httpx.get(dying.url + "/health/live").status_code == 503
+    assert_error(post(dying, REQUEST), 503, "engine failed")
+    assert dying.proc.poll() is None                  # it answers what it accepted before it exits
+    slow.send(body[10:])
+    status, err = slow.read_json_response()
+    assert status == 503 and "engine failed" in err["error"]["message"]
+    slow.close()
+    assert dying.proc.wait(timeout=60) == 1
+    log = dying.log()
+    assert "the engine failed while serving" in log and "Traceback" not in log
+
+
+def test_engine_death_while_loading_exits_non_zero(servers):
+    server: LiveServer = servers["dying_load"]
+    pid_file = servers["tmp"] / "load-engine.pid"
+    wait_until(lambda: pid_file.exists() and health_code(server) == 503, "loading with an engine process")
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert server.proc.wait(timeout=60) == 1
+    assert "could not load the model: engine process" in server.log()
+
+
+def test_a_load_that_never_finishes_hits_the_load_timeout(servers):
+    server: LiveServer = servers["slow_load"]
+    assert server.proc.wait(timeout=120) == 1
+    assert "the model did not load within 1 s (--load-timeout)" in server.log()
+
+
+@pytest.mark.parametrize("name", ["shard", "head", "tokenizer"])
+def test_a_corrupted_checkpoint_file_refuses_to_start_naming_the_file(servers, name):
+    server: LiveServer = servers[f"corrupt-{name}"]
+    folder, damaged = servers["corrupt"][name]
+    assert server.proc.wait(timeout=120) == 1
+    log = server.log()
+    assert "could not load the model" in log and "Traceback" not in log
+    if name == "tokenizer":                            # the loader names the folder and the file names
+        assert f"{folder}: cannot load the tokenizer (tokenizer.json" in log
+    else:
+        assert damaged in log and "unreadable safetensors file" in log
+
+
+# --------------------------------------------------------------------------- units behind the server
+
+
+async def _settle(n: int = 5):
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_admission_order_priority_bound_and_cancellation():
+    from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
+
+    async def scenario():
+        adm = Admission(max_in_flight=1, max_queue=1)
+        await adm.acquire()
+        order = []
+
+        async def waiter(tag, kind):
+            await adm.acquire(kind)
+            order.append(tag)
+
+        bulk = asyncio.create_task(waiter("bulk", BULK))
+        await _settle()
+        inter = asyncio.create_task(waiter("interactive", INTERACTIVE))
+        await _settle()
+        with pytest.raises(QueueFull):                  # interactive queue (1) full; bulk waits unbounded
+            await adm.acquire(INTERACTIVE)
+        adm.release(0.5)
+        await _settle()
+        assert order == ["interactive"]                 # interactive before an older bulk waiter
+        adm.release(0.5)
+        await _settle()
+        assert order == ["interactive", "bulk"] and adm.in_flight == 1
+        late = asyncio.create_task(waiter("late", INTERACTIVE))
+        await _settle()
+        late.cancel()
+        await asyncio.gather(late, bulk, inter, return_exceptions=True)
+        assert adm.waiting() == 0
+        assert adm.retry_after() == 1
+        adm.release()
+        assert adm.in_flight == 0 and adm.idle
+
+    asyncio.run(scenario())
+
+
+def test_micro_batcher_drops_cancelled_requests_and_reports_batch_stats():
+    from types import SimpleNamespace
+
+    import torch
+
+    from clef_vllm.backends.base import REQUEST_STATS, MicroBatcher, RequestStats, measure_stage
+
+    gate, seen = threading.Event(), []
+
+    def run(batch):
+        seen.append([e.num_tokens for e in batch])
+        if len(seen) == 1:
+            gate.wait(60)
+        with measure_stage("backbone"):
+            pass
+        return [torch.full((1,), float(e.num_tokens)) for e in batch]
+
+    batcher = MicroBatcher(run, max_batch_size=8)
+
+    def submit(n):
+        stats = RequestStats()
+        token = REQUEST_STATS.set(stats)
+        try:
+            return asyncio.ensure_future(batcher.submit(SimpleNamespace(num_tokens=n))), stats
+        finally:
+            REQUEST_STATS.reset(token)
+
+    async def scenario():
+        first, s1 = submit(1)
+        while not seen:
+            await asyncio.sleep(0.01)
+        second, _ = submit(2)
+        third, s3 = submit(3)
+        fourth, s4 = submit(4)
+        await _settle()
+        second.cancel()
+        await _settle()
+        gate.set()
+        assert [float((await f)[0]) for f in (first, third, fourth)] == [1.0, 3.0, 4.0]
+        assert seen == [[1], [3, 4]] and batcher.dropped == 1 and batcher.batches == 2
+        assert s1.batch_size == 1 and s3.batch_size == 2 and s3.first_in_batch and not s4.first_in_batch
+        assert "backbone" in s3.stages and s3.run_s >= s3.stages["backbone"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        batcher.close()
+
+
+def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_release):
+    """The vLLM backend's request path against a stand-in AsyncLLM (no GPU here)."""
+    import itertools
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from clef_vllm.backends.base import BackendDeadError
+    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.protocol import parse_request
+
+    started, cancelled = threading.Event(), threading.Event()
+
+    class StandInEngine:
+        errored = False
+
+        def __init__(self, dead: bool):
+            self.dead = dead
+
+        async def encode(self, prompt, params, request_id):
+            started.set()
+            if self.dead:
+                raise EngineDeadError()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:    # AsyncLLM.encode aborts the request in the engine core here
+                cancelled.set()
+                raise
+            yield
+
+    encoded = RequestEncoder.from_pretrained(tiny_release).encode(parse_request(REQUEST))
+    backend = object.__new__(VllmBackend)
+    backend._ids = itertools.count()
+    backend._loop = asyncio.new_event_loop()
+    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
+    backend._thread.start()
+    backend.kwargs = {"max_num_seqs": 48, "data_parallel_size": 2}
+    backend.engine = StandInEngine(dead=False)
+
+    async def cancel_in_flight():
+        task = asyncio.ensure_future(backend.decide(encoded))
+        assert await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(cancelled.wait, 60)
+
+    try:
+        asyncio.run(cancel_in_flight())
+        backend.engine = StandInEngine(dead=True)
+        with pytest.raises(BackendDeadError, match="engine core died"):
+            backend.decide_batch([encoded])
+        backend.check_health()
+        backend.engine.errored = True
+        with pytest.raises(BackendDeadError, match="AsyncLLM.errored"):
+            backend.check_health()
+        assert backend.suggested_max_in_flight() == 96
+    finally:
+        backend._loop.call_soon_threadsafe(backend._loop.stop)
+        backend._thread.join(10)

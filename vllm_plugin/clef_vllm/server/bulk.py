@@ -122,13 +122,23 @@ class BulkStream(Response):
         service, settings = self.service, self.service.settings
         slots = asyncio.Semaphore(settings.bulk_concurrency)
         tasks: set[asyncio.Task] = set()
+        lines = read_lines(receive, settings.max_body_bytes)
+        stop = asyncio.ensure_future(service.stopping.wait())   # drain or engine failure: stop reading
         try:
-            async for index, line in read_lines(receive, settings.max_body_bytes):
-                if line is not TOO_LONG and not line.strip():
-                    continue
-                if service.status != READY:
+            while True:
+                nxt = asyncio.ensure_future(anext(lines))
+                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
                     self.aborted = "server is shutting down" if service.status == "draining" else "engine failed"
                     break
+                try:
+                    index, line = nxt.result()
+                except StopAsyncIteration:
+                    break
+                if line is not TOO_LONG and not line.strip():
+                    continue
                 await slots.acquire()
                 service.bulk_records_in_progress += 1
                 task = asyncio.create_task(self._record(index, line, out, slots))
@@ -138,8 +148,7 @@ class BulkStream(Response):
             if tasks:
                 finished = asyncio.ensure_future(asyncio.gather(*tasks))
                 gone = asyncio.ensure_future(wait_for_disconnect(receive)) if self.aborted is None else None
-                waits = {finished} | ({gone} if gone else set())
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({finished} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
                 if gone is not None:
                     gone.cancel()
                 if not finished.done():
@@ -151,6 +160,11 @@ class BulkStream(Response):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
+            stop.cancel()
+            try:
+                await lines.aclose()
+            except RuntimeError:            # cancelled while the generator was suspended in receive()
+                pass
             await out.put(None)
 
     async def _record(self, index: int, line, out: asyncio.Queue, slots: asyncio.Semaphore) -> None:

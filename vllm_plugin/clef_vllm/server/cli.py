@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 import uvicorn
 
@@ -151,17 +150,6 @@ def api_keys(args: argparse.Namespace, environ=os.environ) -> tuple[str, ...]:
     return _split(args.api_key) or _split([environ.get(API_KEY_ENV, "")])
 
 
-def _exit_code(code: int) -> int:
-    """``code``, leaving at once if a thread still holds the process (a load stuck in a dead engine)."""
-    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
-    if code != 0 and stuck:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from clef_vllm.server.logs import setup_logging
@@ -189,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         return make_backend(model_dir, args.backend, **options)
 
     def on_ready():
+        if args.log_format == "json":     # keep the output one JSON object per line
+            log.info("serving", extra={"url": f"http://{args.host}:{args.port}", "version": __version__})
+            return
         print(f"\nclef-systemone {__version__} is serving on http://{args.host}:{args.port}  (docs: /docs)\n"
               f"try:\n  {curl_example(args.host, args.port)}\n", flush=True)
 
@@ -221,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=10)
     server = DrainingServer(config, app.state.clef)
     server.run()
-    if load_failure:
-        print(f"clef-systemone: could not load the model: {load_failure[0]}", file=sys.stderr, flush=True)
-        return _exit_code(1)
-    if engine_failure:
-        print(f"clef-systemone: the engine failed while serving: {engine_failure[0]}", file=sys.stderr, flush=True)
-        return _exit_code(1)
-    return _exit_code(0)
+    failure = (f"could not load the model: {load_failure[0]}" if load_failure else
+               f"the engine failed while serving: {engine_failure[0]}" if engine_failure else None)
+    if failure is None:
+        return 0
+    if args.log_format == "json":
+        log.critical(failure)
+    else:
+        print(f"clef-systemone: {failure}", file=sys.stderr, flush=True)
+    return 1
 
 
 class DrainingServer(uvicorn.Server):

@@ -2,7 +2,8 @@
 
 The request id (and, inside a bulk stream, the record index) lives in a context variable that
 the HTTP middleware sets; a filter copies it onto every log record emitted while serving that
-request, whatever the logger. Request bodies are never logged.
+request, whatever the logger. Request bodies are never logged. In JSON mode transformers' logs
+are routed here too; vLLM configures its own handlers (``VLLM_LOGGING_CONFIG_PATH`` changes them).
 """
 
 from __future__ import annotations
@@ -73,3 +74,12 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    logging.captureWarnings(True)          # Python warnings become log lines (JSON in json mode)
+    if fmt == "json":
+        try:                               # transformers logs through its own stderr handler by default
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_default_handler()
+            hf_logging.enable_propagation()
+        except ImportError:
+            pass

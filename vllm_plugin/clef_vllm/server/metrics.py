@@ -58,8 +58,8 @@ class ServerMetrics:
         self.answers = Counter("clef_answers", "Answers returned, by question type", ["type"], registry=r)
         self.near_ties = Counter("clef_near_ties", "Answers whose top-2 probability margin is below "
                                  "clef_near_tie_margin", ["type"], registry=r)
-        self.cancellations = Counter("clef_engine_cancellations", "Engine calls cancelled before they finished",
-                                     ["reason"], registry=r)
+        self.cancellations = Counter("clef_engine_cancellations", "Engine calls cancelled before they finished "
+                                     "(timeout, client gone)", registry=r)
         self.engine_failures = Counter("clef_engine_failures", "Engine calls that raised", ["reason"], registry=r)
         Gauge("clef_near_tie_margin", "Threshold of the near-tie counter", registry=r).set(near_tie_margin)
         self.load_seconds = Gauge("clef_model_load_seconds", "Time to load and warm the model", registry=r)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator
@@ -46,6 +47,7 @@ class DecisionService:
         self.bulk_records_in_progress = 0
         self._fatal: asyncio.Future | None = None
         self._idle: asyncio.Event | None = None
+        self.stopping: asyncio.Event | None = None     # set on drain or failure: bulk streams stop reading
         self._tasks: list[asyncio.Task] = []
         self._install_gauges()
 
@@ -76,6 +78,7 @@ class DecisionService:
         self._fatal = self.loop.create_future()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.stopping = asyncio.Event()
         t0 = time.perf_counter()
         try:
             backend = await asyncio.wait_for(self._load(load_backend), self.settings.load_timeout_s)
@@ -100,19 +103,17 @@ class DecisionService:
                  self.settings.request_timeout_s)
         if self.settings.on_ready is not None:
             self.settings.on_ready()
-        if self.status == DRAINING:          # SIGTERM arrived while loading
-            self._tasks.append(asyncio.create_task(self._drain()))
         await self._watch_health()
 
     async def _load(self, load_backend: Callable[[], Backend]) -> Backend:
-        backend = await asyncio.to_thread(load_backend)
+        backend = await in_daemon_thread(load_backend)
         await backend.start()
         return backend
 
     async def _watch_health(self) -> None:
         while self.status in (READY, DRAINING):
             try:
-                await asyncio.to_thread(self.backend.check_health)
+                await in_daemon_thread(self.backend.check_health)
             except BackendDeadError as exc:
                 self.fail(exc)
                 return
@@ -121,15 +122,17 @@ class DecisionService:
             await asyncio.sleep(self.settings.health_poll_s)
 
     def fail(self, exc: BaseException) -> None:
-        """The engine can no longer serve: refuse everything, fail what waits, let the CLI exit non-zero."""
+        """The engine can no longer serve: refuse new requests, fail the ones in the engine at once,
+        then (once every open request is answered, at most ``shutdown_timeout_s``) call ``on_fatal``
+        so the CLI exits non-zero."""
         if self.status == FAILED:
             return
         self.status, self.error = FAILED, exc
-        log.error("engine failed: %s; refusing requests and exiting", exc)
-        if self._fatal is not None and not self._fatal.done():
+        log.error("engine failed: %s; refusing requests, exiting once open requests are answered", exc)
+        if not self._fatal.done():
             self._fatal.set_result(exc)
-        if self.settings.on_fatal is not None:
-            self.settings.on_fatal(exc)
+        self.stopping.set()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._finish_then(self.settings.on_fatal, exc)))
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests (503), finish accepted ones, then call ``on_drained``."""
@@ -137,24 +140,24 @@ class DecisionService:
             return
         was_loading = self.status == LOADING
         self.status = DRAINING
+        self.stopping.set()
         log.info("draining: %d request(s) in flight; new requests get 503", self.active)
         if was_loading:                      # nothing was accepted: stop now
-            self._drained()
+            if self.settings.on_drained is not None:
+                self.settings.on_drained()
             return
-        self._tasks.append(asyncio.get_running_loop().create_task(self._drain()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._finish_then(self.settings.on_drained)))
 
-    async def _drain(self) -> None:
+    async def _finish_then(self, callback: Callable | None, *args) -> None:
+        """Wait until no request is open (at most ``shutdown_timeout_s``), then run ``callback``."""
         try:
             await asyncio.wait_for(self._idle.wait(), self.settings.shutdown_timeout_s)
-            log.info("drained: every accepted request was answered")
+            log.info("every accepted request was answered")
         except asyncio.TimeoutError:
-            log.warning("shutdown timeout (%g s): %d request(s) still running are abandoned",
+            log.warning("shutdown timeout (%g s): %d open request(s) are abandoned",
                         self.settings.shutdown_timeout_s, self.active)
-        self._drained()
-
-    def _drained(self) -> None:
-        if self.settings.on_drained is not None:
-            self.settings.on_drained()
+        if callback is not None:
+            callback(*args)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -162,7 +165,7 @@ class DecisionService:
         if self.backend is not None:
             backend, self.backend = self.backend, None
             try:
-                await asyncio.wait_for(asyncio.to_thread(backend.close), 30)
+                await asyncio.wait_for(in_daemon_thread(backend.close), 30)
             except Exception as exc:  # noqa: BLE001
                 log.warning("backend close: %s", exc)
 
@@ -343,6 +346,30 @@ class DecisionService:
             if stats.first_in_batch:
                 self.metrics.batch_size.observe(stats.batch_size)
         return probs
+
+
+async def in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a daemon thread: a load or shutdown stuck in a dead engine never blocks the exit
+    (``asyncio.to_thread`` workers are joined when the interpreter exits)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, exc):
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+    def target():
+        try:
+            result, exc = fn(), None
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, exc = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:          # the loop is gone (the server exited meanwhile)
+            pass
+
+    threading.Thread(target=target, name=f"clef-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await fut
 
 
 async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
