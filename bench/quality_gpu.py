@@ -55,16 +55,19 @@ def log(msg: str) -> None:
 
 
 class Results:
-    """quality.json, rewritten after every measurement."""
+    """quality.json, rewritten after every measurement, in --out and in --work (so a second call on
+    the same warm machine, whose $OUT starts empty, carries the first call's results on)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, work: Path | None = None):
         self.out = out
-        self.path = out / "quality.json"
-        self.data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.paths = [out / "quality.json"] + ([work / "quality.json"] if work is not None else [])
+        existing = next((p for p in self.paths if p.is_file()), None)
+        self.data = json.loads(existing.read_text()) if existing else {}
 
     def set(self, key: str, value) -> None:
         self.data[key] = value
-        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        for path in self.paths:
+            path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
 
 
 def environment() -> dict:
@@ -563,7 +566,7 @@ def run_all(a) -> int:
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    results = Results(out)
+    results = Results(out, work)
     results.set("environment", environment())
     device = torch.device(a.device)
     stages = [s for s in a.stages.split(",") if s]
