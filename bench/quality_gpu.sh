@@ -10,7 +10,7 @@
 # Two calls on the same warm machine (safer; the checkpoints stay in $WORK between them):
 #   run(command="STAGES=train,build,scan,simulate bash bench/quality_gpu.sh", timeout_s=600)
 #   run(command="STAGES=vllm bash bench/quality_gpu.sh", timeout_s=600)
-# Results: $OUT/quality.{json,md}, $OUT/sensitivity_scan.{json,png}, $OUT/vllm-*.log.
+# Results: $OUT/quality.{json,md} (cumulative over calls: also kept in $WORK), $OUT/sensitivity_scan.{json,png}, $OUT/vllm-*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # staged vLLM + this tree's plugin on PYTHONPATH, plugin entry points registered for every vLLM process
