@@ -115,13 +115,12 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     @app.post("/v1/systemone", summary="Answer every question of a SystemOne request in one forward pass",
               response_model=None, responses=_openapi_responses(),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}},
-                  "parameters": _timeout_header()})
+                  "schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}}})
     async def systemone(request: Request) -> Response:
         ctx = request.scope["state"][CONTEXT_KEY]
         service.check_accepting()
         with service.track():
-            ctx.timeout_s = service.timeout_for(request.headers.get("x-request-timeout"))
+            ctx.timeout_s = settings.request_timeout_s
             raw = await read_body(request, settings.max_body_bytes)
             payload = await service.answer_unless_disconnected(decode_json(raw), ctx, request.receive)
         return JSONResponse(payload)
@@ -129,31 +128,24 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     @app.post("/v1/systemone/bulk", summary="Stream many requests: NDJSON in, one NDJSON line per record as it "
               "finishes", response_model=None, responses=_bulk_openapi_responses(),
               openapi_extra={"requestBody": {"required": True, "content": {"application/x-ndjson": {
-                  "schema": {"type": "string", "description": "One SystemOneRequest JSON object per line"}}}},
-                  "parameters": _timeout_header()})
+                  "schema": {"type": "string", "description": "One SystemOneRequest JSON object per line"}}}}})
     async def bulk(request: Request) -> Response:
         ctx = request.scope["state"][CONTEXT_KEY]
         service.check_accepting()
         if service.bulk_streams >= settings.max_bulk_streams:
             raise ServerError(f"{service.bulk_streams} bulk streams are open (--max-bulk-streams)", status=429,
                               reason="bulk_streams", headers={"Retry-After": str(service.admission.retry_after())})
-        ctx.timeout_s = service.timeout_for(request.headers.get("x-request-timeout"))
+        ctx.timeout_s = settings.request_timeout_s
         return BulkStream(service, ctx)
 
     app.add_middleware(EdgeMiddleware, metrics=metrics, dialect=dialect,
                        auth=BearerAuth(settings.api_keys, settings.auth_health_metrics))
     if settings.cors_origins:             # added last = outermost: preflights never need the API key
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Request-Timeout"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                            expose_headers=["Server-Timing", "X-Request-Id", "Retry-After"])
     _install_openapi(app)
     return app
-
-
-def _timeout_header() -> list[dict]:
-    return [{"name": "X-Request-Timeout", "in": "header", "required": False,
-             "description": "Seconds; shortens (never lengthens) the server's --request-timeout",
-             "schema": {"type": "number", "exclusiveMinimum": 0}}]
 
 
 def _openapi_responses() -> dict:

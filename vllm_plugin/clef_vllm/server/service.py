@@ -195,21 +195,6 @@ class DecisionService:
             if self.active == 0:
                 self._idle.set()
 
-    def timeout_for(self, header: str | None) -> float | None:
-        """``--request-timeout``, shortened (never lengthened) by a valid ``X-Request-Timeout`` header."""
-        limit = self.settings.request_timeout_s
-        if header:
-            try:
-                asked = float(header)
-            except ValueError:
-                raise ServerError("X-Request-Timeout must be a number of seconds", status=400,
-                                  reason="bad_request") from None
-            if not asked > 0 or asked != asked or asked == float("inf"):
-                raise ServerError("X-Request-Timeout must be a positive number of seconds", status=400,
-                                  reason="bad_request")
-            return asked if limit is None else min(asked, limit)
-        return limit
-
     def overloaded(self) -> ServerError:
         retry = self.admission.retry_after() if self.admission else 1
         return ServerError(f"server is at capacity ({self.admission.in_flight} in flight, "
