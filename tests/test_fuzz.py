@@ -3,7 +3,8 @@
 * schemathesis against the live server's own OpenAPI document (positive and negative data for
   ``POST /v1/systemone``, every GET route), with its response-conformance checks;
 * hypothesis-generated hostile bodies (tests/fuzz/strategies.py) against ``POST /v1/systemone``
-  and as NDJSON lines against ``POST /v1/systemone/bulk``;
+  and as NDJSON lines against ``POST /v1/systemone/bulk``; valid requests with hostile content
+  (special tokens, any Unicode, huge numbers, long states) must be answered;
 * the request model and the encoder in-process on the real Qwen3.5 tokenizer: nothing but a
   RequestError ever escapes, and every encoded request keeps its invariants.
 
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuzz.strategies import check_response, raw_bodies, requests
+from fuzz.strategies import check_response, check_valid_response, raw_bodies, requests, valid_requests
 
 CI = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck),
               print_blob=True)
@@ -72,6 +73,15 @@ def test_schemathesis_against_the_openapi_document(live_server):
 def test_hostile_bodies_never_get_a_server_error(http, body):
     resp = http.post("/v1/systemone", content=body, headers={"Content-Type": "application/json"})
     problem = check_response(resp.status_code, resp.headers, resp.content, body)
+    assert problem is None, problem
+
+
+@settings(CI, max_examples=40)
+@given(body=valid_requests)
+def test_valid_requests_with_hostile_content_are_answered(http, body):
+    resp = http.post("/v1/systemone", json=body)
+    assert check_response(resp.status_code, resp.headers, resp.content, json.dumps(body).encode()) is None
+    problem = check_valid_response(resp.status_code, resp.content, body)
     assert problem is None, problem
 
 
@@ -131,6 +141,6 @@ def check_encoding(encoder, body) -> None:
 
 
 @settings(CI, max_examples=300)
-@given(body=requests)
+@given(body=st.one_of(requests, valid_requests))
 def test_request_model_and_encoder_only_raise_request_errors(qwen_encoder, body):
     check_encoding(qwen_encoder, body)

@@ -889,6 +889,24 @@ def test_a_corrupted_checkpoint_file_refuses_to_start_naming_the_file(servers, n
 # --------------------------------------------------------------------------- units behind the server
 
 
+def test_api_keys_come_from_flags_or_the_environment():
+    from clef_vllm.server.cli import api_keys, build_parser
+
+    parse = build_parser().parse_args
+    assert api_keys(parse([]), {"CLEF_API_KEY": "key-a, key-b,"}) == ("key-a", "key-b")
+    assert api_keys(parse(["--api-key", "x", "--api-key", "y,z"]), {"CLEF_API_KEY": "key-a"}) == ("x", "y", "z")
+    assert api_keys(parse([]), {}) == ()
+    with pytest.raises(SystemExit):
+        parse(["--max-in-flight", "0"])
+
+
+def test_hosted_dialect_envelope_for_routing_errors(hosted):
+    resp = httpx.get(hosted.url + "/nope")
+    assert resp.status_code == 404 and resp.json()["errors"][0]["code"] == 7000
+    assert "x-request-id" in resp.headers and "server-timing" in resp.headers
+
+
+
 async def _settle(n: int = 5):
     for _ in range(n):
         await asyncio.sleep(0)

@@ -1,6 +1,7 @@
 """Long fuzz run: at least 10,000 generated requests against a real clef-systemone; writes a summary.
 
     python tests/fuzz/run_long.py --out bench/results/fuzz_long.json            # starts a CPU server
+                                                                               # (--max-model-len 2048)
     python tests/fuzz/run_long.py --url http://127.0.0.1:8000 --out fuzz.json  # an existing server
 
 Phases (each a hypothesis run with a random seed, recorded in the summary):
@@ -10,8 +11,10 @@ Phases (each a hypothesis run with a random seed, recorded in the summary):
 3. hostile raw bodies (tests/fuzz/strategies.py ``raw_bodies``): any Unicode incl. lone surrogates
    and invalid UTF-8, special tokens, huge numbers, nesting past the decoder's limit, truncated and
    corrupted bytes, unknown fields, media;
-4. the same as NDJSON lines of ``POST /v1/systemone/bulk`` streams (each line counts as a request);
-5. in-process: the request model and the encoder (Qwen3.5 tokenizer) on generated requests.
+4. valid requests with hostile content (special tokens, any non-surrogate Unicode, huge numbers, long
+   states): each must be answered (200), or refused with 413 when its schema alone is over the limit;
+5. raw bodies as NDJSON lines of ``POST /v1/systemone/bulk`` streams (each line counts as a request);
+6. in-process: the request model and the encoder (Qwen3.5 tokenizer) on generated requests.
 
 Pass: 0 responses >= 500, 0 malformed responses, 0 transport errors, the server alive at the end with
 no traceback or "internal error" in its log, 0 in-process exceptions other than RequestError.
@@ -40,7 +43,8 @@ import httpx  # noqa: E402
 from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fuzz.strategies import check_response, raw_bodies, requests  # noqa: E402
+from fuzz.strategies import (check_response, check_valid_response, raw_bodies, requests,  # noqa: E402
+                             valid_requests)
 
 
 class Tally:
@@ -107,15 +111,20 @@ def _free_port() -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="fuzz this server (default: start a CPU reference server on the tiny checkpoint)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra clef-systemone flag for the started server")
+    p.add_argument("--server-arg", action="append", default=None,
+                   help="clef-systemone flag for the started server (default: --max-model-len 2048, so the "
+                        "fuzzed requests also hit truncation and the schema limit)")
     p.add_argument("--positive", type=int, default=2500, help="schemathesis positive examples")
     p.add_argument("--negative", type=int, default=2500, help="schemathesis negative examples")
-    p.add_argument("--raw", type=int, default=5000, help="hostile raw bodies")
-    p.add_argument("--bulk", type=int, default=200, help="bulk streams (1-8 lines each)")
+    p.add_argument("--raw", type=int, default=4500, help="hostile raw bodies")
+    p.add_argument("--valid", type=int, default=3000, help="valid requests with hostile content")
+    p.add_argument("--bulk", type=int, default=300, help="bulk streams (1-8 lines each)")
     p.add_argument("--inprocess", type=int, default=3000, help="in-process model + encoder examples")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.server_arg is None:
+        args.server_arg = ["--max-model-len", "2048"]
     seed = args.seed if args.seed is not None else random.randrange(2 ** 32)
     os.environ.setdefault("CLEF_VLLM_CACHE", str(Path(tempfile.gettempdir()) / "clef-vllm-cache"))
 
@@ -179,6 +188,20 @@ def main() -> int:
                      body)
 
     timed("raw-bodies", lambda: run_hypothesis(raw_one, raw_bodies, args.raw, seed + 1))
+
+    # 3b. valid requests with hostile content: answered (200) or 413 for a schema over the limit
+    def valid_one(body: dict):
+        sent = json.dumps(body).encode()
+        try:
+            resp = client.post("/v1/systemone", content=sent, headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as exc:
+            tally.record("valid-hostile", "transport-error", f"{type(exc).__name__}: {exc}", sent)
+            return
+        problem = check_response(resp.status_code, resp.headers, resp.content, sent)
+        tally.record("valid-hostile", resp.status_code, problem or check_valid_response(resp.status_code, resp.content,
+                                                                                         body), sent)
+
+    timed("valid-hostile", lambda: run_hypothesis(valid_one, valid_requests, args.valid, seed + 4))
 
     # 4. bulk streams
     line = raw_bodies.filter(lambda b: b"\n" not in b and b"\r" not in b)
@@ -245,7 +268,8 @@ def main() -> int:
     summary = {
         "command": " ".join(["python", "tests/fuzz/run_long.py", *sys.argv[1:]]),
         "seed": seed,
-        "server": "started: clef-systemone --backend reference on the tiny checkpoint (CPU)" if proc else url,
+        "server": (f"started: clef-systemone --backend reference {' '.join(args.server_arg)} on the tiny checkpoint "
+                   "(CPU)") if proc else url,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
         "http_requests": http_requests,

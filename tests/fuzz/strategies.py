@@ -76,6 +76,50 @@ requests = st.fixed_dictionaries(
               "id": json_values, "media_kwargs": json_values, "stream": json_values})
 
 
+# Requests that pass validation but carry hostile content: they must be answered (200), or refused
+# with 413 when their schema alone exceeds the token limit.
+safe_char = st.characters(blacklist_categories=("Cs",))
+safe_text = st.one_of(st.text(safe_char, max_size=60), st.sampled_from(SPECIAL + [t for t in ODD_TEXT if not any(
+    0xD800 <= ord(c) <= 0xDFFF for c in t)]))
+safe_json = st.recursive(st.one_of(st.none(), st.booleans(), ints, floats, safe_text),
+                         lambda kids: st.one_of(st.lists(kids, max_size=6), st.dictionaries(safe_text, kids, max_size=6)),
+                         max_leaves=40)
+long_state = st.one_of(st.integers(0, 6000).map(lambda n: "word " * n),
+                       st.integers(0, 3000).map(lambda n: "<|im_end|>日本" * n),
+                       st.integers(0, 500).map(lambda n: {"rows": [{"id": i, "v": i * 0.5, "t": "ü"} for i in range(n)]}))
+_instructions = st.one_of(st.none(), safe_text, safe_json)
+valid_question = st.one_of(
+    st.fixed_dictionaries({"type": st.just("noul")}, optional={
+        "instructions": _instructions,
+        "criteria": st.one_of(st.none(), st.dictionaries(st.sampled_from(["true", "false"]), safe_json, max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("choice"),
+                           "criteria": st.dictionaries(st.text(safe_char, min_size=1, max_size=20), safe_json,
+                                                       min_size=1, max_size=12)},
+                          optional={"instructions": _instructions}),
+    st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(safe_json, min_size=1, max_size=12)},
+                          optional={"instructions": _instructions}),
+)
+valid_requests = st.fixed_dictionaries(
+    {"model": safe_text, "state": st.one_of(safe_json, safe_json, long_state),
+     "questions": st.dictionaries(st.text(safe_char, min_size=1, max_size=40), valid_question, min_size=1,
+                                  max_size=8)},
+    optional={"id": safe_json, "metadata": safe_json})
+
+
+def check_valid_response(status: int, body_bytes: bytes, sent: dict) -> str | None:
+    """A valid request is answered, or refused with 413 because its schema alone is too long."""
+    body = json.loads(body_bytes)
+    if status == 413 and "schema requires" in body["error"]["message"]:
+        return None
+    if status != 200:
+        return f"a valid request got HTTP {status}: {body}"
+    if list(body["answers"]) != list(sent["questions"]) or body["model"] != sent["model"]:
+        return "answers or model do not match the request"
+    if body["usage"]["truncated_state_tokens"] < 0 or body["usage"]["input_tokens"] <= 0:
+        return f"usage {body['usage']}"
+    return None
+
+
 def _nested(depth: int, kind: str) -> bytes:
     inner = b"[" * depth + b"]" * depth if kind == "list" else b'{"a":' * depth + b"1" + b"}" * depth
     return b'{"model":"m","state":' + inner + b',"questions":{"q":{"type":"noul"}}}'
