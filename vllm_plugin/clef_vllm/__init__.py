@@ -4,7 +4,15 @@ Importing this package is cheap: no torch, no vLLM, no CUDA. ``register()`` is t
 ``vllm.general_plugins`` entry point; ``Clef`` (the offline API) is imported lazily.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# ``torch.cuda.is_available()`` normally calls cudaGetDeviceCount, which "poisons" fork: vLLM's
+# engine-core process, forked later from this process, then dies with "Cannot re-initialize CUDA
+# in forked subprocess" while torch.cuda.is_initialized() still says False (so vLLM does not
+# switch to spawn). The NVML-based check answers the same question without touching CUDA.
+_os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 #: The architecture name written into repacked checkpoints' config.json and used as
 #: ``hf_overrides={"architectures": [...]}`` when serving the Cloudflare release.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -110,6 +111,9 @@ class VllmBackend(Backend):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         t0 = time.perf_counter()
+        if torch.cuda.is_initialized() and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+            # Engine processes cannot be forked from a process that already holds a CUDA context.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         args = AsyncEngineArgs(**self.kwargs)
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
         tasks = await self.engine.get_supported_tasks()
