@@ -12,6 +12,7 @@ mis-compute.
 
     python scripts/clef_load.py CKPT
     python scripts/clef_load.py CKPT --capability 9.0 --json report.json
+    python scripts/clef_load.py CKPT --fix-fused-scales --out FIXED   # risk R1, fix (b)
 """
 
 from __future__ import annotations
@@ -348,7 +349,19 @@ def main(argv=None) -> int:
                                                                 "(weights not built yet, e.g. the repo root)")
     ap.add_argument("--json", type=Path, help="also write the report as JSON")
     ap.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
+    ap.add_argument("--fix-fused-scales", action="store_true",
+                    help="first re-export NVFP4 shards of vLLM-fused modules at their group's shared (min) weight "
+                         "global scale (in place, or to --out), then check the result")
+    ap.add_argument("--out", type=Path, help="with --fix-fused-scales: write the fixed checkpoint here")
     a = ap.parse_args(argv)
+    if a.fix_fused_scales:
+        from clef_vllm.quant import fix_fused_global_scales
+
+        fixes = fix_fused_global_scales(a.checkpoint, a.out)
+        for fix in fixes:
+            print(f"[fix] {fix}")
+        print(f"[fix] {len(fixes)} shard(s) re-exported" if fixes else "[fix] nothing to fix")
+        a.checkpoint = a.out or a.checkpoint
     if a.config_only:
         report = check_config_only(a.checkpoint, a.capability, a.prefix)
     else:

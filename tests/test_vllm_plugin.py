@@ -421,3 +421,36 @@ def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoi
     save_file(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="different weight global scales.*in_proj_qkvz"):
         vllm_cpu.load_model(ckpt)
+
+
+def test_fused_scale_fix_from_the_refusal_message_makes_the_checkpoint_load(hybrid_checkpoint, tmp_path):
+    """The command the refusal names really repairs the checkpoint (fix b: shared min divisor)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from support.vllm_cpu import REPO
+
+    ckpt = _copy(hybrid_checkpoint, tmp_path)
+    key = "model.language_model.layers.2.linear_attn.in_proj_z.weight_global_scale"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shard = ckpt / index["weight_map"][key]
+    tensors = load_file(str(shard))
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    fixed = tmp_path / "fixed"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "clef_load.py"), str(ckpt), "--fix-fused-scales",
+                           "--out", str(fixed), "--capability", "9.0", "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "re-exported" in proc.stdout
+    vllm_cpu.load_model(fixed)
+
+
+def test_importing_the_plugin_keeps_cuda_checks_fork_safe():
+    """torch.cuda.is_available() must go through NVML: cudaGetDeviceCount poisons vLLM's fork."""
+    import os
+
+    import clef_vllm  # noqa: F401
+
+    assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"

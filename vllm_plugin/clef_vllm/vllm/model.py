@@ -238,7 +238,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             raise CheckpointError(
                 f"{self.files.root}: NVFP4 shards of {len(unequal)} fused module(s) have different weight global "
                 f"scales (e.g. {first[0]}: {first[1]}); vLLM would silently mis-scale them. Re-export with shared "
-                "scales or fix the checkpoint: python scripts/clef_load.py --fix-fused-scales DIR")
+                "scales or fix the checkpoint: python scripts/clef_load.py DIR --fix-fused-scales --out FIXED_DIR")
 
 
 __all__ = ["ClefFlashForDecision"]
