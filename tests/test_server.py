@@ -607,8 +607,9 @@ def test_bulk_answers_each_line_like_the_single_endpoint(live):
 
 
 def test_bulk_streams_a_line_per_record_while_the_body_is_still_being_sent(live):
-    raw = RawHttp(live, "/v1/systemone/bulk", headers={"X-Request-Id": "stream-1"})
+    raw = RawHttp(live, "/v1/systemone/bulk", headers={"X-Request-Id": "stream-1", "Expect": "100-continue"})
     try:
+        assert raw.response_head()[0] == 100             # curl-style clients wait for it before the body
         raw.send_line(REQUEST | {"model": "first"})
         status, headers = raw.response_head()
         assert status == 200 and headers["x-request-id"] == "stream-1" and "content-length" not in headers

@@ -99,9 +99,20 @@ class BulkStream(Response):
         service.bulk_streams += 1
         try:
             with service.track():
+                # Read before answering: a client sending "Expect: 100-continue" gets its 100 now
+                # (uvicorn sends none once the response has started).
+                first, replayed = await receive(), False
+
+                async def receive_from_first() -> dict:
+                    nonlocal replayed
+                    if not replayed:
+                        replayed = True
+                        return first
+                    return await receive()
+
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
                 out: asyncio.Queue = asyncio.Queue(maxsize=OUTPUT_BUFFER_LINES)
-                reader = asyncio.create_task(self._read_and_run(receive, out))
+                reader = asyncio.create_task(self._read_and_run(receive_from_first, out))
                 try:
                     while (line := await out.get()) is not None:
                         await send({"type": "http.response.body", "body": line, "more_body": True})
