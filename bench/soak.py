@@ -251,7 +251,7 @@ class Soak:
             self.bulk["streams"] -= 1
             self.counts["refused_429"] += 1
             return
-        lines = [json.loads(x) for x in resp.text.splitlines() if x.strip()]
+        lines = [json.loads(x) for x in resp.content.split(b"\n") if x.strip()]
         seen = set()
         for line in lines[:-1]:
             i = line.get("index")

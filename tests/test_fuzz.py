@@ -90,7 +90,7 @@ def test_valid_requests_with_hostile_content_are_answered(http, body):
 def test_bulk_lines_fail_alone(http, lines):
     resp = http.post("/v1/systemone/bulk", content=b"\n".join(lines) + b"\n")
     assert resp.status_code == 200
-    out = [json.loads(x) for x in resp.text.splitlines()]
+    out = [json.loads(x) for x in resp.content.split(b"\n") if x]
     records = [i for i, line in enumerate(lines) if line.strip()]
     assert out[-1]["summary"]["records"] == len(records) and out[-1]["summary"]["aborted"] is None
     assert sorted(o["index"] for o in out[:-1]) == records

@@ -217,7 +217,7 @@ def main() -> int:
         if resp.status_code != 200:
             tally.record("bulk-lines", resp.status_code, f"bulk stream answered {resp.status_code}")
             return
-        out = [json.loads(x) for x in resp.text.splitlines()]
+        out = [json.loads(x) for x in resp.content.split(b"\n") if x]
         expected = [i for i, x in enumerate(lines) if x.strip()]
         if sorted(o.get("index", -1) for o in out[:-1]) != expected or out[-1].get("summary", {}).get("aborted"):
             tally.record("bulk-lines", "bad-stream", f"indices or summary wrong: {out[-1]}")

@@ -41,11 +41,9 @@ class ClientGone(Exception):
 
 
 def ndjson_line(obj: dict) -> bytes:
-    try:
-        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        return text.encode("utf-8") + b"\n"
-    except UnicodeEncodeError:  # a lone surrogate somewhere: escape instead of failing the line
-        return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
+    """One output line. ASCII-only JSON: U+2028, U+0085 and friends stay escaped, so a consumer that
+    splits on any Unicode line break (Python's ``str.splitlines``) still sees one record per line."""
+    return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
 
 
 async def read_lines(receive: Receive, max_line_bytes: int) -> AsyncIterator[tuple[int, object]]:

@@ -44,7 +44,7 @@ class JsonFormatter(logging.Formatter):
         out.update(_fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
+        return json.dumps(out, default=str)       # ASCII: no raw U+2028 etc. inside a line
 
 
 class TextFormatter(logging.Formatter):
