@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -191,8 +192,9 @@ class Soak:
         self.seq += 1
         return f"{self.run_id}x{self.seq}"
 
-    def _bad(self, kind: str, what: str, **extra) -> None:
-        self.counts[kind] += 1
+    def _bad(self, kind: str, what: str, count: bool = True, **extra) -> None:
+        if count:
+            self.counts[kind] += 1
         if len(self.examples) < 20:
             self.examples.append({"kind": kind, "what": what, **extra})
 
@@ -244,7 +246,7 @@ class Soak:
             resp = await client.post("/v1/systemone/bulk", content=payload, headers=self.headers)
         except httpx.HTTPError as exc:
             self.bulk["lost"] += len(items)
-            self._bad("lost", f"bulk {type(exc).__name__}: {exc}")
+            self._bad("lost", f"bulk stream {type(exc).__name__}: {exc}", count=False)
             return
         if resp.status_code == 429:
             self.bulk["records"] -= len(items)
@@ -264,12 +266,13 @@ class Soak:
                 line["body"], expect, body, self.encoder)
             if problem:
                 self.bulk["mismatched"] += 1
-                self._bad("mismatched", f"bulk line {i}: {problem}")
+                self._bad("mismatched", f"bulk line {i}: {problem}", count=False)
             else:
                 self.bulk["ok"] += 1
         self.bulk["lost"] += len(items) - len(seen)
         if not lines or lines[-1].get("summary", {}).get("records") != len(items):
-            self._bad("mismatched", f"bulk summary {lines[-1] if lines else None}")
+            self.bulk["mismatched"] += 1
+            self._bad("mismatched", f"bulk summary {lines[-1] if lines else None}", count=False)
 
     async def worker(self, client: httpx.AsyncClient, deadline: float, seed: int) -> None:
         rng = random.Random(seed)
@@ -374,12 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="", help="free text stored in the summary (e.g. 'CPU reference, tiny')")
     p.add_argument("--out", required=True, help="summary JSON path")
     p.add_argument("--fail-on-memory", action="store_true", help="exit 1 when memory is not flat")
+    p.add_argument("--server-log", help="with --launch: where the server's output goes (default: a temp folder)")
     args = p.parse_args(argv)
     if not args.url and not args.launch:
         p.error("give --url or --launch")
 
     proc = None
-    log_path = Path(args.out).with_suffix(".server.log")
+    log_path = Path(args.server_log) if args.server_log else Path(tempfile.mkdtemp(prefix="clef-soak-")) / "server.log"
     if args.launch:
         proc, args.url = launch(server_args, log_path, args.ready_timeout)
         args.pid = proc.pid
@@ -430,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_metrics_delta": {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)},
         "input_tokens_checked_locally": encoder is not None,
         "server_exit_code": exit_code,
+        "server_log": str(log_path) if proc is not None else None,
         "examples": soak.examples,
         "verdict": "pass" if failed == 0 and (memory_flat or not args.fail_on_memory) else "fail",
         "memory_flat": memory_flat,

@@ -947,6 +947,21 @@ def test_admission_order_priority_bound_and_cancellation():
         assert adm.retry_after() == 1
         adm.release()
         assert adm.in_flight == 0 and adm.idle
+        # a saturating interactive load does not starve bulk records: every 4th contended slot is theirs
+        adm = Admission(max_in_flight=1, max_queue=16)
+        await adm.acquire()
+        order.clear()
+        tasks = [asyncio.create_task(waiter(f"b{i}", BULK)) for i in range(2)]
+        await _settle()
+        tasks += [asyncio.create_task(waiter(f"i{i}", INTERACTIVE)) for i in range(8)]
+        await _settle()
+        for _ in range(4):
+            adm.release()
+            await _settle()
+        assert order == ["i0", "i1", "i2", "b0"]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
 import logging
 import queue
 import threading
@@ -113,19 +114,34 @@ class Backend(ABC):
         """Release engines and threads."""
 
 
+def _libc_malloc_trim():
+    """glibc's ``malloc_trim`` (``None`` elsewhere)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class MicroBatcher:
     """Collects concurrent ``decide`` calls into batches for a blocking ``decide_batch``.
 
     One worker thread owns the model; callers await futures. A batch is whatever is queued
     when the worker becomes free (up to ``max_batch_size`` requests / ``max_batch_tokens``).
     A caller that is cancelled before its batch starts is dropped from it (never computed).
+
+    Every ``trim_every`` batches the worker hands free heap memory back to the OS
+    (``malloc_trim``): on CPU, batches of ever-new shapes otherwise leave glibc's heap fragmented
+    and the RSS grows without bound (measured: 1.0 -> 4.0 GB over 200 batches of the tiny model,
+    flat at 1.0 GB with trimming; no Python object or tensor was leaking).
     """
 
-    def __init__(self, run_batch, max_batch_size: int = 32, max_batch_tokens: int = 65536):
+    def __init__(self, run_batch, max_batch_size: int = 32, max_batch_tokens: int = 65536, trim_every: int = 8):
         self._run = run_batch
         self._max_size = max_batch_size
         self._max_tokens = max_batch_tokens
         self._queue: queue.Queue = queue.Queue()
+        self._trim = _libc_malloc_trim() if trim_every else None
+        self._trim_every = trim_every
         self.batches = 0              # batches run
         self.dropped = 0              # requests cancelled before their batch started
         self._thread = threading.Thread(target=self._loop, name="clef-reference-batcher", daemon=True)
@@ -189,6 +205,9 @@ class MicroBatcher:
                     stats.batch_size, stats.first_in_batch = len(live), k == 0
                     stats.batch_wait_s, stats.run_s, stats.stages = started - submitted, run_s, dict(stages)
                 loop.call_soon_threadsafe(_resolve, fut, results[k], error)
+            del results, live, batch
+            if self._trim is not None and self.batches % self._trim_every == 0:
+                self._trim(0)
 
     def close(self) -> None:
         self._queue.put(None)

@@ -2,8 +2,10 @@
 
 Interactive requests (``POST /v1/systemone``) wait in a queue of at most ``max_queue``; when it
 is full they are refused at once (HTTP 429 with ``Retry-After``). Bulk records wait without a
-bound of their own (each bulk stream has its own concurrency bound) and are served only when no
-interactive request is waiting. Slots are handed over first-in first-out within each class.
+bound of their own (each bulk stream has its own concurrency bound). A freed slot goes to the
+oldest interactive waiter, except that every ``BULK_EVERY``-th slot freed while both classes
+wait goes to the oldest bulk waiter, so a saturating interactive load never starves a bulk job.
+Slots are handed over first-in first-out within each class.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import deque
 
 INTERACTIVE = "interactive"
 BULK = "bulk"
+#: While both classes wait, bulk records get one freed slot in this many.
+BULK_EVERY = 4
 
 
 class QueueFull(Exception):
@@ -29,6 +33,7 @@ class Admission:
         self.in_flight = 0
         self._waiting: dict[str, deque[asyncio.Future]] = {INTERACTIVE: deque(), BULK: deque()}
         self._service_s = 0.0         # moving average of how long a slot is held
+        self._contended = 0           # slots handed over while both classes waited
 
     def waiting(self, kind: str = INTERACTIVE) -> int:
         return len(self._waiting[kind])
@@ -60,10 +65,16 @@ class Admission:
             raise
 
     def release(self, held_s: float | None = None) -> None:
-        """Give a slot back: to the oldest interactive waiter, else the oldest bulk waiter."""
+        """Give a slot back: to the oldest interactive waiter (every ``BULK_EVERY``-th contended slot:
+        the oldest bulk waiter), else to the pool."""
         if held_s is not None:
             self._service_s = held_s if self._service_s == 0 else 0.9 * self._service_s + 0.1 * held_s
-        for kind in (INTERACTIVE, BULK):
+        order = (INTERACTIVE, BULK)
+        if self._waiting[INTERACTIVE] and self._waiting[BULK]:
+            self._contended += 1
+            if self._contended % BULK_EVERY == 0:
+                order = (BULK, INTERACTIVE)
+        for kind in order:
             queue = self._waiting[kind]
             while queue:
                 fut = queue.popleft()
