@@ -129,19 +129,22 @@ class MicroBatcher:
     when the worker becomes free (up to ``max_batch_size`` requests / ``max_batch_tokens``).
     A caller that is cancelled before its batch starts is dropped from it (never computed).
 
-    Every ``trim_every`` batches the worker hands free heap memory back to the OS
-    (``malloc_trim``): on CPU, batches of ever-new shapes otherwise leave glibc's heap fragmented
-    and the RSS grows without bound (measured: 1.0 -> 4.0 GB over 200 batches of the tiny model,
-    flat at 1.0 GB with trimming; no Python object or tensor was leaking).
+    After a batch, at most once per ``trim_interval_s``, the worker hands free heap memory back to
+    the OS (``malloc_trim``): on CPU, batches of ever-new shapes otherwise leave glibc's heap
+    fragmented and the RSS grows without bound (measured on the tiny model: 1.0 -> 4.0 GB over 200
+    batches; with a trim after each ~1.3 s batch it levels off at 0.97 GB, for ~60 ms per trim; no
+    Python object or tensor was leaking). ``None`` turns it off.
     """
 
-    def __init__(self, run_batch, max_batch_size: int = 32, max_batch_tokens: int = 65536, trim_every: int = 8):
+    def __init__(self, run_batch, max_batch_size: int = 32, max_batch_tokens: int = 65536,
+                 trim_interval_s: float | None = 1.0):
         self._run = run_batch
         self._max_size = max_batch_size
         self._max_tokens = max_batch_tokens
         self._queue: queue.Queue = queue.Queue()
-        self._trim = _libc_malloc_trim() if trim_every else None
-        self._trim_every = trim_every
+        self._trim = _libc_malloc_trim() if trim_interval_s is not None else None
+        self._trim_interval_s = trim_interval_s
+        self._trimmed_at = 0.0
         self.batches = 0              # batches run
         self.dropped = 0              # requests cancelled before their batch started
         self._thread = threading.Thread(target=self._loop, name="clef-reference-batcher", daemon=True)
@@ -206,8 +209,9 @@ class MicroBatcher:
                     stats.batch_wait_s, stats.run_s, stats.stages = started - submitted, run_s, dict(stages)
                 loop.call_soon_threadsafe(_resolve, fut, results[k], error)
             del results, live, batch
-            if self._trim is not None and self.batches % self._trim_every == 0:
+            if self._trim is not None and time.perf_counter() - self._trimmed_at >= self._trim_interval_s:
                 self._trim(0)
+                self._trimmed_at = time.perf_counter()
 
     def close(self) -> None:
         self._queue.put(None)
