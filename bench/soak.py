@@ -151,14 +151,22 @@ class MemorySampler:
     def sample(self, t: float) -> None:
         self.series.append((round(t, 1), self._rss_mb(), self._gpu_mb() if self.gpu else None))
 
-    def summary(self, column: int, warmup_share: float = 0.1) -> dict | None:
+    def summary(self, column: int, warmup_share: float = 0.1, window_s: float = 60.0) -> dict | None:
+        """Memory over time. Samples land inside or between batches, so a single sample swings by
+        the working memory of a batch; the trend is judged on per-window floors (the lowest sample
+        of each ``window_s``: what stays allocated) and peaks, after a warm-up share."""
         values = [(t, v) for t, v in ((s[0], s[column]) for s in self.series) if v is not None]
         if not values:
             return None
         steady = values[int(len(values) * warmup_share):] or values
-        k = max(1, len(steady) // 5)
-        head, tail = statistics.median(v for _, v in steady[:k]), statistics.median(v for _, v in steady[-k:])
-        growth = tail - head
+        windows: dict[int, list[float]] = {}
+        for t, v in steady:
+            windows.setdefault(int(t // window_s), []).append(v)
+        floors = [round(min(w), 1) for _, w in sorted(windows.items())]
+        peaks = [round(max(w), 1) for _, w in sorted(windows.items())]
+        k = max(1, len(floors) // 4)
+        floor_start, floor_end = statistics.median(floors[:k]), statistics.median(floors[-k:])
+        growth = floor_end - floor_start
         slope = 0.0
         if len(steady) >= 3 and steady[-1][0] > steady[0][0]:
             ts, vs = [t for t, _ in steady], [v for _, v in steady]
@@ -166,10 +174,13 @@ class MemorySampler:
             var = sum((t - mt) ** 2 for t in ts)
             slope = sum((t - mt) * (v - mv) for t, v in zip(ts, vs)) / var * 3600 if var else 0.0
         return {"samples": len(values), "first": round(values[0][1], 1), "last": round(values[-1][1], 1),
-                "max": round(max(v for _, v in values), 1), "steady_start": round(head, 1),
-                "steady_end": round(tail, 1), "growth_mb": round(growth, 1),
-                "growth_pct": round(100 * growth / head, 2) if head else None,
-                "slope_mb_per_h": round(slope, 1), "flat": growth <= max(50.0, 0.05 * head)}
+                "max": round(max(v for _, v in values), 1), "window_s": window_s,
+                "floor_per_window": floors, "peak_per_window": peaks,
+                "floor_start": round(floor_start, 1), "floor_end": round(floor_end, 1),
+                "floor_growth_mb": round(growth, 1),
+                "floor_growth_pct": round(100 * growth / floor_start, 2) if floor_start else None,
+                "slope_all_samples_mb_per_h": round(slope, 1),
+                "flat": growth <= max(50.0, 0.05 * floor_start)}
 
 
 # --------------------------------------------------------------------------- driver
@@ -365,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=1800.0, help="seconds at saturation (default 1800)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="clients; default 2 x the server's clef_max_in_flight (engine full, queue never empty)")
-    p.add_argument("--sample-every", type=float, default=10.0, help="seconds between memory samples")
+    p.add_argument("--sample-every", type=float, default=2.0, help="seconds between memory samples")
     p.add_argument("--invalid-share", type=float, default=0.03, help="share of requests that must get 422")
     p.add_argument("--bulk-share", type=float, default=0.03, help="share of iterations sent as a bulk stream")
     p.add_argument("--tokenizer", help="checkpoint folder: check usage.input_tokens exactly against local encoding")
