@@ -162,8 +162,10 @@ class MemorySampler:
         windows: dict[int, list[float]] = {}
         for t, v in steady:
             windows.setdefault(int(t // window_s), []).append(v)
-        floors = [round(min(w), 1) for _, w in sorted(windows.items())]
-        peaks = [round(max(w), 1) for _, w in sorted(windows.items())]
+        full = max(len(w) for w in windows.values())
+        kept = [w for _, w in sorted(windows.items()) if len(w) * 2 >= full] or list(windows.values())
+        floors = [round(min(w), 1) for w in kept]                  # partial windows (the run's end) dropped
+        peaks = [round(max(w), 1) for w in kept]
         k = max(1, len(floors) // 4)
         floor_start, floor_end = statistics.median(floors[:k]), statistics.median(floors[-k:])
         growth = floor_end - floor_start
