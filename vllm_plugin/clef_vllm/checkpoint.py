@@ -101,11 +101,15 @@ def locate_checkpoint(path: str | Path, require_weights: bool = True) -> Checkpo
                            head_dir / HEAD_WEIGHTS, tables, weight_files, index_file)
 
 
-def _read_json(path: Path):
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``; anything else is a CheckpointError naming the file."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def check_version_marker(spec: str | None, source: str | Path, version: str = __version__) -> None:
@@ -176,15 +180,20 @@ def load_head(files: CheckpointFiles, dtype=torch.bfloat16, device="cpu") -> Joi
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def iter_backbone_tensors(files: CheckpointFiles, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the backbone file(s), with its checkpoint name."""
+def iter_backbone_tensors(files: CheckpointFiles, device="cpu",
+                          check_values: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the backbone file(s), with its checkpoint name. ``check_values`` refuses a
+    non-finite floating-point tensor, naming the shard that holds it."""
     from safetensors import safe_open
 
     for path in files.weight_files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key)
+                    tensor = f.get_tensor(key)
+                    if check_values:
+                        check_finite(key, tensor, path)
+                    yield key, tensor
         except CheckpointError:
             raise
         except Exception as exc:

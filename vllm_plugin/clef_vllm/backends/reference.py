@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from clef_vllm.backends.base import Backend, MicroBatcher, parse_dtype
-from clef_vllm.checkpoint import (EMBED_KEYS, LM_HEAD_KEYS, CheckpointError, CheckpointFiles, check_finite,
+from clef_vllm.backends.base import Backend, MicroBatcher, measure_stage, parse_dtype
+from clef_vllm.checkpoint import (LM_HEAD_KEYS, CheckpointError, CheckpointFiles,
                                   iter_backbone_tensors, load_head, locate_checkpoint)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
@@ -49,7 +49,7 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
     config._attn_implementation = "sdpa"
     state: dict[str, torch.Tensor] = {}
     lm_head = None
-    for name, tensor in iter_backbone_tensors(files, device=device):
+    for name, tensor in iter_backbone_tensors(files, device=device, check_values=True):
         if name in LM_HEAD_KEYS:
             lm_head = tensor
             continue
@@ -71,9 +71,6 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
             raise CheckpointError(f"{files.root}: lm_head.weight not found in the backbone files and no "
                                   "clef_head/tables_int8.safetensors; the head reads lm_head rows")
         lm_table = DenseTable(lm_head)
-    for name, tensor in state.items():
-        check_finite(name, tensor, files.root)
-
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -149,7 +146,8 @@ class ReferenceBackend(Backend):
     def decide_batch(self, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(encoded)
         for group in self._batches(encoded):
-            hidden = self.hidden_states([encoded[i] for i in group])
+            with measure_stage("backbone"):
+                hidden = self.hidden_states([encoded[i] for i in group])
             accs = [RecordAccumulator(HeadSpec.from_encoded(encoded[i]), self.device) for i in group]
             longest = hidden.shape[1]
             flat = hidden.reshape(-1, hidden.shape[-1])

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from clef_vllm import __version__
-from clef_vllm.backends.base import Backend, measure_stage
+from clef_vllm.backends.base import Backend
 from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, RequestError, ScoreAnswer, SystemOneRequest, SystemOneResponse
 from clef_vllm.server.body import decode_json, read_body  # noqa: F401 - decode_json is part of this module's API
 from clef_vllm.server.bulk import BulkStream
@@ -36,25 +36,6 @@ from clef_vllm.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings  # 
 log = logging.getLogger("clef_vllm.server")
 
 
-def time_backbone(backend: Backend) -> None:
-    """Report a reference backend's backbone time as its own stage (the rest of a batch is the head).
-
-    ``ReferenceBackend.decide_batch`` runs ``self.hidden_states`` (the backbone forward) and then
-    the head; wrapping that method in :func:`measure_stage` lets ``Server-Timing`` split the engine
-    time without changing the backend. A backend that calls ``measure_stage`` itself needs none."""
-    target = getattr(backend, "inner", backend)          # a FaultyBackend wraps the real one
-    forward = getattr(target, "hidden_states", None)
-    if forward is None or getattr(forward, "_clef_timed", False):
-        return
-
-    def timed(*args, **kwargs):
-        with measure_stage("backbone"):
-            return forward(*args, **kwargs)
-
-    timed._clef_timed = True
-    target.hidden_states = timed
-
-
 def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | None = None) -> FastAPI:
     """Build the app. ``load_backend`` runs in a worker thread after startup (it may take minutes)."""
     settings = settings or ServerSettings()
@@ -62,13 +43,8 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     service = DecisionService(settings, metrics)
     dialect = settings.dialect
 
-    def load() -> Backend:
-        backend = load_backend()
-        time_backbone(backend)
-        return backend
-
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(service.run(load))
+        task = asyncio.create_task(service.run(load_backend))
         try:
             yield
         finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import AsyncIterator
 
 from starlette.responses import Response
@@ -27,7 +26,7 @@ from clef_vllm.server.admission import BULK
 from clef_vllm.server.body import decode_json
 from clef_vllm.server.context import RequestContext, ServerError, reason_of
 from clef_vllm.server.logs import LOG_CONTEXT
-from clef_vllm.server.service import READY, DecisionService, wait_for_disconnect
+from clef_vllm.server.service import DecisionService, wait_for_disconnect
 
 log = logging.getLogger("clef_vllm.server")
 

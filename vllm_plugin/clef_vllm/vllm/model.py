@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,7 +26,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, Suppo
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
-from clef_vllm.checkpoint import (EMBED_KEYS, LM_HEAD_KEYS, CheckpointError, load_head_config, load_head_state,
+from clef_vllm.checkpoint import (LM_HEAD_KEYS, CheckpointError, load_head_config, load_head_state,
                                   locate_checkpoint)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
