@@ -76,10 +76,12 @@ kill_group() {  # TERM a process group, KILL it after 30 s
   kill -KILL -- "-$pgid" 2>/dev/null
 }
 
-wait_gpu_free() {  # until no compute process holds the GPU (max 90 s)
+wait_gpu_free() {  # until no compute process holds our GPUs (max 90 s); other jobs may use the others
   command -v nvidia-smi >/dev/null || return 0
+  local ids=()
+  [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && ids=(-i "$CUDA_VISIBLE_DEVICES")
   for _ in $(seq 90); do
-    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    [ -z "$(nvidia-smi "${ids[@]}" --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
     sleep 1
   done
   log "GPU still busy after 90 s:"; nvidia-smi >>"$OUT/gpu_bench.log" 2>&1

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One GPU session on the two-GPU H200 machine (nvidia-h200-x2): every GPU measurement the issues
+# ask for, run as two background job queues (one per GPU) that outlive the 10-minute call limit,
+# then a DP=2 stage on both GPUs. Results: /root/session/<job>/ (logs, JSON), collected into
+# $OUT/session.tgz by `wait`.
+#
+#   run 1..3: bash .stage/pN/recv.sh            (shared/device/README.md; the last one then:)
+#             bash bench/h200x2_session.sh launch && bash bench/h200x2_session.sh wait 480
+#   run 4..:  bash bench/h200x2_session.sh wait 560     (until it prints "all done")
+#
+# GPU 0: tiny vLLM-vs-reference parity (240 requests) -> 9B-shaped BF16 clef-bench server vs raw
+#        vLLM -> tiny clef-bench DP=1 (+ clef-parity vs the reference) -> engine-kill faults
+# GPU 1: quality on the trained proxy incl. the vLLM-served column -> 9B-shaped FP8 server vs raw
+# both: tiny server DP=2 correctness (vllm_parity --dp 2) -> tiny clef-bench DP=2 server vs raw DP=2
+# DRY=1 replaces every job by a short sleep (to test this script without a GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+S=${SESSION_DIR:-/root/session}
+mkdir -p "$S"
+[ -f /root/site/vllm/__init__.py ] && source tests/gpu/env.sh
+export PYTHONUNBUFFERED=1
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$S/session.log"; }
+
+job() {  # job NAME GPUS LIMIT_S CMD... : runs CMD with OUT=$S/NAME, records rc and seconds
+  local name=$1 gpus=$2 limit=$3; shift 3
+  mkdir -p "$S/$name"
+  log "start $name (GPU $gpus, limit ${limit}s)"
+  local t0=$SECONDS rc
+  if [ -n "${DRY:-}" ]; then
+    sleep 1; echo "dry: $*" >"$S/$name/job.log"; rc=0
+  else
+    OUT=$S/$name CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" "$@" >"$S/$name/job.log" 2>&1; rc=$?
+  fi
+  echo "{\"job\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"command\": \"$*\"}" >"$S/$name/rc.json"
+  log "end $name rc=$rc after $((SECONDS - t0))s"
+}
+
+TINY=$S/ckpt/tiny
+NINE=$S/ckpt/9b
+NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fanout=1,8" TIME_LIMIT=6 WARMUP=4
+            READY_TIMEOUT=360 BENCH_TIMEOUT=240)
+TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
+            READY_TIMEOUT=300 BENCH_TIMEOUT=200)
+
+case "${1:-}" in
+launch)
+  rm -f "$S"/*.done
+  python3 bench/make_ckpt.py tiny "$TINY" && python3 bench/make_ckpt.py 9b "$NINE" || exit 1
+  for q in queue0 queue1; do
+    setsid nohup bash "$0" "$q" >"$S/$q.log" 2>&1 </dev/null &
+  done
+  log "launched queue0 and queue1"
+  ;;
+queue0)
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
+      bash bench/gpu_bench.sh "$NINE" 8701
+  job bench_tiny_dp1 0 420 env "${TINY_SWEEP[@]}" PHASES=server,parity,raw,compare LABEL=tiny-dp1 \
+      bash bench/gpu_bench.sh "$TINY" 8703
+  job engine_kill 0 420 python3 tests/gpu/engine_kill.py --out "$S/engine_kill" --port 8791
+  touch "$S/queue0.done"
+  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+  job server_dp2 0,1 420 python3 tests/gpu/vllm_parity.py --out "$S/server_dp2" --skip-parity --dp 2
+  job bench_tiny_dp2 0,1 480 env "${TINY_SWEEP[@]}" LABEL=tiny-dp2 SERVER_ARGS="--data-parallel-size 2" \
+      RAW_ARGS="--raw-engine-arg data_parallel_size=2" bash bench/gpu_bench.sh "$TINY" 8704
+  touch "$S/all.done"
+  log "all done"
+  ;;
+queue1)
+  job quality 1 720 env TRAIN_SECONDS=100 RECORDS=300 \
+      WORK=/root/clef-quality bash bench/quality_gpu.sh
+  job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
+      RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8702
+  touch "$S/queue1.done"
+  ;;
+wait)  # wait LIMIT_S: until all jobs are done or LIMIT_S passes; then pack the results into $OUT
+  limit=${2:-540}; t0=$SECONDS
+  while [ ! -f "$S/all.done" ] && (( SECONDS - t0 < limit )); do sleep 5; done
+  cat "$S/session.log"
+  for f in "$S"/*/rc.json; do [ -f "$f" ] && cat "$f"; done
+  if [ -n "${OUT:-}" ]; then
+    tar -C "$S" --exclude=ckpt --exclude='*.pt' --exclude='*.safetensors' -czf "$OUT/session.tgz" . 2>/dev/null
+    ls -la "$OUT"
+  fi
+  [ -f "$S/all.done" ] && echo "all done" || echo "still running: $(ls "$S" | grep -c . ) entries"
+  ;;
+*)
+  echo "usage: $0 launch | wait [SECONDS]" >&2; exit 2 ;;
+esac
