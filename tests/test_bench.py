@@ -352,6 +352,43 @@ def test_bench_counts_connection_errors(tiny_release, tmp_path):
     assert p["errors"] == {"connect_error": 2} and p["ok"] == 0 and p["latency_ms"] is None
 
 
+def test_sender_reports_timeouts_and_bad_bodies():
+    """The load generator's HTTP client: a server that never answers is a timeout, one that answers
+    200 with the wrong number of answers is a bad_response, and neither raises."""
+    import asyncio
+
+    from clef_vllm.bench.loadgen import HttpSender
+    from clef_vllm.bench.workloads import BenchRequest
+
+    async def scenario():
+        async def silent(reader, writer):
+            await asyncio.sleep(5)
+            writer.close()
+
+        async def wrong(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            body = b'{"answers": {"a": {}}}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nserver-timing: total;dur=7.5\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.close()
+
+        req = BenchRequest("short", {}, b"{}", 2, None, label="x")
+        out = []
+        for handler, timeout in ((silent, 0.5), (wrong, 5.0)):
+            server = await asyncio.start_server(handler, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            sender = HttpSender(f"http://127.0.0.1:{port}", concurrency=2, timeout=timeout)
+            out.append(await sender.send(req))
+            await sender.aclose()
+            server.close()
+        return out
+
+    timed_out, bad = asyncio.run(scenario())
+    assert timed_out.status == "timeout" and 0.4 < timed_out.latency_s < 3
+    assert bad.status == "bad_response" and "1 answers for 2 questions" in bad.error and bad.server_ms == 7.5
+
+
 def test_bench_compare_mode(tmp_path, capsys):
     def result(mode, tok_s, p50):
         point = {"variant": "short", "concurrency": 4, "input_tok_per_s": tok_s, "req_per_s": tok_s / 300,

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import psutil
 
-REQUEST = {"state": {"ticket": "refund please", "amount": 12.5},
+REQUEST = {"model": "clef-flash", "state": {"ticket": "refund please", "amount": 12.5},
            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"},
-                         "team": {"type": "choice", "options": ["billing", "tech", "sales"]}}}
+                         "team": {"type": "choice", "instructions": "Which team?",
+                                  "criteria": {"billing": "Payments", "tech": "Errors", "sales": "Plans"}}}}
 
 
 def http(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, str]:

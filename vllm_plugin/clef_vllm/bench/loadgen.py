@@ -1,7 +1,7 @@
 """Closed-loop async load: ``C`` workers each send one request, wait for it, and send the next.
 
 :func:`closed_loop` is the engine both tools share; :class:`HttpSender` posts SystemOne bodies
-with httpx; :func:`summarize_point` turns one sweep point's outcomes into the reported numbers.
+with aiohttp; :func:`summarize_point` turns one sweep point's outcomes into the reported numbers.
 Latency is measured from just before the request is handed to the client until the whole
 response body has arrived (JSON decoding and checks happen after the clock stops).
 """
@@ -130,34 +130,52 @@ def wait_ready(url: str, seconds: float, headers: dict) -> str:
         time.sleep(1.0)
 
 class HttpSender:
-    """Posts :class:`BenchRequest` payloads to one ``/v1/systemone`` URL over a pooled httpx client."""
+    """Posts :class:`BenchRequest` payloads to one ``/v1/systemone`` URL over a pooled aiohttp session.
+
+    aiohttp, not httpx: httpx's async pool costs ~20 ms of client CPU per request at 64 open
+    connections, so a 2-core client saturated before the server did (measured: 120 req/s at c=64
+    against a server that answered in 33 ms; docs/bench.md). ``client_cpu_s`` in the results
+    shows whether the client kept up.
+    """
 
     def __init__(self, url: str, *, concurrency: int, timeout: float = 600.0, headers: dict | None = None):
-        import httpx
-
         self.url = systemone_url(url)
-        self._httpx = httpx
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)), limits=limits,
-                                        headers={"content-type": "application/json", **(headers or {})})
+        self._timeout = timeout
+        self._concurrency = concurrency
+        self._headers = {"content-type": "application/json", **(headers or {})}
+        self._session = None
+
+    def _client(self):
+        import aiohttp
+
+        if self._session is None:   # created inside the running loop
+            connector = aiohttp.TCPConnector(limit=self._concurrency, force_close=False)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self._timeout, sock_connect=min(self._timeout, 30.0)))
+        return self._session
 
     async def send(self, req: BenchRequest) -> Outcome:
-        httpx = self._httpx
+        import aiohttp
+
+        session = self._client()
         t0 = time.perf_counter()
         try:
-            resp = await self.client.post(self.url, content=req.payload)
-        except httpx.TimeoutException:
+            async with session.post(self.url, data=req.payload) as resp:
+                raw = await resp.read()
+                status, timing = resp.status, resp.headers.get("server-timing")
+        except asyncio.TimeoutError:
             return Outcome("timeout", time.perf_counter() - t0, error="timed out")
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             return Outcome("connect_error", time.perf_counter() - t0, error=str(exc)[:200])
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             return Outcome(type(exc).__name__, time.perf_counter() - t0, error=str(exc)[:200])
         latency = time.perf_counter() - t0
-        server_ms = server_total_ms(resp.headers.get("server-timing"))
-        if resp.status_code != 200:
-            return Outcome(str(resp.status_code), latency, server_ms=server_ms, error=resp.text[:300])
+        server_ms = server_total_ms(timing)
+        if status != 200:
+            return Outcome(str(status), latency, server_ms=server_ms, error=raw[:300].decode(errors="replace"))
         try:
-            body = unwrap_envelope(resp.json())
+            body = unwrap_envelope(json.loads(raw))
             answers = body["answers"]
             tokens = body.get("usage", {}).get("input_tokens")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -169,7 +187,9 @@ class HttpSender:
         return Outcome("200", latency, input_tokens=tokens if isinstance(tokens, int) else None, server_ms=server_ms)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 # --------------------------------------------------------------------------- statistics
