@@ -406,11 +406,9 @@ def test_hybrid_fp8_nvfp4_checkpoint_loads_with_one_scheme_per_layer_group(hybri
     assert any("CompressedTensorsW8A8Fp8" in line for line in report)
 
 
-def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoint, tmp_path):
-    """Risk R1: vLLM keeps the max divisor of a fused module and silently mis-scales the others."""
+def _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path):
+    """A copy of the Hybrid checkpoint whose in_proj_z NVFP4 global scale differs from in_proj_qkv's."""
     from safetensors.torch import load_file, save_file
-
-    from clef_vllm.checkpoint import CheckpointError
 
     ckpt = _copy(hybrid_checkpoint, tmp_path)
     key = "model.language_model.layers.2.linear_attn.in_proj_z.weight_global_scale"
@@ -419,6 +417,14 @@ def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoi
     tensors = load_file(str(shard))
     tensors[key] = tensors[key] * 2
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    return ckpt
+
+
+def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoint, tmp_path):
+    """Risk R1: vLLM keeps the max divisor of a fused module and silently mis-scales the others."""
+    from clef_vllm.checkpoint import CheckpointError
+
+    ckpt = _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path)
     with pytest.raises(CheckpointError, match="different weight global scales.*in_proj_qkvz"):
         vllm_cpu.load_model(ckpt)
 
@@ -428,17 +434,9 @@ def test_fused_scale_fix_from_the_refusal_message_makes_the_checkpoint_load(hybr
     import subprocess
     import sys
 
-    from safetensors.torch import load_file, save_file
-
     from support.vllm_cpu import REPO
 
-    ckpt = _copy(hybrid_checkpoint, tmp_path)
-    key = "model.language_model.layers.2.linear_attn.in_proj_z.weight_global_scale"
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    shard = ckpt / index["weight_map"][key]
-    tensors = load_file(str(shard))
-    tensors[key] = tensors[key] * 2
-    save_file(tensors, str(shard), metadata={"format": "pt"})
+    ckpt = _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path)
     fixed = tmp_path / "fixed"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "clef_load.py"), str(ckpt), "--fix-fused-scales",
                            "--out", str(fixed), "--capability", "9.0", "--quiet"], capture_output=True, text=True)
