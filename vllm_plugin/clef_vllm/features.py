@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead, segment_sum
@@ -69,11 +70,11 @@ class HeadSpec:
     def spans(self) -> tuple[tuple[int, int], ...]:
         return self.question_spans + self.option_spans
 
-    def token_segments(self) -> torch.Tensor:
+    def token_segments(self) -> np.ndarray:
         """[L] segment index of every token; tokens outside any span map to the overflow row ``num_segments``."""
-        seg = torch.full((self.num_tokens,), self.num_segments, dtype=torch.long)
-        for i, (a, b) in enumerate(self.spans()):
-            seg[a:b] = i
+        spans = np.asarray(self.spans(), dtype=np.int64).reshape(-1, 2)
+        seg = np.full(self.num_tokens, self.num_segments, dtype=np.int64)
+        seg[_span_positions(spans)] = np.repeat(np.arange(len(spans)), spans[:, 1] - spans[:, 0])
         return seg
 
     def validate(self) -> None:
@@ -94,12 +95,21 @@ class HeadSpec:
             raise ValueError("head spec: lexical ids do not match the option spans")
 
 
-def upload(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
-    """Copy small int64 CPU tensors to ``device`` in ONE pinned, non-blocking transfer.
+def _span_positions(spans: np.ndarray) -> np.ndarray:
+    """Every position covered by ``spans`` ([S, 2] half-open), span by span, without a Python loop."""
+    lengths = spans[:, 1] - spans[:, 0]
+    firsts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(spans[:, 0] - firsts, lengths)
+
+
+def upload(tensors: Sequence[torch.Tensor | np.ndarray], device) -> list[torch.Tensor]:
+    """Copy small int64 CPU tensors (or numpy arrays) to ``device`` in ONE pinned, non-blocking transfer.
 
     A copy from pageable memory synchronises the host with the GPU stream; inside vLLM's step that
     would make the CPU wait for the backbone forward before it can launch any head kernel.
     """
+    tensors = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.int64)) if isinstance(t, np.ndarray) else t
+               for t in tensors]
     device = torch.device(device)
     if device.type == "cpu":
         return list(tensors)
@@ -109,11 +119,15 @@ def upload(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
 
 
 class RecordAccumulator:
-    """Per-record state across prefill chunks: memory chunks, fp32 span sums, last normalised state."""
+    """Per-record state across prefill chunks: memory chunks, fp32 span sums, last normalised state.
 
-    def __init__(self, spec: HeadSpec, device: torch.device | str):
+    Nothing here touches the GPU per record: the token -> segment map stays on the host and a
+    step's index data for all its records goes to the device in one transfer (:func:`accumulate`).
+    """
+
+    def __init__(self, spec: HeadSpec, device: torch.device | str | None = None):
         self.spec = spec
-        self.segments = upload([spec.token_segments()], device)[0]
+        self.segments = spec.token_segments()      # numpy [L]
         self.sums: torch.Tensor | None = None
         self.memory: list[torch.Tensor] = []
         self.last_state: torch.Tensor | None = None
@@ -136,23 +150,32 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
 
     ``pieces[i] = (accumulator, row_offset, num_rows, start_position)``: rows
     ``hidden[row_offset:row_offset+num_rows]`` are positions ``start_position...`` of that record.
-    One LayerNorm, one projection and one scatter-add serve all records of the step.
+    One LayerNorm, one projection, one index upload and one scatter-add serve all records of the
+    step; the number of GPU kernels does not grow with the number of records. A record that
+    completes in this step keeps views into the step's tensors (it is decided right away); one
+    that continues in a later chunk keeps copies, so a step's buffers are not held for it.
     """
     if not pieces:
         return
     states, memory = head.encode_tokens(hidden)
-    seg, bases, base = [], [], 0
+    seg, rows, bases, base = [], [], [], 0
     for acc, off, n, start in pieces:
         seg.append(acc.segments[start:start + n] + base)
+        rows.append((off, n))
         bases.append(base)
         base += acc.spec.num_segments + 1
-    rows = torch.cat([torch.arange(off, off + n, device=hidden.device) for _, off, n, _ in pieces]) \
-        if len(pieces) > 1 or pieces[0][1] != 0 or pieces[0][2] != hidden.shape[0] else None
-    picked = states if rows is None else states.index_select(0, rows)
-    sums = segment_sum(picked, torch.cat(seg), base)
+    whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == hidden.shape[0]
+    index = [np.concatenate(seg)]
+    if not whole:
+        index.append(np.concatenate([np.arange(off, off + n, dtype=np.int64) for off, n in rows]))
+    moved = upload(index, hidden.device)
+    picked = states if whole else states.index_select(0, moved[1])
+    sums = segment_sum(picked, moved[0], base)
     for (acc, off, n, start), b in zip(pieces, bases):
-        acc.absorb(sums[b:b + acc.spec.num_segments + 1], memory[off:off + n].clone(),
-                   states[off + n - 1].clone(), start + n)
+        done = start + n >= acc.spec.num_tokens
+        mem, last = memory[off:off + n], states[off + n - 1]
+        acc.absorb(sums[b:b + acc.spec.num_segments + 1], mem if done else mem.clone(),
+                   last if done else last.clone(), start + n)
 
 
 def decide_records(head: JointSchemaHead, table: LexicalTable,
@@ -160,45 +183,55 @@ def decide_records(head: JointSchemaHead, table: LexicalTable,
     """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
 
     All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
-    so the head's kernels queue behind the backbone's instead of stalling the step.
+    so the head's kernels queue behind the backbone's instead of stalling the step. Span means,
+    option pooling and the padded memory batch are built with a fixed number of kernels whatever
+    the number of records (flat tensors + host-built indices).
     """
     dtype = head.dtype
     device = records[0].sums.device
     cpu_layout = FieldLayout.from_records([(r.spec.type_ids, r.spec.options_per_field) for r in records])
-    lex_ids, lex_seg, option_counts, span_lengths = [], [], [], []
+    lex_ids, lex_seg, option_counts = [], [], []
+    q_rows, c_rows, q_len, c_len, row_base = [], [], [], [], 0
+    lengths = []
     for r in records:
-        counts = [b - a for a, b in r.spec.option_spans]
-        lex_ids.extend(r.spec.lexical_ids)
+        spec = r.spec
+        counts = [b - a for a, b in spec.option_spans]
+        lex_ids.extend(spec.lexical_ids)
         lex_seg.extend(len(option_counts) + j for j, n in enumerate(counts) for _ in range(n))
         option_counts.extend(counts)
-        span_lengths.extend(b - a for a, b in r.spec.spans())
-    memories = [torch.cat(r.memory) if len(r.memory) > 1 else r.memory[0] for r in records]
-    lengths = [m.shape[0] for m in memories]
+        q_rows.extend(range(row_base, row_base + spec.num_fields))
+        c_rows.extend(range(row_base + spec.num_fields, row_base + spec.num_segments))
+        q_len.extend(b - a for a, b in spec.question_spans)
+        c_len.extend(counts)
+        row_base += spec.num_segments + 1          # + the overflow row
+        lengths.append(sum(m.shape[0] for m in r.memory))
+    longest = max(lengths)
+    padded = len(set(lengths)) > 1
+    slots = (np.concatenate([np.arange(b * longest, b * longest + n, dtype=np.int64) for b, n in enumerate(lengths)])
+             if padded else np.zeros(0, dtype=np.int64))
     names = ("type_ids", "field_record", "field_slot", "option_field", "option_record", "option_slot")
     moved = upload([getattr(cpu_layout, n) for n in names]
-                   + [torch.tensor(v, dtype=torch.long) for v in (lex_ids, lex_seg, option_counts, span_lengths,
-                                                                   lengths)], device)
+                   + [torch.tensor(v, dtype=torch.long) for v in (lex_ids, lex_seg, option_counts, q_rows, c_rows,
+                                                                   q_len, c_len, lengths)] + [slots], device)
     layout = replace(cpu_layout, **dict(zip(names, moved[:6])))
-    ids, seg, counts, span_len, mem_len = moved[6:]
+    ids, seg, counts, q_rows, c_rows, q_len, c_len, mem_len, slots = moved[6:]
 
-    questions, contexts, start = [], [], 0
-    for r in records:
-        n = r.spec.num_segments
-        means = (r.sums[:-1] / span_len[start:start + n, None].float()).to(dtype)
-        questions.append(means[: r.spec.num_fields])
-        contexts.append(means[r.spec.num_fields:])
-        start += n
+    sums = torch.cat([r.sums for r in records])                                  # [sum(S_r + 1), H] fp32
+    questions = (sums.index_select(0, q_rows) / q_len[:, None].float()).to(dtype)
+    contexts = (sums.index_select(0, c_rows) / c_len[:, None].float()).to(dtype)
     num_options = len(option_counts)
     lexical = (segment_sum(table.rows(ids, dtype), seg, num_options) / counts[:, None].float()).to(dtype)
 
-    if len(set(lengths)) == 1:
-        memory, padding = torch.stack(memories), None
+    flat = torch.cat([m for r in records for m in r.memory])                     # [sum L, D]
+    if padded:
+        memory = flat.new_zeros(len(records) * longest, flat.shape[-1]).index_copy_(0, slots, flat)
+        memory = memory.view(len(records), longest, -1)
+        padding = torch.arange(longest, device=device)[None, :] >= mem_len[:, None]
     else:
-        memory = torch.nn.utils.rnn.pad_sequence(memories, batch_first=True)
-        padding = torch.arange(memory.shape[1], device=device)[None, :] >= mem_len[:, None]
+        memory, padding = flat.view(len(records), longest, -1), None
     batch = DecisionBatch(memory=memory, memory_padding=padding,
                           last_state=torch.stack([r.last_state for r in records]),
-                          question_state=torch.cat(questions), option_context=torch.cat(contexts),
+                          question_state=questions, option_context=contexts,
                           option_lexical=lexical, layout=layout)
     probs = head.probabilities(head.decide(batch), layout)
     return list(probs.split([r.spec.num_options for r in records]))
