@@ -12,6 +12,8 @@
 #        vLLM -> tiny clef-bench DP=1 (+ clef-parity vs the reference) -> engine-kill faults
 # GPU 1: quality on the trained proxy incl. the vLLM-served column -> 9B-shaped FP8 server vs raw
 # both: tiny server DP=2 correctness (vllm_parity --dp 2) -> tiny clef-bench DP=2 server vs raw DP=2
+# PLAN=bench (issue 5 follow-up) instead: GPU 0: 9B BF16 DP=1, tiny DP=1; GPU 1: 9B FP8 DP=1;
+# both: 9B BF16 DP=2 server vs raw DP=2, tiny DP=2 (clef-bench only, no quality/parity/faults).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,16 +45,30 @@ NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fa
 TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 
+PLAN=${PLAN:-all}
 case "${1:-}" in
 launch)
   rm -f "$S"/*.done
   python3 bench/make_ckpt.py tiny "$TINY" && python3 bench/make_ckpt.py 9b "$NINE" || exit 1
   for q in queue0 queue1; do
-    setsid nohup bash "$0" "$q" >"$S/$q.log" 2>&1 </dev/null &
+    PLAN=$PLAN setsid nohup bash "$0" "$q" >"$S/$q.log" 2>&1 </dev/null &
   done
   log "launched queue0 and queue1"
   ;;
 queue0)
+  if [ "$PLAN" = bench ]; then
+    job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
+        bash bench/gpu_bench.sh "$NINE" 8701
+    job bench_tiny_dp1 0 420 env "${TINY_SWEEP[@]}" LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
+    touch "$S/queue0.done"
+    while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+    job bench_9b_bf16_dp2 0,1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16-dp2 \
+        SERVER_ARGS="--load-format dummy --data-parallel-size 2" RAW_ARGS="--raw-engine-arg data_parallel_size=2" \
+        bash bench/gpu_bench.sh "$NINE" 8705
+    job bench_tiny_dp2 0,1 480 env "${TINY_SWEEP[@]}" LABEL=tiny-dp2 SERVER_ARGS="--data-parallel-size 2" \
+        RAW_ARGS="--raw-engine-arg data_parallel_size=2" bash bench/gpu_bench.sh "$TINY" 8704
+    touch "$S/all.done"; log "all done"; exit 0
+  fi
   job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 8701
@@ -68,6 +84,11 @@ queue0)
   log "all done"
   ;;
 queue1)
+  if [ "$PLAN" = bench ]; then
+    job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
+        RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8702
+    touch "$S/queue1.done"; exit 0
+  fi
   job quality 1 720 env TRAIN_SECONDS=100 RECORDS=300 \
       WORK=/root/clef-quality bash bench/quality_gpu.sh
   job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
