@@ -190,7 +190,7 @@ def run_head(args) -> dict:
             hidden = torch.randn(batch * length, 4096, device=dev, dtype=torch.bfloat16)
 
             def once():
-                accs = [RecordAccumulator(spec, dev) for _ in range(batch)]
+                accs = [RecordAccumulator(spec) for _ in range(batch)]
                 accumulate(head, hidden, [(a, i * length, length, 0) for i, a in enumerate(accs)])
                 return decide_records(head, table, accs)
 

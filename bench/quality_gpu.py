@@ -203,7 +203,7 @@ def decision_probs(model, head, lm_weight, batch_encoded, device):
 
     ids, mask = pad([e.input_ids for e in batch_encoded], 0, device)
     hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    accs = [RecordAccumulator(HeadSpec.from_encoded(e), device) for e in batch_encoded]
+    accs = [RecordAccumulator(HeadSpec.from_encoded(e)) for e in batch_encoded]
     flat = hidden.float().reshape(-1, hidden.shape[-1])
     longest = hidden.shape[1]
     accumulate(head, flat, [(a, b * longest, a.spec.num_tokens, 0) for b, a in enumerate(accs)])

@@ -161,7 +161,7 @@ def spec_of(X, ids, fields) -> HeadSpec:
 
 def vectorised(head, table, records, *, logits=True, chunk: int | None = None) -> list[torch.Tensor]:
     """The production path: accumulate hidden states (optionally in chunks), then decide_records."""
-    accs = [RecordAccumulator(spec_of(*r), "cpu") for r in records]
+    accs = [RecordAccumulator(spec_of(*r)) for r in records]
     for acc, (X, _, _) in zip(accs, records):
         acc.spec.validate()
         step = chunk or X.shape[0]

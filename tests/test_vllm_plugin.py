@@ -178,7 +178,7 @@ def _unchunked(model, specs, hidden):
 
     out = []
     for spec, h in zip(specs, hidden):
-        acc = RecordAccumulator(spec, "cpu")
+        acc = RecordAccumulator(spec)
         accumulate(model.head, h, [(acc, 0, spec.num_tokens, 0)])
         out.append(decide_records(model.head, model.lm_table, [acc])[0])
     return out

@@ -125,7 +125,7 @@ class RecordAccumulator:
     step's index data for all its records goes to the device in one transfer (:func:`accumulate`).
     """
 
-    def __init__(self, spec: HeadSpec, device: torch.device | str | None = None):
+    def __init__(self, spec: HeadSpec):
         self.spec = spec
         self.segments = spec.token_segments()      # numpy [L]
         self.sums: torch.Tensor | None = None
@@ -158,16 +158,15 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
     if not pieces:
         return
     states, memory = head.encode_tokens(hidden)
-    seg, rows, bases, base = [], [], [], 0
+    seg, bases, base = [], [], 0
     for acc, off, n, start in pieces:
         seg.append(acc.segments[start:start + n] + base)
-        rows.append((off, n))
         bases.append(base)
         base += acc.spec.num_segments + 1
     whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == hidden.shape[0]
     index = [np.concatenate(seg)]
     if not whole:
-        index.append(np.concatenate([np.arange(off, off + n, dtype=np.int64) for off, n in rows]))
+        index.append(_span_positions(np.array([(off, off + n) for _, off, n, _ in pieces], dtype=np.int64)))
     moved = upload(index, hidden.device)
     picked = states if whole else states.index_select(0, moved[1])
     sums = segment_sum(picked, moved[0], base)
@@ -191,7 +190,7 @@ def decide_records(head: JointSchemaHead, table: LexicalTable,
     device = records[0].sums.device
     cpu_layout = FieldLayout.from_records([(r.spec.type_ids, r.spec.options_per_field) for r in records])
     lex_ids, lex_seg, option_counts = [], [], []
-    q_rows, c_rows, q_len, c_len, row_base = [], [], [], [], 0
+    q_rows, c_rows, q_len, row_base = [], [], [], 0
     lengths = []
     for r in records:
         spec = r.spec
@@ -202,23 +201,22 @@ def decide_records(head: JointSchemaHead, table: LexicalTable,
         q_rows.extend(range(row_base, row_base + spec.num_fields))
         c_rows.extend(range(row_base + spec.num_fields, row_base + spec.num_segments))
         q_len.extend(b - a for a, b in spec.question_spans)
-        c_len.extend(counts)
         row_base += spec.num_segments + 1          # + the overflow row
         lengths.append(sum(m.shape[0] for m in r.memory))
     longest = max(lengths)
     padded = len(set(lengths)) > 1
-    slots = (np.concatenate([np.arange(b * longest, b * longest + n, dtype=np.int64) for b, n in enumerate(lengths)])
-             if padded else np.zeros(0, dtype=np.int64))
+    slots = _span_positions(np.array([(b * longest, b * longest + n) for b, n in enumerate(lengths)] if padded
+                                     else np.zeros((0, 2)), dtype=np.int64))
     names = ("type_ids", "field_record", "field_slot", "option_field", "option_record", "option_slot")
     moved = upload([getattr(cpu_layout, n) for n in names]
                    + [torch.tensor(v, dtype=torch.long) for v in (lex_ids, lex_seg, option_counts, q_rows, c_rows,
-                                                                   q_len, c_len, lengths)] + [slots], device)
+                                                                   q_len, lengths)] + [slots], device)
     layout = replace(cpu_layout, **dict(zip(names, moved[:6])))
-    ids, seg, counts, q_rows, c_rows, q_len, c_len, mem_len, slots = moved[6:]
+    ids, seg, counts, q_rows, c_rows, q_len, mem_len, slots = moved[6:]   # counts: option span lengths
 
     sums = torch.cat([r.sums for r in records])                                  # [sum(S_r + 1), H] fp32
     questions = (sums.index_select(0, q_rows) / q_len[:, None].float()).to(dtype)
-    contexts = (sums.index_select(0, c_rows) / c_len[:, None].float()).to(dtype)
+    contexts = (sums.index_select(0, c_rows) / counts[:, None].float()).to(dtype)
     num_options = len(option_counts)
     lexical = (segment_sum(table.rows(ids, dtype), seg, num_options) / counts[:, None].float()).to(dtype)
 

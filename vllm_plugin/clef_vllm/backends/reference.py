@@ -148,7 +148,7 @@ class ReferenceBackend(Backend):
         for group in self._batches(encoded):
             with measure_stage("backbone"):
                 hidden = self.hidden_states([encoded[i] for i in group])
-            accs = [RecordAccumulator(HeadSpec.from_encoded(encoded[i]), self.device) for i in group]
+            accs = [RecordAccumulator(HeadSpec.from_encoded(encoded[i])) for i in group]
             longest = hidden.shape[1]
             flat = hidden.reshape(-1, hidden.shape[-1])
             accumulate(self.head, flat, [(acc, b * longest, acc.spec.num_tokens, 0) for b, acc in enumerate(accs)])

@@ -68,7 +68,7 @@ class ClefPooler(Pooler):
     def get_pooling_updates(self, task) -> PoolingParamsUpdate:
         return PoolingParamsUpdate()
 
-    def _accumulator(self, params, states, prompt_len: int, start: int, device) -> RecordAccumulator | None:
+    def _accumulator(self, params, states, prompt_len: int, start: int) -> RecordAccumulator | None:
         acc = getattr(states, "clef", None)
         if acc is not None and start == 0 and acc.filled > 0:
             acc = None  # the request was preempted and restarts its prefill
@@ -88,7 +88,7 @@ class ClefPooler(Pooler):
             if spec is None:
                 states.clef = False
                 return None
-            acc = RecordAccumulator(spec, device)
+            acc = RecordAccumulator(spec)
             states.clef = acc
         elif acc is False:
             return None
@@ -108,7 +108,7 @@ class ClefPooler(Pooler):
         device = hidden_states.device
         for i, n in enumerate(scheduled):
             start = seq_lens[i] - n
-            acc = self._accumulator(params[i], states[i], prompt_lens[i], start, device)
+            acc = self._accumulator(params[i], states[i], prompt_lens[i], start)
             done = seq_lens[i] >= prompt_lens[i]
             if acc is not None and n > 0:
                 pieces.append((acc, offset, n, start))
