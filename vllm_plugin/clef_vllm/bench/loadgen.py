@@ -139,25 +139,25 @@ class HttpSender:
     """
 
     def __init__(self, url: str, *, concurrency: int, timeout: float = 600.0, headers: dict | None = None):
+        import aiohttp
+
         self.url = systemone_url(url)
+        self._aiohttp = aiohttp
         self._timeout = timeout
         self._concurrency = concurrency
         self._headers = {"content-type": "application/json", **(headers or {})}
         self._session = None
 
     def _client(self):
-        import aiohttp
-
-        if self._session is None:   # created inside the running loop
-            connector = aiohttp.TCPConnector(limit=self._concurrency, force_close=False)
+        if self._session is None:   # an aiohttp session must be created inside the running loop
+            aiohttp = self._aiohttp
             self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=self._concurrency), headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self._timeout, sock_connect=min(self._timeout, 30.0)))
         return self._session
 
     async def send(self, req: BenchRequest) -> Outcome:
-        import aiohttp
-
+        aiohttp = self._aiohttp
         session = self._client()
         t0 = time.perf_counter()
         try:
