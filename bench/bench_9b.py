@@ -37,14 +37,11 @@ def workdir() -> Path:
 def prepare(root: Path) -> tuple[Path, Path]:
     """9B config-only checkpoints: ours (repacked layout, int8 tables) and a text-only raw one."""
     from clef_vllm.testing.release import clef_flash_config, write_config_only_checkpoint
-    from clef_vllm.testing.tiny import build_tokenizer
 
     ours, raw = root / "clef-9b", root / "raw-9b"
     if not ours.exists():
         root.mkdir(parents=True, exist_ok=True)
-        tok = root / "tok"
-        build_tokenizer(tok)
-        write_config_only_checkpoint(ours, tok, layout="repacked")
+        write_config_only_checkpoint(ours, layout="repacked")
         raw.mkdir()
         text = clef_flash_config()["text_config"]
         text["architectures"] = ["Qwen3_5ForCausalLM"]

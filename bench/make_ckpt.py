@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -29,11 +28,8 @@ def main() -> int:
         build_tiny_checkpoint(a.out, layout=a.layout or "release")
     else:
         from clef_vllm.testing.release import write_config_only_checkpoint
-        from clef_vllm.testing.tiny import build_tokenizer
 
-        tok = Path(tempfile.mkdtemp()) / "tok"
-        build_tokenizer(tok)
-        write_config_only_checkpoint(a.out, tok, layout=a.layout or "repacked")
+        write_config_only_checkpoint(a.out, layout=a.layout or "repacked")
     print(f"{a.kind} checkpoint ({a.layout or 'default layout'}) in {a.out}")
     return 0
 

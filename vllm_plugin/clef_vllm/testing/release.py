@@ -44,12 +44,13 @@ def clef_flash_config() -> dict:
     }
 
 
-def write_config_only_checkpoint(out: str | Path, tokenizer_dir: str | Path, *, layout: str = "release",
+def write_config_only_checkpoint(out: str | Path, tokenizer_dir: str | Path | None = None, *, layout: str = "release",
                                  marker: str | None = None, config: dict | None = None) -> Path:
     """A 9B-shaped folder with configs and a tokenizer but no weights (``load_format="dummy"``).
 
     ``tokenizer_dir`` may hold any tokenizer whose ids fit the 248,320-row vocabulary (a tiny one
-    is fine for throughput work: token counts are what matter).
+    is fine for throughput work: token counts are what matter); ``None`` writes the tiny test
+    tokenizer (:func:`clef_vllm.testing.tiny.build_tokenizer`).
     """
     from clef_vllm import ARCHITECTURE
     from clef_vllm.repack import default_marker
@@ -67,6 +68,11 @@ def write_config_only_checkpoint(out: str | Path, tokenizer_dir: str | Path, *, 
         head_path = out / "joint_head_config.json"
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     head_path.write_text(json.dumps(head, indent=2) + "\n")
+    if tokenizer_dir is None:
+        from clef_vllm.testing.tiny import build_tokenizer
+
+        build_tokenizer(out)
+        return out
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, out / name)
