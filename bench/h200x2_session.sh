@@ -56,40 +56,29 @@ launch)
   log "launched queue0 and queue1"
   ;;
 queue0)
-  if [ "$PLAN" = bench ]; then
-    job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
-        bash bench/gpu_bench.sh "$NINE" 8701
-    job bench_tiny_dp1 0 420 env "${TINY_SWEEP[@]}" LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
-    touch "$S/queue0.done"
-    while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+  full=$([ "$PLAN" = bench ] && echo 0 || echo 1)
+  (( full )) && job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
+      bash bench/gpu_bench.sh "$NINE" 8701
+  job bench_tiny_dp1 0 420 env "${TINY_SWEEP[@]}" PHASES=server,"$( (( full )) && echo parity,)"raw,compare \
+      LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
+  (( full )) && job engine_kill 0 420 python3 tests/gpu/engine_kill.py --out "$S/engine_kill" --port 8791
+  touch "$S/queue0.done"
+  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+  if (( full )); then
+    job server_dp2 0,1 420 python3 tests/gpu/vllm_parity.py --out "$S/server_dp2" --skip-parity --dp 2
+  else
     job bench_9b_bf16_dp2 0,1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16-dp2 \
         SERVER_ARGS="--load-format dummy --data-parallel-size 2" RAW_ARGS="--raw-engine-arg data_parallel_size=2" \
         bash bench/gpu_bench.sh "$NINE" 8705
-    job bench_tiny_dp2 0,1 480 env "${TINY_SWEEP[@]}" LABEL=tiny-dp2 SERVER_ARGS="--data-parallel-size 2" \
-        RAW_ARGS="--raw-engine-arg data_parallel_size=2" bash bench/gpu_bench.sh "$TINY" 8704
-    touch "$S/all.done"; log "all done"; exit 0
   fi
-  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
-  job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
-      bash bench/gpu_bench.sh "$NINE" 8701
-  job bench_tiny_dp1 0 420 env "${TINY_SWEEP[@]}" PHASES=server,parity,raw,compare LABEL=tiny-dp1 \
-      bash bench/gpu_bench.sh "$TINY" 8703
-  job engine_kill 0 420 python3 tests/gpu/engine_kill.py --out "$S/engine_kill" --port 8791
-  touch "$S/queue0.done"
-  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
-  job server_dp2 0,1 420 python3 tests/gpu/vllm_parity.py --out "$S/server_dp2" --skip-parity --dp 2
   job bench_tiny_dp2 0,1 480 env "${TINY_SWEEP[@]}" LABEL=tiny-dp2 SERVER_ARGS="--data-parallel-size 2" \
       RAW_ARGS="--raw-engine-arg data_parallel_size=2" bash bench/gpu_bench.sh "$TINY" 8704
   touch "$S/all.done"
   log "all done"
   ;;
 queue1)
-  if [ "$PLAN" = bench ]; then
-    job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
-        RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8702
-    touch "$S/queue1.done"; exit 0
-  fi
-  job quality 1 720 env TRAIN_SECONDS=100 RECORDS=300 \
+  [ "$PLAN" = bench ] || job quality 1 720 env TRAIN_SECONDS=100 RECORDS=300 \
       WORK=/root/clef-quality bash bench/quality_gpu.sh
   job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
       RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8702
