@@ -28,7 +28,7 @@ SYSTEMONE_PATH = "/v1/systemone"
 @dataclass
 class Outcome:
     """What happened to one request. ``status`` is the HTTP status as a string, or an error kind
-    (``timeout``, ``connect_error``, ``bad_response``, ``engine_error``, an httpx error name)."""
+    (``timeout``, ``connect_error``, ``bad_response``, ``engine_error``, an aiohttp client error name)."""
 
     status: str
     latency_s: float
@@ -132,9 +132,9 @@ def wait_ready(url: str, seconds: float, headers: dict) -> str:
 class HttpSender:
     """Posts :class:`BenchRequest` payloads to one ``/v1/systemone`` URL over a pooled aiohttp session.
 
-    aiohttp, not httpx: httpx's async pool costs ~20 ms of client CPU per request at 64 open
-    connections, so a 2-core client saturated before the server did (measured: 120 req/s at c=64
-    against a server that answered in 33 ms; docs/bench.md). ``client_cpu_s`` in the results
+    aiohttp, not httpx: with 64 open connections httpx's async pool cost ~7 ms of client CPU per
+    request, so the client saturated before the server did (121 req/s at c=64 against
+    ``bench/instant_server.py`` on 2 cores; aiohttp 810 req/s: bench/results/cpu_loadgen_*.json). ``client_cpu_s`` in the results
     shows whether the client kept up.
     """
 
