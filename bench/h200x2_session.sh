@@ -12,7 +12,7 @@
 #        vLLM -> tiny clef-bench DP=1 (+ clef-parity vs the reference) -> engine-kill faults
 # GPU 1: quality on the trained proxy incl. the vLLM-served column -> 9B-shaped FP8 server vs raw
 # both: tiny server DP=2 correctness (vllm_parity --dp 2) -> tiny clef-bench DP=2 server vs raw DP=2
-# PLAN=bench (issue 5 follow-up) instead: GPU 0: 9B BF16 DP=1, tiny DP=1; GPU 1: 9B FP8 DP=1;
+# PLAN=bench (issue 5 follow-up) instead: GPU 0: 9B BF16 DP=1; GPU 1: 9B FP8 DP=1, tiny DP=1;
 # both: 9B BF16 DP=2 server vs raw DP=2, tiny DP=2 (clef-bench only, no quality/parity/faults).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
@@ -44,6 +44,10 @@ NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fa
             READY_TIMEOUT=360 BENCH_TIMEOUT=240)
 TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
+tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds clef-parity vs the reference)
+  job bench_tiny_dp1 "$1" 420 env "${TINY_SWEEP[@]}" PHASES=server,"$([ "$PLAN" = bench ] || echo parity,)"raw,compare \
+      LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
+}
 
 PLAN=${PLAN:-all}
 case "${1:-}" in
@@ -60,8 +64,7 @@ queue0)
   (( full )) && job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 8701
-  job bench_tiny_dp1 0 420 env "${TINY_SWEEP[@]}" PHASES=server,"$( (( full )) && echo parity,)"raw,compare \
-      LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
+  (( full )) && tiny_dp1 0
   (( full )) && job engine_kill 0 420 python3 tests/gpu/engine_kill.py --out "$S/engine_kill" --port 8791
   touch "$S/queue0.done"
   while [ ! -f "$S/queue1.done" ]; do sleep 2; done
@@ -82,6 +85,7 @@ queue1)
       WORK=/root/clef-quality bash bench/quality_gpu.sh
   job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
       RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8702
+  [ "$PLAN" = bench ] && tiny_dp1 1  # FP8 finishes ~1 min before BF16: the queues end closer together
   touch "$S/queue1.done"
   ;;
 wait)  # wait LIMIT_S: until all jobs are done or LIMIT_S passes; then pack the results into $OUT
