@@ -11,6 +11,7 @@ Two independent oracles keep these tests honest:
 from __future__ import annotations
 
 import json
+import unicodedata
 
 import pytest
 
@@ -467,3 +468,94 @@ def test_schema_longer_than_max_length_is_413(enc):
     small = RequestEncoder(enc._tok, max_length=100)
     with pytest.raises(RequestError, match=r"schema requires \d+ tokens before state; maximum is 100"):
         small.encode(parse_request(data))
+
+
+# --------------------------------------------------------------------------- long states in pieces
+# A long state is tokenized as pieces in one batched call (all cores). The ids must be those of
+# the whole state, checked here against both oracles on texts full of the places where a cut
+# could go wrong: contractions, digits, whitespace runs, CRLF, CJK, combining marks, emoji,
+# non-ASCII spaces and special-token strings right next to a cut.
+
+FRAGMENTS = ["word", "Word", "it's", "we'll", "don't", "x", "A", "123", "4.5", ".", ",", "!", "?", "...", ":",
+             "(", ")", '"', "'", "-", "--", "é", "e\u0301", "Å", "中文", "東京", "😀", "👍🏽", "\u00a0", "\u3000",
+             "\u200b", "<|im_end|>", "<think>", "a\u0308", "ß", "İ", "ﬁ", "\t", "#", "$", "/", "\\", "’s"]
+JOINERS = [" ", " ", " ", "", "  ", "\n", "\n\n", "\r\n", " \n", "\n ", "\t", " \t ", "   \n\n"]
+
+
+def _tricky_text(rng, n_chars: int) -> str:
+    out, size = [], 0
+    while size < n_chars:
+        piece = rng.choice(FRAGMENTS) + rng.choice(JOINERS)
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)
+
+
+def test_state_pieces_cut_only_at_the_documented_places():
+    import random
+
+    from clef_vllm.encoding import state_pieces
+
+    rng = random.Random(1)
+    for _ in range(200):
+        text = _tricky_text(rng, rng.randint(0, 3000))
+        pieces = state_pieces(text, size=64)
+        assert "".join(pieces) == text
+        assert all(pieces[:-1]) and (len(pieces) == 1 or all(len(p) >= 64 for p in pieces[:-1]))
+        for left, right in zip(pieces, pieces[1:]):
+            assert right[0].isascii() and (right[0].isalpha() and left[-1] == "\n"
+                                           or right[0] == " " and right[1].isalpha() and "!" <= left[-1] <= "~")
+    assert state_pieces("x" * 100_000) == ["x" * 100_000]            # no place to cut: stays whole
+    assert state_pieces("short text") == ["short text"]
+    assert len(state_pieces("Word " * 10_000)) > 10                   # 50,000 chars, 4,096 per piece
+
+
+def test_state_pieces_give_the_ids_of_the_whole_text(enc, hf_tok, tiktoken_tok):
+    import random
+
+    from clef_vllm.encoding import state_pieces
+
+    assert enc.split_state
+    rng = random.Random(7)
+    cuts = 0
+    for i in range(300):
+        text = _tricky_text(rng, rng.randint(1, 2500))
+        pieces = state_pieces(text, size=rng.choice([16, 40, 128]))
+        cuts += len(pieces) - 1
+        whole = enc.tokenize(text)
+        assert [t for ids in enc._tokenize_many(pieces) for t in ids] == whole, (i, pieces)
+        if i % 10 == 0:        # the tiktoken oracle does not normalize: give it NFC text
+            nfc = unicodedata.normalize("NFC", text)
+            assert [t for p in state_pieces(nfc, size=40) for t in tiktoken_tok.encode(p)] == tiktoken_tok.encode(nfc)
+            assert tiktoken_tok.encode(nfc) == whole
+    assert cuts > 3000
+
+
+def test_a_long_state_encodes_exactly_as_the_spec_says(enc, tiktoken_tok):
+    import random
+
+    from clef_vllm.encoding import STATE_PIECE_CHARS
+
+    state = unicodedata.normalize("NFC", _tricky_text(random.Random(3), 12 * STATE_PIECE_CHARS))
+    data = req(state, team={"type": "choice", "criteria": {"billing": "Payments", "technical": "Outages"}})
+    got = encode(enc, data, max_length=10 ** 6)
+    ids, spans, n_state = spec_encode(tiktoken_tok.encode, data)
+    assert got.input_ids == ids and as_spans(got) == spans and got.state_tokens == n_state
+    whole = RequestEncoder(enc._tok, max_length=10 ** 6)
+    whole.split_state = False
+    assert whole.encode(parse_request(data)).input_ids == got.input_ids
+
+
+def test_pieces_are_not_used_with_another_pretokenizer_or_a_spaced_added_token(tiny_release):
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    base = Tokenizer.from_file(str(tiny_release / "tokenizer.json"))
+    assert RequestEncoder(base).split_state
+    other = Tokenizer.from_file(str(tiny_release / "tokenizer.json"))
+    other.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s*\S+"), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    assert not RequestEncoder(other).split_state
+    spaced = Tokenizer.from_file(str(tiny_release / "tokenizer.json"))
+    spaced.add_special_tokens(["<two words>"])
+    assert not RequestEncoder(spaced).split_state

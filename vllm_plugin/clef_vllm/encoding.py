@@ -8,6 +8,7 @@ boundary is a segment boundary. Tokenizing the whole prompt at once gives differ
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,33 @@ NOUL_DEFAULTS = {
 DEFAULT_MAX_LENGTH = 16384
 #: Special tokens the fixed prompt text relies on; each must be ONE added token.
 PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+
+#: A state longer than this many characters is tokenized as pieces of about this size, in one
+#: batched call (the Rust tokenizer encodes a batch on all cores; one long text uses one core).
+#: The ids are exactly those of the whole state: see ``state_pieces``.
+STATE_PIECE_CHARS = 4096
+#: Qwen3.5's pre-tokenizer regex (tokenizer.json). It never puts a space that follows a
+#: non-space character anywhere but at the START of a piece, and always ends a piece after a run
+#: of newlines followed by a letter; BPE then runs on each piece alone. So cutting the text there
+#: cannot change the ids (the ASCII character after the cut also keeps NFC from composing across it).
+QWEN_PRETOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SAFE_CUT = re.compile(r"(?<=[!-~]) (?=[A-Za-z])|(?<=\n)(?=[A-Za-z])")
+
+
+def state_pieces(text: str, size: int = STATE_PIECE_CHARS) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters, only before a space that follows a
+    printable ASCII character and precedes an ASCII letter, or after a newline that precedes an
+    ASCII letter; a text without such places stays whole."""
+    pieces, start = [], 0
+    while len(text) - start > size + size // 2:
+        cut = _SAFE_CUT.search(text, start + size)
+        if cut is None:
+            break
+        pieces.append(text[start:cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
 
 
 def render(value: Any) -> str:
@@ -126,6 +154,7 @@ class RequestEncoder:
         self._suffix = self.tokenize(SUFFIX_TEXT)
         self._option_label = lru_cache(maxsize=1024)(lambda j: self.tokenize(f"OPTION {j}: "))
         self._check_tokenizer()
+        self.split_state = self._pieces_are_exact()
 
     def _check_tokenizer(self) -> None:
         """Refuse a tokenizer that cannot encode the prompt (e.g. an empty one, which recent
@@ -136,6 +165,27 @@ class RequestEncoder:
         text = PREFIX_TEXT + SUFFIX_TEXT
         if self._tok.decode(self._prefix + self._suffix, skip_special_tokens=False) != text:
             raise ValueError("the tokenizer does not round-trip the prompt text (Qwen3.5 tokenizer expected)")
+
+    def _pieces_are_exact(self) -> bool:
+        """Whether ``state_pieces`` keeps the ids of this tokenizer: the Qwen3.5 normalizer and
+        pre-tokenizer, and no added token with whitespace in it (one could span a cut)."""
+        try:
+            pre = json.loads(self._tok.pre_tokenizer.__getstate__())
+            norm = self._tok.normalizer
+            norm = json.loads(norm.__getstate__()) if norm is not None else None
+            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        except (AttributeError, TypeError, ValueError):
+            return False
+        steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+        if not steps or len(steps) != 2:
+            return False
+        split, byte_level = steps
+        return (norm in (None, {"type": "NFC"})
+                and split.get("type") == "Split" and split.get("pattern") == {"Regex": QWEN_PRETOKENIZER_REGEX}
+                and split.get("behavior") == "Isolated" and not split.get("invert")
+                and byte_level.get("type") == "ByteLevel" and not byte_level.get("add_prefix_space")
+                and not byte_level.get("use_regex")
+                and not any(c.isspace() for t in added for c in t))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "RequestEncoder":
@@ -161,15 +211,17 @@ class RequestEncoder:
         questions = list(request.questions.items())
         options = [question_options(q) for _, q in questions]
 
-        # Every variable segment, tokenized in one batched call: state, then per field its
-        # header, its instruction and its option objects.
-        texts = [render(request.state)]
+        # Every variable segment, tokenized in one batched call: the state (in pieces when it is
+        # long, see state_pieces), then per field its header, its instruction and its option objects.
+        state_text = render(request.state)
+        texts = state_pieces(state_text) if self.split_state else [state_text]
+        n_state = len(texts)
         for k, ((qid, q), opts) in enumerate(zip(questions, options), start=1):
             texts.append(f"\nFIELD {k}\nID: {qid}\nTYPE: {q.type}\nINSTRUCTION: ")
             texts.append(instruction_text(qid, q.instructions))
             texts.extend(render_option(oid, desc) for oid, desc in opts)
         pieces = iter(self._tokenize_many(texts))
-        state = next(pieces)
+        state = [i for _ in range(n_state) for i in next(pieces)]
 
         schema: list[int] = list(self._schema_header)
         layout = []  # (qid, type, question span, option ids, option spans), relative to the schema
