@@ -46,20 +46,21 @@ def http(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int
         return 0, f"{type(e).__name__}: {e}"
 
 
+def is_engine_core(p: psutil.Process) -> bool:
+    """A vLLM engine-core process (setproctitle ``VLLM::EngineCore``); False if it is gone."""
+    try:
+        return "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
 def engine_cores(server_pid: int) -> list[psutil.Process]:
-    """Descendants of the server that are vLLM engine cores (setproctitle ``VLLM::EngineCore``)."""
+    """Descendants of the server that are vLLM engine cores."""
     try:
         kids = psutil.Process(server_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    found = []
-    for p in kids:
-        try:
-            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
+    return [p for p in kids if is_engine_core(p)]
 
 
 def start_server(ckpt: Path, port: int, log: Path) -> subprocess.Popen:
@@ -87,11 +88,11 @@ def reap(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     for p in psutil.process_iter():  # engine cores orphaned by a SIGKILLed server
-        try:
-            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+        if is_engine_core(p):
+            try:
                 p.kill()
-        except psutil.Error:
-            pass
+            except psutil.Error:
+                pass
 
 
 def case_mid_load(ckpt: Path, port: int, out: Path) -> dict:
