@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,7 +35,7 @@ DEFAULT_MAX_LENGTH = 16384
 #: Special tokens the fixed prompt text relies on; each must be ONE added token.
 PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
-#: A state longer than this many characters is tokenized as pieces of about this size, in one
+#: A state longer than 1.5 times this many characters is tokenized as pieces of about this size, in one
 #: batched call (the Rust tokenizer encodes a batch on all cores; one long text uses one core).
 #: The ids are exactly those of the whole state: see ``state_pieces``.
 STATE_PIECE_CHARS = 4096
@@ -221,7 +222,7 @@ class RequestEncoder:
             texts.append(instruction_text(qid, q.instructions))
             texts.extend(render_option(oid, desc) for oid, desc in opts)
         pieces = iter(self._tokenize_many(texts))
-        state = [i for _ in range(n_state) for i in next(pieces)]
+        state = next(pieces) if n_state == 1 else list(chain.from_iterable(islice(pieces, n_state)))
 
         schema: list[int] = list(self._schema_header)
         layout = []  # (qid, type, question span, option ids, option spans), relative to the schema
