@@ -44,12 +44,14 @@ NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fa
             READY_TIMEOUT=360 BENCH_TIMEOUT=240)
 TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
+PLAN=${PLAN:-all}
+full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
+
 tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds clef-parity vs the reference)
-  job bench_tiny_dp1 "$1" 420 env "${TINY_SWEEP[@]}" PHASES=server,"$([ "$PLAN" = bench ] || echo parity,)"raw,compare \
+  job bench_tiny_dp1 "$1" 420 env "${TINY_SWEEP[@]}" PHASES=server,"$( (( full )) && echo parity,)"raw,compare \
       LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
 }
 
-PLAN=${PLAN:-all}
 case "${1:-}" in
 launch)
   rm -f "$S"/*.done
@@ -60,7 +62,6 @@ launch)
   log "launched queue0 and queue1"
   ;;
 queue0)
-  full=$([ "$PLAN" = bench ] && echo 0 || echo 1)
   (( full )) && job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 8701
@@ -81,11 +82,11 @@ queue0)
   log "all done"
   ;;
 queue1)
-  [ "$PLAN" = bench ] || job quality 1 720 env TRAIN_SECONDS=100 RECORDS=300 \
+  (( full )) && job quality 1 720 env TRAIN_SECONDS=100 RECORDS=300 \
       WORK=/root/clef-quality bash bench/quality_gpu.sh
   job bench_9b_fp8 1 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-fp8 SERVER_ARGS="--load-format dummy --quantization fp8" \
       RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8702
-  [ "$PLAN" = bench ] && tiny_dp1 1  # FP8 finishes ~1 min before BF16: the queues end closer together
+  (( full )) || tiny_dp1 1  # FP8 finishes ~1 min before BF16: the queues end closer together
   touch "$S/queue1.done"
   ;;
 wait)  # wait LIMIT_S: until all jobs are done or LIMIT_S passes; then pack the results into $OUT
