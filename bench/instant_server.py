@@ -12,7 +12,6 @@ import sys
 
 import torch
 import uvicorn
-from transformers import AutoTokenizer
 
 from clef_vllm.backends.base import Backend
 from clef_vllm.encoding import RequestEncoder
@@ -25,7 +24,7 @@ class InstantBackend(Backend):
 
     def __init__(self, checkpoint: str):
         self.max_model_len = 16384
-        self.encoder = RequestEncoder(AutoTokenizer.from_pretrained(checkpoint), max_length=self.max_model_len)
+        self.encoder = RequestEncoder.from_pretrained(checkpoint, max_length=self.max_model_len)
 
     def decide_batch(self, encoded):
         return [torch.cat([torch.full((len(f.option_spans),), 1.0 / len(f.option_spans)) for f in e.fields])
