@@ -174,7 +174,7 @@ def run_head(args) -> dict:
     from clef_vllm.head import JointSchemaHead
     from clef_vllm.tables import Int8RowTable
     from clef_vllm.testing.release import RELEASE_HEAD_CONFIG
-    from clef_vllm.vllm.pooler import synthetic_spec
+    from clef_vllm.worker.pooler import synthetic_spec
 
     dev = torch.device("cuda")
     head = JointSchemaHead(RELEASE_HEAD_CONFIG).to(dev, torch.bfloat16).eval()

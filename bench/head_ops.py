@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from clef_vllm.features import RecordAccumulator, accumulate, decide_records
 from clef_vllm.head import HeadConfig, JointSchemaHead
 from clef_vllm.tables import Int8RowTable
-from clef_vllm.vllm.pooler import synthetic_spec
+from clef_vllm.worker.pooler import synthetic_spec
 
 VIEWS = {"aten::view", "aten::transpose", "aten::slice", "aten::select", "aten::unsqueeze", "aten::reshape",
          "aten::chunk", "aten::lift_fresh", "aten::detach_", "aten::t", "aten::expand", "aten::split",

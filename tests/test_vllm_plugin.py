@@ -385,7 +385,7 @@ def hybrid_checkpoint(tiny_release, tmp_path_factory):
 
 
 def test_hybrid_fp8_nvfp4_checkpoint_loads_with_one_scheme_per_layer_group(hybrid_checkpoint):
-    from clef_vllm.vllm.model import kernel_report
+    from clef_vllm.worker.model import kernel_report
 
     m = vllm_cpu.load_model(hybrid_checkpoint)
     schemes = {}

@@ -52,7 +52,16 @@ def setup() -> None:
         lib.impl("silu_and_mul", silu_and_mul, "CPU")
         setup._lib = lib  # keep the registration alive
     _register_cpu_nvfp4()
+    _no_cpu_packed_gemm()
     _ready = True
+
+
+def _no_cpu_packed_gemm() -> None:
+    """On CPUs with AMX, vLLM's CPU platform repacks bf16 linear and conv weights with ``_C`` ops
+    that exist only in vLLM's CPU build; without AMX it uses plain torch ops, which need none."""
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
 
 
 def _register_cpu_nvfp4() -> None:
@@ -103,7 +112,7 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
     from vllm.model_executor.models import ModelRegistry
 
     from clef_vllm import ARCHITECTURE
-    from clef_vllm.vllm.model import ClefFlashForDecision
+    from clef_vllm.worker.model import ClefFlashForDecision
 
     # In-process class registration (the entry point registers the lazy "module:Class" form).
     ModelRegistry.register_model(ARCHITECTURE, ClefFlashForDecision)

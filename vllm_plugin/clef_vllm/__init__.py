@@ -29,7 +29,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "clef_vllm.vllm.model:ClefFlashForDecision")
+        ModelRegistry.register_model(ARCHITECTURE, "clef_vllm.worker.model:ClefFlashForDecision")
     _registered = True
 
 

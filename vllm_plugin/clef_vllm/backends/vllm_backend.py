@@ -169,7 +169,7 @@ class VllmBackend(Backend):
         log.info("warm-up done in %.1f s (lengths %s + a batch of 32)", time.perf_counter() - t0, lengths)
 
     async def _run_ids(self, ids: list[int]) -> torch.Tensor:
-        from clef_vllm.vllm.pooler import synthetic_spec
+        from clef_vllm.worker.pooler import synthetic_spec
 
         spec = synthetic_spec(len(ids))
         return await self._encode(ids, spec)

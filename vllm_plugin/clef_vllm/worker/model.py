@@ -5,7 +5,7 @@ quantization per layer through the checkpoint's compressed-tensors config) and d
 hybrid / mamba-state / M-RoPE hooks vLLM needs for a custom Qwen3.5 class (the Qwen3.5
 config hooks in vLLM's ``MODELS_CONFIG_MAP`` do not run for a custom architecture). The joint
 head and the lm_head table live on the model and run inside the worker through
-:class:`~clef_vllm.vllm.pooler.ClefPooler`.
+:class:`~clef_vllm.worker.pooler.ClefPooler`.
 
 Weights: the backbone streams through vLLM's loader (both layouts; vision and MTP tensors are
 skipped; ``lm_head.weight`` of the release goes to the lexical table). The head and the int8
@@ -30,7 +30,7 @@ from clef_vllm.checkpoint import (LM_HEAD_KEYS, CheckpointError, load_head_confi
                                   locate_checkpoint)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.vllm.pooler import ClefPooler
+from clef_vllm.worker.pooler import ClefPooler
 
 log = logging.getLogger("clef_vllm")
 
