@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import clef_vllm
+from clef_vllm.errors import Kind
 from clef_vllm.protocol import RequestError
 
 REQUEST = {
@@ -109,14 +110,14 @@ def test_invalid_item_raises_naming_its_index_before_any_work(clef, monkeypatch)
         clef.systemone_batch([REQUEST, REQUEST, bad, REQUEST])
     assert info.value.field == "requests[2].questions.team.criteria"
     assert str(info.value) == "requests[2].questions.team.criteria: must be an object"
-    assert isinstance(info.value, ValueError) and info.value.status == 422
+    assert isinstance(info.value, ValueError) and info.value.kind is Kind.INVALID
     with pytest.raises(RequestError, match=r"^requests\[1\]: request body must be a JSON object$"):
         clef.systemone_batch([REQUEST, ["not", "a", "dict"]])
     with pytest.raises(RequestError, match=r"^questions.team.criteria: must be an object$"):
         clef.systemone(bad)                                    # a single request: no index
     with pytest.raises(RequestError, match="images: not supported by this build") as info:
         clef.systemone(REQUEST | {"images": ["data:image/png;base64,AAAA"]})
-    assert info.value.status == 400
+    assert info.value.kind is Kind.UNSUPPORTED
     assert calls == []
 
 
@@ -136,7 +137,7 @@ def test_truncation_is_reported_in_usage(tiny_release, cache_dir):
         huge = variant("x", **{f"q{i}": {"type": "noul", "instructions": f"Question {i}?"} for i in range(30)})
         with pytest.raises(RequestError, match=r"schema requires \d+ tokens before state; maximum is 600") as info:
             small.systemone(huge)
-        assert info.value.status == 413
+        assert info.value.kind is Kind.SCHEMA_TOO_LONG
 
 
 def test_dtype_float32_and_workers_ai_dialect(tiny_release, clef, cache_dir):

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from clef_vllm.answers import build_response
 from clef_vllm.backends import Backend, make_backend
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
-from clef_vllm.protocol import Dialect, RequestError, parse_request
+from clef_vllm.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
+from clef_vllm.protocol import Dialect, parse_request
 
 
 def resolve_model_dir(model_dir: str | Path | None) -> Path:
@@ -42,21 +43,22 @@ class Clef:
                                              **engine_options)
 
     def systemone(self, request: dict) -> dict:
-        """Answer one SystemOne request; raises :class:`RequestError` (a ValueError) for invalid input."""
+        """Answer one SystemOne request; raises :class:`~clef_vllm.errors.RequestError` (a ValueError
+        naming the field; ``.kind`` says what is wrong) for invalid input."""
         return self.systemone_batch([request])[0]
 
     def systemone_batch(self, requests: Sequence[dict]) -> list[dict]:
         """Answer many requests in one batch (order preserved). An invalid request raises
-        :class:`RequestError` naming its index (``requests[3].questions.x...``) before any work is done."""
+        :class:`~clef_vllm.errors.RequestError` naming its index (``requests[3].questions.x...``)
+        before any work is done."""
         parsed, encoded = [], []
+        limits = self.backend.encoder.request_limits()
         for i, body in enumerate(requests):
             try:
-                req = parse_request(body, self.dialect)
+                req = parse_request(body, self.dialect, limits)
                 enc = self.backend.encoder.encode(req)
-            except RequestError as exc:
-                prefix = f"requests[{i}]" if len(requests) > 1 else None
-                field = ".".join(p for p in (prefix, exc.field) if p) or None
-                raise RequestError(exc.message, field=field, status=exc.status) from None
+            except ClefError as exc:
+                raise exc.with_field_prefix(f"requests[{i}]" if len(requests) > 1 else None) from None
             parsed.append(req)
             encoded.append(enc)
         if not encoded:

@@ -1,8 +1,10 @@
 """SystemOne wire protocol: request/response models, dialects, limits and client errors.
 
 "Parse, don't validate": :func:`parse_request` turns a decoded JSON body into a typed
-:class:`SystemOneRequest` or raises :class:`RequestError` naming the offending field. The
-encoder only ever sees valid requests.
+:class:`SystemOneRequest` or raises :class:`~clef_vllm.errors.RequestError` naming the offending
+field. The encoder only ever sees valid requests, and only requests within :class:`RequestLimits`:
+structural limits, checked before any tokenization, that no request able to fit the token budget
+can reach (so they cost nothing that the budget would not cost anyway).
 
 Two dialects (clef-spec §2.2, §2.6):
 
@@ -23,6 +25,11 @@ from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from clef_vllm.errors import Kind, RequestError
+
+__all__ = ["Dialect", "DialectRules", "RULES", "RequestLimits", "RequestError", "SystemOneRequest", "parse_request",
+           "question_field", "QUESTION_TYPES", "TYPE_IDS"]
 
 QUESTION_TYPES = ("noul", "choice", "score")
 #: Row of ``type_embedding`` per question type (clef-spec §5.2).
@@ -63,36 +70,6 @@ RULES = {
         forbid_unknown_fields=True,
     ),
 }
-
-# Error codes of the hosted service's envelope (clef-spec §2.4), by HTTP status.
-HOSTED_ERROR_CODES = {400: 6003, 401: 10000, 404: 7000, 413: 5021, 422: 5012, 429: 3040, 503: 3040}
-
-
-class RequestError(ValueError):
-    """A client mistake. ``status`` is the HTTP status, ``field`` a dotted path into the body."""
-
-    def __init__(self, message: str, *, field: str | None = None, status: int = 422):
-        # Field paths and messages can quote client strings; escape lone surrogates so the
-        # error body itself is always encodable as UTF-8.
-        message, field = _printable(message), None if field is None else _printable(field)
-        super().__init__(f"{field}: {message}" if field else message)
-        self.message = message
-        self.field = field
-        self.status = status
-
-    def body(self, dialect: Dialect | str = Dialect.REFERENCE) -> dict:
-        """The JSON error body in the dialect's envelope."""
-        if Dialect(dialect) is Dialect.WORKERS_AI:
-            code = HOSTED_ERROR_CODES.get(self.status, 5012)
-            return {"success": False, "errors": [{"code": code, "message": str(self)}], "messages": [], "result": None}
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.field, "code": self.status}}
-
-
-def _printable(text: str) -> str:
-    """``text`` with unpaired UTF-16 surrogates written as ``\\udXXX`` escapes (valid UTF-8)."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
 
 # --------------------------------------------------------------------------- models
 
@@ -197,6 +174,134 @@ class SystemOneResponse(BaseModel):
     usage: Usage
 
 
+# --------------------------------------------------------------------------- limits
+
+#: The token budget the default limits are sized for (the release's max_length).
+DEFAULT_MAX_TOKENS = 16384
+#: Nesting levels allowed anywhere in a request (the body object is level 1). Deep enough for any
+#: real document, shallow enough that no rendering or serialisation can run out of stack.
+MAX_DEPTH = 128
+#: Python refuses to convert longer integers to text (``sys.get_int_max_str_digits``).
+MAX_INT_DIGITS = 4300
+#: Characters of the ``model`` name (it is echoed in every answer).
+MAX_MODEL_CHARS = 1000
+#: Longest token of a byte-level BPE vocabulary that we assume when none is given (Qwen3.5: 128 bytes).
+DEFAULT_MAX_TOKEN_BYTES = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Structural limits, checked while and right after parsing, before any tokenization.
+
+    Each is sized from the token budget so that a request over it could never fit anyway:
+    ``max_values`` JSON values (8 per token: the densest JSON, ``[[],[],...]`` or ``["","",...]``,
+    takes more than one token per 8 values), ``max_questions`` (every question costs more than 16
+    tokens of fixed text), ``max_options`` options and levels together (each costs more than 4),
+    ``max_schema_chars`` characters of ids, instructions and descriptions together (no token holds
+    more than ``max_token_bytes`` bytes). ``max_depth`` bounds the nesting of every field.
+    ``None`` means unlimited."""
+
+    max_values: int | None = None
+    max_depth: int | None = MAX_DEPTH
+    max_questions: int | None = None
+    max_options: int | None = None
+    max_schema_chars: int | None = None
+    max_model_chars: int | None = MAX_MODEL_CHARS
+    tokens: int | None = None                     # the budget they were sized for (for messages)
+
+    @classmethod
+    def for_tokens(cls, max_tokens: int, max_token_bytes: int = DEFAULT_MAX_TOKEN_BYTES) -> "RequestLimits":
+        """The limits for a token budget of ``max_tokens`` (``--max-model-len``)."""
+        n = max(1, int(max_tokens))
+        return cls(max_values=8 * n + 64, max_questions=n // 16 + 1, max_options=n // 4 + 2,
+                   max_schema_chars=max(1, int(max_token_bytes)) * n, tokens=n)
+
+    def budget(self) -> str:
+        return f"{self.tokens} tokens (max_model_len)" if self.tokens else "the token budget"
+
+
+DEFAULT_LIMITS = RequestLimits.for_tokens(DEFAULT_MAX_TOKENS)
+
+
+# --------------------------------------------------------------------------- field paths
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+def question_field(qid: str, *rest: str) -> str:
+    """The path of a question (or of one of its keys) in error messages: ``questions.team`` for a plain
+    id (letters, digits, ``_``, ``-``), else the id JSON-quoted: ``questions[""]``, ``questions["a.b"]``."""
+    head = f"questions.{qid}" if _PLAIN_ID.fullmatch(qid) else f"questions[{json.dumps(qid, ensure_ascii=False)}]"
+    return ".".join((head, *rest))
+
+
+def _loc_to_field(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc]
+    # A discriminated union inserts the tag ("questions", qid, "choice", "criteria"): drop it.
+    if len(parts) >= 3 and parts[0] == "questions" and parts[2] in QUESTION_TYPES:
+        del parts[2]
+    if len(parts) >= 2 and parts[0] == "questions":
+        return question_field(parts[1], *parts[2:])
+    return ".".join(parts) or None
+
+
+# --------------------------------------------------------------------------- structure scan
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _Scan:
+    """One iterative pass over a decoded body: counts JSON values, bounds nesting, finds lone
+    surrogates and non-JSON Python objects (offline API), and sums the characters of the schema.
+    Every subtree is walked with an explicit stack, so no input can exhaust the interpreter's."""
+
+    def __init__(self, limits: RequestLimits):
+        self.limits = limits
+        self.values = 0
+        self.schema_chars = 0
+
+    def walk(self, value: Any, field: str | None, *, depth: int = 1, check_text: bool = True,
+             schema: bool = False) -> None:
+        limits = self.limits
+        max_values, max_depth = limits.max_values, limits.max_depth
+        stack = [(value, depth)]
+        while stack:
+            node, level = stack.pop()
+            self.values += 1
+            if max_values is not None and self.values > max_values:
+                raise RequestError(f"the request has more than {max_values} JSON values; no request with that many "
+                                   f"fits in {limits.budget()}", kind=Kind.TOO_COMPLEX, field=field)
+            if max_depth is not None and level > max_depth:
+                raise RequestError(f"nested more than {max_depth} levels deep", kind=Kind.TOO_COMPLEX, field=field)
+            if isinstance(node, str):
+                self._text(node, field, check_text, schema)
+            elif isinstance(node, dict):
+                for key, item in node.items():
+                    if isinstance(key, str):
+                        self._text(key, field, check_text, schema)
+                    elif not (key is None or isinstance(key, (int, float))):   # json.dumps writes these as text
+                        raise RequestError(f"is not JSON-serialisable (a {type(key).__name__} key)", field=field)
+                    stack.append((item, level + 1))
+            elif isinstance(node, (list, tuple)):
+                stack.extend((item, level + 1) for item in node)
+            elif isinstance(node, bool) or node is None or isinstance(node, float):
+                continue
+            elif isinstance(node, int):
+                if node.bit_length() > 14_000:            # up to 14,000 bits always has fewer than 4,300 digits
+                    try:
+                        str(node)
+                    except ValueError:
+                        raise RequestError(f"an integer has more than {MAX_INT_DIGITS} digits", field=field) from None
+            else:
+                raise RequestError(f"is not JSON-serialisable (a {type(node).__name__})", field=field)
+
+    def _text(self, text: str, field: str | None, check_text: bool, schema: bool) -> None:
+        if check_text and not text.isascii() and _SURROGATE.search(text):
+            raise RequestError("contains an unpaired UTF-16 surrogate", field=field)
+        if schema:
+            self.schema_chars += len(text)
+
+
 # --------------------------------------------------------------------------- parsing
 
 _MESSAGES = {
@@ -211,17 +316,9 @@ _MESSAGES = {
 }
 
 
-def _loc_to_field(loc: tuple) -> str:
-    parts = [str(p) for p in loc]
-    # A discriminated union inserts the tag ("questions", qid, "choice", "criteria"): drop it.
-    if len(parts) >= 3 and parts[0] == "questions" and parts[2] in QUESTION_TYPES:
-        del parts[2]
-    return ".".join(parts)
-
-
 def _from_validation_error(err: ValidationError) -> RequestError:
     first = err.errors(include_url=False)[0]
-    field = _loc_to_field(first["loc"]) or None
+    field = _loc_to_field(first["loc"])
     if first["type"] in ("value_error", "assertion_error"):
         message = str(first["ctx"]["error"]) if "ctx" in first else first["msg"]
     else:
@@ -233,26 +330,49 @@ def _from_validation_error(err: ValidationError) -> RequestError:
     return RequestError(message, field=field)
 
 
-def _require_utf8(value: Any, field: str) -> None:
-    """Refuse strings the tokenizer cannot encode (lone surrogates from ``\\ud800`` escapes)."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError("contains an unpaired UTF-16 surrogate", field=field) from None
-    except (TypeError, ValueError) as exc:  # offline API: a Python object that is not JSON
-        raise RequestError(f"is not JSON-serialisable ({exc})", field=field) from None
-
-
 def _instructions_missing(value: Any) -> bool:
     return value is None or value == "" and isinstance(value, str)
 
 
-def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE) -> SystemOneRequest:
-    """Validate a decoded JSON body into a :class:`SystemOneRequest` or raise :class:`RequestError`."""
+def _scan_body(body: dict, limits: RequestLimits) -> _Scan:
+    """Walk every part of the body before validating it (counts, nesting, text, JSON types)."""
+    scan = _Scan(limits)
+    scan.values += 1                                            # the body object itself
+    for key, value in body.items():
+        if key == "questions" and isinstance(value, dict):
+            scan.values += 1
+            for qid, question in value.items():
+                where = question_field(qid)
+                scan._text(qid, where, True, True)
+                if isinstance(question, dict):
+                    scan.values += 1
+                    for qkey, item in question.items():
+                        used = qkey in ("instructions", "criteria", "type")
+                        scan.walk(item, question_field(qid, qkey) if used else where, depth=4, check_text=used,
+                                  schema=used and qkey != "type")
+                else:
+                    scan.walk(question, where, depth=3)
+        else:
+            scan.walk(value, key, depth=2, check_text=key in ("model", "state"))
+    return scan
+
+
+def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
+                  limits: RequestLimits | None = DEFAULT_LIMITS) -> SystemOneRequest:
+    """Validate a decoded JSON body into a :class:`SystemOneRequest` or raise :class:`RequestError`.
+
+    ``limits`` (default: sized for 16,384 tokens; ``None``: none) are checked first, on the raw
+    structure, then the request is validated field by field."""
     dialect = Dialect(dialect)
     rules = RULES[dialect]
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    limits = limits or RequestLimits(max_depth=None, max_model_chars=None)
+    scan = _scan_body(body, limits)
+    questions = body.get("questions")
+    if limits.max_questions is not None and isinstance(questions, dict) and len(questions) > limits.max_questions:
+        raise RequestError(f"at most {limits.max_questions} questions fit in {limits.budget()}, got {len(questions)}",
+                           kind=Kind.TOO_COMPLEX, field="questions")
     try:
         req = SystemOneRequest.model_validate(body)
     except ValidationError as err:
@@ -260,40 +380,50 @@ def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE) -> Syst
 
     for media in ("images", "videos"):
         if getattr(req, media):
-            raise RequestError("not supported by this build (text-only)", field=media, status=400)
+            raise RequestError("not supported by this build (text-only)", kind=Kind.UNSUPPORTED, field=media)
     if rules.forbid_unknown_fields and req.model_extra:
         raise RequestError("unknown field", field=next(iter(req.model_extra)))
     if rules.max_questions is not None and len(req.questions) > rules.max_questions:
         raise RequestError(f"at most {rules.max_questions} questions are allowed, got {len(req.questions)}",
                            field="questions")
-    _require_utf8(req.model, "model")
-    _require_utf8(req.state, "state")
+    if limits.max_model_chars is not None and len(req.model) > limits.max_model_chars:
+        raise RequestError(f"at most {limits.max_model_chars} characters are allowed, got {len(req.model)}",
+                           kind=Kind.TOO_COMPLEX, field="model")
 
+    options = 0
     for qid, q in req.questions.items():
-        where = f"questions.{qid}"
-        _require_utf8(qid, where)
         if rules.question_id_pattern is not None and not rules.question_id_pattern.fullmatch(qid):
-            raise RequestError("question id must match [A-Za-z0-9_.-]{1,100}", field=where)
+            raise RequestError("question id must match [A-Za-z0-9_.-]{1,100}", field=question_field(qid))
         if rules.forbid_unknown_fields and q.model_extra:
-            raise RequestError("unknown field", field=f"{where}.{next(iter(q.model_extra))}")
+            raise RequestError("unknown field", field=question_field(qid, next(iter(q.model_extra))))
         if _instructions_missing(q.instructions):
             if rules.require_instructions:
-                raise RequestError("instructions are required and must not be empty", field=f"{where}.instructions")
+                raise RequestError("instructions are required and must not be empty",
+                                   field=question_field(qid, "instructions"))
             if qid == "":
-                raise RequestError("an empty question id needs non-empty instructions", field=f"{where}.instructions")
-        else:
-            _require_utf8(q.instructions, f"{where}.instructions")
-        if q.criteria is not None:
-            _require_utf8(q.criteria, f"{where}.criteria")
+                raise RequestError("an empty question id needs non-empty instructions",
+                                   field=question_field(qid, "instructions"))
         if isinstance(q, NoulQuestion):
             unknown = sorted(set(q.criteria or {}) - {"true", "false"})
             if unknown:
                 raise RequestError(f"noul criteria keys must be \"true\" or \"false\", got {unknown[0]!r}",
-                                   field=f"{where}.criteria")
+                                   field=question_field(qid, "criteria"))
+            options += 2
         elif isinstance(q, ChoiceQuestion):
-            _check_count(len(q.criteria), rules.min_options, rules.max_options, "options", f"{where}.criteria")
+            _check_count(len(q.criteria), rules.min_options, rules.max_options, "options",
+                         question_field(qid, "criteria"))
+            options += len(q.criteria)
         else:
-            _check_count(len(q.criteria), rules.min_levels, rules.max_levels, "levels", f"{where}.criteria")
+            _check_count(len(q.criteria), rules.min_levels, rules.max_levels, "levels",
+                         question_field(qid, "criteria"))
+            options += len(q.criteria)
+    if limits.max_options is not None and options > limits.max_options:
+        raise RequestError(f"at most {limits.max_options} options and levels (all questions together) fit in "
+                           f"{limits.budget()}, got {options}", kind=Kind.TOO_COMPLEX, field="questions")
+    if limits.max_schema_chars is not None and scan.schema_chars > limits.max_schema_chars:
+        raise RequestError(f"question ids, instructions and criteria have {scan.schema_chars} characters; at most "
+                           f"{limits.max_schema_chars} fit in {limits.budget()}", kind=Kind.TOO_COMPLEX,
+                           field="questions")
     return req
 
 

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import torch
 
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
+from clef_vllm.errors import Kind, ServiceError
 
 log = logging.getLogger("clef_vllm")
 
@@ -33,8 +34,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-class BackendDeadError(RuntimeError):
+class BackendDeadError(ServiceError, RuntimeError):
     """The engine can no longer serve (its process died, its loop stopped): restart, do not retry."""
+
+    default_kind = Kind.ENGINE_DEAD
 
 
 @dataclass

@@ -151,13 +151,14 @@ class OfflineTarget(Target):
         return info
 
     def _one(self, body: dict) -> Answered:
-        from clef_vllm.protocol import RequestError
+        from clef_vllm.errors import ClefError
+        from clef_vllm.server.errors import outcome
 
         t0 = time.perf_counter()
         try:
             return Answered("200", body=self.clef.systemone(body), latency_s=time.perf_counter() - t0)
-        except RequestError as exc:
-            return Answered(str(exc.status), error=str(exc)[:300], latency_s=time.perf_counter() - t0)
+        except ClefError as exc:                  # the status the server would answer
+            return Answered(str(outcome(exc).status), error=str(exc)[:300], latency_s=time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - reported per request
             return Answered("exception", error=f"{type(exc).__name__}: {exc}"[:300], latency_s=time.perf_counter() - t0)
 

@@ -279,11 +279,12 @@ class RequestFactory:
         if self.encoder is None:
             return req
         from clef_vllm.protocol import RequestError, parse_request
+        from clef_vllm.server.errors import outcome
 
         try:
-            enc = self.encoder.encode(parse_request(body))
+            enc = self.encoder.encode(parse_request(body, limits=self.encoder.request_limits()))
         except RequestError as exc:
-            req.expected_status = exc.status
+            req.expected_status = outcome(exc).status
             return req
         req.expected_tokens = enc.num_tokens
         if self.keep_ids:
