@@ -16,6 +16,7 @@ import unicodedata
 import pytest
 
 from clef_vllm.encoding import RequestEncoder, render
+from clef_vllm.errors import Kind
 from clef_vllm.protocol import RequestError, parse_request
 
 # Literal copies of the spec's fixed text (§3.4), NOT imported from encoding.py.
@@ -461,7 +462,7 @@ def test_schema_longer_than_max_length_is_413(enc):
     with pytest.raises(RequestError) as info:
         encode(enc, data, max_length=fixed - 1)
     err = info.value
-    assert err.status == 413
+    assert err.kind is Kind.SCHEMA_TOO_LONG
     assert err.message == f"schema requires {fixed} tokens before state; maximum is {fixed - 1}"
     assert err.field == "questions"
     encode(enc, data, max_length=fixed)   # exactly enough: fine (the state is dropped)
@@ -471,15 +472,20 @@ def test_schema_longer_than_max_length_is_413(enc):
 
 
 # --------------------------------------------------------------------------- long states in pieces
-# A long state is tokenized as pieces in one batched call (all cores). The ids must be those of
-# the whole state, checked here against both oracles on texts full of the places where a cut
-# could go wrong: contractions, digits, whitespace runs, CRLF, CJK, combining marks, emoji,
-# non-ASCII spaces and special-token strings right next to a cut.
+# A long state is tokenized as pieces in one batched call (all cores), and only as far as the budget
+# can use. The ids must be those of the whole state, checked here against both oracles on texts full
+# of the places where a cut could go wrong: contractions, digits, whitespace runs, CRLF, CJK and its
+# punctuation, combining marks, emoji, non-ASCII spaces, JSON punctuation and special-token strings
+# right next to a cut.
 
 FRAGMENTS = ["word", "Word", "it's", "we'll", "don't", "x", "A", "123", "4.5", ".", ",", "!", "?", "...", ":",
              "(", ")", '"', "'", "-", "--", "é", "e\u0301", "Å", "中文", "東京", "😀", "👍🏽", "\u00a0", "\u3000",
-             "\u200b", "<|im_end|>", "<think>", "a\u0308", "ß", "İ", "ﬁ", "\t", "#", "$", "/", "\\", "’s"]
-JOINERS = [" ", " ", " ", "", "  ", "\n", "\n\n", "\r\n", " \n", "\n ", "\t", " \t ", "   \n\n"]
+             "\u200b", "<|im_end|>", "<think>", "a\u0308", "ß", "İ", "ﬁ", "\t", "#", "$", "/", "\\", "’s",
+             "1,2,3", '{"a":1}', "[[],[]]", '"",""', "null,true", "0.5e10", "日本語。", "「引用」", "語、", "x1y2",
+             "a'5", " 7", "\n9", "_", "a_b", "\u037e", "\u212b", "１２", "٣", "²", "½", "<|im_start|>user",
+             "</think>", "a<|im_end|>b", "\u0301.", "ab\u0301)"]
+JOINERS = [" ", " ", " ", "", "", "  ", "\n", "\n\n", "\r\n", " \n", "\n ", "\t", " \t ", "   \n\n", ",", ":"]
+CJK_PUNCTUATION = "、。，．：；？！（）「」『』【】《》〈〉"
 
 
 def _tricky_text(rng, n_chars: int) -> str:
@@ -491,7 +497,7 @@ def _tricky_text(rng, n_chars: int) -> str:
     return "".join(out)
 
 
-def test_state_pieces_cut_only_at_the_documented_places():
+def test_state_pieces_cut_only_at_the_documented_places(enc):
     import random
 
     from clef_vllm.encoding import state_pieces
@@ -499,15 +505,26 @@ def test_state_pieces_cut_only_at_the_documented_places():
     rng = random.Random(1)
     for _ in range(200):
         text = _tricky_text(rng, rng.randint(0, 3000))
-        pieces = state_pieces(text, size=64)
+        pieces = state_pieces(text, size=64, added=enc._added)
         assert "".join(pieces) == text
         assert all(pieces[:-1]) and (len(pieces) == 1 or all(len(p) >= 64 for p in pieces[:-1]))
+        at = 0
         for left, right in zip(pieces, pieces[1:]):
-            assert right[0].isascii() and (right[0].isalpha() and left[-1] == "\n"
-                                           or right[0] == " " and right[1].isalpha() and "!" <= left[-1] <= "~")
+            at += len(left)
+            a, b = left[-1], right[0]
+            assert (b == " " and right[1:2].isascii() and right[1:2].isalpha() and "!" <= a <= "~"
+                    or a == "\n" and b.isascii() and b.isalpha()
+                    or b in "0123456789" and not a.isspace()
+                    or (b.isascii() and not b.isalnum() and "!" <= b <= "~" or b in CJK_PUNCTUATION)
+                    and a.isalnum() and not a.isdecimal() and a != "_"), (left[-5:], right[:5])
+            for token in enc._added:                      # never inside a special token
+                start = text.rfind(token, 0, at)
+                assert start < 0 or start + len(token) <= at
     assert state_pieces("x" * 100_000) == ["x" * 100_000]            # no place to cut: stays whole
     assert state_pieces("short text") == ["short text"]
     assert len(state_pieces("Word " * 10_000)) > 10                   # 50,000 chars, 4,096 per piece
+    assert len(state_pieces("1," * 10_000)) > 2                       # JSON numbers: cut before a digit
+    assert len(state_pieces("日本語。" * 4_000)) > 2                    # CJK: cut before its punctuation
 
 
 def test_state_pieces_give_the_ids_of_the_whole_text(enc, hf_tok, tiktoken_tok):
@@ -518,17 +535,105 @@ def test_state_pieces_give_the_ids_of_the_whole_text(enc, hf_tok, tiktoken_tok):
     assert enc.split_state
     rng = random.Random(7)
     cuts = 0
-    for i in range(300):
+    for i in range(400):
         text = _tricky_text(rng, rng.randint(1, 2500))
-        pieces = state_pieces(text, size=rng.choice([16, 40, 128]))
+        pieces = state_pieces(text, size=rng.choice([8, 16, 40, 128]), added=enc._added)
         cuts += len(pieces) - 1
         whole = enc.tokenize(text)
         assert [t for ids in enc._tokenize_many(pieces) for t in ids] == whole, (i, pieces)
         if i % 10 == 0:        # the tiktoken oracle does not normalize: give it NFC text
             nfc = unicodedata.normalize("NFC", text)
-            assert [t for p in state_pieces(nfc, size=40) for t in tiktoken_tok.encode(p)] == tiktoken_tok.encode(nfc)
+            assert [t for p in state_pieces(nfc, size=40, added=enc._added) for t in tiktoken_tok.encode(p)] == \
+                tiktoken_tok.encode(nfc)
             assert tiktoken_tok.encode(nfc) == whole
-    assert cuts > 3000
+    assert cuts > 8000
+
+
+@pytest.mark.parametrize("kind", ["text", "json", "numbers", "cjk", "split-json"])
+def test_a_state_longer_than_the_budget_is_tokenized_only_as_far_as_needed(enc, kind):
+    """The kept ids are exactly the first ids of the whole state's tokenization (the piecewise path
+    included), though only a prefix is rendered and tokenized; the cut count is then an estimate."""
+    import random
+
+    rng = random.Random(kind)
+    if kind == "text":
+        state = _tricky_text(rng, 400_000)
+    elif kind == "json":
+        state = {"log": [{"at": i, "msg": _tricky_text(rng, rng.randint(0, 80)), "ok": i % 3 == 0, "v": i / 7}
+                         for i in range(6000)], "id": "x" * 10}
+    elif kind == "numbers":
+        state = list(range(120_000))
+    elif kind == "cjk":
+        state = "".join(rng.choice(["日本語", "中文", "東京", "。", "、", "「", "」"]) for _ in range(150_000))
+    else:
+        state = {"text": _tricky_text(rng, 300_000)}
+    whole = enc.tokenize(render(state))
+    for max_length in (400, 3000, 20_000):
+        got = encode(enc, req(state), max_length=max_length)
+        prefix = len(enc.prefix_ids)
+        kept = got.input_ids[prefix:prefix + got.state_tokens]
+        assert got.num_tokens == max_length and kept == whole[:got.state_tokens]
+        assert not got.truncation_exact                      # only a prefix was tokenized
+        cut = len(whole) - got.state_tokens
+        assert abs(got.truncated_state_tokens - cut) <= 0.15 * cut, (got.truncated_state_tokens, cut)
+    exact = encode(enc, req(state), max_length=len(whole) + 200)     # it all fits: tokenized whole
+    assert exact.truncation_exact and exact.truncated_state_tokens == 0
+    assert exact.input_ids[len(enc.prefix_ids):len(enc.prefix_ids) + exact.state_tokens] == whole
+
+
+def test_a_state_that_cannot_be_cut_near_the_budget(enc):
+    from clef_vllm.encoding import MAX_UNCUT_CHARS
+
+    ok = encode(enc, req("x" * (MAX_UNCUT_CHARS // 2)), max_length=400)       # tokenized whole: exact
+    assert ok.truncation_exact and ok.truncated_state_tokens == len(enc.tokenize("x" * (MAX_UNCUT_CHARS // 2))) - \
+        ok.state_tokens
+    with pytest.raises(RequestError, match="no place where its tokenization can be cut") as info:
+        encode(enc, req("x" * (MAX_UNCUT_CHARS + 50_000)), max_length=400)
+    assert info.value.kind is Kind.TOO_COMPLEX and info.value.field == "state"
+    # a cut within reach after a long run is found
+    got = encode(enc, req("y" * 100_000 + " and then words" * 1000), max_length=400)
+    assert got.input_ids[len(enc.prefix_ids):len(enc.prefix_ids) + got.state_tokens] == \
+        enc.tokenize("y" * 100_000 + " and then words" * 1000)[:got.state_tokens]
+
+
+def test_the_incremental_renderer_writes_exactly_what_json_dumps_writes():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from clef_vllm.encoding import StateText
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(), lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+        max_leaves=40)
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(json_values)
+    def same(value):
+        if isinstance(value, str):
+            return
+        text = StateText(value)
+        assert text.upto(1 << 40) == render(value)
+
+    same()
+    long_string = {"k": "é\"\n" * 50_000, "a": [1.0, 2, None]}              # strings escaped a chunk at a time
+    assert StateText(long_string).upto(1 << 40) == render(long_string)
+    partial = StateText(long_string)
+    assert render(long_string).startswith(partial.upto(1000)) and not partial.complete
+    assert partial.remaining_chars(len(partial.upto(1000))) == len(render(long_string)) - len(partial.upto(1000))
+
+
+def test_a_schema_that_cannot_fit_is_refused_before_it_is_all_tokenized(enc, monkeypatch):
+    import clef_vllm.encoding as encoding
+
+    calls = []
+    real = enc._tokenize_many
+    monkeypatch.setattr(enc, "_tokenize_many", lambda texts: calls.append(len(texts)) or real(texts))
+    monkeypatch.setattr(encoding, "SCHEMA_BATCH_CHARS", 2000)
+    many = {f"q{i}": {"type": "noul", "instructions": "Is this one of the many questions? " * 3} for i in range(400)}
+    with pytest.raises(RequestError, match=r"schema requires at least \d+ tokens before state; maximum is 1000"):
+        encode(enc, req("s", **many), max_length=1000)
+    assert sum(calls) < 400 * 4                                # stopped long before the 1,600 segments
 
 
 def test_a_long_state_encodes_exactly_as_the_spec_says(enc, tiktoken_tok):
@@ -542,7 +647,7 @@ def test_a_long_state_encodes_exactly_as_the_spec_says(enc, tiktoken_tok):
     ids, spans, n_state = spec_encode(tiktoken_tok.encode, data)
     assert got.input_ids == ids and as_spans(got) == spans and got.state_tokens == n_state
     whole = RequestEncoder(enc._tok, max_length=10 ** 6)
-    whole.split_state = False
+    whole.split_state = False                                   # one piece, no prefix: the plain path
     assert whole.encode(parse_request(data)).input_ids == got.input_ids
 
 

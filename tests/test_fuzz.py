@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from fuzz.strategies import check_response, check_valid_response, raw_bodies, requests, valid_requests
 
+NDJSON = {"Content-Type": "application/x-ndjson"}
 CI = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck),
               print_blob=True)
 
@@ -88,7 +89,7 @@ def test_valid_requests_with_hostile_content_are_answered(http, body):
 @settings(CI, max_examples=25)
 @given(lines=st.lists(raw_bodies.filter(lambda b: b"\n" not in b and b"\r" not in b), min_size=1, max_size=5))
 def test_bulk_lines_fail_alone(http, lines):
-    resp = http.post("/v1/systemone/bulk", content=b"\n".join(lines) + b"\n")
+    resp = http.post("/v1/systemone/bulk", content=b"\n".join(lines) + b"\n", headers=NDJSON)
     assert resp.status_code == 200
     out = [json.loads(x) for x in resp.content.split(b"\n") if x]
     records = [i for i, line in enumerate(lines) if line.strip()]
@@ -112,18 +113,20 @@ def check_encoding(encoder, body) -> None:
     import torch
 
     from clef_vllm.answers import build_response
+    from clef_vllm.errors import Kind
     from clef_vllm.protocol import RequestError, parse_request
+    from clef_vllm.server.errors import error_body, outcome
 
     try:
-        parsed = parse_request(body)
+        parsed = parse_request(body, limits=encoder.request_limits())
     except RequestError as exc:
-        assert 400 <= exc.status < 500 and str(exc)
-        json.dumps(exc.body(), ensure_ascii=False).encode("utf-8")        # the error body is always encodable
+        assert 400 <= outcome(exc).status < 500 and str(exc)
+        json.dumps(error_body(exc), ensure_ascii=False).encode("utf-8")   # the error body is always encodable
         return
     try:
         enc = encoder.encode(parsed)
     except RequestError as exc:
-        assert exc.status == 413 and "schema requires" in exc.message
+        assert exc.kind is Kind.SCHEMA_TOO_LONG and "schema requires" in exc.message
         return
     assert enc.num_tokens <= encoder.max_length and enc.truncated_state_tokens >= 0
     assert [f.question_id for f in enc.fields] == list(parsed.questions)

@@ -3,6 +3,11 @@
 The prompt is built by tokenizing fixed text segments ONE AT A TIME (``add_special_tokens=False``)
 and concatenating the id lists, so BPE merges never cross a segment boundary and every span
 boundary is a segment boundary. Tokenizing the whole prompt at once gives different ids.
+
+Work follows the token budget, not the body size: the schema is tokenized in batches and refused
+as soon as it cannot fit; the state is rendered and tokenized only as far as the budget can use
+(a prefix ending where the tokenizer provably starts a new piece, so its ids are exactly the first
+ids of the whole state's tokenization, grown until it holds more tokens than can be kept).
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import chain, islice
+from itertools import chain
+from json.encoder import encode_basestring
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from clef_vllm.protocol import TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestError, SystemOneRequest
+from clef_vllm.errors import Kind, RequestError
+from clef_vllm.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
+                                SystemOneRequest)
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -31,7 +39,7 @@ NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
 }
-DEFAULT_MAX_LENGTH = 16384
+DEFAULT_MAX_LENGTH = DEFAULT_MAX_TOKENS
 #: Special tokens the fixed prompt text relies on; each must be ONE added token.
 PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
@@ -39,26 +47,76 @@ PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 #: batched call (the Rust tokenizer encodes a batch on all cores; one long text uses one core).
 #: The ids are exactly those of the whole state: see ``state_pieces``.
 STATE_PIECE_CHARS = 4096
+#: Schema segments are tokenized in batches of about this many characters; a schema that already
+#: cannot fit is refused before the rest is tokenized.
+SCHEMA_BATCH_CHARS = 65536
+#: First guess of characters per token when choosing how much of a long state to tokenize (grown
+#: if the prefix turns out to hold too few tokens).
+PREFIX_CHARS_PER_TOKEN = 6
+#: A state with no place to cut within this many characters past the prefix it needs is refused:
+#: that run would have to be tokenized whole (a million letters without a space, a digit or a
+#: punctuation mark takes ~1 s of tokenizer time).
+MAX_UNCUT_CHARS = 262144
 #: Qwen3.5's pre-tokenizer regex (tokenizer.json). It never puts a space that follows a
 #: non-space character anywhere but at the START of a piece, and always ends a piece after a run
 #: of newlines followed by a letter; BPE then runs on each piece alone. So cutting the text there
 #: cannot change the ids (the ASCII character after the cut also keeps NFC from composing across it).
 QWEN_PRETOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SAFE_CUT = re.compile(r"(?<=[!-~]) (?=[A-Za-z])|(?<=\n)(?=[A-Za-z])")
+#: Places where that regex always ends one piece and starts the next, whatever follows, and that
+#: NFC never composes across (the character after the cut is ASCII and can never combine with what
+#: precedes it). Each of these is checked against the whole-text tokenization in tests/test_encoding.py:
+#:
+#: * before a space + ASCII letter that follows printable ASCII (the space opens the word's piece);
+#: * after a newline, before an ASCII letter (a run of newlines is a piece of its own);
+#: * before an ASCII digit that follows a non-space (digits are pieces of one digit; a space before
+#:   a digit could join a whitespace run, hence the non-space);
+#: * before ASCII punctuation, or the common CJK punctuation marks, that follows a letter (a run of
+#:   letters ends where punctuation starts; those marks are never part of an NFC composition).
+#:
+#: A cut is also never placed inside an added (special) token, which is matched before the regex.
+_SAFE_CUT = re.compile(r"(?<=[!-~]) (?=[A-Za-z])|(?<=\n)(?=[A-Za-z])|(?<=\S)(?=[0-9])"
+                       r"|(?<=[^\W\d_])(?=[!-/:-@\[-`{-~、。，．：；？！（）「」『』【】《》〈〉])")
 
 
-def state_pieces(text: str, size: int = STATE_PIECE_CHARS) -> list[str]:
-    """``text`` cut into pieces of about ``size`` characters, only before a space that follows a
-    printable ASCII character and precedes an ASCII letter, or after a newline that precedes an
-    ASCII letter; a text without such places stays whole."""
+def _inside_added_token(text: str, cut: int, added: Sequence[str]) -> bool:
+    """Whether an occurrence of one of ``added`` spans position ``cut`` of ``text``."""
+    for token in added:
+        n = len(token)
+        if n < 2:
+            continue
+        start = text.find(token, max(0, cut - n + 1), cut + n - 1)
+        while start != -1 and start < cut:
+            if start + n > cut:
+                return True
+            start = text.find(token, start + 1, cut + n - 1)
+    return False
+
+
+def safe_cut(text: str, start: int, end: int | None = None, added: Sequence[str] = ()) -> int | None:
+    """The first safe place to cut ``text`` (see ``_SAFE_CUT``) at or after ``start`` and before ``end``."""
+    end = len(text) if end is None else min(end, len(text))
+    pos = start
+    while pos < end:
+        found = _SAFE_CUT.search(text, pos, end)
+        if found is None:
+            return None
+        if not _inside_added_token(text, found.start(), added):
+            return found.start()
+        pos = found.start() + 1
+    return None
+
+
+def state_pieces(text: str, size: int = STATE_PIECE_CHARS, added: Sequence[str] = ()) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters, only at the safe places of ``_SAFE_CUT``
+    (never inside one of the ``added`` tokens); a text without such places stays whole."""
     pieces, start = [], 0
     while len(text) - start > size + size // 2:
-        cut = _SAFE_CUT.search(text, start + size)
+        cut = safe_cut(text, start + size, added=added)
         if cut is None:
             break
-        pieces.append(text[start:cut.start()])
-        start = cut.start()
+        pieces.append(text[start:cut])
+        start = cut
     pieces.append(text[start:])
     return pieces
 
@@ -71,6 +129,123 @@ def render(value: Any) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+_STRING_CHUNK = 65536
+_INF = float("inf")
+
+
+def _scalar_text(node: Any) -> str | None:
+    """JSON text of a scalar exactly as ``json.dumps`` writes it (``None`` for containers)."""
+    if node is None:
+        return "null"
+    if node is True:
+        return "true"
+    if node is False:
+        return "false"
+    if isinstance(node, int):
+        return int.__repr__(node)
+    if isinstance(node, float):
+        if node != node:
+            return "NaN"
+        if node in (_INF, -_INF):
+            return "Infinity" if node > 0 else "-Infinity"
+        return float.__repr__(node)
+    return None
+
+
+class StateText:
+    """The state's rendered text (``render(state)``), produced only as far as it is read.
+
+    A string state is used as is. Any other state is written piece by piece with an explicit stack
+    (no recursion), exactly as ``json.dumps(state, sort_keys=True, separators=(",", ":"),
+    ensure_ascii=False)`` would write it; long strings are escaped a chunk at a time."""
+
+    def __init__(self, state: Any):
+        self._size = len(state) if isinstance(state, str) else 0
+        self._parts: list[str] = [state] if isinstance(state, str) else []
+        self._text: str | None = state if isinstance(state, str) else None
+        # frames: [closing text, items, next index, is_dict] or [None, string, next offset, False]
+        self._stack: list[list] = []
+        if not isinstance(state, str):
+            self._emit("", state)
+
+    @property
+    def complete(self) -> bool:
+        return not self._stack
+
+    def _emit(self, prefix: str, node: Any) -> None:
+        """Write ``prefix`` and the start of ``node``; push what is left of it."""
+        text = _scalar_text(node)
+        if text is None and isinstance(node, str):
+            if len(node) <= _STRING_CHUNK:
+                text = encode_basestring(node)
+            else:
+                text = '"'
+                self._stack.append([None, node, 0, False])
+        elif text is None and isinstance(node, (list, tuple)):
+            text = "[" if node else "[]"
+            if node:
+                self._stack.append(["]", node, 0, False])
+        elif text is None and isinstance(node, dict) and all(type(k) is str for k in node):
+            text = "{" if node else "{}"
+            if node:
+                self._stack.append(["}", sorted(node.items(), key=lambda kv: kv[0]), 0, True])
+        elif text is None:                          # other keys or types (offline API): json decides
+            text = json.dumps(node, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        self._add(prefix + text)
+
+    def _add(self, piece: str) -> None:
+        self._parts.append(piece)
+        self._size += len(piece)
+        self._text = None
+
+    def _step(self) -> None:
+        frame = self._stack[-1]
+        close, items, i, is_dict = frame
+        if close is None:                           # inside a long string
+            chunk = items[i:i + _STRING_CHUNK]
+            frame[2] = i + len(chunk)
+            self._add(encode_basestring(chunk)[1:-1])
+            if frame[2] >= len(items):
+                self._stack.pop()
+                self._add('"')
+            return
+        if i == len(items):
+            self._stack.pop()
+            self._add(close)
+            return
+        frame[2] = i + 1
+        sep = "," if i else ""
+        if is_dict:
+            key, item = items[i]
+            self._emit(sep + encode_basestring(key) + ":", item)
+        else:
+            self._emit(sep, items[i])
+
+    def upto(self, n: int) -> str:
+        """The first ``n`` characters or more (everything rendered so far), or all of it if shorter."""
+        while self._stack and self._size < n:
+            self._step()
+        if self._text is None:
+            self._text = "".join(self._parts)
+            self._parts = [self._text]
+        return self._text
+
+    def remaining_chars(self, after: int) -> int:
+        """How many characters follow position ``after``: what is rendered beyond it, plus the length
+        of what is not rendered yet (``json.dumps`` of each pending part, in C)."""
+        rest = max(0, self._size - after)
+        for close, items, i, is_dict in self._stack:
+            if close is None:
+                rest += len(encode_basestring(items[i:])) - 1          # the text left and its closing quote
+                continue
+            left = items[i:]
+            if left:
+                whole = render(dict(left) if is_dict else list(left))
+                rest += len(whole) - 2 + (1 if i else 0)               # its items, and a comma before the first
+            rest += 1                                                  # the closing bracket
+        return rest
 
 
 def question_options(question) -> list[tuple[str, Any]]:
@@ -123,6 +298,9 @@ class EncodedRequest:
     state_tokens: int
     truncated_state_tokens: int = 0
     schema_offset: int = 0
+    #: False when the state was longer than could ever be used: only the part that fits was tokenized
+    #: and ``truncated_state_tokens`` is estimated from the characters left out.
+    truncation_exact: bool = True
     _lexical_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -156,6 +334,8 @@ class RequestEncoder:
         self._option_label = lru_cache(maxsize=1024)(lambda j: self.tokenize(f"OPTION {j}: "))
         self._check_tokenizer()
         self.split_state = self._pieces_are_exact()
+        self._added = tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
+        self.max_token_bytes = self._longest_token_bytes()
 
     def _check_tokenizer(self) -> None:
         """Refuse a tokenizer that cannot encode the prompt (e.g. an empty one, which recent
@@ -174,7 +354,7 @@ class RequestEncoder:
             pre = json.loads(self._tok.pre_tokenizer.__getstate__())
             norm = self._tok.normalizer
             norm = json.loads(norm.__getstate__()) if norm is not None else None
-            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+            added = list(self._tok.get_added_tokens_decoder().values())
         except (AttributeError, TypeError, ValueError):
             return False
         steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
@@ -186,7 +366,14 @@ class RequestEncoder:
                 and split.get("behavior") == "Isolated" and not split.get("invert")
                 and byte_level.get("type") == "ByteLevel" and not byte_level.get("add_prefix_space")
                 and not byte_level.get("use_regex")
-                and not any(c.isspace() for t in added for c in t))
+                and not any(c.isspace() for t in added for c in t.content)
+                and not any(t.lstrip or t.rstrip or t.single_word for t in added))
+
+    def _longest_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for. In a byte-level vocabulary
+        (what ``split_state`` checks) each character of a token is one byte; otherwise up to four."""
+        longest = max(map(len, self._tok.get_vocab()), default=1)
+        return longest if self.split_state else 4 * longest
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "RequestEncoder":
@@ -206,23 +393,50 @@ class RequestEncoder:
     def _tokenize_many(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
-    def encode(self, request: SystemOneRequest, max_length: int | None = None) -> EncodedRequest:
-        """Token ids and absolute spans of ``request``; raises RequestError(413) if the schema alone is too long."""
+    def request_limits(self, max_length: int | None = None) -> RequestLimits:
+        """Structural limits for requests of at most ``max_length`` tokens (see :class:`RequestLimits`)."""
+        return RequestLimits.for_tokens(self.max_length if max_length is None else max_length, self.max_token_bytes)
+
+    def encode(self, request: SystemOneRequest, max_length: int | None = None,
+               checkpoint: Callable[[], None] | None = None) -> EncodedRequest:
+        """Token ids and absolute spans of ``request``.
+
+        Raises RequestError(SCHEMA_TOO_LONG) as soon as the schema alone cannot fit, and
+        RequestError(TOO_COMPLEX) for a state that cannot be cut where the budget ends (see
+        ``MAX_UNCUT_CHARS``). ``checkpoint`` is called between steps (it raises to stop the work)."""
         max_length = self.max_length if max_length is None else int(max_length)
+        check = checkpoint or _no_check
         questions = list(request.questions.items())
         options = [question_options(q) for _, q in questions]
 
-        # Every variable segment, tokenized in one batched call: the state (in pieces when it is
-        # long, see state_pieces), then per field its header, its instruction and its option objects.
-        state_text = render(request.state)
-        texts = state_pieces(state_text) if self.split_state else [state_text]
-        n_state = len(texts)
+        # The fixed part of the schema costs this much whatever the texts say.
+        base = len(self._prefix) + len(self._schema_header) + len(self._suffix)
+        base += sum(len(self._options_header) + len(self._field_end) + len(self._option_end) * len(opts)
+                    for opts in options)
+        base += sum(len(self._option_label(j)) for opts in options for j in range(1, len(opts) + 1))
+
+        # Every variable schema segment, per field: its header, its instruction, its option objects,
+        # tokenized in batches; stop as soon as the schema cannot fit.
+        texts = []
         for k, ((qid, q), opts) in enumerate(zip(questions, options), start=1):
             texts.append(f"\nFIELD {k}\nID: {qid}\nTYPE: {q.type}\nINSTRUCTION: ")
             texts.append(instruction_text(qid, q.instructions))
             texts.extend(render_option(oid, desc) for oid, desc in opts)
-        pieces = iter(self._tokenize_many(texts))
-        state = next(pieces) if n_state == 1 else list(chain.from_iterable(islice(pieces, n_state)))
+        tokenized: list[list[int]] = []
+        fixed, start = base, 0
+        while start < len(texts):
+            end, size = start, 0
+            while end < len(texts) and (end == start or size + len(texts[end]) <= SCHEMA_BATCH_CHARS):
+                size += len(texts[end])
+                end += 1
+            check()
+            batch = self._tokenize_many(texts[start:end])
+            tokenized.extend(batch)
+            fixed += sum(map(len, batch))
+            start = end
+            if fixed > max_length:
+                raise _schema_too_long(fixed, max_length, exact=start == len(texts))
+        pieces = iter(tokenized)
 
         schema: list[int] = list(self._schema_header)
         layout = []  # (qid, type, question span, option ids, option spans), relative to the schema
@@ -242,16 +456,10 @@ class RequestEncoder:
             schema += self._field_end
             layout.append((qid, q.type, q_span, tuple(o for o, _ in opts), spans))
 
-        fixed = len(self._prefix) + len(schema) + len(self._suffix)
-        if fixed > max_length:
-            raise RequestError(f"schema requires {fixed} tokens before state; maximum is {max_length}",
-                               field="questions", status=413)
         keep = max_length - fixed
         if self.max_state_tokens is not None:
             keep = min(keep, self.max_state_tokens)
-        truncated = max(0, len(state) - keep)
-        if truncated:
-            state = state[:keep]
+        state, truncated, exact = self.state_ids(request.state, keep, check)
 
         offset = len(self._prefix) + len(state)
         fields = [
@@ -260,4 +468,62 @@ class RequestEncoder:
         ]
         ids = self._prefix + state + schema + self._suffix
         return EncodedRequest(ids, fields, state_tokens=len(state), truncated_state_tokens=truncated,
-                              schema_offset=offset)
+                              schema_offset=offset, truncation_exact=exact)
+
+    def state_ids(self, state: Any, keep: int,
+                  checkpoint: Callable[[], None] | None = None) -> tuple[list[int], int, bool]:
+        """``(the first keep ids of the state's tokenization, how many ids were cut, exact?)``.
+
+        Only a prefix of a long state is rendered and tokenized: one that ends at a safe cut and
+        holds more than ``keep`` tokens, so its first ``keep`` ids are those of the whole state.
+        The number cut is then estimated (``exact`` False) from the characters left out."""
+        check = checkpoint or _no_check
+        text = StateText(state)
+        keep = max(0, keep)
+        if not self.split_state:                  # no provably safe cut for this tokenizer: all of it
+            ids = self._tokenize_state(text.upto(1 << 62))
+            return ids[:keep], max(0, len(ids) - keep), True
+        need = keep + 1                           # one more than can be kept tells whether it is cut
+        chars = max(STATE_PIECE_CHARS, need * PREFIX_CHARS_PER_TOKEN)
+        while True:
+            check()
+            window = chars + STATE_PIECE_CHARS
+            rendered = text.upto(window)
+            whole = text.complete and len(rendered) <= window
+            cut = None if whole else safe_cut(rendered, chars, window, added=self._added)
+            if cut is None and not whole:         # no place to cut near: look further, within reason
+                window = chars + MAX_UNCUT_CHARS
+                rendered = text.upto(window + 1)
+                whole = text.complete and len(rendered) <= window
+                cut = None if whole else safe_cut(rendered, chars + STATE_PIECE_CHARS - 64, window, added=self._added)
+                if cut is None and not whole:
+                    raise RequestError(f"the state has a run of more than {MAX_UNCUT_CHARS} characters with no place "
+                                       "where its tokenization can be cut (no space, digit or punctuation); split it",
+                                       kind=Kind.TOO_COMPLEX, field="state")
+            ids = self._tokenize_state(rendered if whole else rendered[:cut])
+            if whole or len(ids) >= need:
+                break
+            chars = max(2 * chars, int(cut * need / max(1, len(ids)) * 1.25))
+        if whole:
+            return ids[:keep], max(0, len(ids) - keep), True
+        check()
+        rest = text.remaining_chars(cut)
+        estimate = len(ids) - keep + round(rest * len(ids) / max(1, cut))
+        return ids[:keep], estimate, False
+
+    def _tokenize_state(self, text: str) -> list[int]:
+        pieces = state_pieces(text, added=self._added) if self.split_state and text else [text]
+        if len(pieces) == 1:
+            return self.tokenize(pieces[0])
+        return list(chain.from_iterable(self._tokenize_many(pieces)))
+
+
+def _no_check() -> None:
+    return None
+
+
+def _schema_too_long(tokens: int, max_length: int, exact: bool) -> RequestError:
+    need = f"{tokens}" if exact else f"at least {tokens}"
+    return RequestError(f"schema requires {need} tokens before state; maximum is {max_length}",
+                        kind=Kind.SCHEMA_TOO_LONG, field="questions")
+
