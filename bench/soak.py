@@ -256,7 +256,8 @@ class Soak:
         self.bulk["streams"] += 1
         self.bulk["records"] += len(items)
         try:
-            resp = await client.post("/v1/systemone/bulk", content=payload, headers=self.headers)
+            resp = await client.post("/v1/systemone/bulk", content=payload,
+                                     headers={**self.headers, "Content-Type": "application/x-ndjson"})
         except httpx.HTTPError as exc:
             self.bulk["lost"] += len(items)
             self._bad("lost", f"bulk stream {type(exc).__name__}: {exc}", count=False)

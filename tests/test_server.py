@@ -55,6 +55,7 @@ REQUEST = {
 }
 
 
+NDJSON = {"Content-Type": "application/x-ndjson"}
 OPS_KEYS = ("k-one", "k-two")
 AUTH = {"Authorization": f"Bearer {OPS_KEYS[0]}"}
 ORIGIN = "https://app.example"
@@ -301,12 +302,14 @@ BAD_REQUESTS = [
     (json.dumps(REQUEST | {"questions": {"n": {"type": "noul", "criteria": {"yes": "x"}}}}).encode(), 422,
      '"true" or "false"', "questions.n.criteria"),
     (json.dumps(REQUEST | {"questions": {"": {"type": "noul"}}}).encode(), 422, "empty question id",
-     "questions..instructions"),
+     'questions[""].instructions'),
+    (b'{"model":"m","state":' + b"1" * 5000 + b',"questions":{"q":{"type":"noul"}}}', 400,
+     "an integer has 5000 digits; at most 4300 are allowed", None),
     (b'{"model":"m","state":"bad \\ud800 surrogate","questions":{"q":{"type":"noul"}}}', 422,
      "unpaired UTF-16 surrogate", "state"),
     (b'{"model":"m\\udc00","state":"s","questions":{"q":{"type":"noul"}}}', 422, "unpaired UTF-16 surrogate", "model"),
     (b'{"model":"m","state":"s","questions":{"q\\ud800":{"type":"noul"}}}', 422, "unpaired UTF-16 surrogate",
-     "questions.q\\ud800"),
+     'questions["q\\ud800"]'),
     (b'{"model":"m","state":"s","questions":{"q":{"type":"noul","instructions":"\\udfff"}}}', 422,
      "unpaired UTF-16 surrogate", "questions.q.instructions"),
     (json.dumps(REQUEST | {"questions": {f"q{i}": {"type": "noul", "instructions": "Question number %d?" % i}
@@ -350,8 +353,23 @@ def test_schema_too_long_is_413(limits):
 def test_other_routes_and_methods(client):
     assert client.get("/v1/systemone").status_code == 405
     assert client.get("/nope").status_code == 404
-    assert client.post("/v1/systemone", content=json.dumps(REQUEST),
-                       headers={"Content-Type": "text/plain"}).status_code == 200
+    assert client.get("/health/").status_code == 404                       # no trailing-slash redirects
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None,
+                         "application/json; charset=latin-1", "application/x-ndjson"):
+        resp = client.post("/v1/systemone", content=json.dumps(REQUEST),
+                           headers={"Content-Type": content_type} if content_type else {})
+        if content_type is None:
+            assert "content-type" not in resp.request.headers
+        assert_error(resp, 415, "Content-Type must be application/json" if "latin" not in str(content_type)
+                     else "charset must be utf-8")
+    for content_type in ("application/json", "Application/JSON; charset=UTF-8"):
+        assert client.post("/v1/systemone", content=json.dumps(REQUEST),
+                           headers={"Content-Type": content_type}).status_code == 200
+    resp = client.post("/v1/systemone/bulk", content=json.dumps(REQUEST) + "\n", headers={"Content-Type": "text/plain"})
+    assert_error(resp, 415, "application/x-ndjson or application/jsonl")
+    for content_type in ("application/x-ndjson", "application/jsonl"):
+        resp = client.post("/v1/systemone/bulk", content=json.dumps(REQUEST) + "\n", headers={"Content-Type": content_type})
+        assert resp.status_code == 200 and resp.text.splitlines()[-1].startswith('{"summary":{"records":1,"ok":1')
 
 
 def test_still_healthy_after_all_of_the_above(client, live):
@@ -483,7 +501,8 @@ class RawHttp:
         self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
         self.reader = self.sock.makefile("rb")
         self.chunked = content_length is None
-        head = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}", "Content-Type: application/x-ndjson",
+        media = "application/x-ndjson" if path.endswith("/bulk") else "application/json"
+        head = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}", f"Content-Type: {media}",
                 *(f"{k}: {v}" for k, v in (headers or {}).items()),
                 "Transfer-Encoding: chunked" if self.chunked else f"Content-Length: {content_length}"]
         self.sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
@@ -535,7 +554,7 @@ def test_server_timing_and_request_id_on_every_response(live):
     assert ok.headers["x-request-id"] == "client-id.42:a"
     stages = server_timing(ok)
     # the reference backend tells backbone and head apart; every stage of a decision is there
-    assert list(stages) == ["queue", "encode", "batch_wait", "backbone", "head", "engine", "total"]
+    assert list(stages) == ["parse", "queue", "encode", "batch_wait", "backbone", "head", "engine", "total"]
     assert stages["total"] >= stages["engine"] >= stages["backbone"] and stages["head"] >= 0
     for resp in (post(live, {"model": "m"}), post(live, content=b"{"), httpx.get(live.url + "/health"),
                  httpx.get(live.url + "/nope"), httpx.get(live.url + "/metrics")):
@@ -562,7 +581,7 @@ def test_metrics_count_requests_stages_tokens_batches_and_answers(live):
     assert delta("clef_requests_total", route=route, status=200, reason="ok") == 1
     assert delta("clef_requests_total", route=route, status=422, reason="invalid") == 1
     assert delta("clef_requests_total", route=route, status=400, reason="bad_request") == 1
-    for stage in ("queue", "encode", "batch_wait", "backbone", "head", "engine"):
+    for stage in ("parse", "queue", "encode", "batch_wait", "backbone", "head", "engine"):
         assert delta("clef_stage_seconds_count", stage=stage, kind="interactive") == 1, stage
     assert delta("clef_stage_seconds_count", stage="total", kind="interactive") == 3       # errors are timed too
     assert delta("clef_input_tokens_count") == 1 and delta("clef_input_tokens_sum") > 100
@@ -585,7 +604,7 @@ def test_bulk_answers_each_line_like_the_single_endpoint(live):
              json.dumps(REQUEST | {"images": ["data:image/png;base64,AAAA"]}),
              json.dumps(REQUEST | {"model": "odd\u2028line\u0085breaks"}, ensure_ascii=False)]
     resp = httpx.post(live.url + "/v1/systemone/bulk", content=("\n".join(lines) + "\n").encode(), timeout=60,
-                      headers={"X-Request-Id": "bulk-job-1"})
+                      headers={"X-Request-Id": "bulk-job-1", **NDJSON})
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
     assert resp.headers["x-request-id"] == "bulk-job-1"
     out = [json.loads(line) for line in resp.text.splitlines()]   # U+2028/U+0085 stay escaped: one line each
@@ -632,7 +651,7 @@ def test_bulk_streams_a_line_per_record_while_the_body_is_still_being_sent(live)
 def test_bulk_line_over_the_size_cap_fails_alone(limits):
     big = json.dumps(REQUEST | {"state": "y" * 9000})               # > --max-body-bytes 8192
     body = "\n".join([json.dumps(REQUEST | {"model": "a"}), big, json.dumps(REQUEST | {"model": "c"})])
-    out = [json.loads(x) for x in httpx.post(limits.url + "/v1/systemone/bulk", content=body, timeout=60).text.splitlines()]
+    out = [json.loads(x) for x in httpx.post(limits.url + "/v1/systemone/bulk", content=body, timeout=60, headers=NDJSON).text.splitlines()]
     by_index = {o["index"]: o for o in out[:-1]}
     assert by_index[1]["status"] == 413 and "line exceeds 8192 bytes" in by_index[1]["body"]["error"]["message"]
     assert by_index[0]["body"]["model"] == "a" and by_index[2]["body"]["model"] == "c"
@@ -686,7 +705,7 @@ def test_api_key_guards_v1_routes_only(ops):
         assert post(ops, REQUEST, headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert httpx.get(ops.url + "/v1/models").status_code == 401
     assert httpx.get(ops.url + "/v1/models", headers=AUTH).status_code == 200
-    assert httpx.post(ops.url + "/v1/systemone/bulk", content=b"{}\n").status_code == 401
+    assert httpx.post(ops.url + "/v1/systemone/bulk", content=b"{}\n", headers=NDJSON).status_code == 401
     for path in ("/health", "/health/live", "/metrics", "/openapi.json", "/docs"):   # open unless --auth-health-metrics
         assert httpx.get(ops.url + path).status_code == 200, path
     assert metric(ops, "clef_requests_total", route="/v1/systemone", status=401, reason="unauthorized") == 6
@@ -757,7 +776,7 @@ def test_a_client_that_goes_away_is_cancelled_in_the_engine(ops):
     raw.close()
     wait_until(lambda: "held decision d1 cancelled" in ops.log(), "the engine call cancelled")
     wait_until(lambda: metric(ops, "clef_in_flight") == 0, "slot released")
-    wait_until(lambda: metric(ops, "clef_requests_total", status=499, reason="client_disconnected") == 1, "counted")
+    wait_until(lambda: metric(ops, "clef_requests_total", status=499, reason="client_closed") == 1, "counted")
 
 
 def test_bulk_concurrency_bound_and_stream_limit(ops, servers):
@@ -767,7 +786,8 @@ def test_bulk_concurrency_bound_and_stream_limit(ops, servers):
             raw.send_line(held(name))
         wait_until(lambda: metric(ops, "clef_in_flight") == 2, "two records in the engine")
         assert metric(ops, "clef_bulk_records_in_progress") == 2      # --bulk-concurrency 2: b3 is not read yet
-        second = httpx.post(ops.url + "/v1/systemone/bulk", content=json.dumps(REQUEST) + "\n", headers=AUTH)
+        second = httpx.post(ops.url + "/v1/systemone/bulk", content=json.dumps(REQUEST) + "\n",
+                            headers={**AUTH, **NDJSON})
         assert_error(second, 429, "bulk streams are open (--max-bulk-streams)")
         assert int(second.headers["retry-after"]) >= 1
         release(servers, "b2")
@@ -818,7 +838,7 @@ def test_sigterm_finishes_accepted_requests_refuses_new_ones_and_exits_0(ops, se
         assert httpx.get(ops.url + "/health").json() == {"status": "draining"}
         assert httpx.get(ops.url + "/health/live").status_code == 200
         assert_error(opost(ops, REQUEST), 503, "server is shutting down")
-        assert httpx.post(ops.url + "/v1/systemone/bulk", content=b"\n", headers=AUTH).status_code == 503
+        assert httpx.post(ops.url + "/v1/systemone/bulk", content=b"\n", headers={**AUTH, **NDJSON}).status_code == 503
         assert ops.proc.poll() is None
         release(servers, "s1")
         assert accepted.result().status_code == 200

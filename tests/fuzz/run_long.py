@@ -208,7 +208,8 @@ def main() -> int:
 
     def bulk_one(lines: list[bytes]):
         try:
-            resp = client.post("/v1/systemone/bulk", content=b"\n".join(lines) + b"\n")
+            resp = client.post("/v1/systemone/bulk", content=b"\n".join(lines) + b"\n",
+                               headers={"Content-Type": "application/x-ndjson"})
         except httpx.HTTPError as exc:
             tally.record("bulk-lines", "transport-error", f"{type(exc).__name__}: {exc}")
             return

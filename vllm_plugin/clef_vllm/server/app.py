@@ -1,12 +1,14 @@
 """FastAPI app: ``POST /v1/systemone``, ``POST /v1/systemone/bulk``, ``GET /health``,
-``GET /health/live``, ``GET /metrics``, ``GET /v1/models``; OpenAPI at ``/docs``.
+``GET /health/live``, ``GET /metrics``, ``GET /v1/models``; API documentation at ``/docs`` and
+``/redoc`` (assets served by this server: no CDN), OpenAPI at ``/openapi.json``.
 
 The model loads in the background after the server starts listening, so ``/health`` can say
 503 ("loading") instead of refusing connections; it says 200 only once requests can be served,
-and 503 again while draining (SIGTERM) or after the engine failed. Client mistakes map to 400
-(malformed JSON), 401 (API key), 413 (too large / too long), 422 (invalid, field named); the
-server's own limits to 429 (at capacity, with ``Retry-After``), 503 (not ready, draining, engine
-failed) and 504 (timed out). Nothing a client sends produces a 500 or a stack trace.
+and 503 again while draining (SIGTERM) or after the engine failed. Every error is a
+:class:`~clef_vllm.errors.ClefError` whose kind maps to a status in ONE table
+(``server/errors.py``). Nothing a client sends produces a 500 or a stack trace.
+POST bodies must declare their media type: ``application/json`` (``NDJSON_TYPES`` for the bulk
+endpoint), else 415. Trailing-slash redirects are off (``/health/`` is 404).
 See docs/operating.md.
 """
 
@@ -14,22 +16,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Callable
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.staticfiles import StaticFiles
 
 from clef_vllm import __version__
 from clef_vllm.backends.base import Backend
-from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, RequestError, ScoreAnswer, SystemOneRequest, SystemOneResponse
-from clef_vllm.server.body import decode_json, read_body  # noqa: F401 - decode_json is part of this module's API
+from clef_vllm.errors import ClefError, ClientClosed
+from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
+from clef_vllm.server.body import JSON_TYPES, NDJSON_TYPES, check_media_type, decode_json  # noqa: F401 - API
 from clef_vllm.server.bulk import BulkStream
-from clef_vllm.server.context import ServerError, reason_of
+from clef_vllm.server.errors import error_response, from_http_exception, outcome
 from clef_vllm.server.metrics import ServerMetrics
-from clef_vllm.server.middleware import CONTEXT_KEY, BearerAuth, EdgeMiddleware, error_response
+from clef_vllm.server.middleware import CONTEXT_KEY, DOCS_ASSETS, BearerAuth, EdgeMiddleware
 from clef_vllm.server.service import FAILED, READY, DecisionService
 from clef_vllm.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings  # noqa: F401 - re-exported
 
@@ -53,18 +59,23 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
             await service.close()
 
     app = FastAPI(title="clef-vllm SystemOne server", version=__version__, lifespan=lifespan,
-                  description="Clef-Flash decisions over the SystemOne protocol (`POST /v1/systemone`).")
+                  description="Clef-Flash decisions over the SystemOne protocol (`POST /v1/systemone`).",
+                  docs_url=None, redoc_url=None, swagger_ui_oauth2_redirect_url=None, redirect_slashes=False,
+                  dependencies=[Depends(require_media_type)])
     app.state.clef = service
 
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, exc: RequestError):
-        request.scope["state"][CONTEXT_KEY].reason = reason_of(exc)
+    @app.exception_handler(ClefError)
+    async def _clef_error(request: Request, exc: ClefError):
+        request.scope["state"][CONTEXT_KEY].reason = outcome(exc).reason
+        if isinstance(exc, ClientClosed):          # nobody is listening; the edge counts it as 499
+            return Response(status_code=499)
         return error_response(exc, dialect)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return error_response(RequestError(message, status=exc.status_code), dialect, exc.headers)
+        error = from_http_exception(exc)
+        request.scope["state"][CONTEXT_KEY].reason = outcome(error).reason
+        return error_response(error, dialect, exc.headers)
 
     @app.get("/health", summary="200 once the model is loaded and serving; 503 while loading, draining or failed")
     async def health():
@@ -95,11 +106,11 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     async def systemone(request: Request) -> Response:
         ctx = request.scope["state"][CONTEXT_KEY]
         service.check_accepting()
-        with service.track():
+        with service.track(), service.holding_body(ctx):
             ctx.timeout_s = settings.request_timeout_s
-            raw = await read_body(request, settings.max_body_bytes)
-            payload = await service.answer_unless_disconnected(decode_json(raw), ctx, request.receive)
-        return JSONResponse(payload)
+            raw = await service.read_body(request.receive, ctx, request.headers.get("content-length"))
+            content = await service.answer_unless_gone(raw, ctx, request.receive)
+        return Response(content, media_type="application/json")
 
     @app.post("/v1/systemone/bulk", summary="Stream many requests: NDJSON in, one NDJSON line per record as it "
               "finishes", response_model=None, responses=_bulk_openapi_responses(),
@@ -108,11 +119,10 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     async def bulk(request: Request) -> Response:
         ctx = request.scope["state"][CONTEXT_KEY]
         service.check_accepting()
-        if service.bulk_streams >= settings.max_bulk_streams:
-            raise ServerError(f"{service.bulk_streams} bulk streams are open (--max-bulk-streams)", status=429,
-                              reason="bulk_streams", headers={"Retry-After": str(service.admission.retry_after())})
         ctx.timeout_s = settings.request_timeout_s
         return BulkStream(service, ctx)
+
+    _install_docs(app)
 
     app.add_middleware(EdgeMiddleware, metrics=metrics, dialect=dialect,
                        auth=BearerAuth(settings.api_keys, settings.auth_health_metrics))
@@ -124,18 +134,51 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     return app
 
 
+#: POST routes whose body is NDJSON; every other POST route takes ``application/json``.
+NDJSON_ROUTES = frozenset({"/v1/systemone/bulk"})
+
+
+async def require_media_type(request: Request) -> None:
+    """Every POST body must say what it is (415 otherwise): see ``check_media_type``."""
+    if request.method == "POST":
+        accepted = NDJSON_TYPES if request.url.path in NDJSON_ROUTES else JSON_TYPES
+        check_media_type(request.headers.get("content-type"), accepted)
+
+
 def _openapi_responses() -> dict:
     err = {"description": "Error body: {error: {message, type, param, code}} (workers-ai dialect: hosted envelope)"}
     return {200: {"description": "Answers", "content": {"application/json": {
                 "schema": {"$ref": "#/components/schemas/SystemOneResponse"}}}},
-            400: err, 401: err, 413: err, 422: err, 429: err, 503: err, 504: err}
+            400: err, 401: err, 408: err, 413: err, 415: err, 422: err, 429: err, 503: err, 504: err}
 
 
 def _bulk_openapi_responses() -> dict:
     err = {"description": "Error body (the stream did not start)"}
     return {200: {"description": 'NDJSON: {"index", "status", "body"} per record as it finishes, then {"summary"}',
                   "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
-            400: err, 401: err, 429: err, 503: err}
+            400: err, 401: err, 408: err, 415: err, 429: err, 503: err}
+
+
+def _install_docs(app: FastAPI) -> None:
+    """``/docs`` (Swagger UI) and ``/redoc`` with their JavaScript, CSS and icon served from the
+    ``fastapi-offline`` package: the pages work on a machine without internet access."""
+    import fastapi_offline
+
+    assets = Path(fastapi_offline.__file__).parent / "static"
+    app.mount(DOCS_ASSETS.rstrip("/"), StaticFiles(directory=assets), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{DOCS_ASSETS}swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}favicon.png", oauth2_redirect_url=None)
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc",
+                              redoc_js_url=f"{DOCS_ASSETS}redoc.standalone.js",
+                              redoc_favicon_url=f"{DOCS_ASSETS}favicon.png", with_google_fonts=False)
 
 
 def _install_openapi(app: FastAPI) -> None:

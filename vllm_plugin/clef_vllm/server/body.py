@@ -1,15 +1,203 @@
-"""Reading and decoding request bodies: size cap, strict JSON."""
+"""Request bodies: reading them (size cap, slow-client timeouts, disconnects, shutdown), checking
+their media type, and decoding them as strict JSON within the structural limits.
+
+Decoding runs in the server's CPU pool (see service.py), never on the event loop. Before
+``json.loads`` builds a single object, a scan counts the body's JSON values in windows of
+:data:`SCAN_WINDOW` bytes (each a few C calls, so the GIL is released between them) and refuses a
+body with more values than :class:`~clef_vllm.protocol.RequestLimits` allows: a million keys or a
+600,000-question body costs a few milliseconds to refuse, not gigabytes to parse.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from typing import Any
+import re
+import time
+from typing import Any, Awaitable, Callable
 
-from starlette.requests import Request
+from clef_vllm.errors import ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.protocol import MAX_INT_DIGITS, RequestLimits
 
-from clef_vllm.protocol import RequestError
-from clef_vllm.server.context import ServerError
+#: Bytes scanned per step when counting a body's JSON values.
+SCAN_WINDOW = 1 << 20
+#: While the server drains (SIGTERM), an upload that sends nothing for this long is refused (503).
+DRAIN_STALL_S = 0.5
+
+JSON_TYPES = ("application/json",)
+#: Media types accepted by the bulk endpoint (one JSON request per line).
+NDJSON_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines", "application/ndjson")
+
+
+# --------------------------------------------------------------------------- media type
+
+
+def check_media_type(content_type: str | None, accepted: tuple[str, ...]) -> None:
+    """Refuse (415) a body that is not declared as one of ``accepted`` (parameters allowed; a
+    ``charset`` must be UTF-8). A missing Content-Type is refused too: browsers send cross-site
+    ``text/plain`` or form posts without a CORS preflight, never ``application/json``."""
+    media, _, params = (content_type or "").partition(";")
+    media = media.strip().lower()
+    if media not in accepted:
+        got = f"got {media!r}" if media else "none was given"
+        raise RequestError(f"Content-Type must be {' or '.join(accepted)} ({got})", kind=Kind.UNSUPPORTED_MEDIA_TYPE)
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise RequestError(f"charset must be utf-8 (got {value.strip()!r})", kind=Kind.UNSUPPORTED_MEDIA_TYPE)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def body_too_large(limit: int, what: str = "body") -> RequestError:
+    return RequestError(f"{what} exceeds {limit} bytes (--max-body-bytes)", kind=Kind.BODY_TOO_LARGE)
+
+
+class BodyReader:
+    """Reads a request body from ASGI ``receive`` with the slow-client rules:
+
+    * no pause between two pieces of the body longer than ``body_timeout`` seconds;
+    * the whole body by ``start + body_timeout + received / min_rate`` (a minimum average rate
+      once the first ``body_timeout`` seconds are used up);
+    * once ``stopping`` is set (SIGTERM), a body that pauses for :data:`DRAIN_STALL_S` is refused
+      with 503; ``abandon`` (the shutdown timeout) refuses it at once.
+
+    Raises RequestError(SLOW_CLIENT), ClientClosed or ServiceError(DRAINING)."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]], *, body_timeout: float | None = None,
+                 min_rate: float | None = None, stopping: asyncio.Event | None = None,
+                 abandon: asyncio.Event | None = None):
+        self.receive = receive
+        self.body_timeout = body_timeout
+        self.min_rate = min_rate
+        self.stopping = stopping
+        self.abandon = abandon
+        self.started = self.last = time.monotonic()
+        self.received = 0
+        self.done = False
+        #: While this says True the client is waiting for answers: pauses are not counted (bulk).
+        self.exempt: Callable[[], bool] | None = None
+        self.wake = asyncio.Event()                  # set when ``exempt`` may have changed
+
+    def touch(self) -> None:
+        """Restart the pause clock (the client's answers just went out) and re-check the rules."""
+        self.last = time.monotonic()
+        self.wake.set()
+
+    def _deadline(self, now: float) -> float | None:
+        limits = []
+        if self.exempt is not None and self.exempt():
+            pass
+        elif self.body_timeout:
+            limits.append(self.last + self.body_timeout)
+            if self.min_rate:
+                limits.append(self.started + self.body_timeout + self.received / self.min_rate)
+        if self.stopping is not None and self.stopping.is_set():
+            limits.append(self.last + DRAIN_STALL_S)
+        return min(limits) if limits else None
+
+    async def message(self) -> dict:
+        """The next ASGI message (``http.request`` with its bytes); raises on the rules above."""
+        while True:
+            now = time.monotonic()
+            deadline = self._deadline(now)
+            if self.abandon is not None and self.abandon.is_set():
+                raise ServiceError("server is shutting down; the request body was not received in time",
+                                   kind=Kind.DRAINING)
+            if deadline is not None and now >= deadline:
+                raise self._timed_out()
+            waits = [asyncio.ensure_future(self.receive())]
+            if self.stopping is not None and not self.stopping.is_set():
+                waits.append(asyncio.ensure_future(self.stopping.wait()))
+            if self.abandon is not None:
+                waits.append(asyncio.ensure_future(self.abandon.wait()))
+            if self.exempt is not None:
+                self.wake.clear()
+                waits.append(asyncio.ensure_future(self.wake.wait()))
+            try:
+                await asyncio.wait(waits, timeout=None if deadline is None else deadline - now,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits[1:]:
+                    w.cancel()
+            got = waits[0]
+            if not got.done():
+                got.cancel()
+                continue                            # a deadline or the server's state changed: re-check
+            message = got.result()
+            if message["type"] == "http.disconnect":
+                raise ClientClosed("client closed the connection before sending the whole body")
+            chunk = message.get("body", b"")
+            if chunk:
+                self.last = time.monotonic()
+                self.received += len(chunk)
+            if not message.get("more_body", False):
+                self.done = True
+            return message
+
+    def _timed_out(self) -> Exception:
+        if self.stopping is not None and self.stopping.is_set():
+            return ServiceError("server is shutting down; the request body stalled", kind=Kind.DRAINING)
+        rate = f", then at least {self.min_rate:g} bytes/s on average (--min-body-rate)" if self.min_rate else ""
+        return RequestError(f"request body too slow: at most {self.body_timeout:g} s without data (--body-timeout)"
+                            f"{rate}", kind=Kind.SLOW_CLIENT)
+
+    async def read_all(self, limit: int, declared: str | None = None) -> bytes:
+        """The whole body, refused (413) as soon as it passes ``limit`` bytes (declared or streamed)."""
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise body_too_large(limit)
+        chunks = []
+        while not self.done:
+            chunk = (await self.message()).get("body", b"")
+            if self.received > limit:
+                raise body_too_large(limit)
+            if chunk:
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+
+# --------------------------------------------------------------------------- decoding
+
+_QUOTE, _BACKSLASH, _COMMA, _BRACKET, _BRACE = 0x22, 0x5C, 0x2C, 0x5B, 0x7B
+
+
+def count_values(raw: bytes, limit: int | None, checkpoint: Callable[[], None] | None = None) -> int:
+    """An upper bound on the JSON values in ``raw``: 1 + commas + opening brackets outside strings,
+    counted window by window (numpy, a few vector operations per window) and stopped as soon as it
+    passes ``limit``. Strings are skipped, so a state full of commas counts as one value."""
+    if limit is not None and len(raw) <= limit:
+        return 1                                         # every counted byte is a byte: it fits
+    import numpy as np
+
+    data = np.frombuffer(raw, dtype=np.uint8)
+    count, inside = 1, False                             # inside: the window starts inside a string
+    for start in range(0, len(data), SCAN_WINDOW):
+        if checkpoint is not None:
+            checkpoint()
+        window = data[start:start + SCAN_WINDOW]
+        quotes = np.flatnonzero(window == _QUOTE)
+        if quotes.size:                                  # drop quotes escaped by an odd run of backslashes
+            at = quotes + (start - 1)
+            odd = np.zeros(quotes.size, dtype=bool)
+            run = (at >= 0) & (data[np.maximum(at, 0)] == _BACKSLASH)
+            while run.any():
+                odd ^= run
+                at -= 1
+                run &= (at >= 0) & (data[np.maximum(at, 0)] == _BACKSLASH)
+            quotes = quotes[~odd]
+        marks = np.flatnonzero((window == _COMMA) | (window == _BRACKET) | (window == _BRACE))
+        if marks.size:
+            if quotes.size:
+                quotes_before = np.searchsorted(quotes, marks)
+                count += int(np.count_nonzero((quotes_before & 1).astype(bool) == inside))
+            elif not inside:
+                count += int(marks.size)
+        inside ^= bool(quotes.size & 1)
+        if limit is not None and count > limit:
+            break
+    return count
 
 
 def _reject_constant(name: str):
@@ -23,29 +211,25 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def decode_json(raw: bytes | str) -> Any:
-    """Strict JSON (no NaN/Infinity, no number overflowing to infinity); raises RequestError(400)."""
+def _bounded_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer has {digits} digits; at most {MAX_INT_DIGITS} are allowed")
+    return int(text)
+
+
+def decode_json(raw: bytes | str, limits: RequestLimits | None = None,
+                checkpoint: Callable[[], None] | None = None) -> Any:
+    """Strict JSON (no NaN/Infinity, no number overflowing to infinity, integers of at most 4,300
+    digits) within ``limits.max_values``; raises RequestError (MALFORMED or TOO_COMPLEX)."""
+    if limits is not None and limits.max_values is not None:
+        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+        if count_values(data, limits.max_values, checkpoint) > limits.max_values:
+            raise RequestError(f"the body has more than {limits.max_values} JSON values; no request with that many "
+                               f"fits in {limits.budget()}", kind=Kind.TOO_COMPLEX)
     try:
-        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError(f"body is not valid JSON: {exc}", status=400) from None
+        raise RequestError(f"body is not valid JSON: {exc}", kind=Kind.MALFORMED) from None
     except RecursionError:
-        raise RequestError("body is not valid JSON: nested too deeply", status=400) from None
-
-
-def body_too_large(limit: int) -> ServerError:
-    return ServerError(f"body exceeds {limit} bytes (--max-body-bytes)", status=413, reason="body_too_large")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with 413 as soon as it passes ``limit`` bytes (declared or streamed)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        raise RequestError("body is not valid JSON: nested too deeply", kind=Kind.MALFORMED) from None

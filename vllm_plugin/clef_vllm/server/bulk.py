@@ -9,6 +9,10 @@ error bodies included; a bad line never affects the others. The last line is
 Backpressure: the body is read incrementally and at most ``bulk_concurrency`` records of a stream
 are in progress; the next line is read only when one finishes, so a fast sender is slowed down
 by TCP flow control. Finished lines wait in a bounded buffer while the client is not reading.
+
+A stream counts against ``--max-bulk-streams`` from its first byte of data, not from its headers,
+and only while it sends or is being answered: a client that pauses for ``--body-timeout`` with
+none of its records in progress, or does not read its answers for as long, loses the stream.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from typing import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from clef_vllm.protocol import RequestError
+from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
 from clef_vllm.server.admission import BULK
-from clef_vllm.server.body import decode_json
-from clef_vllm.server.context import RequestContext, ServerError, reason_of
+from clef_vllm.server.body import BodyReader, body_too_large
+from clef_vllm.server.context import RequestContext
+from clef_vllm.server.errors import error_body, outcome
 from clef_vllm.server.logs import LOG_CONTEXT
-from clef_vllm.server.service import DecisionService, wait_for_disconnect
+from clef_vllm.server.service import DecisionService
 
 log = logging.getLogger("clef_vllm.server")
 
@@ -35,25 +40,19 @@ OUTPUT_BUFFER_LINES = 10_000
 TOO_LONG = object()
 
 
-class ClientGone(Exception):
-    pass
-
-
 def ndjson_line(obj: dict) -> bytes:
     """One output line. ASCII-only JSON: U+2028, U+0085 and friends stay escaped, so a consumer that
     splits on any Unicode line break (Python's ``str.splitlines``) still sees one record per line."""
     return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
 
 
-async def read_lines(receive: Receive, max_line_bytes: int) -> AsyncIterator[tuple[int, object]]:
+async def read_lines(reader: BodyReader, first: dict, max_line_bytes: int) -> AsyncIterator[tuple[int, object]]:
     """``(line index, bytes)`` for each line of the body as it arrives; ``TOO_LONG`` in place of a
-    line over ``max_line_bytes`` (the rest of it is skipped). Raises ClientGone on disconnect."""
+    line over ``max_line_bytes`` (the rest of it is skipped). Raises what ``reader`` raises."""
     buf = bytearray()
     index, skipping = 0, False
+    message = first
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
         data = message.get("body", b"")
         start = 0
         while (newline := data.find(b"\n", start)) >= 0:
@@ -75,6 +74,7 @@ async def read_lines(receive: Receive, max_line_bytes: int) -> AsyncIterator[tup
             if buf and not skipping:
                 yield index, bytes(buf)
             return
+        message = await reader.message()
 
 
 class BulkStream(Response):
@@ -90,52 +90,68 @@ class BulkStream(Response):
         self.ctx = ctx
         self.counts = {"records": 0, "ok": 0, "failed": 0}
         self.aborted: str | None = None
+        self.in_progress = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        service = self.service
-        service.bulk_streams += 1
+        service, settings = self.service, self.service.settings
+        reader = service.body_reader(receive)
+        reader.min_rate = None                 # a stream's pace is set by its answers, not by a rate
+        reader.exempt = lambda: self.in_progress > 0
+        with service.track():
+            # Wait for data before taking a stream slot (a client sending "Expect: 100-continue" gets
+            # its 100 now; uvicorn sends none once the response has started). Errors here are plain
+            # HTTP errors: the stream has not started.
+            first = await reader.message()
+            if service.bulk_streams >= settings.max_bulk_streams:
+                raise ServiceError(f"{service.bulk_streams} bulk streams are open (--max-bulk-streams)",
+                                   kind=Kind.BULK_STREAMS, retry_after=service.admission.retry_after())
+            service.bulk_streams += 1
+            try:
+                await self._stream(scope, reader, first, send)
+            finally:
+                service.bulk_streams -= 1
+
+    async def _stream(self, scope: Scope, reader: BodyReader, first: dict, send: Send) -> None:
+        timeout = self.service.settings.body_timeout_s
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        out: asyncio.Queue = asyncio.Queue(maxsize=OUTPUT_BUFFER_LINES)
+        closed = scope.get("extensions", {}).get("clef.closed") or asyncio.Event()
+        runner = asyncio.create_task(self._read_and_run(reader, first, out, closed))
         try:
-            with service.track():
-                # Read before answering: a client sending "Expect: 100-continue" gets its 100 now
-                # (uvicorn sends none once the response has started).
-                first, replayed = await receive(), False
-
-                async def receive_from_first() -> dict:
-                    nonlocal replayed
-                    if not replayed:
-                        replayed = True
-                        return first
-                    return await receive()
-
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                out: asyncio.Queue = asyncio.Queue(maxsize=OUTPUT_BUFFER_LINES)
-                reader = asyncio.create_task(self._read_and_run(receive_from_first, out))
+            while (line := await out.get()) is not None:
                 try:
-                    while (line := await out.get()) is not None:
-                        await send({"type": "http.response.body", "body": line, "more_body": True})
-                finally:
-                    reader.cancel()
-                    await asyncio.gather(reader, return_exceptions=True)
-                if not reader.cancelled() and reader.exception() is not None:
-                    log.error("bulk stream failed: %s", reader.exception(), exc_info=reader.exception())
-                    self.aborted = self.aborted or "internal error"
-                summary = dict(self.counts, aborted=self.aborted)
-                await send({"type": "http.response.body", "body": ndjson_line({"summary": summary}),
-                            "more_body": False})
-                log.info("bulk stream done", extra=summary)
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": line, "more_body": True}),
+                                           timeout)
+                except asyncio.TimeoutError:
+                    self.aborted = f"client did not read its answers for {timeout:g} s (--body-timeout)"
+                    log.info("bulk client is not reading its answers; closing the connection")
+                    close_connection(scope)
+                    return
         finally:
-            service.bulk_streams -= 1
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        if not runner.cancelled() and runner.exception() is not None:
+            log.error("bulk stream failed: %s", runner.exception(), exc_info=runner.exception())
+            self.aborted = self.aborted or "internal error"
+        summary = dict(self.counts, aborted=self.aborted)
+        await send({"type": "http.response.body", "body": ndjson_line({"summary": summary}), "more_body": False})
+        log.info("bulk stream done", extra=summary)
 
-    async def _read_and_run(self, receive: Receive, out: asyncio.Queue) -> None:
+    async def _read_and_run(self, reader: BodyReader, first: dict, out: asyncio.Queue, closed: asyncio.Event) -> None:
         service, settings = self.service, self.service.settings
         slots = asyncio.Semaphore(settings.bulk_concurrency)
         tasks: set[asyncio.Task] = set()
-        lines = read_lines(receive, settings.max_body_bytes)
+        lines = read_lines(reader, first, settings.max_body_bytes)
         stop = asyncio.ensure_future(service.stopping.wait())   # drain or engine failure: stop reading
+        gone = asyncio.ensure_future(closed.wait())             # the connection closed (clef's protocol)
         try:
             while True:
                 nxt = asyncio.ensure_future(anext(lines))
-                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({nxt, stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    raise ClientClosed("client disconnected")
                 if not nxt.done():
                     nxt.cancel()
                     await asyncio.gather(nxt, return_exceptions=True)
@@ -145,53 +161,76 @@ class BulkStream(Response):
                     index, line = nxt.result()
                 except StopAsyncIteration:
                     break
+                except ClientClosed:
+                    raise
+                except ClefError as exc:              # too slow, or the server is going away
+                    self.aborted = exc.message
+                    break
                 if line is not TOO_LONG and not line.strip():
                     continue
-                await slots.acquire()
+                slot = asyncio.ensure_future(slots.acquire())
+                await asyncio.wait({slot, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not slot.done() or gone.done():
+                    if slot.done():
+                        slots.release()
+                    slot.cancel()
+                    raise ClientClosed("client disconnected")
+                self.in_progress += 1
                 service.bulk_records_in_progress += 1
-                task = asyncio.create_task(self._record(index, line, out, slots))
+                task = asyncio.create_task(self._record(index, line, out, slots, reader))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             # body done (or aborted): let the records finish, unless the client leaves meanwhile
             if tasks:
                 finished = asyncio.ensure_future(asyncio.gather(*tasks))
-                gone = asyncio.ensure_future(wait_for_disconnect(receive)) if self.aborted is None else None
-                await asyncio.wait({finished} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
-                if gone is not None:
-                    gone.cancel()
+                waits = {finished, asyncio.ensure_future(service.abandon.wait()), gone}
+                if self.aborted is None:
+                    waits.add(asyncio.ensure_future(wait_for_end(reader)))
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits - {finished, gone}:
+                    w.cancel()
                 if not finished.done():
-                    raise ClientGone()
-        except ClientGone:
+                    if service.abandon.is_set():
+                        self.aborted = "server is shutting down (--shutdown-timeout)"
+                        await self._cancel(tasks)
+                    else:
+                        raise ClientClosed("client disconnected")
+        except ClientClosed:
             self.aborted = "client disconnected"
             log.info("bulk client disconnected; cancelling %d record(s)", len(tasks))
-            for task in list(tasks):
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._cancel(tasks)
         finally:
             stop.cancel()
+            gone.cancel()
             try:
                 await lines.aclose()
             except RuntimeError:            # cancelled while the generator was suspended in receive()
                 pass
             await out.put(None)
 
-    async def _record(self, index: int, line, out: asyncio.Queue, slots: asyncio.Semaphore) -> None:
+    @staticmethod
+    async def _cancel(tasks: set[asyncio.Task]) -> None:
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _record(self, index: int, line, out: asyncio.Queue, slots: asyncio.Semaphore,
+                      reader: BodyReader) -> None:
         service = self.service
         ctx = RequestContext(self.ctx.request_id, "bulk", record=index, timeout_s=self.ctx.timeout_s)
         LOG_CONTEXT.set({"request_id": ctx.request_id, "record": index})
         try:
             try:
                 if line is TOO_LONG:
-                    raise ServerError(f"line exceeds {service.settings.max_body_bytes} bytes (--max-body-bytes)",
-                                      status=413, reason="body_too_large")
-                status, body = 200, await service.answer(decode_json(line), ctx, BULK)
-            except RequestError as exc:
-                status, body = exc.status, exc.body(service.dialect)
-                ctx.reason = reason_of(exc)
+                    raise body_too_large(service.settings.max_body_bytes, "line")
+                status, body = 200, await service.answer(line, ctx, BULK)
+            except ClefError as exc:
+                status, body = outcome(exc).status, error_body(exc, service.dialect)
+                ctx.reason = outcome(exc).reason
             except Exception as exc:  # noqa: BLE001 - one record's failure never ends the stream
                 log.error("bulk record failed: %s", exc, exc_info=exc)
-                status, ctx.reason = 500, "internal"
-                body = RequestError("internal server error", status=500).body(service.dialect)
+                failure = ServiceError("internal server error", kind=Kind.INTERNAL)
+                status, ctx.reason, body = 500, "internal", error_body(failure, service.dialect)
             self.counts["records"] += 1
             self.counts["ok" if status == 200 else "failed"] += 1
             service.metrics.bulk_records.labels(str(status), ctx.reason).inc()
@@ -199,4 +238,25 @@ class BulkStream(Response):
             await out.put(ndjson_line({"index": index, "status": status, "body": body}))
         finally:
             service.bulk_records_in_progress -= 1
+            self.in_progress -= 1
+            if self.in_progress == 0:
+                reader.touch()              # the client has its answers: its pause clock starts now
             slots.release()
+
+
+async def wait_for_end(reader: BodyReader) -> None:
+    """Return when the client disconnects (the body is complete; nothing more is expected)."""
+    while True:
+        message = await reader.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def close_connection(scope: Scope) -> None:
+    """Close the client's connection now (clef's uvicorn protocol puts the hook in the scope)."""
+    hook = scope.get("extensions", {}).get("clef.close_connection")
+    if hook is not None:
+        hook()
+
+
+__all__ = ["BulkStream", "ndjson_line", "read_lines", "RequestError"]

@@ -26,7 +26,9 @@ from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import Dialect
-from clef_vllm.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S,
+from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                       DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS,
+                                       DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S,
                                        OVER_LENGTH_POLICIES)
 
 API_KEY_ENV = "CLEF_API_KEY"
@@ -53,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a state that does not fit: 'truncate' cuts its end, as the reference does (reported in "
                           "usage.truncated_state_tokens); 'reject' answers 413 with the token counts. A schema that "
                           "does not fit is always 413 (default: truncate)")
-    lim.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    lim.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                      help=f"request body cap, 413 above it; also the per-line cap of the bulk endpoint "
-                          f"(default {DEFAULT_MAX_BODY_BYTES})")
+                          f"(default {DEFAULT_MAX_BODY_BYTES}). Bodies held in memory at once are capped at "
+                          f"{BUFFERED_BODIES} x this (429 beyond)")
     lim.add_argument("--max-in-flight", type=_positive_int, default=None,
                      help="requests in the engine at once (default: vLLM max-num-seqs x data-parallel-size; "
                           "reference: 2 x max-batch-size)")
@@ -69,17 +72,38 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                      help=f"on SIGTERM, seconds to finish accepted requests before exiting "
                           f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    lim.add_argument("--cpu-workers", type=_positive_int, default=None,
+                     help="threads that decode, validate, encode and serialise requests off the event loop "
+                          "(default: one per core, at most 8)")
     lim.add_argument("--bulk-concurrency", type=_positive_int, default=8,
                      help="records of one bulk stream in progress at once (default 8)")
     lim.add_argument("--max-bulk-streams", type=_positive_int, default=4,
                      help="bulk streams open at once; beyond it 429 (default 4)")
+
+    net = p.add_argument_group("connections and slow clients")
+    net.add_argument("--header-timeout", type=_non_negative_float, default=DEFAULT_HEADER_TIMEOUT_S,
+                     help=f"seconds a connection has to send a complete request head (from opening, or from the first "
+                          f"byte of a later request); then it is closed (408); 0 = none "
+                          f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    net.add_argument("--body-timeout", type=_non_negative_float, default=DEFAULT_BODY_TIMEOUT_S,
+                     help=f"longest pause in a request body, then 408; also in a bulk stream's input while none of "
+                          f"its records is in progress, and in reading a bulk stream's output; 0 = none "
+                          f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    net.add_argument("--min-body-rate", type=_non_negative_float, default=DEFAULT_MIN_BODY_RATE,
+                     help=f"bytes/s a request body must average once the first --body-timeout seconds are used up "
+                          f"(408 below it); 0 = none (default {DEFAULT_MIN_BODY_RATE})")
+    net.add_argument("--keep-alive-timeout", type=_non_negative_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                     help=f"seconds an idle kept-alive connection stays open (default {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})")
+    net.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
+                     help=f"open connections; one more gets 503 and is closed (default {DEFAULT_MAX_CONNECTIONS})")
 
     sec = p.add_argument_group("auth and browsers")
     sec.add_argument("--api-key", action="append", default=None,
                      help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys). Prefer the "
                           f"{API_KEY_ENV} environment variable (comma-separated keys): flags show in ps")
     sec.add_argument("--auth-health-metrics", action="store_true",
-                     help="with an API key, also require it on /health, /health/live and /metrics (default: open)")
+                     help="with an API key, also require it on /health, /health/live, /metrics and the API "
+                          "documentation (/docs, /redoc, /openapi.json and their assets) (default: open)")
     sec.add_argument("--cors-origins", action="append", default=None,
                      help="allow browser calls from these origins (comma-separated or repeated; '*' = any). "
                           "Default: CORS off")
@@ -134,6 +158,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -160,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from clef_vllm.api import resolve_model_dir
     from clef_vllm.backends import make_backend
     from clef_vllm.server.app import create_app
+    from clef_vllm.server.connection import ConnectionRules, protocol_class
     from clef_vllm.server.faults import wrap_load
     from clef_vllm.server.settings import ServerSettings
 
@@ -202,14 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
         auth_health_metrics=args.auth_health_metrics, cors_origins=_split(args.cors_origins),
         near_tie_margin=args.near_tie_margin, bulk_concurrency=args.bulk_concurrency,
-        max_bulk_streams=args.max_bulk_streams, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal,
+        max_bulk_streams=args.max_bulk_streams, header_timeout_s=args.header_timeout or None,
+        body_timeout_s=args.body_timeout or None, min_body_rate=args.min_body_rate or None,
+        keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
+        cpu_workers=args.cpu_workers, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal,
         on_drained=on_drained)
     if keys:
         log.info("API key required on /v1/*%s (%d key(s))", " and the probes" if args.auth_health_metrics else "",
                  len(keys))
     app = create_app(wrap_load(load), settings)
+    # Our own drain answers every request before uvicorn's shutdown starts; its grace period is a backstop.
+    rules = ConnectionRules(header_timeout=settings.header_timeout_s, max_connections=settings.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=10)
+                            http=protocol_class(rules), timeout_keep_alive=settings.keep_alive_timeout_s,
+                            timeout_graceful_shutdown=1)
     server = DrainingServer(config, app.state.clef)
     server.run()
     failure = (f"could not load the model: {load_failure[0]}" if load_failure else

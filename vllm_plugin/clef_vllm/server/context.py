@@ -2,6 +2,7 @@
 
 Stages, in seconds (``Server-Timing`` shows milliseconds):
 
+* ``parse``: decoding and validating the body (CPU pool);
 * ``queue``: waiting for an engine slot (admission control);
 * ``encode``: tokenization and span layout;
 * ``engine``: the backend call, everything it does included;
@@ -13,13 +14,12 @@ Stages, in seconds (``Server-Timing`` shows milliseconds):
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from clef_vllm.protocol import RequestError
-
-STAGES = ("queue", "encode", "batch_wait", "backbone", "head", "engine", "total")
+STAGES = ("parse", "queue", "encode", "batch_wait", "backbone", "head", "engine", "total")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -30,27 +30,8 @@ def accept_request_id(value: str | None) -> str:
     return uuid.uuid4().hex
 
 
-class ServerError(RequestError):
-    """An error the server decides (limits, overload, timeouts, engine failure), with a metrics reason."""
-
-    def __init__(self, message: str, *, status: int, reason: str, field: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message, field=field, status=status)
-        self.reason = reason
-        self.headers = headers or {}
-
-
-_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-            413: "too_large", 422: "invalid", 429: "overloaded", 500: "internal", 503: "unavailable",
-            504: "timeout"}
-
-
-def reason_of(exc: BaseException) -> str:
-    """A short, bounded label for metrics and logs (never client text)."""
-    reason = getattr(exc, "reason", None)
-    if reason:
-        return reason
-    return _REASONS.get(getattr(exc, "status", 500), "error")
+class WorkCancelled(Exception):
+    """Raised inside CPU work whose request no longer needs it."""
 
 
 @dataclass
@@ -66,6 +47,13 @@ class RequestContext:
     input_tokens: int | None = None
     questions: int | None = None
     record: int | None = None          # line index inside a bulk stream
+    cancelled: threading.Event = field(default_factory=threading.Event)   # stop its CPU work (pool threads)
+    body_bytes: int = 0
+
+    def checkpoint(self) -> None:
+        """Called by CPU work between steps: stops it once the request is cancelled (timeout, client gone)."""
+        if self.cancelled.is_set():
+            raise WorkCancelled()
 
     def add_stage(self, name: str, seconds: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + max(0.0, seconds)

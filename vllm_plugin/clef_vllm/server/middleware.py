@@ -1,6 +1,7 @@
 """The HTTP edge (pure ASGI, so streaming bodies pass untouched): request id, bearer auth,
-``Server-Timing`` and ``X-Request-Id`` headers, the access log line, request metrics, and a
-dialect-shaped 500 for anything unexpected."""
+``Server-Timing`` and ``X-Request-Id`` headers, the access log line, request metrics, a
+dialect-shaped error for anything that escapes the app (a 500 for a bug), 499 for a client that
+left, and ``Connection: close`` on an answer sent before the request body was read to its end."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import hmac
 import logging
 
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clef_vllm.protocol import Dialect, RequestError
-from clef_vllm.server.context import RequestContext, accept_request_id, reason_of
+from clef_vllm.errors import ClefError, ClientClosed, Kind
+from clef_vllm.protocol import Dialect
+from clef_vllm.server.context import RequestContext, accept_request_id
+from clef_vllm.server.errors import OUTCOMES, error_response, outcome
 from clef_vllm.server.logs import LOG_CONTEXT
 from clef_vllm.server.metrics import ServerMetrics
 
@@ -21,20 +23,13 @@ access_log = logging.getLogger("clef_vllm.access")
 
 #: Routes with their own metrics label; anything else is "other".
 ROUTES = ("/v1/systemone", "/v1/systemone/bulk", "/v1/models", "/health", "/health/live", "/metrics",
-          "/openapi.json", "/docs")
+          "/openapi.json", "/docs", "/redoc")
 PROBES = ("/health", "/health/live", "/metrics")
+#: The API documentation: open, or behind the key with the probes (``--auth-health-metrics``).
+DOCS = ("/docs", "/redoc", "/openapi.json")
+DOCS_ASSETS = "/docs/assets/"
 CONTEXT_KEY = "clef_ctx"
-
-
-def error_response(exc: RequestError, dialect: Dialect, headers: dict | None = None) -> JSONResponse:
-    """The error body in the dialect's envelope, with the error's own headers (``Retry-After``)."""
-    return JSONResponse(exc.body(dialect), status_code=exc.status,
-                        headers={**getattr(exc, "headers", {}), **(headers or {})})
-
-
-def request_context(scope: Scope) -> RequestContext:
-    return scope["state"][CONTEXT_KEY]
-
+_STATUS_REASON = {o.status: o.reason for kind, o in reversed(OUTCOMES.items())}
 
 class BearerAuth:
     """``Authorization: Bearer <key>`` against one or more keys, compared in constant time."""
@@ -44,9 +39,12 @@ class BearerAuth:
         self.protect_probes = protect_probes
 
     def protects(self, path: str) -> bool:
+        """``/v1/*`` always (with a key); the probes, ``/metrics`` and the API documentation
+        (``/docs``, ``/redoc``, ``/openapi.json`` and the pages' assets) with ``--auth-health-metrics``."""
         if not self.keys:
             return False
-        return path.startswith("/v1/") or (self.protect_probes and path in PROBES)
+        return path.startswith("/v1/") or (self.protect_probes and (
+            path in PROBES or path in DOCS or path.startswith(DOCS_ASSETS)))
 
     def allows(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -75,6 +73,14 @@ class EdgeMiddleware:
         scope.setdefault("state", {})[CONTEXT_KEY] = ctx
         token = LOG_CONTEXT.set({"request_id": ctx.request_id})
         status: int | None = None
+        body_done = scope["method"] in ("GET", "HEAD", "OPTIONS")
+
+        async def receive_tracking() -> Message:
+            nonlocal body_done
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_done = True
+            return message
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status
@@ -83,30 +89,41 @@ class EdgeMiddleware:
                 out = MutableHeaders(scope=message)
                 out["X-Request-Id"] = ctx.request_id
                 out["Server-Timing"] = ctx.server_timing()
+                has_body = headers.get("content-length", "0") != "0" or "chunked" in headers.get("transfer-encoding", "")
+                if status >= 400 and has_body and not body_done:
+                    out["Connection"] = "close"      # the rest of the body is not read: end the connection
             await send(message)
 
         try:
             if self.auth.protects(path) and not self.auth.allows(headers):
-                ctx.reason = "unauthorized"
-                exc = RequestError("missing or invalid API key (Authorization: Bearer <key>)", status=401)
-                await error_response(exc, self.dialect, {"WWW-Authenticate": "Bearer"})(scope, receive,
-                                                                                        send_with_headers)
+                exc = ClefError("missing or invalid API key (Authorization: Bearer <key>)", kind=Kind.UNAUTHORIZED)
+                ctx.reason = outcome(exc).reason
+                await error_response(exc, self.dialect)(scope, receive_tracking, send_with_headers)
             else:
-                await self.app(scope, receive, send_with_headers)
+                await self.app(scope, receive_tracking, send_with_headers)
+        except ClientClosed:
+            ctx.reason, status = outcome(ClientClosed("")).reason, 499
+        except ClefError as exc:                    # raised where no exception handler runs
+            ctx.reason = outcome(exc).reason
+            if status is None:
+                await error_response(exc, self.dialect)(scope, receive_tracking, send_with_headers)
         except Exception as exc:  # noqa: BLE001 - nothing a client sends may produce a stack trace
             log.error("internal error on %s: %s", path, exc, exc_info=exc)
             ctx.reason = "internal"
             if status is None:
-                await error_response(RequestError("internal server error", status=500), self.dialect)(
-                    scope, receive, send_with_headers)
+                await error_response(ClefError("internal server error", kind=Kind.INTERNAL), self.dialect)(
+                    scope, receive_tracking, send_with_headers)
         finally:
             self._finish(scope, ctx, status)
             LOG_CONTEXT.reset(token)
 
     def _finish(self, scope: Scope, ctx: RequestContext, status: int | None) -> None:
-        status = 500 if status is None else status
+        if status is None:                          # nothing was sent: the client left, or the task was cancelled
+            status = 499 if ctx.reason == "client_closed" else 500
+            if status == 500 and ctx.reason == "ok":
+                ctx.reason = "internal"
         if ctx.reason == "ok" and status >= 400:
-            ctx.reason = reason_of(RequestError("", status=status))
+            ctx.reason = _STATUS_REASON.get(status, "error")
         elapsed = ctx.elapsed()
         if ctx.route in PROBES:
             access_log.debug("%s %s %d", scope["method"], scope["path"], status)

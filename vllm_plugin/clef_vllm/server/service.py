@@ -9,23 +9,94 @@ or ``failed`` (load failed, or the engine died: refuse everything and let the CL
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import json
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator
 
-from starlette.concurrency import run_in_threadpool
-
 from clef_vllm.answers import build_response, hosted_envelope
-from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats
-from clef_vllm.protocol import Dialect, RequestError, SystemOneRequest, parse_request
+from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
+from clef_vllm.errors import ClefError, ClientClosed, Kind, ServiceError
+from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
-from clef_vllm.server.context import RequestContext, ServerError
+from clef_vllm.server.body import BodyReader, decode_json
+from clef_vllm.server.context import RequestContext, WorkCancelled
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import ServerSettings
 
 log = logging.getLogger("clef_vllm.server")
+
+#: A request whose body had at least this many bytes is followed by a ``malloc_trim`` (at most one
+#: per :data:`TRIM_INTERVAL_S`), so the memory its parsing used goes back to the OS.
+TRIM_AFTER_BYTES = 1 << 20
+TRIM_INTERVAL_S = 0.5
+#: How long, after the shutdown timeout, requests get to send their 503 before the exit.
+ABANDON_GRACE_S = 0.5
+
+
+class CpuPool:
+    """The bounded pool of threads that decodes, validates, encodes and serialises requests, so the
+    event loop only moves bytes. Work is cancelled through its request's context: a job that has
+    not started never runs; a running one stops at its next ``ctx.checkpoint()``."""
+
+    def __init__(self, workers: int):
+        self.workers = max(1, int(workers))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="clef-cpu")
+        self.queued = 0
+
+    async def run(self, ctx: RequestContext | None, fn: Callable, *args) -> Any:
+        ctx_vars = contextvars.copy_context()            # log lines keep the request id
+        call = functools.partial(ctx_vars.run, fn, *args)
+        self.queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        except asyncio.CancelledError:
+            if ctx is not None:
+                ctx.cancelled.set()
+            raise
+        finally:
+            self.queued -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Trimmer:
+    """Hands freed heap memory back to the OS (glibc ``malloc_trim``) after large requests: at most
+    once per ``interval`` seconds, and always once after the last large request."""
+
+    def __init__(self, pool: CpuPool, interval: float = TRIM_INTERVAL_S):
+        self._trim = _libc_malloc_trim()
+        self._pool = pool
+        self._interval = interval
+        self._last = 0.0
+        self._pending = False
+        self.trims = 0
+
+    def request(self) -> None:
+        if self._trim is None or self._pending:
+            return
+        self._pending = True
+        loop = asyncio.get_running_loop()
+        loop.call_later(max(0.0, self._last + self._interval - time.monotonic()),
+                        lambda: loop.create_task(self._run()))
+
+    async def _run(self) -> None:
+        try:
+            await self._pool.run(None, self._trim, 0)
+            self.trims += 1
+        except Exception as exc:  # noqa: BLE001 - trimming is best effort
+            log.debug("malloc_trim: %s", exc)
+        finally:
+            self._last = time.monotonic()
+            self._pending = False
+
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 
@@ -48,7 +119,12 @@ class DecisionService:
         self._fatal: asyncio.Future | None = None
         self._idle: asyncio.Event | None = None
         self.stopping: asyncio.Event | None = None     # set on drain or failure: bulk streams stop reading
+        self.abandon: asyncio.Event | None = None      # the shutdown timeout passed: answer everything now
         self._tasks: list[asyncio.Task] = []
+        self.limits: RequestLimits | None = None
+        self.pool = CpuPool(settings.cpu_workers or default_cpu_workers())
+        self.trimmer = Trimmer(self.pool)
+        self.buffered_bytes = 0                          # request bodies held in memory
         self._install_gauges()
 
     # ------------------------------------------------------------------ life cycle
@@ -71,6 +147,9 @@ class DecisionService:
         m.gauge("clef_bulk_streams", "Open bulk streams", lambda: float(self.bulk_streams))
         m.gauge("clef_bulk_records_in_progress", "Bulk records read and not yet answered",
                 lambda: float(self.bulk_records_in_progress))
+        m.gauge("clef_cpu_jobs", "Jobs (decode, validate, encode, serialise) queued or running in the CPU pool",
+                lambda: float(self.pool.queued))
+        m.gauge("clef_buffered_body_bytes", "Request body bytes held in memory", lambda: float(self.buffered_bytes))
 
     async def run(self, load_backend: Callable[[], Backend]) -> None:
         """Load the backend (in a thread), start it, then watch its health until the loop ends."""
@@ -79,6 +158,7 @@ class DecisionService:
         self._idle = asyncio.Event()
         self._idle.set()
         self.stopping = asyncio.Event()
+        self.abandon = asyncio.Event()
         t0 = time.perf_counter()
         try:
             backend = await asyncio.wait_for(self._load(load_backend), self.settings.load_timeout_s)
@@ -97,10 +177,11 @@ class DecisionService:
         in_flight = self.settings.max_in_flight or max(1, int(backend.suggested_max_in_flight()))
         queue = self.settings.max_queue if self.settings.max_queue is not None else 2 * in_flight
         self.admission = Admission(in_flight, queue)
+        self.limits = backend.encoder.request_limits()
         if self.status == LOADING:
             self.status = READY
-        log.info("ready: %s; max in flight %d, queue %d, request timeout %s s", backend.describe(), in_flight, queue,
-                 self.settings.request_timeout_s)
+        log.info("ready: %s; max in flight %d, queue %d, request timeout %s s, %d CPU workers; limits: %s",
+                 backend.describe(), in_flight, queue, self.settings.request_timeout_s, self.pool.workers, self.limits)
         if self.settings.on_ready is not None:
             self.settings.on_ready()
         await self._watch_health()
@@ -154,14 +235,20 @@ class DecisionService:
             await asyncio.wait_for(self._idle.wait(), self.settings.shutdown_timeout_s)
             log.info("every accepted request was answered")
         except asyncio.TimeoutError:
-            log.warning("shutdown timeout (%g s): %d open request(s) are abandoned",
+            log.warning("shutdown timeout (%g s): %d open request(s) are answered 503 and abandoned",
                         self.settings.shutdown_timeout_s, self.active)
+            self.abandon.set()
+            try:
+                await asyncio.wait_for(self._idle.wait(), ABANDON_GRACE_S)
+            except asyncio.TimeoutError:
+                pass
         if callback is not None:
             callback(*args)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.pool.close()
         if self.backend is not None:
             backend, self.backend = self.backend, None
             try:
@@ -176,12 +263,12 @@ class DecisionService:
         if self.status == READY:
             return
         if self.status == LOADING:
-            raise ServerError("model is not ready", status=503, reason="not_ready")
+            raise ServiceError("model is not ready", kind=Kind.NOT_READY)
         if self.status == DRAINING:
-            raise ServerError("server is shutting down", status=503, reason="draining")
+            raise ServiceError("server is shutting down", kind=Kind.DRAINING)
         if self.backend is None:
-            raise ServerError("model failed to load", status=503, reason="load_failed")
-        raise ServerError(f"engine failed: {self.error}", status=503, reason="engine_failed")
+            raise ServiceError("model failed to load", kind=Kind.LOAD_FAILED)
+        raise ServiceError(f"engine failed: {self.error}", kind=Kind.ENGINE_DEAD)
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -195,49 +282,102 @@ class DecisionService:
             if self.active == 0:
                 self._idle.set()
 
-    def overloaded(self) -> ServerError:
+    def overloaded(self) -> ServiceError:
         retry = self.admission.retry_after() if self.admission else 1
-        return ServerError(f"server is at capacity ({self.admission.in_flight} in flight, "
-                           f"{self.admission.waiting()} queued); retry after {retry} s", status=429,
-                           reason="queue_full", headers={"Retry-After": str(retry)})
+        return ServiceError(f"server is at capacity ({self.admission.in_flight} in flight, "
+                            f"{self.admission.waiting()} queued); retry after {retry} s", kind=Kind.OVERLOADED,
+                            retry_after=retry)
+
+    # ------------------------------------------------------------------ request bodies
+
+    def body_reader(self, receive: Callable[[], Awaitable[dict]]) -> BodyReader:
+        s = self.settings
+        return BodyReader(receive, body_timeout=s.body_timeout_s, min_rate=s.min_body_rate, stopping=self.stopping,
+                          abandon=self.abandon)
+
+    @contextmanager
+    def holding_body(self, ctx: RequestContext) -> Iterator[None]:
+        """Account for a request's body while it is in memory; a large one is followed by a trim."""
+        try:
+            yield
+        finally:
+            self.buffered_bytes -= ctx.body_bytes
+            if ctx.body_bytes >= TRIM_AFTER_BYTES:
+                self.trimmer.request()
+
+    def take_body_bytes(self, ctx: RequestContext, n: int) -> None:
+        """Refuse (429) a body that would push the bodies held in memory past the budget."""
+        budget = self.settings.max_buffered_bytes
+        if budget is not None and self.buffered_bytes + n > budget and self.buffered_bytes > 0:
+            raise ServiceError(f"the server holds {self.buffered_bytes} bytes of request bodies; retry shortly",
+                               kind=Kind.OVERLOADED, retry_after=1)
+        self.buffered_bytes += n
+        ctx.body_bytes += n
+
+    async def read_body(self, receive: Callable[[], Awaitable[dict]], ctx: RequestContext,
+                        declared: str | None) -> bytes:
+        """The whole body under the size cap, the slow-client rules and the memory budget."""
+        limit = self.settings.max_body_bytes
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                from clef_vllm.server.body import body_too_large
+
+                raise body_too_large(limit)
+            self.take_body_bytes(ctx, int(declared))
+        reader = self.body_reader(receive)
+        raw = await reader.read_all(limit, declared)
+        if ctx.body_bytes < len(raw):
+            self.take_body_bytes(ctx, len(raw) - ctx.body_bytes)
+        return raw
 
     # ------------------------------------------------------------------ one decision
 
-    def parse(self, body: Any) -> SystemOneRequest:
-        try:
-            return parse_request(body, self.dialect)
-        except RecursionError:
-            raise RequestError("request is nested too deeply", status=400) from None
+    def _parse(self, raw: bytes | str | Any, ctx: RequestContext) -> SystemOneRequest:
+        limits = self.limits
+        body = decode_json(raw, limits, ctx.checkpoint) if isinstance(raw, (bytes, str)) else raw
+        ctx.checkpoint()
+        return parse_request(body, self.dialect, limits)
 
-    async def answer(self, body: Any, ctx: RequestContext, kind: str = INTERACTIVE) -> dict:
-        """The response body for a decoded request, or a RequestError/ServerError."""
-        parsed = self.parse(body)
+    async def answer(self, raw: bytes | Any, ctx: RequestContext, kind: str = INTERACTIVE) -> dict:
+        """The response body for a request body (bytes, or already decoded), or a ClefError."""
+        t0 = time.perf_counter()
+        parsed = await self.pool.run(ctx, self._parse, raw, ctx)
+        del raw
+        ctx.add_stage("parse", time.perf_counter() - t0)
         ctx.questions = len(parsed.questions)
-        if kind == INTERACTIVE:
-            encoded, probs = await self._with_timeout(self._admitted(parsed, ctx, kind), ctx)
-        else:
-            encoded, probs = await self._admitted(parsed, ctx, kind, timed=True)
-        payload = build_response(parsed, encoded, probs, self.dialect)
+        encoded, probs = await self._admitted(parsed, ctx, kind)
+        payload = await self.pool.run(ctx, build_response, parsed, encoded, probs, self.dialect)
         self.metrics.observe_decision(encoded, probs)
         self.metrics.observe_stages(kind, ctx.stages)
         return hosted_envelope(payload) if self.dialect is Dialect.WORKERS_AI else payload
 
-    async def answer_unless_disconnected(self, body: Any, ctx: RequestContext,
-                                         receive: Callable[[], Awaitable[dict]]) -> dict:
-        """:meth:`answer`, cancelled (engine call included) if the client goes away first."""
-        work = asyncio.ensure_future(self.answer(body, ctx))
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    async def answer_unless_gone(self, raw: bytes, ctx: RequestContext,
+                                 receive: Callable[[], Awaitable[dict]]) -> bytes:
+        """:meth:`answer` as JSON bytes under ``--request-timeout``, cancelled (CPU work and engine call
+        included) if the client goes away or the shutdown timeout passes first."""
+        work = asyncio.ensure_future(self._with_timeout(self._answer_bytes(raw, ctx), ctx))
+        del raw
+        watchers = [asyncio.ensure_future(wait_for_disconnect(receive)), asyncio.ensure_future(self.abandon.wait())]
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             work.cancel()
             raise
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
         if not work.done():
             work.cancel()
-            raise ServerError("client disconnected", status=499, reason="client_disconnected")
+            await asyncio.gather(work, return_exceptions=True)
+            if watchers[0].done() and not watchers[0].cancelled():
+                raise ClientClosed("client closed the connection before the answer was ready")
+            raise ServiceError("server is shutting down; the request was not answered within --shutdown-timeout",
+                               kind=Kind.DRAINING)
         return work.result()
+
+    async def _answer_bytes(self, raw: bytes, ctx: RequestContext) -> bytes:
+        payload = await self.answer(raw, ctx)
+        return await self.pool.run(ctx, render_json, payload)
 
     async def _with_timeout(self, coro: Awaitable, ctx: RequestContext):
         if ctx.timeout_s is None:
@@ -245,10 +385,10 @@ class DecisionService:
         try:
             return await asyncio.wait_for(coro, ctx.timeout_s)
         except asyncio.TimeoutError:
-            raise ServerError(f"request did not finish within {ctx.timeout_s:g} s (--request-timeout) and was "
-                              "cancelled", status=504, reason="timeout") from None
+            raise ServiceError(f"request did not finish within {ctx.timeout_s:g} s (--request-timeout) and was "
+                               "cancelled", kind=Kind.TIMEOUT) from None
 
-    async def _admitted(self, parsed: SystemOneRequest, ctx: RequestContext, kind: str, timed: bool = False):
+    async def _admitted(self, parsed: SystemOneRequest, ctx: RequestContext, kind: str):
         """Hold an engine slot while encoding and deciding. Bulk records wait for a slot without a
         deadline (their stream is the backpressure) and are timed from the moment they get one."""
         admission = self.admission
@@ -261,34 +401,29 @@ class DecisionService:
         ctx.add_stage("queue", held - t0)
         try:
             work = self._encode_and_decide(parsed, ctx)
-            return await (self._with_timeout(work, ctx) if timed else work)
+            return await (self._with_timeout(work, ctx) if kind == BULK else work)
         finally:
             admission.release(time.perf_counter() - held)
 
     async def _encode_and_decide(self, parsed: SystemOneRequest, ctx: RequestContext):
         t0 = time.perf_counter()
-        encoded = await run_in_threadpool(self._encode, parsed)
+        encoded = await self.pool.run(ctx, self._encode, parsed, ctx)
         ctx.add_stage("encode", time.perf_counter() - t0)
         ctx.input_tokens = encoded.num_tokens
         probs = await self._engine(encoded, ctx)
         return encoded, probs
 
-    def _encode(self, parsed: SystemOneRequest):
-        try:
-            encoded = self.backend.encoder.encode(parsed)
-        except RecursionError:
-            raise RequestError("request is nested too deeply", status=400) from None
-        except RequestError as exc:
-            if exc.status == 413:          # the schema alone does not fit: always refused
-                raise ServerError(exc.message, status=413, reason="schema_too_long", field=exc.field) from None
-            raise
+    def _encode(self, parsed: SystemOneRequest, ctx: RequestContext):
+        encoded = self.backend.encoder.encode(parsed, checkpoint=ctx.checkpoint)
+        parsed.state = None                  # the answer does not need it; a large state is freed now
         if encoded.truncated_state_tokens and self.settings.over_length == "reject":
             cut = encoded.truncated_state_tokens
             need, state = encoded.num_tokens + cut, encoded.state_tokens + cut
-            raise ServerError(f"request needs {need} tokens (state {state} + prompt and schema "
-                              f"{need - state}); maximum is {encoded.num_tokens} (--max-model-len); "
-                              "--over-length reject is set, so the state is not cut",
-                              status=413, reason="too_many_tokens", field="state")
+            about = "" if encoded.truncation_exact else "about "
+            raise ClefError(f"request needs {about}{need} tokens (state {about}{state} + prompt and schema "
+                            f"{need - state}); maximum is {encoded.num_tokens} (--max-model-len); "
+                            "--over-length reject is set, so the state is not cut",
+                            kind=Kind.TOO_MANY_TOKENS, field="state")
         return encoded
 
     async def _engine(self, encoded, ctx: RequestContext):
@@ -309,19 +444,19 @@ class DecisionService:
             ctx.add_stage("engine", time.perf_counter() - t0)
         if not task.done():                  # the engine died while this request was in it
             task.cancel()
-            raise ServerError(f"engine failed: {self.error}", status=503, reason="engine_failed")
+            raise ServiceError(f"engine failed: {self.error}", kind=Kind.ENGINE_DEAD)
         try:
             probs = task.result()
         except BackendDeadError as exc:
             self.metrics.engine_failures.labels("dead").inc()
             self.fail(exc)
-            raise ServerError(f"engine failed: {exc}", status=503, reason="engine_failed") from None
-        except RequestError:
+            raise ServiceError(f"engine failed: {exc}", kind=Kind.ENGINE_DEAD) from None
+        except ClefError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine bug must not look like a client error
             self.metrics.engine_failures.labels(type(exc).__name__).inc()
             log.error("engine error: %s", exc, exc_info=exc)
-            raise ServerError(f"engine error: {type(exc).__name__}", status=500, reason="engine_error") from None
+            raise ServiceError(f"engine error: {type(exc).__name__}", kind=Kind.ENGINE_ERROR) from None
         if stats.batch_size:
             ctx.add_stage("batch_wait", stats.batch_wait_s)
             backbone = stats.stages.get("backbone")
@@ -363,3 +498,13 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def render_json(payload: dict) -> bytes:
+    """A response body as Starlette's JSONResponse writes it."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+def default_cpu_workers() -> int:
+    """Threads of the CPU pool: one per core, at most 8 (tokenization itself runs on all cores)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))

@@ -10,6 +10,13 @@ from clef_vllm.protocol import Dialect
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 10.0
+DEFAULT_MIN_BODY_RATE = 16384
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 2048
+#: Request bodies held in memory at once, in multiples of --max-body-bytes (beyond: 429).
+BUFFERED_BODIES = 16
 OVER_LENGTH_POLICIES = ("truncate", "reject")
 
 
@@ -29,6 +36,15 @@ class ServerSettings:
     health_poll_s: float = 1.0
     # size limits
     over_length: str = "truncate"             # "truncate" (cut the state's end) | "reject" (413)
+    max_buffered_bytes: int | None = None     # default: BUFFERED_BODIES x max_body_bytes
+    # slow clients and connections
+    header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S
+    min_body_rate: float | None = DEFAULT_MIN_BODY_RATE
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS
+    # CPU pool (decode, validate, encode, serialise)
+    cpu_workers: int | None = None            # default: one per core, at most 8
     # auth and browsers
     api_keys: tuple[str, ...] = ()
     auth_health_metrics: bool = False
@@ -48,3 +64,5 @@ class ServerSettings:
         if self.over_length not in OVER_LENGTH_POLICIES:
             raise ValueError(f"over_length must be one of {OVER_LENGTH_POLICIES}, got {self.over_length!r}")
         self.dialect = Dialect(self.dialect)
+        if self.max_buffered_bytes is None:
+            self.max_buffered_bytes = BUFFERED_BODIES * self.max_body_bytes

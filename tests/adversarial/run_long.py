@@ -1,0 +1,392 @@
+"""Adversarial long run (not in CI): the issue's worst cases at full size against real
+``clef-systemone`` servers (reference backend, CPU, tiny checkpoint, default flags unless said),
+with the numbers the targets are stated in. Writes a summary JSON.
+
+    python tests/adversarial/run_long.py --out bench/results/adversarial_cpu.json
+
+Phases:
+
+1. ``worst_cases``: each 16 MiB body alone (huge state array, ~1.3 M state keys, ~700k questions,
+   ~1 M options, and a 16 MiB text state, which is answered): status, server CPU seconds (user +
+   system of the server process), peak RSS above the RSS before (``VmHWM`` after resetting it
+   through ``/proc/PID/clear_refs``), RSS 2 s after (memory handed back).
+2. ``concurrent``: a normal request's latency alone, then again while 8 worst-case bodies are in
+   flight without pause, with ``GET /health/live`` probed every 20 ms meanwhile.
+3. ``slow_clients``: 4 bulk streams that send only their headers and 200 connections that send half
+   a request head; meanwhile normal and bulk requests are timed; when each idle connection is
+   answered (408) or closed.
+4. ``d1``/``d2``: the nesting depths around the old recursion limit; 200 clients that send headers,
+   one body byte, and close (499 ``client_closed``, never 500).
+5. ``sigterm``: a server with ``--shutdown-timeout 5``, a stalled upload, a bulk stream that never
+   sent a byte, one that stalled after its first record, and 4 clients sending requests in a loop;
+   SIGTERM: exit status and time, every request answered.
+
+Pass: the targets in ``targets`` of the summary (0 responses >= 500, 0 tracebacks, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from adversarial.attacks import (MiB, WORST_CASES, connect, head, ndjson, nested_level,  # noqa: E402
+                                 read_response)
+
+REQUEST = {"model": "clef-flash", "state": "Checkout has been failing for every customer for the last hour.",
+           "questions": {"urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
+                         "team": {"type": "choice", "criteria": {"billing": "Payments", "technical": "Outages"}}}}
+JSON = {"Content-Type": "application/json"}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+class Server:
+    def __init__(self, ckpt: Path, work: Path, *args: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = work / f"server-{self.port}.log"
+        self.args = ["--model", str(ckpt), "--backend", "reference", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen([sys.executable, "-m", "clef_vllm.server.cli", *self.args],
+                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited: {self.log()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("server did not start")
+            time.sleep(0.5)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def cpu(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def rss_mb(self) -> float:
+        return self.ps.memory_info().rss / MiB
+
+    def reset_peak(self) -> None:
+        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+
+    def peak_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def post_raw(port: int, body: bytes, timeout: float = 120) -> tuple[int | None, bytes, float]:
+    """One request on its own socket (a worst-case body is sent as fast as the kernel takes it)."""
+    t0 = time.perf_counter()
+    sock = connect(port, timeout)
+    try:
+        sock.sendall(head("/v1/systemone", port, content_length=len(body)) + body)
+    except OSError:
+        pass                                       # the server may refuse before reading it all
+    status, _, text = read_response(sock, timeout)
+    sock.close()
+    return status, text, time.perf_counter() - t0
+
+
+def normal(url: str) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    resp = httpx.post(url + "/v1/systemone", json=REQUEST, timeout=120)
+    return resp.status_code, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def phase_worst_cases(server: Server, size: int) -> dict:
+    out = {}
+    for name, build in WORST_CASES.items():
+        body = build(size)
+        normal(server.url)
+        time.sleep(1.0)
+        rss0, cpu0 = server.rss_mb(), server.cpu()
+        server.reset_peak()
+        status, text, wall = post_raw(server.port, body)
+        cpu = server.cpu() - cpu0
+        peak = server.peak_mb()
+        time.sleep(2.0)
+        message = json.loads(text).get("error", {}).get("message") if text.startswith(b"{") else None
+        usage = json.loads(text).get("usage") if status == 200 else None
+        out[name] = {"body_bytes": len(body), "status": status, "server_cpu_s": round(cpu, 3),
+                     "wall_s": round(wall, 3), "rss_before_mb": round(rss0, 1),
+                     "peak_rss_above_before_mb": round(peak - rss0, 1), "rss_2s_after_mb": round(server.rss_mb(), 1),
+                     "message": message, "usage": usage}
+        print(name, out[name], flush=True)
+    return out
+
+
+def phase_concurrent(server: Server, size: int, seconds: float) -> dict:
+    base = [normal(server.url)[1] for _ in range(30)]
+    bodies = [build(size) for name, build in WORST_CASES.items() if name != "state_text"]
+    stop = threading.Event()
+    probes: list[float] = []
+    during: list[float] = []
+    statuses: dict[str, int] = {}
+
+    def attacker(i: int):
+        body = bodies[i % len(bodies)]
+        while not stop.is_set():
+            status, _, _ = post_raw(server.port, body)
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+
+    def prober():
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert client.get("/health/live").status_code == 200
+                probes.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+    def normal_client():
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                resp = client.post("/v1/systemone", json=REQUEST)
+                statuses[f"normal-{resp.status_code}"] = statuses.get(f"normal-{resp.status_code}", 0) + 1
+                during.append(time.perf_counter() - t0)
+
+    cpu0 = server.cpu()
+    with ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(attacker, i) for i in range(8)] + [pool.submit(prober), pool.submit(normal_client)]
+        time.sleep(seconds)
+        stop.set()
+        for f in futures:
+            f.result()
+    out = {"seconds": seconds, "worst_case_bodies_in_flight": 8, "responses": statuses,
+           "server_cpu_s": round(server.cpu() - cpu0, 1),
+           "health_live_ms": {"n": len(probes), "p50": ms(percentile(probes, 50)), "p99": ms(percentile(probes, 99)),
+                              "max": ms(max(probes) if probes else None)},
+           "normal_request_ms": {"alone_p50": ms(statistics.median(base)), "during_p50": ms(percentile(during, 50)),
+                                 "during_n": len(during)}}
+    out["normal_request_ms"]["ratio"] = round(out["normal_request_ms"]["during_p50"]
+                                              / out["normal_request_ms"]["alone_p50"], 2)
+    print("concurrent", out, flush=True)
+    return out
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def phase_slow_clients(server: Server, header_timeout: float, body_timeout: float) -> dict:
+    base = [normal(server.url)[1] for _ in range(20)]
+    idle_bulk, slow_head = [], []
+    t0 = time.monotonic()
+    for _ in range(4):
+        sock = connect(server.port, 60)
+        sock.sendall(head("/v1/systemone/bulk", server.port, content_type="application/x-ndjson"))
+        idle_bulk.append(sock)
+    for _ in range(200):
+        sock = connect(server.port, 60)
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+        slow_head.append(sock)
+    during, bulk_statuses = [], {}
+    while time.monotonic() - t0 < 5:
+        during.append(normal(server.url)[1])
+        resp = httpx.post(server.url + "/v1/systemone/bulk", content=ndjson([REQUEST, REQUEST]),
+                          headers={"Content-Type": "application/x-ndjson"}, timeout=60)
+        bulk_statuses[str(resp.status_code)] = bulk_statuses.get(str(resp.status_code), 0) + 1
+    answered: dict[str, list] = {"idle_bulk": [], "slow_head": []}
+
+    def wait_close(kind, sock):
+        status, _, _ = read_response(sock, 60)
+        answered[kind].append((status, time.monotonic() - t0))
+        sock.close()
+
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(lambda s: wait_close("idle_bulk", s), idle_bulk))
+        list(pool.map(lambda s: wait_close("slow_head", s), slow_head))
+    streams_after = [line for line in server.metrics().splitlines() if line.startswith("clef_bulk_streams ")]
+    out = {"idle_bulk_connections": 4, "slow_header_connections": 200,
+           "configured": {"header_timeout_s": header_timeout, "body_timeout_s": body_timeout},
+           "normal_request_ms": {"alone_p50": ms(statistics.median(base)), "during_p50": ms(statistics.median(during)),
+                                 "during_n": len(during)},
+           "bulk_requests_meanwhile": bulk_statuses,
+           "idle_bulk": {"statuses": sorted({str(s) for s, _ in answered["idle_bulk"]}),
+                         "answered_after_s_max": round(max(t for _, t in answered["idle_bulk"]), 2)},
+           "slow_head": {"statuses": sorted({str(s) for s, _ in answered["slow_head"]}),
+                         "closed_after_s_max": round(max(t for _, t in answered["slow_head"]), 2)},
+           "bulk_streams_gauge_after": streams_after}
+    print("slow_clients", out, flush=True)
+    return out
+
+
+def phase_d1_d2(server: Server) -> dict:
+    d1 = {}
+    for depth in (961, 962, 963, 964, 965, 966, 2000):
+        status, text, _ = post_raw(server.port, nested_level(depth))
+        d1[str(depth)] = status
+    before = server.metrics()
+    for _ in range(200):
+        sock = connect(server.port)
+        sock.sendall(head("/v1/systemone", server.port, content_length=1000) + b"{")
+        sock.close()
+    time.sleep(3)
+    after = server.metrics()
+
+    def count(text, reason):
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("clef_requests_total") and f'reason="{reason}"' in line)
+    out = {"d1_status_by_depth": d1, "d2_clients": 200,
+           "d2_counted_499_client_closed": count(after, "client_closed") - count(before, "client_closed"),
+           "d2_counted_internal": count(after, "internal") - count(before, "internal")}
+    print("d1_d2", out, flush=True)
+    return out
+
+
+def phase_sigterm(ckpt: Path, work: Path, shutdown_timeout: float) -> dict:
+    server = Server(ckpt, work, "--shutdown-timeout", str(shutdown_timeout))
+    stalled = connect(server.port, 60)
+    stalled.sendall(head("/v1/systemone", server.port, content_length=5000) + b'{"model":"m",')
+    silent_bulk = connect(server.port, 60)
+    silent_bulk.sendall(head("/v1/systemone/bulk", server.port, content_type="application/x-ndjson"))
+    started_bulk = connect(server.port, 60)
+    started_bulk.sendall(head("/v1/systemone/bulk", server.port, content_type="application/x-ndjson"))
+    line = json.dumps(REQUEST).encode() + b"\n"
+    started_bulk.sendall(b"%x\r\n%s\r\n" % (len(line), line))
+    stop = threading.Event()
+    results: list[tuple[float, int | str]] = []
+
+    def looper():
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    results.append((t0, client.post("/v1/systemone", json=REQUEST).status_code))
+                except httpx.HTTPError as exc:
+                    results.append((t0, type(exc).__name__))
+                    return
+
+    with ThreadPoolExecutor(8) as pool:
+        loops = [pool.submit(looper) for _ in range(4)]
+        time.sleep(3)
+        t_signal = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = {}
+        for name, sock in (("stalled_upload", stalled), ("silent_bulk", silent_bulk), ("started_bulk", started_bulk)):
+            status, _, text = read_response(sock, 30)
+            answers[name] = {"status": status, "after_s": round(time.monotonic() - t_signal, 2),
+                             "tail": text[-160:].decode("utf-8", "replace")}
+        code = server.proc.wait(timeout=120)
+        exited = time.monotonic() - t_signal
+        stop.set()
+        for f in loops:
+            f.result()
+    before = [s for t, s in results if t < t_signal]
+    after = [s for t, s in results if t >= t_signal]
+    log = server.log()
+    out = {"shutdown_timeout_s": shutdown_timeout, "exit_code": code, "exit_after_s": round(exited, 2),
+           "stalled_clients": answers,
+           "requests_sent_before_sigterm": {str(s): before.count(s) for s in set(before)},
+           "requests_sent_after_sigterm": {str(s): after.count(s) for s in set(after)},
+           "log_tracebacks": log.count("Traceback"), "log_errors": log.count(" ERROR ")}
+    print("sigterm", out, flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--size-mb", type=float, default=16.0, help="worst-case body size (default 16 MiB)")
+    p.add_argument("--concurrent-seconds", type=float, default=30.0)
+    args = p.parse_args()
+    os.environ.setdefault("CLEF_VLLM_CACHE", str(Path(tempfile.gettempdir()) / "clef-vllm-cache"))
+    from clef_vllm.testing.tiny import build_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="clef-adversarial-"))
+    ckpt = build_tiny_checkpoint(work / "tiny", mtp=True)
+    size = int(args.size_mb * MiB) - 64
+    started = time.time()
+    server = Server(ckpt, work)
+    summary = {"command": " ".join(["python", "tests/adversarial/run_long.py", *sys.argv[1:]]),
+               "server": "clef-systemone --backend reference (defaults) on the tiny checkpoint, CPU",
+               "machine": f"{os.cpu_count()} cores", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    summary["worst_cases"] = phase_worst_cases(server, size)
+    summary["concurrent"] = phase_concurrent(server, size, args.concurrent_seconds)
+    summary["slow_clients"] = phase_slow_clients(server, 10.0, 10.0)
+    summary["d1_d2"] = phase_d1_d2(server)
+    metrics = server.metrics()
+    code = server.stop()
+    log = server.log()
+    summary["main_server"] = {
+        "exit_code": code, "log_tracebacks": log.count("Traceback"), "log_errors": log.count(" ERROR "),
+        "responses_ge_500": sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                if line.startswith(("clef_requests_total", "clef_bulk_records_total"))
+                                and 'status="5' in line)}
+    summary["sigterm"] = phase_sigterm(ckpt, work, 5.0)
+    summary["duration_s"] = round(time.time() - started, 1)
+    wc, cc, sc, sg = summary["worst_cases"], summary["concurrent"], summary["slow_clients"], summary["sigterm"]
+    targets = {
+        "worst_cases_rejected_or_answered": all(v["status"] in (200, 413) for v in wc.values()),
+        "worst_cases_cpu_le_2s": all(v["server_cpu_s"] <= 2.0 for v in wc.values()),
+        "worst_cases_peak_rss_le_300mb": all(v["peak_rss_above_before_mb"] <= 300 for v in wc.values()),
+        "health_live_p99_le_50ms": cc["health_live_ms"]["p99"] <= 50,
+        "normal_p50_at_most_doubles": cc["normal_request_ms"]["ratio"] <= 2.0,
+        "slow_clients_others_unaffected": set(sc["bulk_requests_meanwhile"]) == {"200"}
+        and sc["normal_request_ms"]["during_p50"] <= 2 * sc["normal_request_ms"]["alone_p50"],
+        "slow_clients_freed_within_timeouts": sc["idle_bulk"]["answered_after_s_max"] <= 10 + 2
+        and sc["slow_head"]["closed_after_s_max"] <= 10 + 2,
+        "d2_all_499": summary["d1_d2"]["d2_counted_499_client_closed"] == 200,
+        "sigterm_exit_0_within_timeout_plus_1s": sg["exit_code"] == 0 and sg["exit_after_s"] <= 5 + 1,
+        "sigterm_every_request_answered": all(s in ("200", "503") for s in sg["requests_sent_before_sigterm"])
+        and not any(k.isdigit() is False for k in sg["requests_sent_after_sigterm"] if k not in ("ConnectError",)),
+        "no_responses_ge_500": summary["main_server"]["responses_ge_500"] == 0,
+        "no_tracebacks": summary["main_server"]["log_tracebacks"] == 0 and sg["log_tracebacks"] == 0,
+    }
+    summary["targets"] = targets
+    summary["pass"] = all(targets.values())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({"targets": targets, "pass": summary["pass"]}), flush=True)
+    return 0 if summary["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
