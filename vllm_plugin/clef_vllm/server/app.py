@@ -108,8 +108,9 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
         service.check_accepting()
         with service.track(), service.holding_body(ctx):
             ctx.timeout_s = settings.request_timeout_s
-            raw = await service.read_body(request.receive, ctx, request.headers.get("content-length"))
-            content = await service.answer_unless_gone(raw, ctx, request.receive)
+            content = await service.answer_unless_gone(
+                await service.read_body(request.receive, ctx, request.headers.get("content-length")), ctx,
+                request.receive)
         return Response(content, media_type="application/json")
 
     @app.post("/v1/systemone/bulk", summary="Stream many requests: NDJSON in, one NDJSON line per record as it "

@@ -22,11 +22,11 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from clef_vllm.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
-from clef_vllm.errors import ClefError, ClientClosed, Kind, ServiceError
+from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
 from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json
-from clef_vllm.server.context import RequestContext, WorkCancelled
+from clef_vllm.server.context import RequestContext
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import ServerSettings
 
@@ -251,10 +251,12 @@ class DecisionService:
         self.pool.close()
         if self.backend is not None:
             backend, self.backend = self.backend, None
+            # After the shutdown timeout nothing waits for a batch still running (its thread is a daemon).
+            wait = 1.0 if self.abandon is not None and self.abandon.is_set() else 30
             try:
-                await asyncio.wait_for(in_daemon_thread(backend.close), 30)
+                await asyncio.wait_for(in_daemon_thread(backend.close), wait)
             except Exception as exc:  # noqa: BLE001
-                log.warning("backend close: %s", exc)
+                log.warning("backend close: %s", str(exc) or type(exc).__name__)
 
     # ------------------------------------------------------------------ admission of HTTP requests
 
@@ -338,9 +340,12 @@ class DecisionService:
         ctx.checkpoint()
         return parse_request(body, self.dialect, limits)
 
-    async def answer(self, raw: bytes | Any, ctx: RequestContext, kind: str = INTERACTIVE) -> dict:
-        """The response body for a request body (bytes, or already decoded), or a ClefError."""
+    async def answer(self, raw: bytes | list | Any, ctx: RequestContext, kind: str = INTERACTIVE) -> dict:
+        """The response body for a request body (bytes, or already decoded), or a ClefError. A body
+        given in a one-item list is taken out of it, so nothing keeps it alive once it is parsed."""
         t0 = time.perf_counter()
+        if isinstance(raw, list):
+            raw = raw.pop()
         parsed = await self.pool.run(ctx, self._parse, raw, ctx)
         del raw
         ctx.add_stage("parse", time.perf_counter() - t0)
@@ -355,7 +360,7 @@ class DecisionService:
                                  receive: Callable[[], Awaitable[dict]]) -> bytes:
         """:meth:`answer` as JSON bytes under ``--request-timeout``, cancelled (CPU work and engine call
         included) if the client goes away or the shutdown timeout passes first."""
-        work = asyncio.ensure_future(self._with_timeout(self._answer_bytes(raw, ctx), ctx))
+        work = asyncio.ensure_future(self._with_timeout(self._answer_bytes([raw], ctx), ctx))
         del raw
         watchers = [asyncio.ensure_future(wait_for_disconnect(receive)), asyncio.ensure_future(self.abandon.wait())]
         try:
@@ -375,8 +380,8 @@ class DecisionService:
                                kind=Kind.DRAINING)
         return work.result()
 
-    async def _answer_bytes(self, raw: bytes, ctx: RequestContext) -> bytes:
-        payload = await self.answer(raw, ctx)
+    async def _answer_bytes(self, box: list, ctx: RequestContext) -> bytes:
+        payload = await self.answer(box, ctx)
         return await self.pool.run(ctx, render_json, payload)
 
     async def _with_timeout(self, coro: Awaitable, ctx: RequestContext):
@@ -420,7 +425,7 @@ class DecisionService:
             cut = encoded.truncated_state_tokens
             need, state = encoded.num_tokens + cut, encoded.state_tokens + cut
             about = "" if encoded.truncation_exact else "about "
-            raise ClefError(f"request needs {about}{need} tokens (state {about}{state} + prompt and schema "
+            raise RequestError(f"request needs {about}{need} tokens (state {about}{state} + prompt and schema "
                             f"{need - state}); maximum is {encoded.num_tokens} (--max-model-len); "
                             "--over-length reject is set, so the state is not cut",
                             kind=Kind.TOO_MANY_TOKENS, field="state")
