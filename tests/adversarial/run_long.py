@@ -1,6 +1,12 @@
 """Adversarial long run (not in CI): the issue's worst cases at full size against real
-``clef-systemone`` servers (reference backend, CPU, tiny checkpoint, default flags unless said),
-with the numbers the targets are stated in. Writes a summary JSON.
+``clef-systemone`` servers (default flags unless said), with the numbers the targets are stated in.
+Writes a summary JSON.
+
+The servers run the tiny checkpoint with the real Qwen3.5 tokenizer and the ``instant`` fault hook
+(server/faults.py): everything a request costs the server except the engine (HTTP, limits,
+decoding, validation, encoding, answers) is real and measured; the engine answers at once. On this
+CPU the reference backbone alone takes ~40 s of CPU for any 16,384-token request, whatever its body:
+that is the engine's price for the token budget, not what a body can add to it.
 
     python tests/adversarial/run_long.py --out bench/results/adversarial_cpu.json
 
@@ -63,15 +69,16 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 class Server:
-    def __init__(self, ckpt: Path, work: Path, *args: str):
+    def __init__(self, ckpt: Path, work: Path, *args: str, env: dict | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = work / f"server-{self.port}.log"
-        self.args = ["--model", str(ckpt), "--backend", "reference", "--port", str(self.port), *args]
+        self.args = ["--model", str(ckpt), "--backend", "reference", "--port", str(self.port), "--no-warmup", *args]
         self.proc = subprocess.Popen([sys.executable, "-m", "clef_vllm.server.cli", *self.args],
-                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "CLEF_VLLM_FAULTS": "instant", **(env or {})})
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
@@ -162,53 +169,84 @@ def phase_worst_cases(server: Server, size: int) -> dict:
     return out
 
 
-def phase_concurrent(server: Server, size: int, seconds: float) -> dict:
-    base = [normal(server.url)[1] for _ in range(30)]
-    bodies = [build(size) for name, build in WORST_CASES.items() if name != "state_text"]
-    stop = threading.Event()
-    probes: list[float] = []
-    during: list[float] = []
-    statuses: dict[str, int] = {}
+def _attacker(port: int, body: bytes, seconds: float, out) -> None:
+    deadline, statuses = time.monotonic() + seconds, {}
+    while time.monotonic() < deadline:
+        status, _, _ = post_raw(port, body)
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    out.put(("attacker", statuses))
 
-    def attacker(i: int):
-        body = bodies[i % len(bodies)]
-        while not stop.is_set():
-            status, _, _ = post_raw(server.port, body)
+
+def _prober(url: str, seconds: float, out) -> None:
+    deadline, times = time.monotonic() + seconds, []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            ok = client.get("/health/live").status_code == 200
+            times.append(time.perf_counter() - t0 if ok else float("inf"))
+            time.sleep(0.02)
+    out.put(("probe", times))
+
+
+def _normal_client(url: str, seconds: float, out) -> None:
+    deadline, times, statuses = time.monotonic() + seconds, [], {}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            status = client.post("/v1/systemone", json=REQUEST).status_code
+            times.append(time.perf_counter() - t0)
             statuses[str(status)] = statuses.get(str(status), 0) + 1
+    out.put(("normal", (times, statuses)))
 
-    def prober():
-        with httpx.Client(base_url=server.url, timeout=30) as client:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                assert client.get("/health/live").status_code == 200
-                probes.append(time.perf_counter() - t0)
-                time.sleep(0.02)
 
-    def normal_client():
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                resp = client.post("/v1/systemone", json=REQUEST)
-                statuses[f"normal-{resp.status_code}"] = statuses.get(f"normal-{resp.status_code}", 0) + 1
-                during.append(time.perf_counter() - t0)
+def phase_concurrent(server: Server, size: int, seconds: float) -> dict:
+    """Attackers, the prober and the normal client each in their own process (no client-side GIL
+    between them and the measurements)."""
+    import multiprocessing
 
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    base_p: list[float] = []
+    probe = ctx.Process(target=_prober, args=(server.url, 5.0, out))
+    probe.start()
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(40):
+            t0 = time.perf_counter()
+            client.post("/v1/systemone", json=REQUEST)
+            base_p.append(time.perf_counter() - t0)
+    base_probe = out.get()[1]
+    probe.join()
+    bodies = [build(size) for name, build in WORST_CASES.items() if name != "state_text"]
     cpu0 = server.cpu()
-    with ThreadPoolExecutor(10) as pool:
-        futures = [pool.submit(attacker, i) for i in range(8)] + [pool.submit(prober), pool.submit(normal_client)]
-        time.sleep(seconds)
-        stop.set()
-        for f in futures:
-            f.result()
-    out = {"seconds": seconds, "worst_case_bodies_in_flight": 8, "responses": statuses,
-           "server_cpu_s": round(server.cpu() - cpu0, 1),
-           "health_live_ms": {"n": len(probes), "p50": ms(percentile(probes, 50)), "p99": ms(percentile(probes, 99)),
-                              "max": ms(max(probes) if probes else None)},
-           "normal_request_ms": {"alone_p50": ms(statistics.median(base)), "during_p50": ms(percentile(during, 50)),
-                                 "during_n": len(during)}}
-    out["normal_request_ms"]["ratio"] = round(out["normal_request_ms"]["during_p50"]
-                                              / out["normal_request_ms"]["alone_p50"], 2)
-    print("concurrent", out, flush=True)
-    return out
+    procs = [ctx.Process(target=_attacker, args=(server.port, bodies[i % len(bodies)], seconds, out)) for i in range(8)]
+    procs += [ctx.Process(target=_prober, args=(server.url, seconds, out)),
+              ctx.Process(target=_normal_client, args=(server.url, seconds, out))]
+    for proc in procs:
+        proc.start()
+    results = [out.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    attacks: dict[str, int] = {}
+    probes, during, normal_statuses = [], [], {}
+    for kind, value in results:
+        if kind == "attacker":
+            for k, v in value.items():
+                attacks[k] = attacks.get(k, 0) + v
+        elif kind == "probe":
+            probes = value
+        else:
+            during, normal_statuses = value
+    out_ = {"seconds": seconds, "worst_case_bodies_in_flight": 8, "worst_case_responses": attacks,
+            "normal_responses": normal_statuses, "server_cpu_s": round(server.cpu() - cpu0, 1),
+            "health_live_ms": {"alone_p99": ms(percentile(base_probe, 99)), "n": len(probes),
+                               "p50": ms(percentile(probes, 50)), "p99": ms(percentile(probes, 99)),
+                               "max": ms(max(probes) if probes else None)},
+            "normal_request_ms": {"alone_p50": ms(statistics.median(base_p)), "during_p50": ms(percentile(during, 50)),
+                                  "during_n": len(during)}}
+    out_["normal_request_ms"]["ratio"] = round(out_["normal_request_ms"]["during_p50"]
+                                               / out_["normal_request_ms"]["alone_p50"], 2)
+    print("concurrent", out_, flush=True)
+    return out_
 
 
 def ms(seconds: float | None) -> float | None:
@@ -338,15 +376,21 @@ def main() -> int:
     p.add_argument("--concurrent-seconds", type=float, default=30.0)
     args = p.parse_args()
     os.environ.setdefault("CLEF_VLLM_CACHE", str(Path(tempfile.gettempdir()) / "clef-vllm-cache"))
+    import shutil
+
+    from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
     from clef_vllm.testing.tiny import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="clef-adversarial-"))
     ckpt = build_tiny_checkpoint(work / "tiny", mtp=True)
+    for f in cached_qwen35_tokenizer(Path(os.environ["CLEF_VLLM_CACHE"])).iterdir():   # the real tokenizer
+        shutil.copy(f, ckpt / f.name)
     size = int(args.size_mb * MiB) - 64
     started = time.time()
     server = Server(ckpt, work)
     summary = {"command": " ".join(["python", "tests/adversarial/run_long.py", *sys.argv[1:]]),
-               "server": "clef-systemone --backend reference (defaults) on the tiny checkpoint, CPU",
+               "server": "clef-systemone --backend reference --no-warmup (other flags default) on the tiny checkpoint "
+                         "with the Qwen3.5 tokenizer, CLEF_VLLM_FAULTS=instant (the engine answers at once), CPU",
                "machine": f"{os.cpu_count()} cores", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     summary["worst_cases"] = phase_worst_cases(server, size)
     summary["concurrent"] = phase_concurrent(server, size, args.concurrent_seconds)
@@ -375,8 +419,9 @@ def main() -> int:
         and sc["slow_head"]["closed_after_s_max"] <= 10 + 2,
         "d2_all_499": summary["d1_d2"]["d2_counted_499_client_closed"] == 200,
         "sigterm_exit_0_within_timeout_plus_1s": sg["exit_code"] == 0 and sg["exit_after_s"] <= 5 + 1,
-        "sigterm_every_request_answered": all(s in ("200", "503") for s in sg["requests_sent_before_sigterm"])
-        and not any(k.isdigit() is False for k in sg["requests_sent_after_sigterm"] if k not in ("ConnectError",)),
+        # in flight at SIGTERM: answered 200; sent after it: refused 503, or not connected once the process is gone
+        "sigterm_every_request_answered": set(sg["requests_sent_before_sigterm"]) == {"200"}
+        and set(sg["requests_sent_after_sigterm"]) <= {"503", "ConnectError", "ReadError", "RemoteProtocolError"},
         "no_responses_ge_500": summary["main_server"]["responses_ge_500"] == 0,
         "no_tracebacks": summary["main_server"]["log_tracebacks"] == 0 and sg["log_tracebacks"] == 0,
     }

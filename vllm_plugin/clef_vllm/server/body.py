@@ -144,10 +144,12 @@ class BodyReader:
         return RequestError(f"request body too slow: at most {self.body_timeout:g} s without data (--body-timeout)"
                             f"{rate}", kind=Kind.SLOW_CLIENT)
 
-    async def read_all(self, limit: int, declared: str | None = None) -> bytes:
-        """The whole body, refused (413) as soon as it passes ``limit`` bytes (declared or streamed)."""
+    async def read_all(self, limit: int, declared: str | None = None, limits: RequestLimits | None = None) -> bytes:
+        """The whole body, refused (413) as soon as it passes ``limit`` bytes (declared or streamed) or,
+        with ``limits``, as soon as it holds more JSON values than they allow (the rest is not read)."""
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise body_too_large(limit)
+        counter = ValueCounter() if limits is not None and limits.max_values is not None else None
         chunks = []
         while not self.done:
             chunk = (await self.message()).get("body", b"")
@@ -155,6 +157,8 @@ class BodyReader:
                 raise body_too_large(limit)
             if chunk:
                 chunks.append(chunk)
+                if counter is not None and counter.feed(chunk) > limits.max_values:
+                    raise too_many_values(limits)
         return b"".join(chunks)
 
 
@@ -163,41 +167,66 @@ class BodyReader:
 _QUOTE, _BACKSLASH, _COMMA, _BRACKET, _BRACE = 0x22, 0x5C, 0x2C, 0x5B, 0x7B
 
 
-def count_values(raw: bytes, limit: int | None, checkpoint: Callable[[], None] | None = None) -> int:
-    """An upper bound on the JSON values in ``raw``: 1 + commas + opening brackets outside strings,
-    counted window by window (numpy, a few vector operations per window) and stopped as soon as it
-    passes ``limit``. Strings are skipped, so a state full of commas counts as one value."""
-    if limit is not None and len(raw) <= limit:
-        return 1                                         # every counted byte is a byte: it fits
-    import numpy as np
+class ValueCounter:
+    """Counts an upper bound on the JSON values of a body as its pieces arrive: 1 + commas + opening
+    brackets outside strings (strings skipped, escaped quotes honoured across pieces). A few numpy
+    operations per piece, so a body with too many values is refused after its first megabyte,
+    without reading (or buffering) the rest."""
 
-    data = np.frombuffer(raw, dtype=np.uint8)
-    count, inside = 1, False                             # inside: the window starts inside a string
-    for start in range(0, len(data), SCAN_WINDOW):
-        if checkpoint is not None:
-            checkpoint()
-        window = data[start:start + SCAN_WINDOW]
-        quotes = np.flatnonzero(window == _QUOTE)
-        if quotes.size:                                  # drop quotes escaped by an odd run of backslashes
-            at = quotes + (start - 1)
+    def __init__(self):
+        self.count = 1
+        self.inside = False              # the next byte is inside a string
+        self.backslashes = 0             # backslashes that ended the previous piece
+
+    def feed(self, piece: bytes | memoryview) -> int:
+        import numpy as np
+
+        data = np.frombuffer(piece, dtype=np.uint8)
+        if not data.size:
+            return self.count
+        quotes = np.flatnonzero(data == _QUOTE)
+        if quotes.size:                  # drop quotes escaped by an odd run of backslashes
+            at = quotes - 1
             odd = np.zeros(quotes.size, dtype=bool)
-            run = (at >= 0) & (data[np.maximum(at, 0)] == _BACKSLASH)
-            while run.any():
-                odd ^= run
+            active = np.ones(quotes.size, dtype=bool)
+            reached = np.zeros(quotes.size, dtype=bool)   # the run goes back to the piece's start
+            while active.any():
+                before_start = at < 0
+                reached |= active & before_start
+                active &= ~before_start & (data[np.maximum(at, 0)] == _BACKSLASH)
+                odd ^= active
                 at -= 1
-                run &= (at >= 0) & (data[np.maximum(at, 0)] == _BACKSLASH)
+            if self.backslashes % 2:     # such runs continue into the previous piece
+                odd ^= reached
             quotes = quotes[~odd]
-        marks = np.flatnonzero((window == _COMMA) | (window == _BRACKET) | (window == _BRACE))
+        marks = np.flatnonzero((data == _COMMA) | (data == _BRACKET) | (data == _BRACE))
         if marks.size:
             if quotes.size:
                 quotes_before = np.searchsorted(quotes, marks)
-                count += int(np.count_nonzero((quotes_before & 1).astype(bool) == inside))
-            elif not inside:
-                count += int(marks.size)
-        inside ^= bool(quotes.size & 1)
-        if limit is not None and count > limit:
+                self.count += int(np.count_nonzero((quotes_before & 1).astype(bool) == self.inside))
+            elif not self.inside:
+                self.count += int(marks.size)
+        self.inside ^= bool(quotes.size & 1)
+        tail = len(data) - 1
+        while tail >= 0 and data[tail] == _BACKSLASH:
+            tail -= 1
+        trailing = len(data) - 1 - tail
+        self.backslashes = self.backslashes + trailing if tail < 0 else trailing
+        return self.count
+
+
+def count_values(raw: bytes, limit: int | None, checkpoint: Callable[[], None] | None = None) -> int:
+    """:class:`ValueCounter` over ``raw`` in windows of :data:`SCAN_WINDOW` bytes, stopped as soon as
+    the count passes ``limit``."""
+    if limit is not None and len(raw) <= limit:
+        return 1                                         # every counted byte is a byte: it fits
+    counter, view = ValueCounter(), memoryview(raw)
+    for start in range(0, len(raw), SCAN_WINDOW):
+        if checkpoint is not None:
+            checkpoint()
+        if counter.feed(view[start:start + SCAN_WINDOW]) > (limit if limit is not None else float("inf")):
             break
-    return count
+    return counter.count
 
 
 def _reject_constant(name: str):
@@ -218,15 +247,20 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+def too_many_values(limits: RequestLimits) -> RequestError:
+    return RequestError(f"the body has more than {limits.max_values} JSON values; no request with that many fits in "
+                        f"{limits.budget()}", kind=Kind.TOO_COMPLEX)
+
+
 def decode_json(raw: bytes | str, limits: RequestLimits | None = None,
-                checkpoint: Callable[[], None] | None = None) -> Any:
+                checkpoint: Callable[[], None] | None = None, counted: bool = False) -> Any:
     """Strict JSON (no NaN/Infinity, no number overflowing to infinity, integers of at most 4,300
-    digits) within ``limits.max_values``; raises RequestError (MALFORMED or TOO_COMPLEX)."""
-    if limits is not None and limits.max_values is not None:
+    digits) within ``limits.max_values`` (unless ``counted`` already); raises RequestError
+    (MALFORMED or TOO_COMPLEX)."""
+    if limits is not None and limits.max_values is not None and not counted:
         data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         if count_values(data, limits.max_values, checkpoint) > limits.max_values:
-            raise RequestError(f"the body has more than {limits.max_values} JSON values; no request with that many "
-                               f"fits in {limits.budget()}", kind=Kind.TOO_COMPLEX)
+            raise too_many_values(limits)
     try:
         return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
     except (UnicodeDecodeError, ValueError) as exc:

@@ -49,6 +49,7 @@ class RequestContext:
     record: int | None = None          # line index inside a bulk stream
     cancelled: threading.Event = field(default_factory=threading.Event)   # stop its CPU work (pool threads)
     body_bytes: int = 0
+    values_counted: bool = False       # the body's JSON values were counted while it was read
 
     def checkpoint(self) -> None:
         """Called by CPU work between steps: stops it once the request is cancelled (timeout, client gone)."""

@@ -10,7 +10,10 @@
     pid to PATH. Killing it makes the backend dead, as when vLLM's engine core dies: health
     checks and decisions raise :class:`BackendDeadError`. Killed while the load is held by
     ``CLEF_VLLM_LOAD_GATE``, it makes the load fail, as vLLM's start-up handshake does;
-  - ``load_fail``: the load raises after the gate (a model that never comes up).
+  - ``load_fail``: the load raises after the gate (a model that never comes up);
+  - ``instant``: decisions are answered at once with uniform probabilities, without the model
+    (benchmarks of everything but the engine: HTTP, limits, decoding, encoding, answers; with
+    ``--no-warmup`` the checkpoint's tokenizer may even be larger than its tiny model's vocabulary).
 """
 
 from __future__ import annotations
@@ -105,9 +108,12 @@ class FaultyBackend(Backend):
         self.max_model_len = inner.max_model_len
         self.hold_dir = Path(faults["hold_dir"]) if faults.get("hold_dir") else None
         self.engine = engine
+        self.instant = "instant" in faults
 
     def decide_batch(self, encoded: Sequence[EncodedRequest]):
         self.check_health()
+        if self.instant:
+            return [uniform(e) for e in encoded]
         return self.inner.decide_batch(encoded)
 
     async def decide(self, encoded: EncodedRequest):
@@ -121,6 +127,8 @@ class FaultyBackend(Backend):
             except asyncio.CancelledError:
                 log.info("fault hook: held decision %s cancelled", ",".join(holds))
                 raise
+        if self.instant:
+            return uniform(encoded)
         return await self.inner.decide(encoded)
 
     async def start(self) -> None:
@@ -143,3 +151,10 @@ class FaultyBackend(Backend):
         finally:
             if self.engine is not None:
                 self.engine.stop()
+
+
+def uniform(encoded: EncodedRequest):
+    """Uniform probabilities over each field's options (the ``instant`` hook's answer)."""
+    import torch
+
+    return torch.cat([torch.full((len(f.option_spans),), 1.0 / len(f.option_spans)) for f in encoded.fields])

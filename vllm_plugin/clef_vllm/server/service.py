@@ -327,7 +327,8 @@ class DecisionService:
                 raise body_too_large(limit)
             self.take_body_bytes(ctx, int(declared))
         reader = self.body_reader(receive)
-        raw = await reader.read_all(limit, declared)
+        raw = await reader.read_all(limit, declared, self.limits)      # too many JSON values: 413 early
+        ctx.values_counted = True
         if ctx.body_bytes < len(raw):
             self.take_body_bytes(ctx, len(raw) - ctx.body_bytes)
         return raw
@@ -336,7 +337,7 @@ class DecisionService:
 
     def _parse(self, raw: bytes | str | Any, ctx: RequestContext) -> SystemOneRequest:
         limits = self.limits
-        body = decode_json(raw, limits, ctx.checkpoint) if isinstance(raw, (bytes, str)) else raw
+        body = decode_json(raw, limits, ctx.checkpoint, ctx.values_counted) if isinstance(raw, (bytes, str)) else raw
         ctx.checkpoint()
         return parse_request(body, self.dialect, limits)
 
