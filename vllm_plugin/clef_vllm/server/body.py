@@ -80,6 +80,7 @@ class BodyReader:
         #: While this says True the client is waiting for answers: pauses are not counted (bulk).
         self.exempt: Callable[[], bool] | None = None
         self.wake = asyncio.Event()                  # set when ``exempt`` may have changed
+        self._waiters: dict[str, asyncio.Future] | None = None
 
     def touch(self) -> None:
         """Restart the pause clock (the client's answers just went out) and re-check the rules."""
@@ -98,36 +99,47 @@ class BodyReader:
             limits.append(self.last + DRAIN_STALL_S)
         return min(limits) if limits else None
 
+    def _interrupts(self) -> list[asyncio.Future]:
+        """Waiters for the server's state changes, made once per reader (not once per piece)."""
+        if self._waiters is None:
+            self._waiters = {}
+        for name, event in (("stopping", self.stopping), ("abandon", self.abandon)):
+            if event is not None and name not in self._waiters and not event.is_set():
+                self._waiters[name] = asyncio.ensure_future(event.wait())
+        if self.exempt is not None:
+            self.wake.clear()
+            waiter = self._waiters.get("wake")
+            if waiter is None or waiter.done():
+                self._waiters["wake"] = asyncio.ensure_future(self.wake.wait())
+        return [w for w in self._waiters.values() if not w.done()]
+
+    def close(self) -> None:
+        """Drop the state-change waiters (the body is read, or the request is over)."""
+        for waiter in (self._waiters or {}).values():
+            waiter.cancel()
+        self._waiters = None
+
     async def message(self) -> dict:
         """The next ASGI message (``http.request`` with its bytes); raises on the rules above."""
         while True:
             now = time.monotonic()
             deadline = self._deadline(now)
             if self.abandon is not None and self.abandon.is_set():
+                self.close()
                 raise ServiceError("server is shutting down; the request body was not received in time",
                                    kind=Kind.DRAINING)
             if deadline is not None and now >= deadline:
+                self.close()
                 raise self._timed_out()
-            waits = [asyncio.ensure_future(self.receive())]
-            if self.stopping is not None and not self.stopping.is_set():
-                waits.append(asyncio.ensure_future(self.stopping.wait()))
-            if self.abandon is not None:
-                waits.append(asyncio.ensure_future(self.abandon.wait()))
-            if self.exempt is not None:
-                self.wake.clear()
-                waits.append(asyncio.ensure_future(self.wake.wait()))
-            try:
-                await asyncio.wait(waits, timeout=None if deadline is None else deadline - now,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits[1:]:
-                    w.cancel()
-            got = waits[0]
+            got = asyncio.ensure_future(self.receive())
+            await asyncio.wait([got, *self._interrupts()], timeout=None if deadline is None else deadline - now,
+                               return_when=asyncio.FIRST_COMPLETED)
             if not got.done():
                 got.cancel()
                 continue                            # a deadline or the server's state changed: re-check
             message = got.result()
             if message["type"] == "http.disconnect":
+                self.close()
                 raise ClientClosed("client closed the connection before sending the whole body")
             chunk = message.get("body", b"")
             if chunk:
@@ -135,6 +147,7 @@ class BodyReader:
                 self.received += len(chunk)
             if not message.get("more_body", False):
                 self.done = True
+                self.close()
             return message
 
     def _timed_out(self) -> Exception:
@@ -149,16 +162,26 @@ class BodyReader:
         with ``limits``, as soon as it holds more JSON values than they allow (the rest is not read)."""
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise body_too_large(limit)
-        counter = ValueCounter() if limits is not None and limits.max_values is not None else None
+        max_values = limits.max_values if limits is not None else None
+        counter, counted = None, 0
         chunks = []
-        while not self.done:
-            chunk = (await self.message()).get("body", b"")
-            if self.received > limit:
-                raise body_too_large(limit)
-            if chunk:
-                chunks.append(chunk)
-                if counter is not None and counter.feed(chunk) > limits.max_values:
-                    raise too_many_values(limits)
+        try:
+            while not self.done:
+                chunk = (await self.message()).get("body", b"")
+                if self.received > limit:
+                    raise body_too_large(limit)
+                if chunk:
+                    chunks.append(chunk)
+                # no body of at most max_values bytes can hold more values: count only past that
+                if max_values is not None and self.received > max_values:
+                    counter = counter or ValueCounter()
+                    for piece in chunks[counted:]:
+                        counter.feed(piece)
+                    counted = len(chunks)
+                    if counter.count > max_values:
+                        raise too_many_values(limits)
+        finally:
+            self.close()
         return b"".join(chunks)
 
 

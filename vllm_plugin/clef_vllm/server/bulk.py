@@ -101,7 +101,11 @@ class BulkStream(Response):
             # Wait for data before taking a stream slot (a client sending "Expect: 100-continue" gets
             # its 100 now; uvicorn sends none once the response has started). Errors here are plain
             # HTTP errors: the stream has not started.
-            first = await reader.message()
+            try:
+                first = await reader.message()
+            except BaseException:
+                reader.close()
+                raise
             if service.bulk_streams >= settings.max_bulk_streams:
                 raise ServiceError(f"{service.bulk_streams} bulk streams are open (--max-bulk-streams)",
                                    kind=Kind.BULK_STREAMS, retry_after=service.admission.retry_after())
@@ -110,6 +114,7 @@ class BulkStream(Response):
                 await self._stream(scope, reader, first, send)
             finally:
                 service.bulk_streams -= 1
+                reader.close()
 
     async def _stream(self, scope: Scope, reader: BodyReader, first: dict, send: Send) -> None:
         timeout = self.service.settings.body_timeout_s
