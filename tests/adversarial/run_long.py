@@ -16,16 +16,19 @@ Phases:
    ~1 M options, and a 16 MiB text state, which is answered): status, server CPU seconds (user +
    system of the server process), peak RSS above the RSS before (``VmHWM`` after resetting it
    through ``/proc/PID/clear_refs``), RSS 2 s after (memory handed back).
-2. ``concurrent``: a normal request's latency alone, then again while 8 worst-case bodies are in
-   flight without pause, with ``GET /health/live`` probed every 20 ms meanwhile.
+2. ``concurrent``: a normal request's latency alone, then again while 8 attackers each send a
+   worst-case body every second (``concurrent``) or back to back (``concurrent_flood``), with
+   ``GET /health/live`` probed every 20 ms meanwhile; attackers, prober and normal client each run
+   in their own process.
 3. ``slow_clients``: 4 bulk streams that send only their headers and 200 connections that send half
    a request head; meanwhile normal and bulk requests are timed; when each idle connection is
    answered (408) or closed.
 4. ``d1``/``d2``: the nesting depths around the old recursion limit; 200 clients that send headers,
    one body byte, and close (499 ``client_closed``, never 500).
 5. ``sigterm``: a server with ``--shutdown-timeout 5``, a stalled upload, a bulk stream that never
-   sent a byte, one that stalled after its first record, and 4 clients sending requests in a loop;
-   SIGTERM: exit status and time, every request answered.
+   sent a byte, one that stalled after its first record, a request that never leaves the engine
+   (fault hook ``hold_dir``) and 4 clients sending requests in a loop; SIGTERM: exit status and
+   time, every request answered (the stuck one with 503 at the timeout).
 
 Pass: the targets in ``targets`` of the summary (0 responses >= 500, 0 tracebacks, ...).
 """
@@ -328,7 +331,10 @@ def phase_d1_d2(server: Server) -> dict:
 
 
 def phase_sigterm(ckpt: Path, work: Path, shutdown_timeout: float) -> dict:
-    server = Server(ckpt, work, "--shutdown-timeout", str(shutdown_timeout))
+    holds = work / "holds"
+    holds.mkdir(exist_ok=True)
+    server = Server(ckpt, work, "--shutdown-timeout", str(shutdown_timeout),
+                    env={"CLEF_VLLM_FAULTS": f"instant,hold_dir={holds}"})
     stalled = connect(server.port, 60)
     stalled.sendall(head("/v1/systemone", server.port, content_length=5000) + b'{"model":"m",')
     silent_bulk = connect(server.port, 60)
@@ -350,8 +356,16 @@ def phase_sigterm(ckpt: Path, work: Path, shutdown_timeout: float) -> dict:
                     results.append((t0, type(exc).__name__))
                     return
 
+    never = {"model": "m", "state": "x", "questions": {"hold.never": {"type": "noul"}}}   # stays in the engine
+
+    def stuck():
+        t0 = time.monotonic()
+        resp = httpx.post(server.url + "/v1/systemone", json=never, timeout=120)
+        return resp.status_code, resp.json()["error"]["message"] if resp.status_code != 200 else None, t0
+
     with ThreadPoolExecutor(8) as pool:
         loops = [pool.submit(looper) for _ in range(4)]
+        held = pool.submit(stuck)
         time.sleep(3)
         t_signal = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -365,6 +379,8 @@ def phase_sigterm(ckpt: Path, work: Path, shutdown_timeout: float) -> dict:
         stop.set()
         for f in loops:
             f.result()
+        held_status, held_message, _ = held.result()
+        answers["request_never_finishing"] = {"status": held_status, "message": held_message}
     before = [s for t, s in results if t < t_signal]
     after = [s for t, s in results if t >= t_signal]
     log = server.log()
@@ -427,7 +443,8 @@ def main() -> int:
         "slow_clients_freed_within_timeouts": sc["idle_bulk"]["answered_after_s_max"] <= 10 + 2
         and sc["slow_head"]["closed_after_s_max"] <= 10 + 2,
         "d2_all_499": summary["d1_d2"]["d2_counted_499_client_closed"] == 200,
-        "sigterm_exit_0_within_timeout_plus_1s": sg["exit_code"] == 0 and sg["exit_after_s"] <= 5 + 1,
+        "sigterm_exit_0_within_timeout_plus_1s": sg["exit_code"] == 0 and sg["exit_after_s"] <= 5 + 1
+        and sg["stalled_clients"]["request_never_finishing"]["status"] == 503,
         # in flight at SIGTERM: answered 200; sent after it: refused 503, or not connected once the process is gone
         # (a request sent just before the signal can reach the server after it: 503 is its answer)
         "sigterm_every_request_answered": set(sg["requests_sent_before_sigterm"]) <= {"200", "503"}

@@ -19,7 +19,7 @@ from functools import lru_cache
 from itertools import chain
 from json.encoder import encode_basestring
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from clef_vllm.errors import Kind, RequestError
 from clef_vllm.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,

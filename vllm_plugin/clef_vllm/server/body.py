@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import time
 from typing import Any, Awaitable, Callable
 

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.errors import ClefError, ClientClosed, Kind, ServiceError
 from clef_vllm.server.admission import BULK
 from clef_vllm.server.body import BodyReader, body_too_large
 from clef_vllm.server.context import RequestContext
@@ -264,4 +264,4 @@ def close_connection(scope: Scope) -> None:
         hook()
 
 
-__all__ = ["BulkStream", "ndjson_line", "read_lines", "RequestError"]
+__all__ = ["BulkStream", "ndjson_line", "read_lines"]
