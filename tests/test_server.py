@@ -863,17 +863,28 @@ def test_engine_death_while_serving_fails_requests_and_exits_non_zero(servers):
     body = json.dumps(REQUEST).encode()
     slow = RawHttp(dying, "/v1/systemone", content_length=len(body))  # accepted, its body still arriving
     slow.send(body[:10])
-    with ThreadPoolExecutor(1) as pool:
+    stop, sent = threading.Event(), [10]
+
+    def trickle():                                    # an upload that makes progress keeps being read
+        while not stop.is_set() and sent[0] < len(body) - 2:
+            slow.send(body[sent[0]:sent[0] + 1])
+            sent[0] += 1
+            time.sleep(0.1)
+
+    with ThreadPoolExecutor(2) as pool:
         in_engine = pool.submit(post, dying, held("x1"))
         wait_until(lambda: metric(dying, "clef_in_flight") == 1, "x1 in the engine")
+        trickling = pool.submit(trickle)
         os.kill(pid, signal.SIGKILL)
         assert_error(in_engine.result(), 503, "engine failed", f"engine process {pid} exited")
-    health = httpx.get(dying.url + "/health")
-    assert health.status_code == 503 and health.json() == {"status": "failed"}
-    assert httpx.get(dying.url + "/health/live").status_code == 503
-    assert_error(post(dying, REQUEST), 503, "engine failed")
-    assert dying.proc.poll() is None                  # it answers what it accepted before it exits
-    slow.send(body[10:])
+        health = httpx.get(dying.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "failed"}
+        assert httpx.get(dying.url + "/health/live").status_code == 503
+        assert_error(post(dying, REQUEST), 503, "engine failed")
+        assert dying.proc.poll() is None              # it answers what it accepted before it exits
+        stop.set()
+        trickling.result()
+    slow.send(body[sent[0]:])
     status, err = slow.read_json_response()
     assert status == 503 and "engine failed" in err["error"]["message"]
     slow.close()

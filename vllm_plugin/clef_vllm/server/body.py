@@ -80,6 +80,8 @@ class BodyReader:
         self.exempt: Callable[[], bool] | None = None
         self.wake = asyncio.Event()                  # set when ``exempt`` may have changed
         self._waiters: dict[str, asyncio.Future] | None = None
+        #: The error for a body that stalls once ``stopping`` is set (shutting down, or the engine died).
+        self.stopping_error: Callable[[], Exception] | None = None
 
     def touch(self) -> None:
         """Restart the pause clock (the client's answers just went out) and re-check the rules."""
@@ -151,6 +153,8 @@ class BodyReader:
 
     def _timed_out(self) -> Exception:
         if self.stopping is not None and self.stopping.is_set():
+            if self.stopping_error is not None:
+                return self.stopping_error()
             return ServiceError("server is shutting down; the request body stalled", kind=Kind.DRAINING)
         rate = f", then at least {self.min_rate:g} bytes/s on average (--min-body-rate)" if self.min_rate else ""
         return RequestError(f"request body too slow: at most {self.body_timeout:g} s without data (--body-timeout)"

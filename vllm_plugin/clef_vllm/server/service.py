@@ -294,8 +294,15 @@ class DecisionService:
 
     def body_reader(self, receive: Callable[[], Awaitable[dict]]) -> BodyReader:
         s = self.settings
-        return BodyReader(receive, body_timeout=s.body_timeout_s, min_rate=s.min_body_rate, stopping=self.stopping,
-                          abandon=self.abandon)
+        reader = BodyReader(receive, body_timeout=s.body_timeout_s, min_rate=s.min_body_rate, stopping=self.stopping,
+                            abandon=self.abandon)
+        reader.stopping_error = self._stalled_while_stopping
+        return reader
+
+    def _stalled_while_stopping(self) -> ServiceError:
+        if self.status == FAILED:
+            return ServiceError(f"engine failed: {self.error}; the request body stalled", kind=Kind.ENGINE_DEAD)
+        return ServiceError("server is shutting down; the request body stalled", kind=Kind.DRAINING)
 
     @contextmanager
     def holding_body(self, ctx: RequestContext) -> Iterator[None]:
