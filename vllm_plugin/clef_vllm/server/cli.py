@@ -252,13 +252,22 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     failure = (f"could not load the model: {load_failure[0]}" if load_failure else
                f"the engine failed while serving: {engine_failure[0]}" if engine_failure else None)
-    if failure is None:
-        return 0
-    if args.log_format == "json":
-        log.critical(failure)
-    else:
-        print(f"clef-systemone: {failure}", file=sys.stderr, flush=True)
-    return 1
+    code = 0
+    if failure is not None:
+        code = 1
+        if args.log_format == "json":
+            log.critical(failure)
+        else:
+            print(f"clef-systemone: {failure}", file=sys.stderr, flush=True)
+    abandon = app.state.clef.abandon
+    if abandon is not None and abandon.is_set():
+        # The shutdown timeout passed and every open request was answered 503: leave now, without
+        # the interpreter's teardown (a second or more with torch loaded; the backend is closed).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 class DrainingServer(uvicorn.Server):
