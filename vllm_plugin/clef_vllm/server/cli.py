@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="online quantization of a BF16 checkpoint (e.g. fp8); quantized checkpoints need none")
     eng.add_argument("--load-format", default=None,
                      help="vLLM load format; 'dummy' = random weights for benchmarks (configs only)")
+    eng.add_argument("--prefill-graphs", choices=["on", "off"], default="on",
+                     help="replay the GDN layers of single-sequence prefill steps from CUDA graphs and capture "
+                          "vLLM's piecewise graphs up to the same token counts (default on; docs/latency.md)")
     eng.add_argument("--no-warmup", dest="warmup", action="store_false", default=True,
                      help="skip the start-up warm-up (first requests will be slow)")
     return p
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_batched_tokens", "enforce_eager", "gdn_prefill_backend", "linear_backend", "quantization",
         "load_format")}
     options.update(dtype=args.dtype, max_model_len=args.max_model_len, warmup=args.warmup)
+    if args.backend != "reference":
+        options["prefill_graphs"] = args.prefill_graphs == "on"
     load_failure: list[BaseException] = []
     engine_failure: list[BaseException] = []
 
