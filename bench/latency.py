@@ -6,6 +6,7 @@ settings (``engine_kwargs``), one request at a time, in each MODE (one subproces
 
     graphs     prefill graphs on (the default server), state cache off
     nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
+    capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode)
     raw        vLLM ``embed`` pooling of the same ids, vLLM's defaults (no head, no plugin features)
 
@@ -42,6 +43,8 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
     else:
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
                            state_cache=mode == "cache", **common)
+        if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
+            kw["additional_config"].pop("clef_prefill_graphs", None)
         if quantization:
             kw["quantization"] = quantization
     kw.pop("disable_log_stats", None)

@@ -44,7 +44,14 @@ def encode(encoder, body: dict, keyed: bool):
 
 
 def run_engine(config: dict) -> dict:
+    import logging
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if os.environ.get("CLEF_DUMP_AFTER"):            # diagnose a hang: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["CLEF_DUMP_AFTER"]), exit=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from vllm import LLM, PoolingParams, TokensPrompt
 
     from clef_vllm import register
@@ -98,10 +105,12 @@ def run_engine(config: dict) -> dict:
 def child(config: dict, workdir: Path, name: str) -> dict:
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.run([sys.executable, str(HERE), "--child", str(path)], capture_output=True, text=True)
+    log_path = Path(os.environ.get("OUT", workdir)) / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, str(HERE), "--child", str(path)], stdout=log, stderr=subprocess.STDOUT)
     result = workdir / f"{name}.out.json"
     if proc.returncode or not result.exists():
-        return {"error": proc.returncode, "log_tail": (proc.stdout + proc.stderr)[-4000:]}
+        return {"error": proc.returncode, "log": str(log_path)}
     return json.loads(result.read_text())
 
 
@@ -137,6 +146,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
     args = ap.parse_args()
     if args.child:
         config = json.loads(Path(args.child).read_text())
@@ -153,12 +163,19 @@ def main() -> int:
     ckpt = build_tiny_checkpoint(work / "tiny", layout="repacked", mtp=True)
     report: dict = {}
 
+    parts = set(args.only.split(","))
+
+    def save():
+        (out / "fast_paths.json").write_text(json.dumps(report, indent=1) + "\n")
+
     # 1. graphs vs vLLM's path, one request at a time
+    if "graphs" not in parts:
+        args.n = 0
     bodies = synthetic_parity_set(args.n, seed=11, max_words=1500)
     program = [{"name": f"r{i}", "bodies": [b]} for i, b in enumerate(bodies)]
     runs = {g: child({"ckpt": str(ckpt), "graphs": g, "cache": False, "program": program}, work, f"graphs_{g}")
-            for g in (True, False)}
-    if all("steps" in r for r in runs.values()):
+            for g in (True, False)} if program else {}
+    if runs and all("steps" in r for r in runs.values()):
         probs = {g: [s["results"][0]["probs"] for s in r["steps"]] for g, r in runs.items()}
         report["graphs_vs_vllm_path"] = {**compare(probs[False], probs[True]),
                                          "tokens": [s["results"][0]["tokens"] for s in runs[True]["steps"]],
@@ -167,6 +184,7 @@ def main() -> int:
     else:
         report["graphs_vs_vllm_path"] = runs
     print(json.dumps({k: v for k, v in report.get("graphs_vs_vllm_path", {}).items() if k != "tokens"}), flush=True)
+    save()
 
     # 2. state cache cases
     s1, s2 = state(1400, 1), state(1400, 2)
@@ -186,7 +204,8 @@ def main() -> int:
         {"name": "same_state_cold", "bodies": group}, {"name": "same_state_cold_uncached", "bodies": group, "skip": [True] * 8},
         {"name": "same_state_hit", "bodies": group2}, {"name": "same_state_hit_uncached", "bodies": group2, "skip": [True] * 8},
     ]
-    sc = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "program": program}, work, "state_cache")
+    sc = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "program": program}, work, "state_cache") \
+        if "cache" in parts else {}
     if "steps" in sc:
         steps = {s["name"]: s["results"] for s in sc["steps"]}
 
@@ -202,6 +221,7 @@ def main() -> int:
     else:
         report["state_cache"] = sc
     print(json.dumps(report["state_cache"]), flush=True)
+    save()
 
     # eviction: a 4-block side pool and a small KV cache
     others = [req(state(1400, 100 + i), 30 + i) for i in range(6)]
@@ -210,7 +230,7 @@ def main() -> int:
                   {"name": "other5_again", "bodies": [req(state(1400, 105), 99)]},
                   {"name": "other5_again_uncached", "bodies": [req(state(1400, 105), 99)], "skip": [True]}])
     ev = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "capacity_blocks": 4, "num_gpu_blocks": 96,
-                "program": program}, work, "eviction")
+                "program": program}, work, "eviction") if "eviction" in parts else {}
     if "steps" in ev:
         steps = {s["name"]: s["results"] for s in ev["steps"]}
         report["eviction"] = {
@@ -222,6 +242,9 @@ def main() -> int:
     else:
         report["eviction"] = ev
     print(json.dumps(report["eviction"]), flush=True)
+    save()
+    if "api" not in parts:
+        return 0
 
     # 3. the offline API: leader/follower through AsyncLLM, answers vs the reference backend
     from clef_vllm import Clef
