@@ -76,12 +76,12 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
 
     from clef_vllm.backends.vllm_backend import engine_kwargs
 
-    kwargs = engine_kwargs(tiny_release, max_model_len=2048, dtype="float32", data_parallel_size=1)
+    kwargs = engine_kwargs(tiny_release, max_model_len=2048, dtype="float32", data_parallel_size=1, state_cache=True)
     assert kwargs["hf_overrides"] == {"architectures": ["ClefFlashForDecision"]}  # release config names the VL class
     cfg = AsyncEngineArgs(**kwargs).create_engine_config()
     assert cfg.model_config.architectures == ["ClefFlashForDecision"]
     assert cfg.model_config.runner_type == "pooling"
-    assert cfg.cache_config.enable_prefix_caching is True          # the state cache is on by default
+    assert cfg.cache_config.enable_prefix_caching is True          # the state cache
     assert cfg.cache_config.mamba_cache_mode == "align"
     assert cfg.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"
     assert cfg.scheduler_config.enable_chunked_prefill is True

@@ -84,7 +84,7 @@ def engine_kwargs(model_dir: str | Path, *, dtype: str = "bfloat16", max_model_l
                   data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
                   max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
                   gdn_prefill_backend: str | None = "triton", linear_backend: str | None = None,
-                  load_format: str = "auto", seed: int = 0, prefill_graphs: bool = True, state_cache: bool = True,
+                  load_format: str = "auto", seed: int = 0, prefill_graphs: bool = True, state_cache: bool = False,
                   **extra: Any) -> dict:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable).
 

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--prefill-graphs", choices=["on", "off"], default="on",
                      help="replay the GDN layers of single-sequence prefill steps from CUDA graphs and capture "
                           "vLLM's piecewise graphs up to the same token counts (default on; docs/latency.md)")
+    eng.add_argument("--state-cache", choices=["on", "off"], default="off",
+                     help="reuse a state computed once: vLLM prefix caching plus the head's memory rows of cached "
+                          "prefixes (default off until its benchmarks are in; docs/state-cache.md)")
     eng.add_argument("--no-warmup", dest="warmup", action="store_false", default=True,
                      help="skip the start-up warm-up (first requests will be slow)")
     return p
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     options.update(dtype=args.dtype, max_model_len=args.max_model_len, warmup=args.warmup)
     if args.backend != "reference":
         options["prefill_graphs"] = args.prefill_graphs == "on"
+        options["state_cache"] = args.state_cache == "on"
     load_failure: list[BaseException] = []
     engine_failure: list[BaseException] = []
 
