@@ -58,13 +58,15 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        request.scope["state"][CONTEXT_KEY].reason = reason_of(exc)
-        return error_response(exc, dialect)
+        ctx = request.scope["state"][CONTEXT_KEY]
+        ctx.reason = reason_of(exc)
+        return error_response(exc, ctx.dialect)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        ctx = request.scope["state"][CONTEXT_KEY]
         message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return error_response(RequestError(message, status=exc.status_code), dialect, exc.headers)
+        return error_response(RequestError(message, status=exc.status_code), ctx.dialect, exc.headers)
 
     @app.get("/health", summary="200 once the model is loaded and serving; 503 while loading, draining or failed")
     async def health():

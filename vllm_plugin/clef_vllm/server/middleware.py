@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clef_vllm.protocol import Dialect, RequestError
-from clef_vllm.server.context import RequestContext, accept_request_id, reason_of
+from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request_id, reason_of
 from clef_vllm.server.logs import LOG_CONTEXT
 from clef_vllm.server.metrics import ServerMetrics
 
@@ -23,7 +23,6 @@ access_log = logging.getLogger("clef_vllm.access")
 ROUTES = ("/v1/systemone", "/v1/systemone/bulk", "/v1/models", "/health", "/health/live", "/metrics",
           "/openapi.json", "/docs")
 PROBES = ("/health", "/health/live", "/metrics")
-CONTEXT_KEY = "clef_ctx"
 
 
 def error_response(exc: RequestError, dialect: Dialect, headers: dict | None = None) -> JSONResponse:
@@ -71,7 +70,7 @@ class EdgeMiddleware:
         headers = Headers(scope=scope)
         path = scope["path"]
         route = path if path in ROUTES else "other"
-        ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route)
+        ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route, dialect=self.dialect)
         scope.setdefault("state", {})[CONTEXT_KEY] = ctx
         token = LOG_CONTEXT.set({"request_id": ctx.request_id})
         status: int | None = None
@@ -89,7 +88,7 @@ class EdgeMiddleware:
             if self.auth.protects(path) and not self.auth.allows(headers):
                 ctx.reason = "unauthorized"
                 exc = RequestError("missing or invalid API key (Authorization: Bearer <key>)", status=401)
-                await error_response(exc, self.dialect, {"WWW-Authenticate": "Bearer"})(scope, receive,
+                await error_response(exc, ctx.dialect, {"WWW-Authenticate": "Bearer"})(scope, receive,
                                                                                         send_with_headers)
             else:
                 await self.app(scope, receive, send_with_headers)
@@ -97,7 +96,7 @@ class EdgeMiddleware:
             log.error("internal error on %s: %s", path, exc, exc_info=exc)
             ctx.reason = "internal"
             if status is None:
-                await error_response(RequestError("internal server error", status=500), self.dialect)(
+                await error_response(RequestError("internal server error", status=500), ctx.dialect)(
                     scope, receive, send_with_headers)
         finally:
             self._finish(scope, ctx, status)
