@@ -64,6 +64,7 @@ def echoed_model(model_name: str) -> str:
 
 
 def unknown_model(model_name: str, served: Iterable[str]) -> ServerError:
+    """400 with the hosted "no route" code, naming the model asked for and the names served."""
     shown = model_name if len(model_name) <= 200 else model_name[:200] + "..."
     err = ServerError(f"no route for model {shown!r}: this server runs {', '.join(map(repr, served))} "
                       "(--served-model-name)", status=400, reason="unknown_model")
