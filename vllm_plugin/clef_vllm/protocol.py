@@ -71,6 +71,9 @@ HOSTED_ERROR_CODES = {400: 6003, 401: 10000, 404: 7000, 413: 5021, 422: 5012, 42
 class RequestError(ValueError):
     """A client mistake. ``status`` is the HTTP status, ``field`` a dotted path into the body."""
 
+    #: The hosted envelope's code when it is not the one of ``status`` in ``HOSTED_ERROR_CODES``.
+    hosted_code: int | None = None
+
     def __init__(self, message: str, *, field: str | None = None, status: int = 422):
         # Field paths and messages can quote client strings; escape lone surrogates so the
         # error body itself is always encodable as UTF-8.
@@ -83,7 +86,7 @@ class RequestError(ValueError):
     def body(self, dialect: Dialect | str = Dialect.REFERENCE) -> dict:
         """The JSON error body in the dialect's envelope."""
         if Dialect(dialect) is Dialect.WORKERS_AI:
-            code = HOSTED_ERROR_CODES.get(self.status, 5012)
+            code = self.hosted_code or HOSTED_ERROR_CODES.get(self.status, 5012)
             return {"success": False, "errors": [{"code": code, "message": str(self)}], "messages": [], "result": None}
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.field, "code": self.status}}

@@ -1,5 +1,6 @@
 """FastAPI app: ``POST /v1/systemone``, ``POST /v1/systemone/bulk``, ``GET /health``,
-``GET /health/live``, ``GET /metrics``, ``GET /v1/models``; OpenAPI at ``/docs``.
+``GET /health/live``, ``GET /metrics``, ``GET /v1/models``, and Workers AI's REST route
+``POST [/client/v4]/accounts/{account_id}/ai/run/{model_name}`` (server/hosted.py); OpenAPI at ``/docs``.
 
 The model loads in the background after the server starts listening, so ``/health`` can say
 503 ("loading") instead of refusing connections; it says 200 only once requests can be served,
@@ -28,6 +29,7 @@ from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, RequestError, ScoreAnsw
 from clef_vllm.server.body import decode_json, read_body  # noqa: F401 - decode_json is part of this module's API
 from clef_vllm.server.bulk import BulkStream
 from clef_vllm.server.context import ServerError, reason_of
+from clef_vllm.server.hosted import install_hosted_routes
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.middleware import CONTEXT_KEY, BearerAuth, EdgeMiddleware, error_response
 from clef_vllm.server.service import FAILED, READY, DecisionService
@@ -58,13 +60,15 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        request.scope["state"][CONTEXT_KEY].reason = reason_of(exc)
-        return error_response(exc, dialect)
+        ctx = request.scope["state"][CONTEXT_KEY]
+        ctx.reason = reason_of(exc)
+        return error_response(exc, ctx.dialect)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        ctx = request.scope["state"][CONTEXT_KEY]
         message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return error_response(RequestError(message, status=exc.status_code), dialect, exc.headers)
+        return error_response(RequestError(message, status=exc.status_code), ctx.dialect, exc.headers)
 
     @app.get("/health", summary="200 once the model is loaded and serving; 503 while loading, draining or failed")
     async def health():
@@ -82,11 +86,12 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", summary="The served model and backend")
+    @app.get("/v1/models", summary="The served model and backend, once per name (--served-model-name)")
     async def models():
         info = service.backend.describe() if service.backend is not None else {}
-        return {"object": "list", "data": [{"id": settings.served_model, "object": "model", "owned_by": "clef-vllm",
-                                             "clef_vllm_version": __version__, **info}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "clef-vllm",
+                                             "clef_vllm_version": __version__, **info}
+                                            for name in settings.served_models]}
 
     @app.post("/v1/systemone", summary="Answer every question of a SystemOne request in one forward pass",
               response_model=None, responses=_openapi_responses(),
@@ -113,6 +118,8 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
                               reason="bulk_streams", headers={"Retry-After": str(service.admission.retry_after())})
         ctx.timeout_s = settings.request_timeout_s
         return BulkStream(service, ctx)
+
+    install_hosted_routes(app, settings.served_models, systemone)
 
     app.add_middleware(EdgeMiddleware, metrics=metrics, dialect=dialect,
                        auth=BearerAuth(settings.api_keys, settings.auth_health_metrics))

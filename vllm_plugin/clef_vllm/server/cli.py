@@ -26,8 +26,8 @@ from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import Dialect
-from clef_vllm.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S,
-                                       OVER_LENGTH_POLICIES)
+from clef_vllm.server.settings import (DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SERVED_MODELS,
+                                       DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
 
 API_KEY_ENV = "CLEF_API_KEY"
 
@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"clef-vllm {__version__}")
     p.add_argument("--model", default="demo",
                    help="checkpoint folder (release or repacked layout); 'demo' = generated tiny demo (default)")
-    p.add_argument("--served-model-name", default="clef-flash", help="name reported by /v1/models")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a name this server answers to (repeat for several): listed by /v1/models, and the model "
+                        "names the hosted route POST /client/v4/accounts/{account_id}/ai/run/{NAME} accepts "
+                        f"(default: {' and '.join(DEFAULT_SERVED_MODELS)})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", choices=BACKENDS, default="auto")
@@ -76,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sec = p.add_argument_group("auth and browsers")
     sec.add_argument("--api-key", action="append", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys). Prefer the "
-                          f"{API_KEY_ENV} environment variable (comma-separated keys): flags show in ps")
+                     help=f"require 'Authorization: Bearer KEY' on /v1/* and the hosted route (repeat for several "
+                          f"keys). Prefer the {API_KEY_ENV} environment variable (comma-separated keys): flags show "
+                          "in ps")
     sec.add_argument("--auth-health-metrics", action="store_true",
                      help="with an API key, also require it on /health, /health/live and /metrics (default: open)")
     sec.add_argument("--cors-origins", action="append", default=None,
@@ -151,6 +155,13 @@ def _split(values: list[str] | None) -> tuple[str, ...]:
     return tuple(v.strip() for item in values or () for v in item.split(",") if v.strip())
 
 
+def _served_models(args: argparse.Namespace) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in args.served_model_name or ())
+    if any(not name for name in names):
+        build_parser().error("--served-model-name must not be empty")
+    return names or DEFAULT_SERVED_MODELS
+
+
 def api_keys(args: argparse.Namespace, environ=os.environ) -> tuple[str, ...]:
     """``--api-key`` values, else the comma-separated keys of ``$CLEF_API_KEY``."""
     return _split(args.api_key) or _split([environ.get(API_KEY_ENV, "")])
@@ -205,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     keys = api_keys(args)
     settings = ServerSettings(
-        dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_model=args.served_model_name,
+        dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_models=_served_models(args),
         max_in_flight=args.max_in_flight, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout or None, load_timeout_s=args.load_timeout or None,
         shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
@@ -214,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         max_bulk_streams=args.max_bulk_streams, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal,
         on_drained=on_drained)
     if keys:
-        log.info("API key required on /v1/*%s (%d key(s))", " and the probes" if args.auth_health_metrics else "",
-                 len(keys))
+        log.info("API key required on /v1/* and the hosted route%s (%d key(s))",
+                 " and the probes" if args.auth_health_metrics else "", len(keys))
     app = create_app(wrap_load(load), settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=10)

@@ -17,8 +17,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from clef_vllm.protocol import RequestError
+from clef_vllm.protocol import Dialect, RequestError
 
+#: Where the HTTP middleware keeps a request's :class:`RequestContext` (``scope["state"]``).
+CONTEXT_KEY = "clef_ctx"
 STAGES = ("queue", "encode", "batch_wait", "backbone", "head", "engine", "total")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -66,6 +68,8 @@ class RequestContext:
     input_tokens: int | None = None
     questions: int | None = None
     record: int | None = None          # line index inside a bulk stream
+    dialect: Dialect | None = None     # this request's dialect; None: the server's --dialect
+    default_model: str | None = None   # the body's "model" when it has none (hosted route)
 
     def add_stage(self, name: str, seconds: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + max(0.0, seconds)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (its own registry, served at ``GET /metrics``).
 
 Counters get prometheus-client's ``_total`` suffix on the wire. ``kind`` is ``interactive``
-(``POST /v1/systemone``) or ``bulk`` (records of ``POST /v1/systemone/bulk``).
+(``POST /v1/systemone`` and the hosted route) or ``bulk`` (records of ``POST /v1/systemone/bulk``).
 """
 
 from __future__ import annotations

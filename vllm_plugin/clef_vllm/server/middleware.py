@@ -1,4 +1,5 @@
-"""The HTTP edge (pure ASGI, so streaming bodies pass untouched): request id, bearer auth,
+"""The HTTP edge (pure ASGI, so streaming bodies pass untouched): request id, the request's
+dialect (``workers-ai`` under the hosted route's prefixes, else ``--dialect``), bearer auth,
 ``Server-Timing`` and ``X-Request-Id`` headers, the access log line, request metrics, and a
 dialect-shaped 500 for anything unexpected."""
 
@@ -12,7 +13,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clef_vllm.protocol import Dialect, RequestError
-from clef_vllm.server.context import RequestContext, accept_request_id, reason_of
+from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request_id, reason_of
+from clef_vllm.server.hosted import HOSTED_DIALECT, HOSTED_ROUTE, hosted_path, hosted_route_label
 from clef_vllm.server.logs import LOG_CONTEXT
 from clef_vllm.server.metrics import ServerMetrics
 
@@ -23,7 +25,8 @@ access_log = logging.getLogger("clef_vllm.access")
 ROUTES = ("/v1/systemone", "/v1/systemone/bulk", "/v1/models", "/health", "/health/live", "/metrics",
           "/openapi.json", "/docs")
 PROBES = ("/health", "/health/live", "/metrics")
-CONTEXT_KEY = "clef_ctx"
+#: Routes whose whole time is observed as ``clef_stage_seconds{stage="total", kind="interactive"}``.
+INTERACTIVE_ROUTES = ("/v1/systemone", HOSTED_ROUTE)
 
 
 def error_response(exc: RequestError, dialect: Dialect, headers: dict | None = None) -> JSONResponse:
@@ -46,7 +49,7 @@ class BearerAuth:
     def protects(self, path: str) -> bool:
         if not self.keys:
             return False
-        return path.startswith("/v1/") or (self.protect_probes and path in PROBES)
+        return path.startswith("/v1/") or hosted_path(path) or (self.protect_probes and path in PROBES)
 
     def allows(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -70,8 +73,9 @@ class EdgeMiddleware:
             return
         headers = Headers(scope=scope)
         path = scope["path"]
-        route = path if path in ROUTES else "other"
-        ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route)
+        route = path if path in ROUTES else hosted_route_label(path) or "other"
+        ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route,
+                             dialect=HOSTED_DIALECT if hosted_path(path) else self.dialect)
         scope.setdefault("state", {})[CONTEXT_KEY] = ctx
         token = LOG_CONTEXT.set({"request_id": ctx.request_id})
         status: int | None = None
@@ -89,7 +93,7 @@ class EdgeMiddleware:
             if self.auth.protects(path) and not self.auth.allows(headers):
                 ctx.reason = "unauthorized"
                 exc = RequestError("missing or invalid API key (Authorization: Bearer <key>)", status=401)
-                await error_response(exc, self.dialect, {"WWW-Authenticate": "Bearer"})(scope, receive,
+                await error_response(exc, ctx.dialect, {"WWW-Authenticate": "Bearer"})(scope, receive,
                                                                                         send_with_headers)
             else:
                 await self.app(scope, receive, send_with_headers)
@@ -97,7 +101,7 @@ class EdgeMiddleware:
             log.error("internal error on %s: %s", path, exc, exc_info=exc)
             ctx.reason = "internal"
             if status is None:
-                await error_response(RequestError("internal server error", status=500), self.dialect)(
+                await error_response(RequestError("internal server error", status=500), ctx.dialect)(
                     scope, receive, send_with_headers)
         finally:
             self._finish(scope, ctx, status)
@@ -112,7 +116,7 @@ class EdgeMiddleware:
             access_log.debug("%s %s %d", scope["method"], scope["path"], status)
             return
         self.metrics.observe_request(ctx.route, status, ctx.reason)
-        if ctx.route == "/v1/systemone":
+        if ctx.route in INTERACTIVE_ROUTES:
             self.metrics.stage_seconds.labels("total", "interactive").observe(elapsed)
         fields = {"method": scope["method"], "path": ctx.route, "status": status, "reason": ctx.reason,
                   "duration_ms": round(elapsed * 1000, 2)}

@@ -203,24 +203,29 @@ class DecisionService:
 
     # ------------------------------------------------------------------ one decision
 
-    def parse(self, body: Any) -> SystemOneRequest:
+    def parse(self, body: Any, dialect: Dialect | None = None) -> SystemOneRequest:
         try:
-            return parse_request(body, self.dialect)
+            return parse_request(body, dialect or self.dialect)
         except RecursionError:
             raise RequestError("request is nested too deeply", status=400) from None
 
     async def answer(self, body: Any, ctx: RequestContext, kind: str = INTERACTIVE) -> dict:
-        """The response body for a decoded request, or a RequestError/ServerError."""
-        parsed = self.parse(body)
+        """The response body for a decoded request, or a RequestError/ServerError. The request's
+        route decides the dialect (``ctx.dialect``; none: ``--dialect``) and may supply the
+        ``model`` a body leaves out (``ctx.default_model``)."""
+        dialect = ctx.dialect or self.dialect
+        if ctx.default_model is not None and isinstance(body, dict) and "model" not in body:
+            body = {"model": ctx.default_model, **body}
+        parsed = self.parse(body, dialect)
         ctx.questions = len(parsed.questions)
         if kind == INTERACTIVE:
             encoded, probs = await self._with_timeout(self._admitted(parsed, ctx, kind), ctx)
         else:
             encoded, probs = await self._admitted(parsed, ctx, kind, timed=True)
-        payload = build_response(parsed, encoded, probs, self.dialect)
+        payload = build_response(parsed, encoded, probs, dialect)
         self.metrics.observe_decision(encoded, probs)
         self.metrics.observe_stages(kind, ctx.stages)
-        return hosted_envelope(payload) if self.dialect is Dialect.WORKERS_AI else payload
+        return hosted_envelope(payload) if dialect is Dialect.WORKERS_AI else payload
 
     async def answer_unless_disconnected(self, body: Any, ctx: RequestContext,
                                          receive: Callable[[], Awaitable[dict]]) -> dict:
