@@ -1,0 +1,17 @@
+"""What the vLLM backend (front-end) and the plugin's worker code agree on; imports nothing.
+
+The front-end (:mod:`clef_vllm.backends.vllm_backend`) sends every request as
+``PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: HeadSpec.to_wire()})`` and starts the
+engine with ``additional_config={HEAD_DTYPE_KEY: "bfloat16" | "float32"}``; the worker
+(:mod:`clef_vllm.worker`) reads exactly these names. Both sides import them from here.
+"""
+
+#: vLLM pooling task served by :class:`clef_vllm.worker.pooler.ClefPooler` (vLLM's task for a
+#: model-defined pooler; ``PoolingParams.verify`` leaves its params alone).
+POOLING_TASK = "plugin"
+#: Key of the per-request head spec in ``PoolingParams.extra_kwargs`` (plain lists: msgpack-safe).
+PARAMS_KEY = "clef"
+#: Key of the joint head's dtype in vLLM's ``additional_config`` (read by every worker).
+HEAD_DTYPE_KEY = "clef_head_dtype"
+#: Values ``HEAD_DTYPE_KEY`` may take.
+HEAD_DTYPES = ("bfloat16", "float32")
