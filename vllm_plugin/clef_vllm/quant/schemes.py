@@ -66,15 +66,19 @@ def read_quantization_config(source) -> "QuantizationConfig | None":  # noqa: F8
     target ends in ``Attention`` are dropped, as vLLM does (KV-cache quantization). Raises
     :class:`QuantConfigError` for a non-compressed-tensors method or an invalid config.
     """
-    from compressed_tensors.quantization import QuantizationConfig
-    from pydantic import ValidationError
-
     config = _config_dict(source)
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")
     if qc is None:
         return None
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ModuleNotFoundError:
+        raise QuantConfigError("reading a quantization_config needs compressed-tensors (vLLM 0.28 pins 0.17.0): "
+                               "pip install 'compressed-tensors==0.17.0', or the vllm extra") from None
+    from pydantic import ValidationError
+
     method = qc.get("quant_method")
     if method != "compressed-tensors":
         raise QuantConfigError(f"quant_method {method!r}: only compressed-tensors checkpoints are inspected here")
