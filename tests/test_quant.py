@@ -115,6 +115,18 @@ def test_read_quantization_config():
     assert list(qc.config_groups) == ["group_0"]       # Attention-only groups dropped, as vLLM does
 
 
+def test_unquantized_configs_need_no_compressed_tensors(monkeypatch):
+    """The demo install (pip install ./vllm_plugin) has no compressed-tensors: clef-load still checks
+    16-bit checkpoints, and a quantized one says what to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    monkeypatch.setitem(sys.modules, "compressed_tensors.quantization", None)
+    assert schemes.read_quantization_config({"text_config": TEXT}) is None
+    with pytest.raises(schemes.QuantConfigError, match="needs compressed-tensors"):
+        schemes.read_quantization_config(HYBRID)
+
+
 @pytest.mark.parametrize("name", ["HYBRID", "pitfall", "suffix", "class"])
 def test_agrees_with_vllm_matching_functions(name):
     """Our resolution picks the same target as vLLM 0.28's own find_matched_target / should_ignore_layer."""
