@@ -107,6 +107,13 @@ def test_build_data_records_are_systemone_requests(hybrid_pipeline, tmp_path):
     assert "records" in hybrid_pipeline.outputs["build_data"] or "wrote" in hybrid_pipeline.outputs["build_data"]
 
 
+def test_a_missing_checkpoint_is_named_with_the_tools_own_flag(tmp_path):
+    for script, flag in (("quantize_mixed.py", "--source"), ("sensitivity_scan.py", "--model")):
+        args = [flag, tmp_path / "tiny", "--out" if flag == "--source" else "--json", tmp_path / "out"]
+        proc = run_script(script, *args, *(["--split", 2] if flag == "--source" else []), expect=2)
+        assert f"{flag} {tmp_path / 'tiny'}: not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_quantization_tools_import_neither_vllm_nor_the_server():
     """clef-quantize-mixed runs in the llm-compressor venv, where clef-vllm has no dependencies
     installed: what it imports must not need vLLM (or the server's FastAPI stack)."""

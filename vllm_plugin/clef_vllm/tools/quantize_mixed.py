@@ -393,8 +393,13 @@ def main(argv=None) -> int:
         return 0
     if a.source is None or a.split is None:
         ap.error("--source and --split are required")
-    report = run(a.source, a.out, a.split, a.data, a.engine, a.num_calibration_samples, a.max_seq_length,
-                 a.fix_scales, not a.no_fuse_gdn, a.device)
+    from clef_vllm.checkpoint import CheckpointError
+
+    try:
+        report = run(a.source, a.out, a.split, a.data, a.engine, a.num_calibration_samples, a.max_seq_length,
+                     a.fix_scales, not a.no_fuse_gdn, a.device)
+    except CheckpointError as exc:
+        ap.error(f"--source {exc}")
     print(f"wrote {a.out} in {report['seconds']:.1f} s ({a.engine}, split {a.split}, "
           f"{report['calibration_records']} calibration records)")
     print("  vLLM modules: " + ", ".join(f"{k}={v}" for k, v in sorted(report["schemes"].items())))

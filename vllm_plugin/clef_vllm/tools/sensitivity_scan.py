@@ -247,8 +247,13 @@ def main(argv=None) -> int:
                     help="result JSON (default: ./sensitivity_scan.json; the plot goes next to it)")
     ap.add_argument("--plot", type=Path, help="PNG path (default: next to --json)")
     a = ap.parse_args(argv)
-    result = scan(a.model, a.data, a.records, a.device, a.numerics, a.max_length, a.calibration_records,
-                  not a.no_measure_splits)
+    from clef_vllm.checkpoint import CheckpointError
+
+    try:
+        result = scan(a.model, a.data, a.records, a.device, a.numerics, a.max_length, a.calibration_records,
+                      not a.no_measure_splits)
+    except CheckpointError as exc:
+        ap.error(f"--model {exc}")
     k, budget = suggest_split(result, a.kl_budget)
     result["suggested_split"], result["kl_budget"] = k, budget
     write_json(a.json, result)

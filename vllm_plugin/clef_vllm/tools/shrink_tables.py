@@ -48,7 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--marker", help="requires_clef_vllm PEP 440 specifier (default: this plugin's minor series)")
     ap.add_argument("--keep-architecture", action="store_true", help="leave config.json's architectures unchanged")
     a = ap.parse_args(argv)
-    r = shrink(a.checkpoint, a.out, a.marker, a.keep_architecture)
+    from clef_vllm.checkpoint import CheckpointError
+
+    try:
+        r = shrink(a.checkpoint, a.out, a.marker, a.keep_architecture)
+    except CheckpointError as exc:
+        ap.error(str(exc))
     if r["already"]:
         print(f"{a.checkpoint} is already repacked; requires_clef_vllm: {r['marker']}")
         return 0
