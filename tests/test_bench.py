@@ -100,6 +100,17 @@ def test_fanout_variants_share_one_state(tiny_encoder):
     assert types[:3] == ["noul", "choice", "score"] and len(set(b.body["questions"])) == 8
 
 
+def test_shared_state_variants_ask_new_questions_about_one_state(tiny_encoder):
+    factory = RequestFactory(tiny_encoder)
+    variants = build_variants(["shared-state"], shared_states=((300, 5), (600, 3)))
+    assert [(v.name, v.requests) for v in variants] == [("shared-300", 5), ("shared-600", 3)]
+    reqs = factory.requests(variants[0], 5)
+    assert len({json.dumps(r.body["state"]) for r in reqs}) == 1
+    assert len({json.dumps(r.body["questions"], sort_keys=True) for r in reqs}) == 5
+    assert len(tiny_encoder.tokenize(reqs[0].body["state"])) == 300
+    assert RequestFactory(tiny_encoder).make(variants[0], 3).body == reqs[3].body           # deterministic
+
+
 def test_requests_are_deterministic_and_prefix_stable(tiny_encoder):
     v = build_variants(["short"], short_tokens=600)[0]
     a = RequestFactory(tiny_encoder, seed=1).requests(v, 6)

@@ -77,16 +77,23 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
 
     from clef_vllm.backends.vllm_backend import engine_kwargs
 
-    kwargs = engine_kwargs(tiny_release, max_model_len=2048, head_dtype="float32", data_parallel_size=1)
+    kwargs = engine_kwargs(tiny_release, max_model_len=2048, head_dtype="float32", data_parallel_size=1, state_cache=True)
     assert kwargs["hf_overrides"] == {"architectures": ["ClefFlashForDecision"]}  # release config names the VL class
     cfg = AsyncEngineArgs(**kwargs).create_engine_config()
     assert cfg.model_config.architectures == ["ClefFlashForDecision"]
     assert cfg.model_config.runner_type == "pooling"
-    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.enable_prefix_caching is True          # the state cache
+    assert cfg.cache_config.mamba_cache_mode == "align"
+    assert cfg.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"
     assert cfg.scheduler_config.enable_chunked_prefill is True
     assert cfg.cache_config.mamba_ssm_cache_dtype == "float32"
     assert cfg.additional_config["clef_head_dtype"] == "float32"
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
+    assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
+    off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
+                                          prefill_graphs=False)).create_engine_config()
+    assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
+    assert "clef_prefill_graphs" not in off.additional_config and "clef_state_cache" not in off.additional_config
 
 
 def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_release):

@@ -117,7 +117,13 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
 
     # In-process class registration (the entry point registers the lazy "module:Class" form).
     ModelRegistry.register_model(ARCHITECTURE, ClefFlashForDecision)
+    import torch
+
     vc = vllm_config_for(checkpoint, load_format=load_format, **model_kwargs)
     init_distributed(vc)
-    with set_current_vllm_config(vc):
-        return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
+    default_dtype = torch.get_default_dtype()       # vLLM's loader can leave bf16 as the default
+    try:
+        with set_current_vllm_config(vc):
+            return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
+    finally:
+        torch.set_default_dtype(default_dtype)

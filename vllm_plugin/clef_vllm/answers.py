@@ -63,7 +63,8 @@ def build_response(request: SystemOneRequest, encoded: EncodedRequest, probs,
         start += n
     return {"model": request.model, "answers": answers,
             "usage": {"input_tokens": encoded.num_tokens, "output_tokens": 0,
-                      "truncated_state_tokens": encoded.truncated_state_tokens}}
+                      "truncated_state_tokens": encoded.truncated_state_tokens,
+                      "cached_state_tokens": encoded.cached_state_tokens}}
 
 
 def hosted_envelope(body: dict) -> dict:

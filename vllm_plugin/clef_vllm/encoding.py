@@ -123,6 +123,7 @@ class EncodedRequest:
     state_tokens: int
     truncated_state_tokens: int = 0
     schema_offset: int = 0
+    cached_state_tokens: int = 0        # set by the backend: leading tokens read from the state cache
     _lexical_ids: list[int] | None = field(default=None, repr=False)
 
     @property

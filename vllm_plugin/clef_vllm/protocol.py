@@ -187,6 +187,8 @@ class Usage(BaseModel):
     input_tokens: int
     output_tokens: int = 0
     truncated_state_tokens: int = Field(0, description="State tokens cut from the end to fit max_model_len.")
+    cached_state_tokens: int = Field(0, description="Leading prompt tokens (system prompt and state) read from the "
+                                     "state cache instead of computed.")
 
 
 class SystemOneResponse(BaseModel):

@@ -46,7 +46,8 @@ def option(default: Any, help: str, *, flags: tuple[str, ...] = (), engine: str 
     ``(options, kwargs) -> None`` that edits the engine kwargs, or ``None``. ``kind``: the Python
     type(s) a value must have (``None`` is always allowed when the default is ``None``);
     ``choices`` / ``minimum`` / ``maximum`` restrict it further. ``action``: ``store_true`` or
-    ``store_false`` for boolean flags.
+    ``store_false`` for boolean flags; a boolean field without one takes ``on`` / ``off`` on the
+    command line.
     """
     meta = {"help": help, "flags": flags, "engine": engine, "kind": kind, "choices": choices, "minimum": minimum,
             "maximum": maximum, "action": action, "metavar": metavar}
@@ -129,6 +130,39 @@ def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
     kwargs.setdefault("additional_config", {})[HEAD_DTYPE_KEY] = opts.resolved_head_dtype
 
 
+def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
+    """The worker's GDN prefill graphs (:mod:`clef_vllm.worker.prefill_graphs`) per padded bucket up to
+    the step's token budget, and vLLM's piecewise CUDA graphs captured up to the same token counts."""
+    if not opts.prefill_graphs:
+        return
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
+
+    budget = kwargs["max_num_batched_tokens"]
+    buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets}
+    if not opts.enforce_eager:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
+            budget, buckets, kwargs["max_num_seqs"])}
+
+
+def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
+    """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
+    (:mod:`clef_vllm.worker.state_cache`) and the scheduler rules that keep the two consistent."""
+    if not opts.state_cache:
+        return
+    from clef_vllm.contract import STATE_CACHE_KEY
+
+    kwargs.update(enable_prefix_caching=True, scheduler_cls="clef_vllm.worker.scheduler.ClefScheduler")
+    kwargs.setdefault("additional_config", {})[STATE_CACHE_KEY] = {"on": True}
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 @dataclass(frozen=True)
 class VllmOptions(_Validated):
     """Options of the vLLM backend. Every field that reaches the engine says how (``engine=``).
@@ -172,6 +206,12 @@ class VllmOptions(_Validated):
     load_format: str = option("auto", "vLLM load format; 'dummy' = random weights for benchmarks (configs only)",
                               flags=("--load-format",), engine="load_format", kind=str)
     seed: int = option(0, "engine seed", engine="seed", kind=int)
+    prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
+                                  "capture vLLM's piecewise graphs up to the same token counts (default on; "
+                                  "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
+    state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
+                               "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
+                               flags=("--state-cache",), engine=_state_cache, kind=bool)
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 
@@ -239,6 +279,8 @@ def add_flags(group, backend: str) -> None:
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": m["help"]}
         if m.get("action"):
             kw["action"] = m["action"]
+        elif m["kind"] is bool:
+            kw.update(type=_on_off, metavar="{on,off}")
         else:
             kinds = m["kind"] if isinstance(m["kind"], tuple) else (m["kind"],)
             kw["type"] = kinds[0] if kinds[0] in (int, float) else str

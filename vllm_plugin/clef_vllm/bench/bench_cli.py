@@ -190,7 +190,8 @@ def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) 
                     log(f"note: {v.name}: template + questions take {floor} tokens > target {v.total_tokens}; "
                         "the state is empty and requests are larger than the target")
             typical = v.typical_tokens or first.expected_tokens
-            counts = {c: requests_for(c, typical, args.num_requests) for c in cs}
+            counts = {c: (v.requests if args.num_requests is None and v.requests else
+                          requests_for(c, typical, args.num_requests)) for c in cs}
             t0 = time.perf_counter()
             pool = [first] + factory.requests(v, max(counts.values()) - 1, start=1)
             warm = factory.requests(v, args.warmup, start=1_000_000) if args.warmup else []

@@ -27,16 +27,19 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Mo
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES
+from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.worker.pooler import ClefPooler
+from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
+#: Log the prefill-graph counters every this many forward steps.
+GRAPH_REPORT_EVERY = 2000
 # fp8 e4m3fn NaN encodings (S.1111.111); the format has no infinities.
 _FP8_NAN = (0x7F, 0xFF)
 
@@ -116,9 +119,43 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self.lm_table = Int8RowTable(torch.zeros(vocab, hidden, dtype=torch.int8), torch.ones(vocab))
         else:
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
-        self.pooler = ClefPooler(self.head, self.lm_table)
+        self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
+        self.prefill_graphs = self._install_prefill_graphs(vllm_config)
+        self._steps = 0
+
+    def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
+        """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""
+        setting = (vllm_config.additional_config or {}).get(STATE_CACHE_KEY)
+        if not setting or not vllm_config.cache_config.enable_prefix_caching:
+            return None
+        config = self.config
+        layers = sum(t == "full_attention" for t in getattr(config, "layer_types", ()) or ()) or 1
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_dtype = vllm_config.model_config.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
+        per_token = layers * 2 * config.num_key_value_heads * head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+        capacity = setting.get("capacity_blocks") if isinstance(setting, dict) else None
+        return StateCacheSettings(vllm_config.cache_config, per_token,
+                                  vllm_config.cache_config.gpu_memory_utilization, capacity)
+
+    def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
+        """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
+        setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
+        if not setting:
+            return None
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            log.info("clef prefill graphs: off (no CUDA device)")
+            return None
+        buckets = setting.get("buckets") if isinstance(setting, dict) else None
+        runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS,
+                                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        count = runner.install(self.model)
+        log.info("clef prefill graphs: %d GDN layers, single-sequence steps of up to %d tokens replay from CUDA "
+                 "graphs (buckets %s)", count, runner.buckets[-1] if runner.buckets else 0, list(runner.buckets))
+        return runner
 
     # ------------------------------------------------------------------ vLLM model interface
 
@@ -128,6 +165,10 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         """Final-norm hidden states of every scheduled token (what the head consumes)."""
+        if self.prefill_graphs is not None:
+            self._steps += 1
+            if self._steps % GRAPH_REPORT_EVERY == 0:
+                log.info("clef prefill graphs: %s", self.prefill_graphs.describe())
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):
