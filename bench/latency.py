@@ -35,6 +35,7 @@ LENGTHS = (100, 400, 1000, 4096)
 def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
     from clef_vllm.backends.vllm_backend import engine_kwargs
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
 
     common = dict(max_model_len=16384, gpu_memory_utilization=0.85, max_num_seqs=128)
     if mode == "raw":
@@ -44,7 +45,7 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
                            state_cache=mode == "cache", **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
-            kw["additional_config"].pop("clef_prefill_graphs", None)
+            kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:
             kw["quantization"] = quantization
     kw.pop("disable_log_stats", None)
@@ -59,7 +60,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
 
     from clef_vllm import register
     from clef_vllm.features import HeadSpec
-    from clef_vllm.worker.pooler import synthetic_spec
+    from clef_vllm.features import synthetic_spec
 
     register()
     kw = engine_settings(mode, ckpt, quantization)
@@ -141,7 +142,7 @@ def main() -> int:
         return 0
     ckpt = a.ckpt
     if ckpt is None:
-        from clef_vllm.testing.release import write_config_only_checkpoint
+        from clef_vllm.release import write_config_only_checkpoint
 
         ckpt = Path(tempfile.mkdtemp()) / "clef-9b"
         write_config_only_checkpoint(ckpt, layout="repacked")

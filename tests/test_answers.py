@@ -1,4 +1,4 @@
-"""Answer mapping (clef-spec §2.3): shapes, key order, argmax tie rule, Python rounding, confidence."""
+"""Answer mapping (docs/encoding-and-head.md, "Answers"): shapes, key order, argmax tie rule, Python rounding, confidence."""
 
 from __future__ import annotations
 

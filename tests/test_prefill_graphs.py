@@ -91,7 +91,9 @@ def run_chunk(layer, size, qkv, b, a, line, has_init, garbage=None):
     n = qkv.shape[0]
     bucket = make_bucket(size)
     if garbage is not None:                   # stale rows from earlier requests sit in the padding
-        bucket.qkv.copy_(garbage[0][:size]); bucket.b.copy_(garbage[1][:size]); bucket.a.copy_(garbage[2][:size])
+        bucket.qkv.copy_(garbage[0][:size])
+        bucket.b.copy_(garbage[1][:size])
+        bucket.a.copy_(garbage[2][:size])
     bucket.set_length(n)
     bucket.lines.fill_(line)
     bucket.has_init.fill_(has_init)

@@ -56,6 +56,7 @@ def run_engine(config: dict) -> dict:
 
     from clef_vllm import register
     from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.contract import STATE_CACHE_KEY
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.worker import state_cache
 
@@ -65,7 +66,7 @@ def run_engine(config: dict) -> dict:
                        max_model_len=4096, prefill_graphs=config["graphs"], state_cache=config["cache"])
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
-        kw["additional_config"]["clef_state_cache"]["capacity_blocks"] = config["capacity_blocks"]
+        kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
     if config.get("num_gpu_blocks"):
         kw["num_gpu_blocks_override"] = config["num_gpu_blocks"]
     llm = LLM(**kw)
@@ -155,7 +156,7 @@ def main() -> int:
         return 0
 
     from clef_vllm.bench.workloads import synthetic_parity_set
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Per-option probabilities -> SystemOne answers and response body (clef-spec §2.3).
+"""Per-option probabilities -> SystemOne answers and response body (docs/encoding-and-head.md).
 
 Rounding is Python's ``round(x, 4)`` on the float value, applied after argmax and expectation,
 which use full-precision values. Key order follows the reference: answers in request order,

@@ -1,4 +1,4 @@
-"""Record encoding: a validated SystemOne request -> token ids + question/option spans (clef-spec §3).
+"""Record encoding: a validated SystemOne request -> token ids + question/option spans (docs/encoding-and-head.md).
 
 The prompt is built by tokenizing fixed text segments ONE AT A TIME (``add_special_tokens=False``)
 and concatenating the id lists, so BPE merges never cross a segment boundary and every span
@@ -74,7 +74,7 @@ def render(value: Any) -> str:
 
 
 def question_options(question) -> list[tuple[str, Any]]:
-    """The ``(option_id, description)`` pairs of a question, in ENCODED order (clef-spec §3.3)."""
+    """The ``(option_id, description)`` pairs of a question, in ENCODED order."""
     if isinstance(question, NoulQuestion):
         descriptions = dict(NOUL_DEFAULTS)
         descriptions.update(question.criteria or {})

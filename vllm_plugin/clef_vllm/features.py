@@ -202,7 +202,7 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
         return
     states, memory = head.encode_tokens(hidden)
     seg, bases, base = [], [], 0
-    for acc, off, n, start in pieces:
+    for acc, _offset, n, start in pieces:
         seg.append(acc.segments[start:start + n] + base)
         bases.append(base)
         base += acc.spec.num_segments + 1
@@ -276,3 +276,26 @@ def decide_records(head: JointSchemaHead, table: LexicalTable,
                           option_lexical=lexical, layout=layout)
     probs = head.probabilities(head.decide(batch), layout)
     return list(probs.split([r.spec.num_options for r in records]))
+
+
+def synthetic_spec(num_tokens: int) -> HeadSpec | None:
+    """A representative spec for a dummy request of ``num_tokens`` (profiling / warm-up).
+
+    Three fields (noul, choice, score) with 2-4 options each in the last quarter of the
+    prompt; ``None`` when the prompt is too short to hold any span.
+    """
+    options = (2, 3, 4)
+    needed = sum(1 + n for n in options)  # one-token question span + one-token option spans
+    if num_tokens < needed:
+        if num_tokens < 2:
+            return None
+        return HeadSpec(num_tokens, (0,), ((0, 1),), ((1, 2),), (1,), (0,))
+    pos = num_tokens - needed
+    q_spans, o_spans = [], []
+    for n in options:
+        q_spans.append((pos, pos + 1))
+        pos += 1
+        for _ in range(n):
+            o_spans.append((pos, pos + 1))
+            pos += 1
+    return HeadSpec(num_tokens, (0, 1, 2), tuple(q_spans), tuple(o_spans), options, (0,) * len(o_spans))

@@ -4,7 +4,7 @@
 :class:`SystemOneRequest` or raises :class:`RequestError` naming the offending field. The
 encoder only ever sees valid requests.
 
-Two dialects (clef-spec §2.2, §2.6):
+Two dialects:
 
 * ``reference`` (default) accepts what the release's Python code accepts, except two inputs it
   mishandles (an empty question id used as its own instruction, and noul criteria keys other
@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 QUESTION_TYPES = ("noul", "choice", "score")
-#: Row of ``type_embedding`` per question type (clef-spec §5.2).
+#: Row of ``type_embedding`` per question type (docs/encoding-and-head.md).
 TYPE_IDS = {"noul": 0, "choice": 1, "score": 2}
 
 
@@ -64,7 +64,7 @@ RULES = {
     ),
 }
 
-# Error codes of the hosted service's envelope (clef-spec §2.4), by HTTP status.
+# Error codes of the hosted service's envelope, by HTTP status.
 HOSTED_ERROR_CODES = {400: 6003, 401: 10000, 404: 7000, 413: 5021, 422: 5012, 429: 3040, 503: 3040}
 
 

@@ -2,9 +2,10 @@
 joint head inside the worker (``ClefPooler``).
 
 The front-end encodes requests with the shared encoder and hands vLLM token ids plus a head
-spec (``PoolingParams(task="plugin", extra_kwargs={"clef": ...})``); the worker returns only the
-per-option probabilities. The engine lives on a private event-loop thread so the offline API
-(blocking) and the server (asyncio) share one code path.
+spec (``PoolingParams(task="plugin", extra_kwargs={"clef": ...})``, names in
+:mod:`clef_vllm.contract`); the worker returns only the per-option probabilities. The engine lives
+on a private event-loop thread so the offline API (blocking) and the server (asyncio) share one
+code path. Options: :class:`clef_vllm.backends.options.VllmOptions`.
 """
 
 from __future__ import annotations
@@ -24,24 +25,40 @@ from typing import Any, Sequence
 import torch
 
 from clef_vllm import ARCHITECTURE
-from clef_vllm.backends.base import Backend, BackendDeadError, parse_dtype
+from clef_vllm.backends.base import Backend, BackendDeadError
+from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
+from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
+from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
 from clef_vllm.state_keys import KEY_UNIT
 
 log = logging.getLogger("clef_vllm")
 
-#: Engine settings that are not up to the user (vllm-notes §0.4, R5, R6).
+#: Engine settings that are not up to the user (docs/vllm-internals.md says why each is needed;
+#: vLLM's own defaults differ between versions, so every one is passed explicitly).
 FIXED_ENGINE_SETTINGS = dict(
     runner="pooling",
     tensor_parallel_size=1,
-    enable_prefix_caching=False,      # on only with the state cache (engine_kwargs(state_cache=True))
+    enable_prefix_caching=False,      # on only with the state cache (VllmOptions.state_cache)
     enable_chunked_prefill=True,      # the pooler is chunk-aware
     mamba_ssm_cache_dtype="float32",  # GDN state across chunks in fp32 (the release config's mamba_ssm_dtype)
     skip_tokenizer_init=True,         # prompts arrive as token ids; spans are absolute positions
     disable_log_stats=True,
 )
+VLLM_MISSING = ("the vLLM backend needs vLLM 0.28 (a CUDA GPU machine): pip install './vllm_plugin[vllm]' "
+                "from a clef-vllm checkout, or pip install 'clef-vllm[vllm]'")
+
+
+def import_vllm():
+    """``import vllm``; without it, an ImportError that says which extra to install."""
+    try:
+        import vllm
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm":
+            raise
+        raise ModuleNotFoundError(VLLM_MISSING, name="vllm") from None
+    return vllm
 
 
 #: A state shorter than this is never keyed for reuse (a KV block of Qwen3.5-9B holds 528 tokens).
@@ -80,50 +97,19 @@ class StateAffinity:
             self.in_flight[rank] -= 1
 
 
-def engine_kwargs(model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = DEFAULT_MAX_LENGTH,
-                  data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
-                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
-                  gdn_prefill_backend: str | None = "triton", linear_backend: str | None = None,
-                  load_format: str = "auto", seed: int = 0, prefill_graphs: bool = True, state_cache: bool = False,
-                  **extra: Any) -> dict:
-    """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable).
-
-    ``prefill_graphs``: single-sequence prefill steps replay the GDN layers from plugin-owned CUDA
-    graphs (:mod:`clef_vllm.worker.prefill_graphs`), and vLLM's piecewise graphs are captured up to
-    the same token counts. ``state_cache``: vLLM's prefix caching (``align`` mode) plus the memory
-    rows of cached prefixes in the worker (:mod:`clef_vllm.worker.state_cache`) and the scheduler
-    rules that keep the two consistent (:mod:`clef_vllm.worker.scheduler`)."""
-    files = locate_checkpoint(model_dir, require_weights=load_format != "dummy")
+def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **kwargs: Any) -> dict:
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable):
+    :data:`FIXED_ENGINE_SETTINGS` + what the options produce (:func:`~clef_vllm.backends.options.engine_args`)."""
+    opts = options if options is not None else backend_options("vllm", kwargs)
+    files = locate_checkpoint(model_dir, require_weights=opts.load_format != "dummy")
     architectures = files.config.get("architectures") or []
-    kwargs = dict(FIXED_ENGINE_SETTINGS)
-    kwargs.update(
-        model=str(files.root), dtype="bfloat16", max_model_len=int(max_model_len),
-        data_parallel_size=int(data_parallel_size), gpu_memory_utilization=float(gpu_memory_utilization),
-        max_num_seqs=int(max_num_seqs),
-        max_num_batched_tokens=int(max_num_batched_tokens or max(8192, min(int(max_model_len), 16384))),
-        enforce_eager=bool(enforce_eager), load_format=load_format, seed=seed,
-        additional_config={"clef_head_dtype": "float32" if parse_dtype(dtype) == torch.float32 else "bfloat16"},
-    )
-    if prefill_graphs:
-        from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
-
-        buckets = [b for b in DEFAULT_BUCKETS if b <= kwargs["max_num_batched_tokens"]]
-        kwargs["additional_config"]["clef_prefill_graphs"] = {"buckets": buckets}
-        if not enforce_eager:
-            kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
-                kwargs["max_num_batched_tokens"], buckets, kwargs["max_num_seqs"])}
-    if state_cache:
-        kwargs.update(enable_prefix_caching=True, scheduler_cls="clef_vllm.worker.scheduler.ClefScheduler")
-        kwargs["additional_config"]["clef_state_cache"] = {"on": True}
+    out = dict(FIXED_ENGINE_SETTINGS)
+    out["model"] = str(files.root)
+    out.update(engine_args(opts))
     if ARCHITECTURE not in architectures:
         # The Cloudflare release says Qwen3_5ForConditionalGeneration: serve it as our class.
-        kwargs["hf_overrides"] = {"architectures": [ARCHITECTURE]}
-    if gdn_prefill_backend:
-        kwargs["gdn_prefill_backend"] = gdn_prefill_backend
-    if linear_backend:
-        kwargs["linear_backend"] = linear_backend
-    kwargs.update(extra)
-    return kwargs
+        out["hf_overrides"] = {"architectures": [ARCHITECTURE]}
+    return out
 
 
 class VllmBackend(Backend):
@@ -131,19 +117,21 @@ class VllmBackend(Backend):
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = DEFAULT_MAX_LENGTH,
-                 warmup: bool = True, encoder: RequestEncoder | None = None, **engine_options: Any):
-        import vllm  # noqa: F401 - fail early with a clear ImportError
+    def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
+                 encoder: RequestEncoder | None = None, **kwargs: Any):
+        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.VllmOptions`."""
+        self.options = options if options is not None else backend_options("vllm", kwargs)
+        import_vllm()   # fail early, naming the extra to install
 
         from clef_vllm import register
 
         register()
-        self.files = locate_checkpoint(model_dir, require_weights=engine_options.get("load_format") != "dummy")
+        self.files = locate_checkpoint(model_dir, require_weights=self.options.load_format != "dummy")
         load_head_config(self.files)  # version marker, checked in the front-end too
-        self.max_model_len = int(max_model_len)
+        self.max_model_len = self.options.max_model_len
         self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
-        self.kwargs = engine_kwargs(self.files.root, dtype=dtype, max_model_len=max_model_len, **engine_options)
-        self.warmup_enabled = warmup
+        self.kwargs = engine_kwargs(self.files.root, self.options)
+        self.warmup_enabled = self.options.warmup
         self.state_cache = bool(self.kwargs.get("enable_prefix_caching"))
         self.affinity = StateAffinity(int(self.kwargs["data_parallel_size"]))
         self._leaders: dict[bytes, asyncio.Future] = {}
@@ -173,8 +161,9 @@ class VllmBackend(Backend):
         args = AsyncEngineArgs(**self.kwargs)
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
         tasks = await self.engine.get_supported_tasks()
-        if "plugin" not in tasks:
-            raise EngineError(f"engine supports {tasks}, not the 'plugin' pooling task: is the clef plugin loaded?")
+        if POOLING_TASK not in tasks:
+            raise EngineError(f"engine supports {tasks}, not the {POOLING_TASK!r} pooling task: is the clef plugin "
+                              "loaded?")
         log.info("vLLM engine up in %.1f s (dp=%s, max_model_len=%d, max_num_batched_tokens=%d)",
                  time.perf_counter() - t0, self.kwargs["data_parallel_size"], self.kwargs["max_model_len"],
                  self.kwargs["max_num_batched_tokens"])
@@ -187,16 +176,17 @@ class VllmBackend(Backend):
 
         This is the front-end's prediction from the checkpoint config (clef_vllm.quant); each
         worker also logs the kernels it actually instantiated ("clef kernels in use")."""
-        from clef_vllm import quant
+        from clef_vllm.quant.kernels import cuda_capability, predict_kernel
+        from clef_vllm.quant.schemes import FP8_W8A8, UNQUANTIZED, scheme_table, summarize_schemes
 
-        cap = quant.cuda_capability()
+        cap = cuda_capability()
         backend = self.kwargs.get("linear_backend", "auto")
         online = self.kwargs.get("quantization")
         if self.files.quantization_config is None:
-            kinds = {quant.FP8_W8A8 if online == "fp8" else quant.UNQUANTIZED: None}
+            kinds = {FP8_W8A8 if online == "fp8" else UNQUANTIZED: None}
         else:
             try:
-                kinds = quant.summarize_schemes(quant.scheme_table(self.files.config))
+                kinds = summarize_schemes(scheme_table(self.files.config))
             except Exception as exc:  # noqa: BLE001 - a report must never stop the server
                 log.warning("could not resolve quantization schemes: %s", exc)
                 return
@@ -206,7 +196,7 @@ class VllmBackend(Backend):
             if cap is None:
                 lines.append(f"{kind}{where}: no CUDA GPU visible to the front-end")
                 continue
-            pred = quant.predict_kernel(kind, cap, linear_backend=backend)
+            pred = predict_kernel(kind, cap, linear_backend=backend)
             lines.append(f"{kind}{where}: {pred.kernel} [{pred.numerics}] - {pred.description}")
         self.kernels = {"capability": cap, "lines": lines, "summary": {k: v for k, v in kinds.items()}}
         for line in lines:
@@ -216,7 +206,7 @@ class VllmBackend(Backend):
         """Prompt lengths the warm-up runs one at a time: every prefill-graph bucket (each captures
         its graphs), lengths that are and are not multiples of 16 (Triton specialises on that),
         and one longer than a step's token budget (a chunked prefill)."""
-        graphs = (self.kwargs.get("additional_config") or {}).get("clef_prefill_graphs") or {}
+        graphs = (self.kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
         budget = self.kwargs["max_num_batched_tokens"]
         wanted = {17, 64, 300, 1024, 4096, budget + 17, *graphs.get("buckets", ())}
         return sorted({min(n, self.max_model_len) for n in wanted})
@@ -241,7 +231,7 @@ class VllmBackend(Backend):
                  lengths, batch)
 
     async def _run_ids(self, ids: list[int]) -> torch.Tensor:
-        from clef_vllm.worker.pooler import synthetic_spec
+        from clef_vllm.features import synthetic_spec
 
         spec = synthetic_spec(len(ids))
         return (await self._encode(ids, spec))[0]
@@ -255,7 +245,7 @@ class VllmBackend(Backend):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         reads = self.state_cache and use_cache and bool(spec.state_keys)
-        params = PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()},
+        params = PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: spec.to_wire()},
                                skip_reading_prefix_cache=not reads)
         request_id = f"clef-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         engine = self.engine
@@ -371,12 +361,11 @@ class VllmBackend(Backend):
         return int(self.kwargs["max_num_seqs"]) * int(self.kwargs["data_parallel_size"])
 
     def describe(self) -> dict:
-        info = {"backend": self.name, "layout": self.files.layout, "max_model_len": self.max_model_len,
+        return {"backend": self.name, "layout": self.files.layout, "dtype": self.options.dtype,
+                "head_dtype": self.options.resolved_head_dtype, "max_model_len": self.max_model_len,
                 "data_parallel_size": self.kwargs["data_parallel_size"],
-                "quantization": (self.files.quantization_config or {}).get("quant_method")}
-        if self.kernels:
-            info["kernels"] = self.kernels.get("summary")
-        return info
+                "quantization": (self.files.quantization_config or {}).get("quant_method") or self.options.quantization,
+                "kernels": self.kernels.get("summary")}
 
     def close(self) -> None:
         if self.engine is not None:

@@ -21,7 +21,6 @@ import json
 import random
 from array import array
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 WORKLOADS = ("short", "long", "fanout", "mixed", "shared-state")
@@ -35,8 +34,6 @@ DEFAULT_FANOUT_QUESTIONS = (1, 8, 32, 64)
 DEFAULT_SHARED_STATES = ((4096, 64), (15872, 33))
 #: ``mixed``: share of requests per component (jpetrucciani's 50 % short / 25 % 4k / 25 % 16k).
 MIXED_SHARES = (("short", 0.5), ("long-first", 0.25), ("long-last", 0.25))
-#: Top-level keys of a SystemOne request; anything else in a request file is bookkeeping.
-REQUEST_KEYS = ("model", "state", "questions", "images", "videos")
 
 _NOUNS = (
     "customer order invoice payment refund account ticket checkout cart shipment delivery address server "
@@ -277,7 +274,6 @@ class RequestFactory:
         self.model = model
         self.keep_ids = keep_ids
         self.writer = StateWriter(encoder) if encoder is not None else None
-        self._fixed: dict[str, int] = {}
         self._states: dict[int, str] = {}
 
     # ---- encoding
@@ -359,50 +355,6 @@ class RequestFactory:
 
 
 # --------------------------------------------------------------------------- request files
-
-
-@dataclass
-class RequestRecord:
-    """A request from a file: the SystemOne body, a label (the record's ``id`` or its line) and,
-    when the record has one (build_data's ``answer``), the correct option id per question."""
-
-    body: dict
-    label: str
-    answer: dict | None = None
-
-
-def body_from_record(record: dict, default_model: str = "clef-flash") -> dict:
-    """The SystemOne body inside one JSONL record: its request keys only (extra keys are bookkeeping).
-
-    A record may also wrap the body as ``{"request": {...}, ...}``.
-    """
-    if isinstance(record.get("request"), dict) and "questions" not in record:
-        record = record["request"]
-    body = {k: record[k] for k in REQUEST_KEYS if k in record}
-    body.setdefault("model", default_model)
-    return body
-
-
-def load_request_file(path: str | Path, limit: int | None = None,
-                      default_model: str = "clef-flash") -> list[RequestRecord]:
-    """Read ``FILE.jsonl``: one SystemOne body (optionally with extra keys) per non-empty line."""
-    out: list[RequestRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: a record must be a JSON object")
-            label = str(record.get("id", f"line{lineno}"))
-            answer = record.get("answer") if isinstance(record.get("answer"), dict) else None
-            out.append(RequestRecord(body_from_record(record, default_model), label, answer))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
 
 
 def request_set_digest(bodies: Iterable[dict]) -> str:

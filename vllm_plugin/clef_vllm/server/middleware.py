@@ -35,10 +35,6 @@ def error_response(exc: RequestError, dialect: Dialect, headers: dict | None = N
                         headers={**getattr(exc, "headers", {}), **(headers or {})})
 
 
-def request_context(scope: Scope) -> RequestContext:
-    return scope["state"][CONTEXT_KEY]
-
-
 class BearerAuth:
     """``Authorization: Bearer <key>`` against one or more keys, compared in constant time."""
 

@@ -1,4 +1,5 @@
-"""ClefPooler: the joint schema head inside vLLM's worker, as a ``Pooler`` (task ``"plugin"``).
+"""ClefPooler: the joint schema head inside vLLM's worker, as a ``Pooler`` (task ``"plugin"``,
+:data:`clef_vllm.contract.POOLING_TASK`).
 
 vLLM calls the pooler on every step with that step's hidden states, also for partial
 prefills (chunked prefill). Per request, a :class:`~clef_vllm.features.RecordAccumulator`
@@ -8,9 +9,10 @@ once, and the pooler returns that request's fp32 per-option probabilities — a 
 a [L, 4096] tensor. Unfinished requests get ``None`` (vLLM finishes a pooling request on its
 first non-None output).
 
-Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]`` (plain lists, msgpack
-safe). vLLM's memory profiling and warm-up call the pooler without them: those requests get a
-synthetic spec so the profiler sees representative head work.
+Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]``
+(:data:`clef_vllm.contract.PARAMS_KEY`; plain lists, msgpack safe). vLLM's memory profiling and
+warm-up call the pooler without them: those requests get a synthetic spec so the profiler sees
+representative head work.
 """
 
 from __future__ import annotations
@@ -22,15 +24,14 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 
-from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
+from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
 from clef_vllm.worker import state_cache
 
 log = logging.getLogger("clef_vllm")
-
-EXTRA_KEY = "clef"
 
 
 @dataclass
@@ -69,29 +70,6 @@ def make_side_cache(settings: StateCacheSettings, width: int, dtype: torch.dtype
     return cache
 
 
-def synthetic_spec(num_tokens: int) -> HeadSpec | None:
-    """A representative spec for a dummy request of ``num_tokens`` (profiling / warm-up).
-
-    Three fields (noul, choice, score) with 2-4 options each in the last quarter of the
-    prompt; ``None`` when the prompt is too short to hold any span.
-    """
-    options = (2, 3, 4)
-    needed = sum(1 + n for n in options)  # one-token question span + one-token option spans
-    if num_tokens < needed:
-        if num_tokens < 2:
-            return None
-        return HeadSpec(num_tokens, (0,), ((0, 1),), ((1, 2),), (1,), (0,))
-    pos = num_tokens - needed
-    q_spans, o_spans = [], []
-    for n in options:
-        q_spans.append((pos, pos + 1))
-        pos += 1
-        for _ in range(n):
-            o_spans.append((pos, pos + 1))
-            pos += 1
-    return HeadSpec(num_tokens, (0, 1, 2), tuple(q_spans), tuple(o_spans), options, (0,) * len(o_spans))
-
-
 class ClefPooler(Pooler):
     """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.features`."""
 
@@ -116,7 +94,7 @@ class ClefPooler(Pooler):
         return cache
 
     def get_supported_tasks(self) -> Set[str]:
-        return {"plugin"}
+        return {POOLING_TASK}
 
     def get_pooling_updates(self, task) -> PoolingParamsUpdate:
         return PoolingParamsUpdate()
@@ -127,7 +105,7 @@ class ClefPooler(Pooler):
         if acc is not None and start == 0 and acc.filled > 0:
             acc = None  # the request was preempted and restarts its prefill
         if acc is None:
-            wire = (params.extra_kwargs or {}).get(EXTRA_KEY) if params is not None else None
+            wire = (params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None
             if wire is None:
                 spec = synthetic_spec(prompt_len)
             else:

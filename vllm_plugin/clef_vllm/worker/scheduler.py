@@ -24,18 +24,17 @@ import logging
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from clef_vllm.contract import PARAMS_KEY
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.worker import state_cache
 
 log = logging.getLogger("clef_vllm")
 
-EXTRA_KEY = "clef"
-
 
 def reuse_info(request) -> tuple[int, list]:
     """``(reuse_limit, unit_keys)`` of a Clef request under the state cache, else ``(0, [])``."""
     params = getattr(request, "pooling_params", None)
-    spec = ((params.extra_kwargs or {}).get(EXTRA_KEY) if params is not None else None) or {}
+    spec = ((params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None) or {}
     limit = int(spec.get("r", 0) or 0)
     return (limit, list(spec.get("k") or ())) if limit > 0 else (0, [])
 
