@@ -53,7 +53,7 @@ READY_TIMEOUT=${READY_TIMEOUT:-420}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 URL="http://127.0.0.1:$PORT"
 
-# The staged vLLM (shared/device/README.md) and this tree's plugin.
+# The staged vLLM (see tests/gpu/env.sh) and this tree's plugin.
 if [ -d /root/site ] && [ -f tests/gpu/env.sh ]; then
   # shellcheck disable=SC1091
   source tests/gpu/env.sh

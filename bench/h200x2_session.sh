@@ -4,7 +4,7 @@
 # then a DP=2 stage on both GPUs. Results: /root/session/<job>/ (logs, JSON), collected into
 # $OUT/session.tgz by `wait`.
 #
-#   run 1..3: bash .stage/pN/recv.sh            (shared/device/README.md; the last one then:)
+#   run 1..3: stage vLLM onto the GPU machine (its staging instructions; the last call then:)
 #             bash bench/h200x2_session.sh launch && bash bench/h200x2_session.sh wait 480
 #   run 4..:  bash bench/h200x2_session.sh wait 560     (until it prints "all done")
 #

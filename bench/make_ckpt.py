@@ -23,11 +23,11 @@ def main() -> int:
         print(f"{a.out} exists; leaving it as it is")
         return 0
     if a.kind == "tiny":
-        from clef_vllm.testing.tiny import build_tiny_checkpoint
+        from clef_vllm.tiny import build_tiny_checkpoint
 
         build_tiny_checkpoint(a.out, layout=a.layout or "release")
     else:
-        from clef_vllm.testing.release import write_config_only_checkpoint
+        from clef_vllm.release import write_config_only_checkpoint
 
         write_config_only_checkpoint(a.out, layout=a.layout or "repacked")
     print(f"{a.kind} checkpoint ({a.layout or 'default layout'}) in {a.out}")

@@ -2,15 +2,15 @@
 """Hybrid quantization quality on a trained Clef-architecture proxy, in one GPU call.
 
 The tiny random checkpoint says nothing about quality, so this trains a small proxy with the real
-architecture (test-assets §5b): a ~9 M-parameter Qwen3.5 backbone (8 layers: 6 GDN + 2 full
+architecture: a ~9 M-parameter Qwen3.5 backbone (8 layers: 6 GDN + 2 full
 attention, hidden 256) plus the package's ``JointSchemaHead``, first as a language model on the
 encoded prompts, then jointly on the decisions of build_data's train split. Then:
 
 1. **build** — BF16 proxy in the release layout; Hybrid builds for K in {0, L/2, L} with the
-   native exporter (``scripts/quantize_mixed.py --engine native``; llm-compressor is not on the
+   native exporter (``clef-quantize-mixed --engine native``; llm-compressor is not on the
    GPU image and gives bit-identical weights, tests/test_scripts.py); every build repacked by
    ``shrink_tables`` and checked by ``clef_load``.
-2. **scan** — ``scripts/sensitivity_scan.py`` on the BF16 proxy (W4A16, what Hopper runs).
+2. **scan** — ``clef-sensitivity-scan`` on the BF16 proxy (W4A16, what Hopper runs).
 3. **simulate** — the reference backend with fake-quant (W8A8 + W4A16 and W8A8 + W4A4) against
    BF16, next to a reference BF16-vs-BF16 noise floor (batch size 16 vs 1).
 4. **vllm** — every build served through the plugin, ``Clef(dir, backend="vllm")``, one engine
@@ -37,11 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "vllm_plugin"))
-
-import torch  # noqa: E402
+import torch
 
 STAGES = ("train", "build", "scan", "simulate", "vllm")
 MAX_LEN = 1024   # prompt tokens, everywhere (training, calibration, evaluation)
@@ -91,7 +87,7 @@ def environment() -> dict:
 
 def load_data(data: str | None, work: Path, small: bool) -> Path:
     """build_data's folder: the carried one, or synthetic records generated here."""
-    from build_data import build
+    from clef_vllm.tools.build_data import build
 
     if data:
         return Path(data)
@@ -103,10 +99,9 @@ def load_data(data: str | None, work: Path, small: bool) -> Path:
 
 def prompt_texts(records) -> list[str]:
     """The texts the encoder tokenizes, for training the proxy's BPE."""
-    from build_data import request_body
-
     from clef_vllm import encoding as E
     from clef_vllm.protocol import parse_request
+    from clef_vllm.records import request_body
 
     texts = [E.PREFIX_TEXT, E.SCHEMA_HEADER_TEXT, E.OPTIONS_HEADER_TEXT, E.FIELD_END_TEXT, E.SUFFIX_TEXT] * 20
     for r in records:
@@ -126,7 +121,7 @@ def train_tokenizer(texts: list[str], vocab: int, out: Path):
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    from clef_vllm.testing.tiny import CHAT_TEMPLATE, QWEN_SPLIT, SPECIAL_TOKENS
+    from clef_vllm.tiny import CHAT_TEMPLATE, QWEN_SPLIT, SPECIAL_TOKENS
 
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -154,7 +149,7 @@ def proxy_configs(tok, small: bool):
     from transformers import Qwen3_5Config
 
     from clef_vllm.head import HeadConfig
-    from clef_vllm.testing.tiny import SPECIAL_TOKENS, tiny_text_config
+    from clef_vllm.tiny import SPECIAL_TOKENS, tiny_text_config
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     hidden, layers = (128, 4) if small else (256, 8)
@@ -212,13 +207,15 @@ def decision_probs(model, head, lm_weight, batch_encoded, device):
 
 def train_proxy(work: Path, data: Path, device: torch.device, small: bool, results: Results, seed: int = 0) -> Path:
     """Train tokenizer, backbone and head; save the BF16 proxy (release layout) under work/proxy-bf16."""
-    from build_data import read_records, request_body
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
 
+    from clef_vllm.atomic import atomic_dir
     from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.layout import VL_BACKBONE_PREFIX
     from clef_vllm.head import JointSchemaHead
     from clef_vllm.protocol import RequestError, parse_request
+    from clef_vllm.records import read_records, request_body
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
@@ -227,115 +224,112 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
     rng = random.Random(seed)
     train = read_records(data)
     held = read_records(data, split="heldout")
-    staging = work / "proxy-staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    tok = train_tokenizer(prompt_texts(train), 1024 if small else 4096, staging)
-    encoder = RequestEncoder(tok, max_length=MAX_LEN)
-    examples = []
-    for r in train:
-        try:
-            e = encoder.encode(parse_request(request_body(r)))
-            examples.append((r, e, answer_targets(r, e)))
-        except (RequestError, KeyError, ValueError):
-            continue
-    cfg, head_cfg = proxy_configs(tok, small)
-    text_cfg = cfg.text_config
-    text_cfg._attn_implementation = "sdpa"
-    model = Qwen3_5TextModel(text_cfg).to(device)
-    lm_head = torch.nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False).to(device)
-    head = JointSchemaHead(head_cfg).to(device)
-    params = sum(p.numel() for p in model.parameters()) + lm_head.weight.numel()
-    log(f"proxy: {params / 1e6:.2f} M backbone parameters (+ lm_head), head {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M, "
-        f"{len(examples)} train records, tokenizer {len(tok)}")
-    bs = 8 if small else 32
-    lm_steps, dec_steps = (20, 40) if small else (int(os.environ.get("LM_STEPS", 300)), int(os.environ.get("DEC_STEPS", 900)))
-    budget = float(os.environ.get("TRAIN_SECONDS", 60 if small else 180))
-    history = {"lm": [], "decision": []}
-
-    # phase A: language model on the encoded prompts
-    opt = torch.optim.AdamW(list(model.parameters()) + list(lm_head.parameters()), lr=2e-3, weight_decay=0.01)
-    it = batches(examples, bs, rng)
-    model.train()
-    for step in range(lm_steps):
-        if time.perf_counter() - t0 > budget * 0.3:
-            log(f"LM phase stopped by the time budget at step {step}")
-            break
-        batch = next(it)
-        ids, mask = pad([e.input_ids for _, e, _ in batch], 0, device)
-        hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        logits = lm_head(hidden[:, :-1]).float()
-        target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 25 == 0 or step == lm_steps - 1:
-            history["lm"].append((step, loss.item()))
-            log(f"LM step {step}: loss {loss.item():.3f}")
-
-    # phase B: decisions, head + backbone jointly (lm_head rows feed the head's lexical features)
-    opt = torch.optim.AdamW([{"params": head.parameters(), "lr": 1e-3},
-                             {"params": list(model.parameters()) + list(lm_head.parameters()), "lr": 3e-4}],
-                            weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-3, 3e-4], total_steps=max(dec_steps, 2), pct_start=0.1)
-    for step in range(dec_steps):
-        if time.perf_counter() - t0 > budget:
-            log(f"decision phase stopped by the time budget at step {step}")
-            break
-        batch = next(it)
-        probs = decision_probs(model, head, lm_head.weight, [e for _, e, _ in batch], device)
-        nll = []
-        for (_, e, targets), p in zip(batch, probs):
-            for field_probs, t in zip(p.split([len(f.option_spans) for f in e.fields]), targets):
-                nll.append(-torch.log(field_probs[t].clamp_min(1e-9)))
-        loss = torch.stack(nll).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(head.parameters()), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == dec_steps - 1:
-            history["decision"].append((step, loss.item()))
-            log(f"decision step {step}: loss {loss.item():.3f}")
-    model.eval()
-    head.eval()
-
-    # held-out accuracy of the proxy (fp32, as trained)
-    correct, total = {}, {}
-    with torch.no_grad():
-        held_ex = []
-        for r in held:
+    out = work / "proxy-bf16"
+    with atomic_dir(out, replace=True) as staging:
+        tok = train_tokenizer(prompt_texts(train), 1024 if small else 4096, staging)
+        encoder = RequestEncoder(tok, max_length=MAX_LEN)
+        examples = []
+        for r in train:
             try:
                 e = encoder.encode(parse_request(request_body(r)))
-                held_ex.append((r, e, answer_targets(r, e)))
+                examples.append((r, e, answer_targets(r, e)))
             except (RequestError, KeyError, ValueError):
                 continue
-        for i in range(0, len(held_ex), 32):
-            chunk = held_ex[i:i + 32]
-            for (r, e, targets), p in zip(chunk, decision_probs(model, head, lm_head.weight, [e for _, e, _ in chunk], device)):
-                src = "/".join(r["source"].split("/")[:2])
-                for field_probs, t in zip(p.split([len(f.option_spans) for f in e.fields]), targets):
-                    correct[src] = correct.get(src, 0) + int(int(field_probs.argmax()) == t)
-                    total[src] = total.get(src, 0) + 1
-    accuracy = {k: round(correct[k] / total[k], 4) for k in sorted(total)}
-    log(f"held-out accuracy by source: {accuracy}")
+        cfg, head_cfg = proxy_configs(tok, small)
+        text_cfg = cfg.text_config
+        text_cfg._attn_implementation = "sdpa"
+        model = Qwen3_5TextModel(text_cfg).to(device)
+        lm_head = torch.nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False).to(device)
+        head = JointSchemaHead(head_cfg).to(device)
+        params = sum(p.numel() for p in model.parameters()) + lm_head.weight.numel()
+        log(f"proxy: {params / 1e6:.2f} M backbone parameters (+ lm_head), head {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M, "
+            f"{len(examples)} train records, tokenizer {len(tok)}")
+        bs = 8 if small else 32
+        lm_steps, dec_steps = (20, 40) if small else (int(os.environ.get("LM_STEPS", 300)), int(os.environ.get("DEC_STEPS", 900)))
+        budget = float(os.environ.get("TRAIN_SECONDS", 60 if small else 180))
+        history = {"lm": [], "decision": []}
 
-    # save in the release layout: VL model (tiny random vision tower), bf16 shards, root head files
-    vl = Qwen3_5ForConditionalGeneration(cfg)
-    state = {f"model.language_model.{k}": v for k, v in model.state_dict().items()}
-    state["lm_head.weight"] = lm_head.weight.detach()
-    missing, unexpected = vl.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.startswith("model.visual.") for k in missing), (missing[:5], unexpected[:5])
-    vl = vl.to(torch.bfloat16).eval()
-    vl.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
-    vl.save_pretrained(str(staging), max_shard_size="8MB")
-    save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in head.state_dict().items()},
-              str(staging / "joint_head.safetensors"), metadata={"format": "pt"})
-    (staging / "joint_head_config.json").write_text(json.dumps(head_cfg.to_dict(), indent=2) + "\n")
-    out = work / "proxy-bf16"
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(staging, out)
+        # phase A: language model on the encoded prompts
+        opt = torch.optim.AdamW(list(model.parameters()) + list(lm_head.parameters()), lr=2e-3, weight_decay=0.01)
+        it = batches(examples, bs, rng)
+        model.train()
+        for step in range(lm_steps):
+            if time.perf_counter() - t0 > budget * 0.3:
+                log(f"LM phase stopped by the time budget at step {step}")
+                break
+            batch = next(it)
+            ids, mask = pad([e.input_ids for _, e, _ in batch], 0, device)
+            hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            logits = lm_head(hidden[:, :-1]).float()
+            target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % 25 == 0 or step == lm_steps - 1:
+                history["lm"].append((step, loss.item()))
+                log(f"LM step {step}: loss {loss.item():.3f}")
+
+        # phase B: decisions, head + backbone jointly (lm_head rows feed the head's lexical features)
+        opt = torch.optim.AdamW([{"params": head.parameters(), "lr": 1e-3},
+                                 {"params": list(model.parameters()) + list(lm_head.parameters()), "lr": 3e-4}],
+                                weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[1e-3, 3e-4], total_steps=max(dec_steps, 2), pct_start=0.1)
+        for step in range(dec_steps):
+            if time.perf_counter() - t0 > budget:
+                log(f"decision phase stopped by the time budget at step {step}")
+                break
+            batch = next(it)
+            probs = decision_probs(model, head, lm_head.weight, [e for _, e, _ in batch], device)
+            nll = []
+            for (_, e, targets), p in zip(batch, probs):
+                for field_probs, t in zip(p.split([len(f.option_spans) for f in e.fields]), targets):
+                    nll.append(-torch.log(field_probs[t].clamp_min(1e-9)))
+            loss = torch.stack(nll).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(head.parameters()), 1.0)
+            opt.step()
+            sched.step()
+            if step % 50 == 0 or step == dec_steps - 1:
+                history["decision"].append((step, loss.item()))
+                log(f"decision step {step}: loss {loss.item():.3f}")
+        model.eval()
+        head.eval()
+
+        # held-out accuracy of the proxy (fp32, as trained)
+        correct, total = {}, {}
+        with torch.no_grad():
+            held_ex = []
+            for r in held:
+                try:
+                    e = encoder.encode(parse_request(request_body(r)))
+                    held_ex.append((r, e, answer_targets(r, e)))
+                except (RequestError, KeyError, ValueError):
+                    continue
+            for i in range(0, len(held_ex), 32):
+                chunk = held_ex[i:i + 32]
+                for (r, e, targets), p in zip(chunk, decision_probs(model, head, lm_head.weight, [e for _, e, _ in chunk], device)):
+                    src = "/".join(r["source"].split("/")[:2])
+                    for field_probs, t in zip(p.split([len(f.option_spans) for f in e.fields]), targets):
+                        correct[src] = correct.get(src, 0) + int(int(field_probs.argmax()) == t)
+                        total[src] = total.get(src, 0) + 1
+        accuracy = {k: round(correct[k] / total[k], 4) for k in sorted(total)}
+        log(f"held-out accuracy by source: {accuracy}")
+
+        # save in the release layout: VL model (tiny random vision tower), bf16 shards, root head files
+        vl = Qwen3_5ForConditionalGeneration(cfg)
+        state = {f"{VL_BACKBONE_PREFIX}{k}": v for k, v in model.state_dict().items()}
+        state["lm_head.weight"] = lm_head.weight.detach()
+        missing, unexpected = vl.load_state_dict(state, strict=False)
+        assert not unexpected and all(k.startswith("model.visual.") for k in missing), (missing[:5], unexpected[:5])
+        vl = vl.to(torch.bfloat16).eval()
+        vl.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+        vl.save_pretrained(str(staging), max_shard_size="8MB")
+        save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in head.state_dict().items()},
+                  str(staging / "joint_head.safetensors"), metadata={"format": "pt"})
+        (staging / "joint_head_config.json").write_text(json.dumps(head_cfg.to_dict(), indent=2) + "\n")
     results.set("proxy", {"backbone_parameters": params, "head_parameters": sum(p.numel() for p in head.parameters()),
                           "layers": text_cfg.num_hidden_layers, "hidden": text_cfg.hidden_size, "vocab": text_cfg.vocab_size,
                           "train_records": len(examples), "heldout_accuracy": accuracy, "loss_history": history,
@@ -348,11 +342,9 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
 
 def build_all(work: Path, data: Path, device: torch.device, results: Results) -> dict[str, Path]:
     """BF16 + Hybrid K in {0, L/2, L}: quantize (native), shrink tables, clef_load."""
-    import quantize_mixed
-    import shrink_tables
-    from clef_load import check_checkpoint
-
     from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.tools import quantize_mixed, shrink_tables
+    from clef_vllm.tools.clef_load import check_checkpoint
 
     source = work / "proxy-bf16"
     layers = locate_checkpoint(source).text_config["num_hidden_layers"]
@@ -383,7 +375,7 @@ def build_all(work: Path, data: Path, device: torch.device, results: Results) ->
 
 
 def heldout_requests(data: Path, limit: int) -> list[dict]:
-    from build_data import read_records, request_body
+    from clef_vllm.records import read_records, request_body
 
     return [request_body(r) for r in read_records(data, split="heldout", limit=limit)]
 
@@ -402,7 +394,8 @@ def encode_all(encoder, requests):
 
 def simulate(work: Path, data: Path, device: torch.device, records: int, results: Results) -> None:
     """Reference backend + fake-quant Hybrid, against BF16, with a batch-composition noise floor."""
-    from sensitivity_scan import FakeQuant, apply_hybrid, compare, field_distributions
+    from clef_vllm.quant.fake_quant import FakeQuant
+    from clef_vllm.tools.sensitivity_scan import apply_hybrid, compare, field_distributions
 
     from clef_vllm.backends.reference import ReferenceBackend
 
@@ -424,8 +417,8 @@ def simulate(work: Path, data: Path, device: torch.device, records: int, results
                 continue    # no NVFP4 layer: same as w4a16
             with FakeQuant() as fq:
                 if numerics == "w4a4":   # calibrate activation global scales on train records first
-                    from sensitivity_scan import calibrate_input_amax, encode_records
-                    from build_data import read_records
+                    from clef_vllm.records import read_records
+                    from clef_vllm.tools.sensitivity_scan import calibrate_input_amax, encode_records
 
                     fq.input_amax = calibrate_input_amax(backend, encode_records(
                         backend.encoder, read_records(data, limit=32), MAX_LEN)[0])
@@ -476,7 +469,7 @@ def vllm_eval(model: Path, requests_file: Path, probs_out: Path, order: str) -> 
 
 
 def vllm_stage(work: Path, data: Path, records: int, out: Path, results: Results, per_engine_timeout: int) -> None:
-    from sensitivity_scan import compare
+    from clef_vllm.tools.sensitivity_scan import compare
 
     requests = heldout_requests(data, records)
     requests_file = work / "heldout_requests.json"
@@ -581,7 +574,7 @@ def run_all(a) -> int:
             elif stage == "build":
                 build_all(work, data, device, results)
             elif stage == "scan":
-                import sensitivity_scan as S
+                from clef_vllm.tools import sensitivity_scan as S
 
                 scan = S.scan(work / "build-bf16", str(data), a.scan_records, str(device), "w4a16", MAX_LEN, 16)
                 k, budget = S.suggest_split(scan, None)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Hybrid quality on a trained Clef-architecture proxy, on the GPU machine (H200: torch 2.11,
-# transformers 5.17, no network). vLLM 0.28 must be staged first (shared/device/stage-vllm.sh:
-# its 3 calls leave vLLM + compressed-tensors 0.17 in /root/site). Needs nothing carried: the
+# transformers 5.17, no network). vLLM 0.28 must be staged onto the GPU machine first (vLLM +
+# compressed-tensors 0.17 in /root/site, see tests/gpu/env.sh). Needs nothing carried: the
 # data are synthetic build_data records made in the call, unless DATA=path/to/build_data/folder
-# is carried (e.g. carry=[".bench/data"] after `python scripts/build_data.py --out .bench/data`).
+# is carried (e.g. carry=[".bench/data"] after `clef-build-data --out .bench/data`).
 #
 # One call (about 9 minutes; TRAIN_SECONDS trims training):
 #   run(command="bash bench/quality_gpu.sh", timeout_s=600)
@@ -15,7 +15,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # staged vLLM + this tree's plugin on PYTHONPATH, plugin entry points registered for every vLLM process
 . tests/gpu/env.sh
-export PYTHONPATH="$PYTHONPATH:$PWD/scripts"
 export TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT="${OUT:-bench/results/quality}"
 WORK="${WORK:-/root/clef-quality}"

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+from clef_vllm.bench.loadgen import distribution_ms
+from clef_vllm.testing.server import LiveServer
 
 WORDS = ("checkout payment refund invoice outage login error customer urgent billing shipping delivery account "
          "password email server database network latency crash timeout upgrade cancel plan price sales "
@@ -340,29 +342,11 @@ def scrape(url: str, headers: dict) -> dict[str, float]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(server_args: list[str], log_path: Path, ready_timeout: float) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "clef_vllm.server.cli", "--port", str(port), *server_args]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server not ready after {ready_timeout} s; see {log_path}")
+def launch(server_args: list[str], log_path: Path, ready_timeout: float) -> LiveServer:
+    try:
+        return LiveServer(server_args, ready_timeout=ready_timeout, log_path=log_path).wait_ready(poll_s=0.5)
+    except (RuntimeError, TimeoutError) as exc:
+        raise SystemExit(f"{str(exc).splitlines()[0]}; see {log_path}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,15 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     log_path = Path(args.server_log) if args.server_log else Path(tempfile.mkdtemp(prefix="clef-soak-")) / "server.log"
     if args.launch:
-        proc, args.url = launch(server_args, log_path, args.ready_timeout)
-        args.pid = proc.pid
+        server = launch(server_args, log_path, args.ready_timeout)
+        proc, args.url, args.pid = server.proc, server.url, server.pid
     args.url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     encoder = None
     if args.tokenizer:
+        from clef_vllm.demo import resolve_model_dir
         from clef_vllm.encoding import RequestEncoder
 
-        encoder = RequestEncoder.from_pretrained(args.tokenizer, max_length=args.max_model_len)
+        encoder = RequestEncoder.from_pretrained(resolve_model_dir(args.tokenizer), max_length=args.max_model_len)
     before = scrape(args.url, headers)
     if not args.concurrency:
         args.concurrency = max(2, int(2 * before.get("clef_max_in_flight", 16)))
@@ -430,11 +415,6 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             exit_code = "killed after 120 s"
 
-    lat = sorted(soak.latencies)
-
-    def pct(q):
-        return round(1000 * lat[min(len(lat) - 1, int(q * len(lat)))], 1) if lat else None
-
     rss, gpu = sampler.summary(1), sampler.summary(2)
     failed = soak.counts["mismatched"] + soak.counts["lost"] + soak.bulk["mismatched"] + soak.bulk["lost"]
     memory_flat = all(m is None or m["flat"] for m in (rss, gpu))
@@ -443,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": round(elapsed, 1), "concurrency": args.concurrency,
         "requests": {**soak.counts, "errors": soak.errors}, "bulk": soak.bulk,
         "answered_per_s": round((soak.counts["ok"] + soak.counts["expected_errors"] + soak.bulk["ok"]) / elapsed, 2),
-        "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)},
+        "latency_ms": distribution_ms(soak.latencies),
         "memory": {"rss_mb": rss, "gpu_mb": gpu, "series_t_rss_gpu": sampler.series},
         "server_metrics_delta": {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)},
         "input_tokens_checked_locally": encoder is not None,

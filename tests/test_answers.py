@@ -1,4 +1,4 @@
-"""Answer mapping (clef-spec §2.3): shapes, key order, argmax tie rule, Python rounding, confidence."""
+"""Answer mapping (docs/encoding-and-head.md, "Answers"): shapes, key order, argmax tie rule, Python rounding, confidence."""
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def test_build_response_body():
     assert body["answers"]["a"]["choice"] == "y" and list(body["answers"]["a"]["probabilities"]) == ["y", "x"]
     assert body["answers"]["a"]["probabilities"] == {"y": 0.75, "x": 0.25}
     assert body["answers"]["m"]["score"] == 0.6
-    assert body["usage"] == {"input_tokens": 123, "output_tokens": 0, "truncated_state_tokens": 7}
+    assert body["usage"] == {"input_tokens": 123, "output_tokens": 0, "truncated_state_tokens": 7,
+                             "cached_state_tokens": 0}
     assert list(body["usage"])[:2] == ["input_tokens", "output_tokens"]
     assert hosted_envelope(body) == {"result": body, "success": True, "errors": [], "messages": []}
     json.dumps(body, allow_nan=False)

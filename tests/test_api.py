@@ -1,4 +1,4 @@
-"""The offline API the acceptance suite calls: ``from clef_vllm import Clef`` (issue 2 §7)."""
+"""The offline API: ``from clef_vllm import Clef``."""
 
 from __future__ import annotations
 
@@ -181,9 +181,21 @@ def test_bad_arguments_are_refused(tiny_release, tmp_path):
         Clef(tiny_release, backend="onnx")
     with pytest.raises(ValueError):
         Clef(tiny_release, backend="reference", dialect="hosted")
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="'dtype' must be one of"):
         Clef(tiny_release, backend="reference", dtype="int4")
+    with pytest.raises(ValueError, match="'gpu_memory_utilization' applies to the vllm backend"):
+        Clef(tiny_release, backend="reference", gpu_memory_utilization=0.5)    # never silently dropped
     from clef_vllm.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="not a directory"):
         Clef(tmp_path / "missing", backend="reference")
+
+
+def test_vllm_backend_without_vllm_names_the_extra_to_install(tiny_release, monkeypatch):
+    import sys
+
+    from clef_vllm import Clef
+
+    monkeypatch.setitem(sys.modules, "vllm", None)          # as if vLLM were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install './vllm_plugin\[vllm\]'"):
+        Clef(tiny_release, backend="vllm")

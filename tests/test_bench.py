@@ -20,7 +20,8 @@ from clef_vllm.bench.loadgen import percentile, server_total_ms, systemone_url, 
 from clef_vllm.bench.parity import compare_runs, distribution, kl_divergence, total_variation
 from clef_vllm.bench.parity_cli import main as parity_main
 from clef_vllm.bench.targets import Answered, Condition
-from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_variants, load_request_file,
+from clef_vllm.records import load_request_file
+from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_variants,
                                        synthetic_parity_set)
 
 # --------------------------------------------------------------------------- fixtures
@@ -99,6 +100,17 @@ def test_fanout_variants_share_one_state(tiny_encoder):
     assert types[:3] == ["noul", "choice", "score"] and len(set(b.body["questions"])) == 8
 
 
+def test_shared_state_variants_ask_new_questions_about_one_state(tiny_encoder):
+    factory = RequestFactory(tiny_encoder)
+    variants = build_variants(["shared-state"], shared_states=((300, 5), (600, 3)))
+    assert [(v.name, v.requests) for v in variants] == [("shared-300", 5), ("shared-600", 3)]
+    reqs = factory.requests(variants[0], 5)
+    assert len({json.dumps(r.body["state"]) for r in reqs}) == 1
+    assert len({json.dumps(r.body["questions"], sort_keys=True) for r in reqs}) == 5
+    assert len(tiny_encoder.tokenize(reqs[0].body["state"])) == 300
+    assert RequestFactory(tiny_encoder).make(variants[0], 3).body == reqs[3].body           # deterministic
+
+
 def test_requests_are_deterministic_and_prefix_stable(tiny_encoder):
     v = build_variants(["short"], short_tokens=600)[0]
     a = RequestFactory(tiny_encoder, seed=1).requests(v, 6)
@@ -168,7 +180,7 @@ def test_bench_modules_import_without_torch_or_vllm():
 
 def test_raw_vllm_engine_settings(tiny_release, tiny_repacked, tmp_path):
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
-    from clef_vllm.testing.release import write_config_only_checkpoint
+    from clef_vllm.release import write_config_only_checkpoint
 
     release = raw_engine_kwargs(tiny_release, max_model_len=4096)
     repacked = raw_engine_kwargs(tiny_repacked, extra={"max_num_seqs": 7})
@@ -310,6 +322,22 @@ def test_bench_short_and_fanout_against_live_server(live_server, tiny_release, t
     assert (tmp_path / "bench.txt").read_text().startswith("clef-bench http")
     table = capsys.readouterr().out
     assert "p99 ms" in table and "fanout-3q" in table and "MISMATCH" not in table
+
+
+def test_bench_tokenizer_demo_is_the_local_demo_checkpoint(live_server, tiny_short_tokens, tmp_path, capsys):
+    """--tokenizer demo means the demo checkpoint (its tokenizer is the tiny one the live server uses);
+    a name that is not a folder fails at once, naming the flag, and never reaches for a model hub."""
+    from clef_vllm.demo import demo_checkpoint
+
+    rc, res = _bench([live_server.url, "--tokenizer", "demo", "--short-tokens", str(tiny_short_tokens), "-c", "1",
+                      "-n", "2", "--warmup", "0", "--fail-on-error"], tmp_path / "demo.json")
+    assert rc == 0 and res["points"][0]["input_tokens"]["mismatches"] == 0
+    assert res["settings"]["tokenizer"] == str(demo_checkpoint())
+    assert f"demo checkpoint (tiny, random weights): {demo_checkpoint()}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench_main([live_server.url, "--tokenizer", "no-such-checkpoint", "-o", str(tmp_path / "x.json")])
+    assert exit_.value.code == 2
+    assert "--tokenizer no-such-checkpoint: no such folder" in capsys.readouterr().err
 
 
 def test_bench_detects_token_count_mismatch(live_server, tiny_release, tiny_short_tokens, tmp_path):
@@ -473,11 +501,21 @@ def test_parity_offline_against_itself_from_file(tiny_release, tmp_path):
 
 
 def test_console_scripts_installed():
+    """Every console script of pyproject.toml is on PATH next to this interpreter and answers --help."""
+    import tomllib
+
+    from conftest import REPO
+
+    scripts = tomllib.loads((REPO / "vllm_plugin" / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"clef-systemone", "clef-bench", "clef-parity", "clef-load", "clef-make-tiny"} <= set(scripts)
+    for name in scripts:
+        exe = shutil.which(name, path=str(Path(sys.executable).parent))
+        assert exe is not None, f"{name} not installed (pip install -e ./vllm_plugin)"
+        out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
     for name in ("clef-bench", "clef-parity"):
-        exe = shutil.which(name)
-        if exe is None:
-            pytest.skip(f"{name} not on PATH (pip install -e ./vllm_plugin --no-deps)")
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
+        out = subprocess.run([shutil.which(name, path=str(Path(sys.executable).parent)), "--version"],
+                             capture_output=True, text=True, check=True)
         assert out.stdout.startswith("clef-vllm ")
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint discovery and checks (clef-spec §1.2, issue 2 §5): both layouts, the version marker,
+"""Checkpoint discovery and checks: both layouts, the version marker,
 and every broken file named in the error, on copies of the tiny checkpoints."""
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def test_unsharded_checkpoint_in_both_layouts(tmp_path, cache_dir):
     """One ``model.safetensors`` without an index: the root's joint_head.safetensors is not a backbone file."""
     from clef_vllm import Clef
     from clef_vllm.repack import repack_tables
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     single = build_tiny_checkpoint(tmp_path / "single", shard_mb=100)
     files = locate_checkpoint(single)

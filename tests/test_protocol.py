@@ -1,4 +1,4 @@
-"""SystemOne request validation (clef-spec §2.1, §2.2, §2.4, §2.6): both dialects, every rule.
+"""SystemOne request validation: both dialects, every rule.
 
 Each refusal is checked for its error kind, the dotted field it names and the gist of its
 message; each acceptance for what the parsed request keeps (question order, unknown fields).

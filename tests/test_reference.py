@@ -1,4 +1,4 @@
-"""The CPU reference backend (clef-spec §4.3, §5.4) on the tiny checkpoints, both layouts."""
+"""The CPU reference backend (docs/encoding-and-head.md) on the tiny checkpoints, both layouts."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from clef_vllm.answers import build_response
-from clef_vllm.backends import make_backend, resolve_backend
+from clef_vllm.backends import OptionError, make_backend, resolve_backend
 from clef_vllm.backends.reference import ReferenceBackend
+from clef_vllm.checkpoint import load_head, locate_checkpoint
 from clef_vllm.protocol import parse_request
 from clef_vllm.tables import DenseTable, Int8RowTable
 
@@ -90,6 +91,9 @@ def test_both_layouts_load_and_answer(release, repacked, requests_):
         assert backend.head.dtype == torch.bfloat16
         assert next(backend.model.parameters()).dtype == torch.bfloat16
         assert backend.describe()["layout"] == backend.files.layout
+        # what /v1/models shows (README): backend, layout, dtypes, quantization and kernels
+        assert {"backend", "layout", "dtype", "head_dtype", "quantization", "kernels"} <= set(backend.describe())
+        assert backend.describe()["quantization"] is None and backend.describe()["kernels"]["unquantized"] > 0
         req = parse_request(requests_[0])
         enc = backend.encoder.encode(req)
         body = build_response(req, enc, backend.decide_batch([enc])[0])
@@ -181,8 +185,39 @@ def test_micro_batched_async_path_equals_the_blocking_path(tiny_release, request
         backend.close()
 
 
-def test_float32_head(tiny_release, release, requests_, cache_dir):
+def test_float32_is_float32_throughout_and_equals_the_release_math(tiny_release, requests_, cache_dir):
+    """dtype="float32" makes backbone AND head float32, as the release's own loader does; the answers
+    equal a float32 run of the release's math: transformers' own Qwen3.5 model loaded in float32
+    for the hidden states, then the head written out literally (tests/support/release_math.py)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from support.release_math import literal_logits
+
     backend = make_backend(tiny_release, "reference", dtype="float32", device="cpu")
+    try:
+        assert backend.head.dtype == torch.float32
+        assert {p.dtype for p in backend.model.parameters()} == {torch.float32}
+        assert backend.describe()["dtype"] == backend.describe()["head_dtype"] == "float32"
+        enc = encode_all(backend, requests_[:4])
+        ours = backend.decide_batch(enc)
+    finally:
+        backend.close()
+    full = Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny_release), dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    head = load_head(locate_checkpoint(tiny_release), dtype=torch.float32)
+    E = full.lm_head.weight.detach()
+    for e, got in zip(enc, ours):
+        ids = torch.tensor([e.input_ids])
+        with torch.inference_mode():
+            X = full.model.language_model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          use_cache=False).last_hidden_state[0]
+        fields = [(f.type_id, f.question_span, list(f.option_spans)) for f in e.fields]
+        want = torch.cat([torch.softmax(logits, 0) for logits in literal_logits(head, X, e.input_ids, E, fields)])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_head_dtype_alone_and_bad_dtypes(tiny_release, release, requests_, cache_dir):
+    backend = make_backend(tiny_release, "reference", head_dtype="float32", device="cpu")
     try:
         assert backend.head.dtype == torch.float32
         assert next(backend.model.parameters()).dtype == torch.bfloat16    # the backbone stays bf16
@@ -191,5 +226,15 @@ def test_float32_head(tiny_release, release, requests_, cache_dir):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
     finally:
         backend.close()
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(OptionError, match="'dtype' must be one of"):
         make_backend(tiny_release, "reference", dtype="float16")
+
+
+def test_inapplicable_and_unknown_options_are_errors_naming_them(tiny_release):
+    """Nothing is silently dropped: an option of the vLLM backend, or a misspelt one, is refused."""
+    with pytest.raises(OptionError, match="'gpu_memory_utilization' applies to the vllm backend"):
+        make_backend(tiny_release, "reference", gpu_memory_utilization=0.5)
+    with pytest.raises(OptionError, match="unknown option 'max_batchsize'.*max_batch_size"):
+        make_backend(tiny_release, "reference", max_batchsize=4)
+    with pytest.raises(OptionError, match="'max_batch_size' must be int"):
+        ReferenceBackend(tiny_release, max_batch_size=2.5)

@@ -1,4 +1,4 @@
-"""scripts/: the Hybrid checkpoint pipeline end to end on the tiny release checkpoint.
+"""scripts/ (the shells of clef_vllm.tools): the Hybrid checkpoint pipeline end to end on the tiny release checkpoint.
 
 build_data --synthetic -> quantize_mixed --split 2 (llm-compressor in .venv-quant; the native
 exporter when that venv is missing) -> shrink_tables -> clef_load -> the package's loaders.
@@ -83,11 +83,9 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_build_data_records_are_systemone_requests(hybrid_pipeline, tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    from build_data import read_records, request_body
-
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.protocol import Dialect, parse_request
+    from clef_vllm.records import load_request_file, read_records, request_body
 
     run_script("build_data.py", "--out", tmp_path, "--synthetic", "--synthetic-count", 300)
     for split in ("train", "heldout"):      # deterministic
@@ -102,7 +100,28 @@ def test_build_data_records_are_systemone_requests(hybrid_pipeline, tmp_path):
         assert set(record["answer"]) == set(request.questions)
         for field in encoded.fields:
             assert record["answer"][field.question_id] in field.option_ids
+    # the tools' reader (clef-bench / clef-parity --requests) sees the same bodies and answers
+    loaded = load_request_file(tmp_path, split="heldout")
+    assert [r.body for r in loaded] == [request_body(r) for r in held]
+    assert [r.answer for r in loaded] == [r["answer"] for r in held] and loaded[0].source == held[0]["source"]
     assert "records" in hybrid_pipeline.outputs["build_data"] or "wrote" in hybrid_pipeline.outputs["build_data"]
+
+
+def test_a_missing_checkpoint_is_named_with_the_tools_own_flag(tmp_path):
+    for script, flag in (("quantize_mixed.py", "--source"), ("sensitivity_scan.py", "--model")):
+        args = [flag, tmp_path / "tiny", "--out" if flag == "--source" else "--json", tmp_path / "out"]
+        proc = run_script(script, *args, *(["--split", 2] if flag == "--source" else []), expect=2)
+        assert f"{flag} {tmp_path / 'tiny'}: not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_quantization_tools_import_neither_vllm_nor_the_server():
+    """clef-quantize-mixed runs in the llm-compressor venv, where clef-vllm has no dependencies
+    installed: what it imports must not need vLLM (or the server's FastAPI stack)."""
+    code = ("import sys, clef_vllm.tools.quantize_mixed, clef_vllm.quant.fused_scales, clef_vllm.quant.fake_quant, "
+            "clef_vllm.quant.kernels, clef_vllm.records, clef_vllm.backends.reference; "
+            "bad = [m for m in ('vllm', 'fastapi', 'uvicorn', 'clef_vllm.server') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 # --------------------------------------------------------------------------- the pipeline
@@ -126,8 +145,10 @@ def test_pipeline_checkpoint_passes_clef_load(hybrid_pipeline):
 
 
 def test_pipeline_checkpoint_loads_with_package_loaders(hybrid_pipeline):
-    from clef_vllm import ARCHITECTURE, quant
+    from clef_vllm import ARCHITECTURE
     from clef_vllm.checkpoint import load_head, locate_checkpoint
+    from clef_vllm.quant.fused_scales import fused_global_scales
+    from clef_vllm.quant.schemes import read_quantization_config
     from clef_vllm.tables import load_int8_tables
 
     files = locate_checkpoint(hybrid_pipeline.checkpoint)
@@ -137,12 +158,12 @@ def test_pipeline_checkpoint_loads_with_package_loaders(hybrid_pipeline):
     assert head.config.requires_clef_vllm
     tables = load_int8_tables(files.tables_file)
     assert tables["lm_head"].num_rows == files.text_config["vocab_size"]
-    qc = quant.read_quantization_config(files)       # compressed-tensors 0.17 (vLLM's pin) parses the output
+    qc = read_quantization_config(files)       # compressed-tensors 0.17 (vLLM's pin) parses the output
     assert qc.format == "mixed-precision" and set(qc.config_groups) == {"group_0", "group_1"}
     if hybrid_pipeline.engine == "llmcompressor":
         assert files.quantization_config["version"] == "0.19.0"
-    assert all(g.ok for g in quant.fused_global_scales(files))
-    assert len(quant.fused_global_scales(files)) == 4
+    assert all(g.ok for g in fused_global_scales(files))
+    assert len(fused_global_scales(files)) == 4
 
 
 def test_quantization_keeps_16bit_parts_exact(hybrid_pipeline):
@@ -196,7 +217,7 @@ def test_llmcompressor_and_native_exporter_agree(hybrid_pipeline, tmp_path):
 
 def test_unfused_gdn_scales_are_refused(hybrid_pipeline, tmp_path):
     """Stock llm-compressor 0.14 (no FUSED_LAYER_NAMES patch) gives in_proj_qkv/in_proj_z different
-    global scales (risk R1): the script refuses to write that output."""
+    global scales (vLLM would keep the max and mis-scale the other): the script refuses to write that output."""
     python = quant_python()
     if python is None:
         pytest.skip("llm-compressor venv (.venv-quant) not installed")
@@ -210,24 +231,23 @@ def test_unfused_gdn_scales_are_refused(hybrid_pipeline, tmp_path):
 
 def test_split_edges(tmp_path):
     """K=0: all NVFP4, K=num_layers: all FP8 (one config group each); K outside [0, L] is refused."""
-    from clef_vllm import quant
-    from clef_vllm.testing.tiny import tiny_text_config
-
-    sys.path.insert(0, str(SCRIPTS))
-    import quantize_mixed
+    from clef_vllm.quant.recipe import hybrid_config_groups
+    from clef_vllm.quant.schemes import FP8_W8A8, NVFP4_W4A4, scheme_table, summarize_schemes
+    from clef_vllm.tiny import tiny_text_config
+    from clef_vllm.tools import quantize_mixed
 
     source_config = tmp_path / "tiny_config.json"
     source_config.write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"],
                                          **tiny_text_config({"<|endoftext|>": 0}, 1024)}))
-    for split, kind in ((0, quant.NVFP4_W4A4), (4, quant.FP8_W8A8)):
+    for split, kind in ((0, NVFP4_W4A4), (4, FP8_W8A8)):
         out = tmp_path / f"k{split}"
         quantize_mixed.emit_config_only(source_config, out, split, None, None)
         config = json.loads((out / "config.json").read_text())
         assert len(config["quantization_config"]["config_groups"]) == 1
         assert config["quantization_config"]["format"] == ("nvfp4-pack-quantized" if split == 0 else "float-quantized")
-        assert quant.summarize_schemes(quant.scheme_table(config)) == {kind: 16, "unquantized": 3}
+        assert summarize_schemes(scheme_table(config)) == {kind: 16, "unquantized": 3}
     with pytest.raises(ValueError):
-        quantize_mixed.hybrid_config_groups(4, 5)
+        hybrid_config_groups(4, 5)
 
 
 # --------------------------------------------------------------------------- shrink_tables
@@ -276,15 +296,15 @@ def _rewrite(ckpt: Path, edit) -> None:
 
 
 def _check(path) -> tuple[bool, str]:
-    sys.path.insert(0, str(SCRIPTS))
-    from clef_load import check_checkpoint
+    from clef_vllm.tools.clef_load import check_checkpoint
 
     report = check_checkpoint(path, capability="9.0")
     return report.ok, "\n".join(report.errors())
 
 
 def test_clef_load_flags_broken_checkpoints(hybrid_pipeline, tmp_path):
-    from clef_vllm import quant
+    from clef_vllm.quant.fused_scales import fix_fused_global_scales
+    from clef_vllm.quant.numerics import nvfp4_dequantize, nvfp4_quantize
 
     z = "model.language_model.layers.2.linear_attn.in_proj_z."
 
@@ -295,13 +315,13 @@ def test_clef_load_flags_broken_checkpoints(hybrid_pipeline, tmp_path):
 
     r1 = copy("r1")       # a stock-llm-compressor-like unshared GDN scale: re-export in_proj_z at its own divisor
     def own_divisor(t):
-        w = quant.nvfp4_dequantize(t[z + "weight_packed"], t[z + "weight_scale"], t[z + "weight_global_scale"])
-        t[z + "weight_packed"], t[z + "weight_scale"], t[z + "weight_global_scale"] = quant.nvfp4_quantize(
+        w = nvfp4_dequantize(t[z + "weight_packed"], t[z + "weight_scale"], t[z + "weight_global_scale"])
+        t[z + "weight_packed"], t[z + "weight_scale"], t[z + "weight_global_scale"] = nvfp4_quantize(
             w.to(torch.bfloat16) * 0.25)
     _rewrite(r1, own_divisor)
     ok, errors = _check(r1)
     assert not ok and "weight global scales differ" in errors and "vLLM keeps the max" in errors
-    assert quant.fix_fused_global_scales(r1)
+    assert fix_fused_global_scales(r1)
     assert _check(r1)[0]
 
     missing = copy("missing")
@@ -314,7 +334,7 @@ def test_clef_load_flags_broken_checkpoints(hybrid_pipeline, tmp_path):
     ok, errors = _check(nan)
     assert not ok and "non-finite" in errors
 
-    anchored = copy("anchored")    # risk R3: targets anchored on the checkpoint prefix match no vLLM module
+    anchored = copy("anchored")    # regex targets anchored on the checkpoint prefix match no vLLM module
     config = json.loads((anchored / "config.json").read_text())
     for group in config["quantization_config"]["config_groups"].values():
         group["targets"] = [t.replace("re:.*layers", r"re:model\.language_model\.layers") for t in group["targets"]]
@@ -327,14 +347,13 @@ def test_clef_load_flags_broken_checkpoints(hybrid_pipeline, tmp_path):
 
 
 def test_root_files_are_generated_from_the_clef_flash_config(tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    import quantize_mixed
+    """README's command regenerates the three root files from the release's config.json, byte for byte."""
+    from clef_vllm.tools.clef_load import check_config_only
 
-    quantize_mixed.emit_config_only(SCRIPTS / "clef_flash_config.json", tmp_path, 17, None, None)
+    out = run_script("quantize_mixed.py", "--emit-config-only", "--out", tmp_path).stdout
+    assert out.count("wrote ") == 3
     for name in ("config.json", "recipe.yaml", "clef_head/joint_head_config.json"):
         assert (tmp_path / name).read_bytes() == (REPO / name).read_bytes(), f"{name}: regenerate with quantize_mixed.py"
-    sys.path.insert(0, str(SCRIPTS))
-    from clef_load import check_config_only
 
     report = check_config_only(REPO, capability="9.0")
     assert report.ok, report.errors()

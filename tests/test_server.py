@@ -1084,6 +1084,7 @@ def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_relea
     backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
     backend._thread.start()
     backend.kwargs = {"max_num_seqs": 48, "data_parallel_size": 2}
+    backend.state_cache = False                     # set by __init__ from the engine settings
     backend.engine = StandInEngine(dead=False)
 
     async def cancel_in_flight():

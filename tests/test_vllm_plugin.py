@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from importlib.metadata import entry_points
 
 import numpy as np
@@ -76,16 +77,50 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
 
     from clef_vllm.backends.vllm_backend import engine_kwargs
 
-    kwargs = engine_kwargs(tiny_release, max_model_len=2048, dtype="float32", data_parallel_size=1)
+    kwargs = engine_kwargs(tiny_release, max_model_len=2048, head_dtype="float32", data_parallel_size=1, state_cache=True)
     assert kwargs["hf_overrides"] == {"architectures": ["ClefFlashForDecision"]}  # release config names the VL class
     cfg = AsyncEngineArgs(**kwargs).create_engine_config()
     assert cfg.model_config.architectures == ["ClefFlashForDecision"]
     assert cfg.model_config.runner_type == "pooling"
-    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.enable_prefix_caching is True          # the state cache
+    assert cfg.cache_config.mamba_cache_mode == "align"
+    assert cfg.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"
     assert cfg.scheduler_config.enable_chunked_prefill is True
     assert cfg.cache_config.mamba_ssm_cache_dtype == "float32"
     assert cfg.additional_config["clef_head_dtype"] == "float32"
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
+    assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
+    off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
+                                          prefill_graphs=False)).create_engine_config()
+    assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
+    assert "clef_prefill_graphs" not in off.additional_config and "clef_state_cache" not in off.additional_config
+
+
+def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_release):
+    """Each VllmOptions field says how it reaches AsyncEngineArgs; nothing untyped flows through."""
+    from vllm import AsyncEngineArgs
+
+    from clef_vllm.backends.options import OptionError
+    from clef_vllm.backends.vllm_backend import FIXED_ENGINE_SETTINGS, engine_kwargs
+
+    kwargs = engine_kwargs(tiny_release, gpu_memory_utilization=0.5, max_num_seqs=7, enforce_eager=True,
+                           linear_backend="emulation", quantization="fp8")
+    assert {k: kwargs[k] for k in ("gpu_memory_utilization", "max_num_seqs", "enforce_eager", "linear_backend",
+                                   "quantization", "dtype", "max_num_batched_tokens")} == {
+        "gpu_memory_utilization": 0.5, "max_num_seqs": 7, "enforce_eager": True, "linear_backend": "emulation",
+        "quantization": "fp8", "dtype": "bfloat16", "max_num_batched_tokens": 16384}
+    assert all(kwargs[k] == v for k, v in FIXED_ENGINE_SETTINGS.items())
+    assert "warmup" not in kwargs and "head_dtype" not in kwargs        # ours, not the engine's
+    known = set(AsyncEngineArgs.__dataclass_fields__)
+    assert set(kwargs) <= known, set(kwargs) - known                       # every key is a real engine field
+    for bad, match in (({"max_batch_size": 4}, "'max_batch_size' applies to the reference backend"),
+                       ({"device": "cuda"}, "'device' applies to the reference backend"),
+                       ({"max_num_seq": 4}, "unknown option 'max_num_seq'"),
+                       ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be <= 1.0"),
+                       ({"max_num_seqs": "8"}, "'max_num_seqs' must be int"),
+                       ({"dtype": "float32"}, "head_dtype")):
+        with pytest.raises(OptionError, match=match):
+            engine_kwargs(tiny_release, **bad)
 
 
 def test_repacked_checkpoint_names_its_own_architecture(tiny_repacked):
@@ -207,7 +242,7 @@ def test_pooler_chunked_prefill_matches_single_pass(release_model, encoder):
         md = _metadata([specs[i] for i in which], [b - a for a, b in ranges], [b for _, b in ranges],
                        [states[i] for i in which])
         out = m.pooler(x, md)
-        for i, (a, b), o in zip(which, ranges, out):
+        for i, (_, b), o in zip(which, ranges, out):
             if b < specs[i].num_tokens:
                 assert o is None, f"partial prefill of request {i} must return None (step {step})"
             else:
@@ -421,7 +456,7 @@ def _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path):
 
 
 def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoint, tmp_path):
-    """Risk R1: vLLM keeps the max divisor of a fused module and silently mis-scales the others."""
+    """vLLM keeps the max divisor of a fused module and silently mis-scales the others: refused."""
     from clef_vllm.checkpoint import CheckpointError
 
     ckpt = _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path)
@@ -434,11 +469,14 @@ def test_fused_scale_fix_from_the_refusal_message_makes_the_checkpoint_load(hybr
     import subprocess
     import sys
 
-    from support.vllm_cpu import REPO
+    from clef_vllm.checkpoint import CheckpointError
 
     ckpt = _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path)
+    with pytest.raises(CheckpointError) as refusal:
+        vllm_cpu.load_model(ckpt)
+    assert "clef-load DIR --fix-fused-scales --out FIXED_DIR" in str(refusal.value)
     fixed = tmp_path / "fixed"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "clef_load.py"), str(ckpt), "--fix-fused-scales",
+    proc = subprocess.run([str(Path(sys.executable).parent / "clef-load"), str(ckpt), "--fix-fused-scales",
                            "--out", str(fixed), "--capability", "9.0", "--quiet"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "re-exported" in proc.stdout

@@ -39,9 +39,7 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,14 +47,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import httpx
+import psutil
 
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from adversarial.attacks import (MiB, WORST_CASES, connect, head, ndjson, nested_level,  # noqa: E402
-                                 read_response)
+# run as a script: this folder is sys.path[0], so the attacks module imports as a top-level one
+from attacks import MiB, WORST_CASES, connect, head, ndjson, nested_level, read_response
+from clef_vllm.bench.loadgen import percentile
+from clef_vllm.testing.server import LiveServer, free_port
 
 REQUEST = {"model": "clef-flash", "state": "Checkout has been failing for every customer for the last hour.",
            "questions": {"urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
@@ -64,40 +61,17 @@ REQUEST = {"model": "clef-flash", "state": "Checkout has been failing for every 
 JSON = {"Content-Type": "application/json"}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+class Server(LiveServer):
+    """The reference server on the tiny checkpoint, the engine answering at once (``instant``
+    fault hook), plus the process numbers the report needs."""
 
-
-class Server:
     def __init__(self, ckpt: Path, work: Path, *args: str, env: dict | None = None):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = work / f"server-{self.port}.log"
-        self.args = ["--model", str(ckpt), "--backend", "reference", "--port", str(self.port), "--no-warmup", *args]
-        self.proc = subprocess.Popen([sys.executable, "-m", "clef_vllm.server.cli", *self.args],
-                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "CLEF_VLLM_FAULTS": "instant", **(env or {})})
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: {self.log()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.5)
+        port = free_port()
+        super().__init__(["--model", str(ckpt), "--backend", "reference", "--no-warmup", *args],
+                         env={"CLEF_VLLM_FAULTS": "instant", **(env or {})}, ready_timeout=300, port=port,
+                         log_path=work / f"server-{port}.log")
+        self.wait_ready()
         self.ps = psutil.Process(self.proc.pid)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def cpu(self) -> float:
         t = self.ps.cpu_times()
@@ -118,14 +92,8 @@ class Server:
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=30).text
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+    def stop(self, timeout: float = 120.0) -> int:
+        return super().stop(timeout)
 
 
 def post_raw(port: int, body: bytes, timeout: float = 120) -> tuple[int | None, bytes, float]:
@@ -415,7 +383,8 @@ def main() -> int:
     summary = {"command": " ".join(["python", "tests/adversarial/run_long.py", *sys.argv[1:]]),
                "server": "clef-systemone --backend reference --no-warmup (other flags default) on the tiny checkpoint "
                          "with the Qwen3.5 tokenizer, CLEF_VLLM_FAULTS=instant (the engine answers at once), CPU",
-               "machine": f"{os.cpu_count()} cores, shared (1-min load average at start: {os.getloadavg()[0]:.1f})", "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+               "machine": f"{os.cpu_count()} cores, shared (1-min load average at start: {os.getloadavg()[0]:.1f})",
+               "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     summary["worst_cases"] = phase_worst_cases(server, size)
     summary["concurrent"] = phase_concurrent(server, size, args.concurrent_seconds, pace=1.0)
     summary["concurrent_flood"] = phase_concurrent(server, size, args.concurrent_seconds)

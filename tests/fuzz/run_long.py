@@ -26,25 +26,20 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
-REPO = TESTS.parent
-sys.path.insert(0, str(TESTS))
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+# run as a script: this folder is sys.path[0], so the strategies module imports as a top-level one
+from strategies import check_response, check_valid_response, raw_bodies, requests, valid_requests
 
-import httpx  # noqa: E402
-from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from fuzz.strategies import (check_response, check_valid_response, raw_bodies, requests,  # noqa: E402
-                             valid_requests)
+from clef_vllm.testing.server import LiveServer
 
 
 class Tally:
@@ -76,36 +71,18 @@ def run_hypothesis(fn, strategy, examples: int, seed: int):
     inner()
 
 
-def start_server(args) -> tuple[subprocess.Popen, str, Path]:
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+def start_server(args) -> LiveServer:
+    """A CPU reference server on a tiny checkpoint built on the spot."""
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="clef-fuzz-"))
     ckpt = build_tiny_checkpoint(work / "tiny", mtp=True)
-    sock_port = _free_port()
-    log = work / "server.log"
-    cmd = [sys.executable, "-m", "clef_vllm.server.cli", "--model", str(ckpt), "--backend", "reference",
-           "--port", str(sock_port), *args.server_arg]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{sock_port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server did not start")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    server = LiveServer(["--model", str(ckpt), "--backend", "reference", *args.server_arg], ready_timeout=300,
+                        log_path=work / "server.log")
+    try:
+        return server.wait_ready(poll_s=0.5)
+    except (RuntimeError, TimeoutError) as exc:
+        raise SystemExit(f"server did not start: {exc}") from None
 
 
 def main() -> int:
@@ -128,10 +105,11 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(2 ** 32)
     os.environ.setdefault("CLEF_VLLM_CACHE", str(Path(tempfile.gettempdir()) / "clef-vllm-cache"))
 
-    proc, log = None, None
+    server = None
     url = args.url
     if url is None:
-        proc, url, log = start_server(args)
+        server = start_server(args)
+        url = server.url
     tally = Tally()
     client = httpx.Client(base_url=url, timeout=120)
     started = time.time()
@@ -256,12 +234,11 @@ def main() -> int:
     except httpx.HTTPError:
         alive = False
     metrics = client.get("/metrics").text if alive else ""
-    log_text = log.read_text(errors="replace") if log else ""
+    log_text = server.log() if server else ""
     exit_code = None
-    if proc is not None:
-        proc.send_signal(signal.SIGTERM)
-        exit_code = proc.wait(timeout=120)
-        log_text = log.read_text(errors="replace")
+    if server is not None:
+        exit_code = server.stop(timeout=120)     # SIGTERM: a graceful drain must exit 0
+        log_text = server.log()
     http_phases = [k for k in tally.phases if k not in ("inprocess-model-encoder", "bulk-streams")]
     http_requests = sum(tally.phases[k]["requests"] for k in http_phases)
     ge500 = sum(n for k in http_phases for s, n in tally.phases[k]["statuses"].items() if s.isdigit() and int(s) >= 500)
@@ -270,7 +247,7 @@ def main() -> int:
         "command": " ".join(["python", "tests/fuzz/run_long.py", *sys.argv[1:]]),
         "seed": seed,
         "server": (f"started: clef-systemone --backend reference {' '.join(args.server_arg)} on the tiny checkpoint "
-                   "(CPU)") if proc else url,
+                   "(CPU)") if server else url,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
         "http_requests": http_requests,

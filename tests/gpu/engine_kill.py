@@ -17,33 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
+
+from clef_vllm.testing.server import LiveServer
 
 REQUEST = {"model": "clef-flash", "state": {"ticket": "refund please", "amount": 12.5},
            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"},
                          "team": {"type": "choice", "instructions": "Which team?",
                                   "criteria": {"billing": "Payments", "tech": "Errors", "sales": "Plans"}}}}
-
-
-def http(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, str]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except Exception as e:  # noqa: BLE001 - connection refused, timeout: reported as status 0
-        return 0, f"{type(e).__name__}: {e}"
 
 
 def is_engine_core(p: psutil.Process) -> bool:
@@ -63,30 +49,31 @@ def engine_cores(server_pid: int) -> list[psutil.Process]:
     return [p for p in kids if is_engine_core(p)]
 
 
-def start_server(ckpt: Path, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "clef_vllm.server.cli", "--model", str(ckpt), "--backend", "vllm",
-           "--host", "127.0.0.1", "--port", str(port), "--gdn-prefill-backend", "triton",
-           "--gpu-memory-utilization", "0.3", "--max-model-len", "8192"]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+def start_server(ckpt: Path, port: int, log: Path) -> LiveServer:
+    """The vLLM server in its own process group (a SIGKILLed server's engine cores go with it)."""
+    return LiveServer(["--model", str(ckpt), "--backend", "vllm", "--host", "127.0.0.1", "--gdn-prefill-backend",
+                       "triton", "--gpu-memory-utilization", "0.3", "--max-model-len", "8192"], port=port, log_path=log,
+                      new_session=True)
 
 
-def wait_exit(proc: subprocess.Popen, url: str, limit: float, trace: list) -> int | None:
-    """Poll /health until the server exits (its return code) or ``limit`` seconds pass (None)."""
+def wait_exit(server: LiveServer, limit: float, trace: list) -> int | None:
+    """Poll /health until the server exits (its return code) or ``limit`` seconds pass (None).
+
+    Unlike :meth:`LiveServer.wait_ready` this watches for the exit, recording every health status."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit:
-        rc = proc.poll()
+        rc = server.proc.poll()
         if rc is not None:
             return rc
-        status, _ = http(f"{url}/health", timeout=2)
+        status, _ = server.call("/health", timeout=2)
         trace.append((round(time.monotonic() - t0, 1), status))
         time.sleep(0.5)
     return None
 
 
-def reap(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def reap(server: LiveServer) -> None:
+    server.kill()
+    server.stop()
     for p in psutil.process_iter():  # engine cores orphaned by a SIGKILLed server
         if is_engine_core(p):
             try:
@@ -96,8 +83,8 @@ def reap(proc: subprocess.Popen) -> None:
 
 
 def case_mid_load(ckpt: Path, port: int, out: Path) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(ckpt, port, out / "server-mid-load.log")
+    server = start_server(ckpt, port, out / "server-mid-load.log")
+    proc = server.proc
     t0 = time.monotonic()
     killed, health_200 = None, False
     try:
@@ -105,7 +92,7 @@ def case_mid_load(ckpt: Path, port: int, out: Path) -> dict:
             cores = engine_cores(proc.pid)
             if cores:
                 time.sleep(3)  # inside the engine's start (weights, profiling, compile)
-                if http(f"{url}/health", timeout=2)[0] == 200:
+                if server.call("/health", timeout=2)[0] == 200:
                     health_200 = True
                 for p in engine_cores(proc.pid):
                     p.kill()
@@ -113,7 +100,7 @@ def case_mid_load(ckpt: Path, port: int, out: Path) -> dict:
                 break
             time.sleep(0.2)
         trace: list = []
-        rc = wait_exit(proc, url, 180, trace) if killed is not None else None
+        rc = wait_exit(server, 180, trace) if killed is not None else None
         health_200 = health_200 or any(s == 200 for _, s in trace)
         result = {"killed_after_s": killed, "server_rc": rc, "exit_after_kill_s":
                   (round(time.monotonic() - t0 - killed, 1) if killed is not None and rc is not None else None),
@@ -121,41 +108,39 @@ def case_mid_load(ckpt: Path, port: int, out: Path) -> dict:
         result["ok"] = killed is not None and rc not in (None, 0) and not health_200
         return result
     finally:
-        reap(proc)
+        reap(server)
 
 
 def case_after_ready(ckpt: Path, port: int, out: Path) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(ckpt, port, out / "server-after-ready.log")
+    server = start_server(ckpt, port, out / "server-after-ready.log")
     t0 = time.monotonic()
     try:
-        ready = False
-        while time.monotonic() - t0 < 400 and proc.poll() is None:
-            if http(f"{url}/health", timeout=2)[0] == 200:
-                ready = True
-                break
-            time.sleep(1)
+        try:
+            server.wait_ready(timeout=400, poll_s=1.0)
+            ready = True
+        except (RuntimeError, TimeoutError):
+            ready = False
         result: dict = {"ready_after_s": round(time.monotonic() - t0, 1), "ready": ready}
         if not ready:
             result["ok"] = False
             return result
-        result["before_kill"] = http(f"{url}/v1/systemone", REQUEST)[0]
-        cores = engine_cores(proc.pid)
+        result["before_kill"] = server.call("/v1/systemone", REQUEST)[0]
+        cores = engine_cores(server.pid)
         result["engine_cores_killed"] = len(cores)
         for p in cores:
             p.kill()
         t_kill = time.monotonic()
-        result["after_kill"] = http(f"{url}/v1/systemone", REQUEST, timeout=60)
+        result["after_kill"] = server.call("/v1/systemone", REQUEST, timeout=60)
         result["after_kill"] = [result["after_kill"][0], result["after_kill"][1][:300]]
         trace: list = []
-        rc = wait_exit(proc, url, 120, trace)
+        rc = wait_exit(server, 120, trace)
         result.update(server_rc=rc, exit_after_kill_s=round(time.monotonic() - t_kill, 1) if rc is not None else None,
                       health_trace=trace[:3] + trace[-3:])
         result["ok"] = (result["before_kill"] == 200 and len(cores) > 0 and result["after_kill"][0] == 503
                         and rc not in (None, 0))
         return result
     finally:
-        reap(proc)
+        reap(server)
 
 
 def main() -> int:
@@ -165,7 +150,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", layout="release")
     results = {}

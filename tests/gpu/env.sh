@@ -1,4 +1,4 @@
-# Source on the GPU machine after staging vLLM (shared/device/stage-vllm.sh): puts the staged vLLM and
+# Source on the GPU machine after staging vLLM into /root/site: puts the staged vLLM and
 # this working tree's plugin on PYTHONPATH and registers the plugin's entry points (a .dist-info
 # next to the staged packages), so every vLLM process (engine cores, workers) loads it.
 export PYTHONPATH=/root/site:$PWD/vllm_plugin VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

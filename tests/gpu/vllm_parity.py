@@ -20,11 +20,13 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from clef_vllm.bench.loadgen import distribution_ms
+from clef_vllm.testing.server import LiveServer
 
 
 def top_answers(response: dict) -> dict:
@@ -74,7 +76,7 @@ def parity(layout: str, n: int, workdir: Path, engine: dict) -> dict:
     from clef_vllm import Clef
     from clef_vllm.bench.workloads import synthetic_parity_set
     from clef_vllm.protocol import parse_request
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(workdir / f"tiny-{layout}", layout=layout, mtp=True)
     bodies = synthetic_parity_set(n, seed=11, max_words=1500)
@@ -122,55 +124,39 @@ async def http_load(url: str, bodies: list[dict], concurrency: int) -> tuple[lis
         t0 = time.perf_counter()
         await asyncio.gather(*[one(i, b) for i, b in enumerate(bodies)])
         wall = time.perf_counter() - t0
-    lat = sorted(latencies)
-    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000  # noqa: E731
     return results, {"requests": len(bodies), "concurrency": concurrency, "wall_s": round(wall, 2),
-                     "req_per_s": round(len(bodies) / wall, 1), "p50_ms": round(pct(0.5), 1),
-                     "p90_ms": round(pct(0.9), 1), "p99_ms": round(pct(0.99), 1), "status": status}
+                     "req_per_s": round(len(bodies) / wall, 1), "latency_ms": distribution_ms(latencies),
+                     "status": status}
 
 
 def server_load(workdir: Path, dp: int, n: int, engine: dict, log_dir: Path) -> dict:
     from clef_vllm import Clef
     from clef_vllm.bench.workloads import synthetic_parity_set
-    from clef_vllm.testing.tiny import build_tiny_checkpoint
+    from clef_vllm.tiny import build_tiny_checkpoint
 
     ckpt = workdir / "tiny-release"
     if not ckpt.exists():
         build_tiny_checkpoint(ckpt, mtp=True)
     bodies = synthetic_parity_set(n, seed=23, max_words=600)
-    port = 8731
-    cmd = [sys.executable, "-m", "clef_vllm.server.cli", "--model", str(ckpt), "--backend", "vllm",
-           "--port", str(port), "--dp", str(dp), "--gpu-memory-utilization", str(engine["gpu_memory_utilization"]),
-           "--max-num-seqs", "64"]
-    log = open(log_dir / f"server_dp{dp}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = LiveServer(["--model", str(ckpt), "--backend", "vllm", "--dp", str(dp), "--gpu-memory-utilization",
+                         str(engine["gpu_memory_utilization"]), "--max-num-seqs", "64"], ready_timeout=420,
+                        port=8731, log_path=log_dir / f"server_dp{dp}.log")
     report: dict = {"dp": dp}
     try:
         import httpx
 
         t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 420:
-                raise TimeoutError("server not ready in 420 s")
-            time.sleep(1)
+        server.wait_ready(poll_s=1.0)
         report["ready_s"] = round(time.perf_counter() - t0, 1)
-        report["models"] = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        report["models"] = httpx.get(f"{server.url}/v1/models").json()
         for conc in (1, 16, 64):
             sub = bodies if conc > 1 else bodies[:32]
-            got, stats = asyncio.run(http_load(f"http://127.0.0.1:{port}", sub, conc))
+            got, stats = asyncio.run(http_load(server.url, sub, conc))
             report[f"c{conc}"] = stats
             if conc == 64:
                 served = got
         # every response checked against its own request answered offline (no cross-talk)
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.stop(timeout=60)
         with Clef(ckpt, backend="vllm", gpu_memory_utilization=engine["gpu_memory_utilization"]) as offline:
             want = offline.systemone_batch(bodies)
         report["vs_offline"] = {k: v for k, v in compare(want, [g or want[i] for i, g in enumerate(served)]).items()
@@ -178,9 +164,7 @@ def server_load(workdir: Path, dp: int, n: int, engine: dict, log_dir: Path) -> 
         report["missing_responses"] = sum(g is None for g in served)
         report["model_echo_ok"] = all(g is None or g["model"] == b["model"] for g, b in zip(served, bodies))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+        server.stop(timeout=60)
     return report
 
 

@@ -1,4 +1,4 @@
-"""Run vLLM 0.28's model construction and weight loading on a CPU-only machine (vllm-notes §8).
+"""Run vLLM 0.28's model construction and weight loading on a CPU-only machine (docs/vllm-internals.md).
 
 The CUDA wheel of vLLM imports on CPU with three shims: ``VLLM_TARGET_DEVICE=cpu`` (CpuPlatform),
 an import-only ``torchvision`` stub (PyPI torchvision is a CUDA build that cannot load beside
@@ -11,25 +11,26 @@ attention kernels); the pooler and head are tested on synthetic hidden states in
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 SITE = Path(__file__).parent / "vllm_cpu_site"
 REPO = Path(__file__).resolve().parents[2]
 _ready = False
+_env_ready = False
 
 
 def setup_env() -> None:
     """Environment shims; must run before vLLM is first imported (conftest does it at import)."""
-    if str(SITE) in sys.path:
+    global _env_ready
+    if _env_ready:
         return
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     # Subprocesses (vLLM's model-inspection subprocess) get the torchvision stub via sitecustomize.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, str(SITE))
-    import torchvision_stub  # noqa: F401  (installs the finder)
+    from support.vllm_cpu_site import torchvision_stub  # noqa: F401  (installs the finder in this process)
+    _env_ready = True
 
 
 def setup() -> None:
@@ -116,7 +117,13 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
 
     # In-process class registration (the entry point registers the lazy "module:Class" form).
     ModelRegistry.register_model(ARCHITECTURE, ClefFlashForDecision)
+    import torch
+
     vc = vllm_config_for(checkpoint, load_format=load_format, **model_kwargs)
     init_distributed(vc)
-    with set_current_vllm_config(vc):
-        return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
+    default_dtype = torch.get_default_dtype()       # vLLM's loader can leave bf16 as the default
+    try:
+        with set_current_vllm_config(vc):
+            return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
+    finally:
+        torch.set_default_dtype(default_dtype)

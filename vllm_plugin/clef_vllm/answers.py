@@ -1,4 +1,4 @@
-"""Per-option probabilities -> SystemOne answers and response body (clef-spec §2.3).
+"""Per-option probabilities -> SystemOne answers and response body (docs/encoding-and-head.md).
 
 Rounding is Python's ``round(x, 4)`` on the float value, applied after argmax and expectation,
 which use full-precision values. Key order follows the reference: answers in request order,
@@ -63,7 +63,8 @@ def build_response(request: SystemOneRequest, encoded: EncodedRequest, probs,
         start += n
     return {"model": request.model, "answers": answers,
             "usage": {"input_tokens": encoded.num_tokens, "output_tokens": 0,
-                      "truncated_state_tokens": encoded.truncated_state_tokens}}
+                      "truncated_state_tokens": encoded.truncated_state_tokens,
+                      "cached_state_tokens": encoded.cached_state_tokens}}
 
 
 def hosted_envelope(body: dict) -> dict:

@@ -13,26 +13,23 @@ from typing import Any, Sequence
 
 from clef_vllm.answers import build_response
 from clef_vllm.backends import Backend, make_backend
+from clef_vllm.demo import resolve_model_dir
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
 from clef_vllm.protocol import Dialect, parse_request
 
 
-def resolve_model_dir(model_dir: str | Path | None) -> Path:
-    """``None`` or ``"demo"`` -> the generated demo checkpoint; else the given folder."""
-    if model_dir is None or str(model_dir) == "demo":
-        from clef_vllm.testing.tiny import demo_checkpoint
-
-        return demo_checkpoint()
-    return Path(model_dir)
-
-
 class Clef:
     """Decide SystemOne requests with a Clef checkpoint, without a server.
 
+    ``model_dir``: a checkpoint folder, or ``"demo"`` (the generated tiny demo checkpoint).
     ``backend``: ``"auto"`` (vLLM when a CUDA GPU and vLLM are usable, else reference),
-    ``"reference"`` or ``"vllm"``. ``dtype`` is the head's compute dtype. ``engine_options`` go to
-    the backend (e.g. ``device="cuda"`` for reference; ``gpu_memory_utilization=0.5`` for vLLM).
+    ``"reference"`` or ``"vllm"``. ``dtype``: the model's dtype (on the reference backend a
+    ``"float32"`` model is float32 throughout, backbone and head, as the release's own loader;
+    the vLLM backend runs ``"bfloat16"``; ``head_dtype="float32"`` gives a float32 head on either).
+    ``engine_options`` are the backend's typed options (:mod:`clef_vllm.backends.options`, e.g.
+    ``device="cuda"`` for reference; ``gpu_memory_utilization=0.5`` for vLLM); one that does not
+    exist or belongs to the other backend raises :class:`~clef_vllm.backends.OptionError`.
     """
 
     def __init__(self, model_dir: str | Path | None = "demo", backend: str = "auto", dtype: str = "bfloat16",

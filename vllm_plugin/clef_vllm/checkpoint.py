@@ -1,4 +1,4 @@
-"""Find and check the parts of a Clef checkpoint, in both layouts (clef-spec §1.2).
+"""Find and check the parts of a Clef checkpoint, in both layouts.
 
 * **release** (Cloudflare/clef-flash): ``joint_head.safetensors`` + ``joint_head_config.json`` at
   the root, sharded bf16 backbone with ``model.safetensors.index.json``, ``lm_head.weight`` and
@@ -8,7 +8,8 @@
   ``clef_head/tables_int8.safetensors`` (embed_tokens and lm_head as int8 + one scale per row);
   neither table is in the backbone file(s).
 
-Every loader of the package (reference backend, vLLM model, scripts) goes through here.
+Every loader of the package (reference backend, vLLM model, tools) goes through here; the file
+and tensor names themselves are in :mod:`clef_vllm.layout`.
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ import torch
 
 from clef_vllm import __version__
 from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead
+from clef_vllm.layout import (EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES,
+                              backbone_prefix, text_config)
 
-HEAD_DIR = "clef_head"
-HEAD_CONFIG = "joint_head_config.json"
-HEAD_WEIGHTS = "joint_head.safetensors"
-TABLES = "tables_int8.safetensors"
-INDEX = "model.safetensors.index.json"
-MARKER = "requires_clef_vllm"
-EMBED_KEYS = ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight")
-LM_HEAD_KEYS = ("lm_head.weight", "model.language_model.lm_head.weight")
+__all__ = ["EMBED_KEYS", "HEAD_CONFIG", "HEAD_DIR", "HEAD_WEIGHTS", "INDEX", "LM_HEAD_KEYS", "MARKER", "TABLES",
+           "CheckpointError", "CheckpointFiles", "locate_checkpoint", "load_head_config", "load_head_state",
+           "load_head", "iter_backbone_tensors", "find_backbone_tensor", "check_version_marker", "check_finite"]
 
 
 class CheckpointError(RuntimeError):
@@ -53,7 +51,12 @@ class CheckpointFiles:
     @property
     def text_config(self) -> dict:
         """The text model's config (``text_config`` of a VL config, else the config itself)."""
-        return self.config.get("text_config", self.config)
+        return text_config(self.config)
+
+    @property
+    def backbone_prefix(self) -> str:
+        """``model.language_model.`` (VL-shaped config, the release) or ``model.`` (text-only)."""
+        return backbone_prefix(self.config)
 
     @property
     def quantization_config(self) -> dict | None:
@@ -67,7 +70,7 @@ def locate_checkpoint(path: str | Path, require_weights: bool = True) -> Checkpo
     ``load_format="dummy"`` benchmarks need only the configs)."""
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory (pass --model DIR, a Clef checkpoint folder)")
+        raise CheckpointError(f"{root}: not a directory (expected a Clef checkpoint folder)")
     config_file = root / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{config_file}: missing; a Clef checkpoint needs its backbone config.json")
@@ -153,7 +156,7 @@ def load_head_state(files: CheckpointFiles, config: HeadConfig) -> dict[str, tor
 
     try:
         state = load_file(str(files.head_weights_file))
-    except Exception as exc:  # safetensors raises several types on corrupt files
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types on corrupt files
         raise CheckpointError(f"{files.head_weights_file}: unreadable safetensors file ({exc})") from None
     with torch.device("meta"):
         expected = {k: v.shape for k, v in JointSchemaHead(config).state_dict().items()}
@@ -196,7 +199,7 @@ def iter_backbone_tensors(files: CheckpointFiles, device="cpu",
                     yield key, tensor
         except CheckpointError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types on corrupt files
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
 
 

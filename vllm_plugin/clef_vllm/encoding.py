@@ -1,4 +1,4 @@
-"""Record encoding: a validated SystemOne request -> token ids + question/option spans (clef-spec §3).
+"""Record encoding: a validated SystemOne request -> token ids + question/option spans (docs/encoding-and-head.md).
 
 The prompt is built by tokenizing fixed text segments ONE AT A TIME (``add_special_tokens=False``)
 and concatenating the id lists, so BPE merges never cross a segment boundary and every span
@@ -249,7 +249,7 @@ class StateText:
 
 
 def question_options(question) -> list[tuple[str, Any]]:
-    """The ``(option_id, description)`` pairs of a question, in ENCODED order (clef-spec §3.3)."""
+    """The ``(option_id, description)`` pairs of a question, in ENCODED order."""
     if isinstance(question, NoulQuestion):
         descriptions = dict(NOUL_DEFAULTS)
         descriptions.update(question.criteria or {})
@@ -301,6 +301,7 @@ class EncodedRequest:
     #: False when the state was longer than could ever be used: only the part that fits was tokenized
     #: and ``truncated_state_tokens`` is estimated from the characters left out.
     truncation_exact: bool = True
+    cached_state_tokens: int = 0        # set by the backend: leading tokens read from the state cache
     _lexical_ids: list[int] | None = field(default=None, repr=False)
 
     @property

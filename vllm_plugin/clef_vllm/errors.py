@@ -25,6 +25,7 @@ class Kind(str, Enum):
     TOO_MANY_TOKENS = "too_many_tokens"          # the state does not fit and cutting it is not allowed
     UNAUTHORIZED = "unauthorized"
     NOT_FOUND = "not_found"
+    UNKNOWN_MODEL = "unknown_model"              # the hosted route names a model this server does not serve
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     SLOW_CLIENT = "slow_client"                  # headers or body not received in time

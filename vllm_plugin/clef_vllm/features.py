@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead, segment_sum
+from clef_vllm.state_keys import KEY_UNIT, prefix_keys
 from clef_vllm.tables import LexicalTable
 
 
@@ -30,11 +31,16 @@ class HeadSpec:
     option_spans: tuple[tuple[int, int], ...]      # flat, field by field, encoded option order
     options_per_field: tuple[int, ...]
     lexical_ids: tuple[int, ...]                   # token ids inside the option spans, in order
+    # State cache (optional): positions before ``reuse_limit`` (the first span) may come from the
+    # cache; ``state_keys`` are the content keys of that prefix (clef_vllm.worker.state_cache).
+    reuse_limit: int = 0
+    state_keys: tuple[bytes, ...] = ()
 
     @classmethod
-    def from_encoded(cls, encoded) -> "HeadSpec":
+    def from_encoded(cls, encoded, state_keys: bool = False) -> "HeadSpec":
+        """The spec of an encoded request; ``state_keys``: also key its reusable prefix (state cache)."""
         f = encoded.fields
-        return cls(
+        spec = cls(
             num_tokens=encoded.num_tokens,
             type_ids=tuple(x.type_id for x in f),
             question_spans=tuple(x.question_span for x in f),
@@ -42,17 +48,29 @@ class HeadSpec:
             options_per_field=tuple(len(x.option_spans) for x in f),
             lexical_ids=tuple(encoded.lexical_ids),
         )
+        if state_keys:
+            limit = spec.first_span_start
+            spec = replace(spec, reuse_limit=limit, state_keys=tuple(prefix_keys(encoded.input_ids, limit)))
+        return spec
+
+    @property
+    def first_span_start(self) -> int:
+        """Where the first question or option span begins: every earlier token only feeds the memory rows."""
+        return min(a for a, _ in self.spans())
 
     def to_wire(self) -> dict:
-        """A msgpack-friendly dict (lists of ints) for ``PoolingParams.extra_kwargs``."""
-        return {"L": self.num_tokens, "t": list(self.type_ids), "q": [list(s) for s in self.question_spans],
+        """A msgpack-friendly dict (lists of ints, keys as bytes) for ``PoolingParams.extra_kwargs``."""
+        wire = {"L": self.num_tokens, "t": list(self.type_ids), "q": [list(s) for s in self.question_spans],
                 "o": [list(s) for s in self.option_spans], "n": list(self.options_per_field),
                 "x": list(self.lexical_ids)}
+        if self.reuse_limit:
+            wire.update(r=self.reuse_limit, k=list(self.state_keys))
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> "HeadSpec":
         return cls(int(d["L"]), tuple(d["t"]), tuple(tuple(s) for s in d["q"]), tuple(tuple(s) for s in d["o"]),
-                   tuple(d["n"]), tuple(d["x"]))
+                   tuple(d["n"]), tuple(d["x"]), int(d.get("r", 0)), tuple(bytes(k) for k in d.get("k", ())))
 
     @property
     def num_fields(self) -> int:
@@ -93,6 +111,8 @@ class HeadSpec:
             last = b
         if len(self.lexical_ids) != sum(b - a for a, b in self.option_spans):
             raise ValueError("head spec: lexical ids do not match the option spans")
+        if self.reuse_limit > self.first_span_start or len(self.state_keys) * KEY_UNIT > self.reuse_limit:
+            raise ValueError("head spec: the reusable prefix overlaps a span")
 
 
 def _span_positions(spans: np.ndarray) -> np.ndarray:
@@ -132,6 +152,8 @@ class RecordAccumulator:
         self.memory: list[torch.Tensor] = []
         self.last_state: torch.Tensor | None = None
         self.filled = 0
+        self.stored_blocks = 0      # leading KV blocks whose rows are in the state cache
+        self.cached = 0             # leading positions that came from the state cache
 
     @property
     def complete(self) -> bool:
@@ -142,6 +164,27 @@ class RecordAccumulator:
         self.memory.append(memory)
         self.last_state = last_state
         self.filled = end
+
+    def start_from_cache(self, rows: torch.Tensor) -> None:
+        """Begin with the memory rows of a cached prefix (positions ``[0, len(rows))``, all before the
+        first span, so no span sum and not the last state depends on them)."""
+        if len(rows) > self.spec.first_span_start:
+            raise ValueError("a cached prefix may not reach into a span")
+        self.memory.append(rows)
+        self.filled = len(rows)
+        self.cached = len(rows)
+
+    def memory_rows(self, start: int, end: int) -> torch.Tensor:
+        """Memory rows ``[start, end)`` (already absorbed), across chunk boundaries."""
+        pieces, pos = [], 0
+        for chunk in self.memory:
+            a, b = max(start, pos), min(end, pos + chunk.shape[0])
+            if a < b:
+                pieces.append(chunk[a - pos:b - pos])
+            pos += chunk.shape[0]
+            if pos >= end:
+                break
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
@@ -159,7 +202,7 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
         return
     states, memory = head.encode_tokens(hidden)
     seg, bases, base = [], [], 0
-    for acc, off, n, start in pieces:
+    for acc, _offset, n, start in pieces:
         seg.append(acc.segments[start:start + n] + base)
         bases.append(base)
         base += acc.spec.num_segments + 1
@@ -233,3 +276,26 @@ def decide_records(head: JointSchemaHead, table: LexicalTable,
                           option_lexical=lexical, layout=layout)
     probs = head.probabilities(head.decide(batch), layout)
     return list(probs.split([r.spec.num_options for r in records]))
+
+
+def synthetic_spec(num_tokens: int) -> HeadSpec | None:
+    """A representative spec for a dummy request of ``num_tokens`` (profiling / warm-up).
+
+    Three fields (noul, choice, score) with 2-4 options each in the last quarter of the
+    prompt; ``None`` when the prompt is too short to hold any span.
+    """
+    options = (2, 3, 4)
+    needed = sum(1 + n for n in options)  # one-token question span + one-token option spans
+    if num_tokens < needed:
+        if num_tokens < 2:
+            return None
+        return HeadSpec(num_tokens, (0,), ((0, 1),), ((1, 2),), (1,), (0,))
+    pos = num_tokens - needed
+    q_spans, o_spans = [], []
+    for n in options:
+        q_spans.append((pos, pos + 1))
+        pos += 1
+        for _ in range(n):
+            o_spans.append((pos, pos + 1))
+            pos += 1
+    return HeadSpec(num_tokens, (0, 1, 2), tuple(q_spans), tuple(o_spans), options, (0,) * len(o_spans))

@@ -1,4 +1,4 @@
-"""JointSchemaHead (clef-spec §5): per-option logits for every field of every record.
+"""JointSchemaHead (docs/encoding-and-head.md): per-option logits for every field of every record.
 
 The module keeps the release's exact state-dict names (``joint_head.safetensors`` loads with
 strict checking) and splits the computation in two stages so that chunked prefill can feed it:
@@ -36,7 +36,7 @@ class HeadConfigError(ValueError):
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """``joint_head_config.json`` (clef-spec §5.1). Unknown keys are an error."""
+    """``joint_head_config.json``. Unknown keys are an error."""
 
     hidden_size: int
     width: int
@@ -320,7 +320,7 @@ class JointSchemaHead(nn.Module):
 
 
 def count_parameters(config: HeadConfig) -> int:
-    """Closed-form parameter count (clef-spec §5.6), for checking loaders."""
+    """Closed-form parameter count (121,762,820 for the release), for checking loaders."""
     h, d, f = config.hidden_size, config.width, config.feedforward
     routing = 4 * d * d + 2 * d * f + 11 * d + f
     decoder = 8 * d * d + 2 * d * f + 15 * d + f

@@ -6,7 +6,7 @@ field. The encoder only ever sees valid requests, and only requests within :clas
 structural limits, checked before any tokenization, that no request able to fit the token budget
 can reach (so they cost nothing that the budget would not cost anyway).
 
-Two dialects (clef-spec §2.2, §2.6):
+Two dialects:
 
 * ``reference`` (default) accepts what the release's Python code accepts, except two inputs it
   mishandles (an empty question id used as its own instruction, and noul criteria keys other
@@ -32,7 +32,7 @@ __all__ = ["Dialect", "DialectRules", "RULES", "RequestLimits", "RequestError", 
            "question_field", "QUESTION_TYPES", "TYPE_IDS"]
 
 QUESTION_TYPES = ("noul", "choice", "score")
-#: Row of ``type_embedding`` per question type (clef-spec §5.2).
+#: Row of ``type_embedding`` per question type (docs/encoding-and-head.md).
 TYPE_IDS = {"noul": 0, "choice": 1, "score": 2}
 
 
@@ -164,6 +164,8 @@ class Usage(BaseModel):
     input_tokens: int
     output_tokens: int = 0
     truncated_state_tokens: int = Field(0, description="State tokens cut from the end to fit max_model_len.")
+    cached_state_tokens: int = Field(0, description="Leading prompt tokens (system prompt and state) read from the "
+                                     "state cache instead of computed.")
 
 
 class SystemOneResponse(BaseModel):

@@ -1,24 +1,23 @@
 """Repack a checkpoint: embed_tokens and lm_head -> ``clef_head/tables_int8.safetensors``.
 
-Used by ``scripts/shrink_tables.py`` and by the test-checkpoint builder. The output is written
-to a temporary sibling folder and renamed into place at the end, so an interrupted run never
-leaves a half-written checkpoint.
+Used by ``clef-shrink-tables`` and by the tiny-checkpoint builder. The output is written to a
+temporary sibling folder and renamed into place at the end (:mod:`clef_vllm.atomic`), so an
+interrupted run never leaves a half-written checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from clef_vllm import ARCHITECTURE, __version__
-from clef_vllm.checkpoint import (EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER,
-                                  TABLES, locate_checkpoint)
+from clef_vllm.atomic import atomic_dir, save_safetensors, write_json
+from clef_vllm.checkpoint import locate_checkpoint
+from clef_vllm.layout import EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES
 from clef_vllm.tables import quantize_rows, table_keys
 
 
@@ -45,16 +44,6 @@ def table_report(name: str, weight: torch.Tensor, q: torch.Tensor, scale: torch.
     return TableReport(name, w.shape[0], w.shape[1], rel, float(cos.mean()))
 
 
-def write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def _save_safetensors(tensors: dict, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
-
-
 def repack_tables(src: str | Path, dst: str | Path, marker: str | None = None,
                   architecture: str | None = ARCHITECTURE, progress=None) -> list[TableReport]:
     """Write a repacked copy of ``src`` at ``dst`` (must not exist, or be a previous repack when
@@ -67,11 +56,7 @@ def repack_tables(src: str | Path, dst: str | Path, marker: str | None = None,
         raise FileExistsError(f"{src} is already repacked ({files.tables_file} exists)")
     if dst.exists() and dst.resolve() != src.resolve():
         raise FileExistsError(f"{dst} exists; choose a new output folder")
-    parent = dst.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
-    tmp.chmod(0o755)
-    try:
+    with atomic_dir(dst, replace=True) as tmp:
         (tmp / HEAD_DIR).mkdir()
         tables, reports = {}, []
         weight_map, table_names = {}, {}
@@ -89,14 +74,14 @@ def repack_tables(src: str | Path, dst: str | Path, marker: str | None = None,
                         reports.append(table_report(name, weight, q, scale))
                     else:
                         kept[key] = f.get_tensor(key)
-            _save_safetensors(kept, tmp / path.name)
+            save_safetensors(kept, tmp / path.name)
             weight_map.update({k: path.name for k in kept})
             if progress is not None:
                 progress(path.name)
         missing = sorted({"embed_tokens", "lm_head"} - set(table_names))
         if missing:
             raise ValueError(f"{src}: no {missing} tensor found in the backbone files")
-        _save_safetensors(tables, tmp / HEAD_DIR / TABLES)
+        save_safetensors(tables, tmp / HEAD_DIR / TABLES)
         if files.index_file is not None:
             index = json.loads(files.index_file.read_text())
             index["weight_map"] = dict(sorted(weight_map.items()))
@@ -123,21 +108,6 @@ def repack_tables(src: str | Path, dst: str | Path, marker: str | None = None,
             if item.name in skip or item.name.startswith("."):
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        if dst.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=parent))
-            backup.rmdir()
-            os.replace(dst, backup)
-            try:
-                os.replace(tmp, dst)
-            except BaseException:
-                os.replace(backup, dst)   # put the original back: never leave dst missing
-                raise
-            shutil.rmtree(backup)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return reports
 
 
@@ -149,9 +119,7 @@ def set_marker(path: str | Path, marker: str | None = None) -> str:
         raise ValueError(f"{path}: not a repacked checkpoint (no {HEAD_DIR}/)")
     head_cfg = json.loads(files.head_config_file.read_text())
     head_cfg[MARKER] = marker or head_cfg.get(MARKER) or default_marker()
-    tmp = files.head_config_file.with_name(f".{HEAD_CONFIG}.tmp")
-    write_json(tmp, head_cfg)
-    os.replace(tmp, files.head_config_file)
+    write_json(files.head_config_file, head_cfg)
     return head_cfg[MARKER]
 
 

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 TABLE_NAMES = ("embed_tokens", "lm_head")
-TABLES_FILE = "tables_int8.safetensors"
 
 
 def table_keys(name: str) -> tuple[str, str]:
@@ -100,7 +99,7 @@ def load_int8_tables(path: str | Path, device="cpu", names=TABLE_NAMES) -> dict[
     out = {}
     try:
         handle = safe_open(str(path), framework="pt", device=str(device))
-    except Exception as exc:  # safetensors raises several types on corrupt or truncated files
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types on corrupt or truncated files
         raise TableError(f"{path}: unreadable safetensors file ({exc})") from None
     with handle as f:
         keys = set(f.keys())

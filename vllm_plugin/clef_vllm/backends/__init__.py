@@ -6,6 +6,7 @@ import importlib.util
 import logging
 
 from clef_vllm.backends.base import Backend, parse_dtype
+from clef_vllm.backends.options import OptionError, ReferenceOptions, VllmOptions, backend_options
 
 log = logging.getLogger("clef_vllm")
 
@@ -19,7 +20,9 @@ def vllm_usable() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA GPU visible"
     if importlib.util.find_spec("vllm") is None:
-        return False, "vLLM is not installed (pip install 'clef-vllm[vllm]')"
+        from clef_vllm.backends.vllm_backend import VLLM_MISSING
+
+        return False, f"vLLM is not installed ({VLLM_MISSING})"
     return True, "CUDA GPU and vLLM available"
 
 
@@ -35,16 +38,21 @@ def resolve_backend(name: str) -> str:
 
 
 def make_backend(model_dir, backend: str = "auto", **options) -> Backend:
-    """Build a backend for ``model_dir``. ``options`` are the backend's keyword arguments."""
+    """Build a backend for ``model_dir``.
+
+    ``options`` are the chosen backend's typed options (:class:`ReferenceOptions` /
+    :class:`VllmOptions`; ``None`` = default). They are validated before anything is loaded: an
+    unknown option, one of the other backend, or a bad value raises :class:`OptionError`."""
     kind = resolve_backend(backend)
+    opts = backend_options(kind, options)
     if kind == "reference":
         from clef_vllm.backends.reference import ReferenceBackend
 
-        allowed = {"device", "dtype", "max_model_len", "max_batch_size", "max_batch_tokens"}
-        return ReferenceBackend(model_dir, **{k: v for k, v in options.items() if k in allowed and v is not None})
+        return ReferenceBackend(model_dir, opts)
     from clef_vllm.backends.vllm_backend import VllmBackend
 
-    return VllmBackend(model_dir, **{k: v for k, v in options.items() if v is not None and k != "device"})
+    return VllmBackend(model_dir, opts)
 
 
-__all__ = ["BACKENDS", "Backend", "make_backend", "parse_dtype", "resolve_backend", "vllm_usable"]
+__all__ = ["BACKENDS", "Backend", "OptionError", "ReferenceOptions", "VllmOptions", "backend_options", "make_backend",
+           "parse_dtype", "resolve_backend", "vllm_usable"]

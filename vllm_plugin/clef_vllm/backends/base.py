@@ -96,14 +96,14 @@ class Backend(ABC):
         """Probabilities for one request (non-blocking)."""
         return (await asyncio.to_thread(self.decide_batch, [encoded]))[0]
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - optional hook: nothing to start by default
         """Called once inside the server's event loop before serving (engines, warm-up)."""
 
     def describe(self) -> dict:
         """What runs where, for startup logs and ``/v1/models``."""
         return {"backend": self.name}
 
-    def check_health(self) -> None:
+    def check_health(self) -> None:  # noqa: B027 - optional hook: healthy by default
         """Raise :class:`BackendDeadError` if the engine can no longer serve (cheap; polled by the server)."""
 
     def suggested_max_in_flight(self) -> int:
@@ -113,7 +113,7 @@ class Backend(ABC):
         batch = getattr(self, "max_batch_size", None)
         return 2 * int(batch) if batch else 32
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: nothing to release by default
         """Release engines and threads."""
 
 

@@ -1,8 +1,10 @@
 """Reference backend: the Qwen3.5 text backbone through transformers, on CPU or CUDA.
 
-It reproduces what the release runs for text-only batches (clef-spec §4.3): the bare
-``Qwen3_5TextModel`` with ``use_cache=False``, right-padded batches with an attention mask,
-the final-norm hidden state of every position, then the shared joint head.
+It reproduces what the release runs for text-only batches (docs/encoding-and-head.md, "The
+backbone"): the bare ``Qwen3_5TextModel`` with ``use_cache=False``, right-padded batches with an
+attention mask, the final-norm hidden state of every position, then the shared joint head. Like
+the release's loader, ``dtype`` applies to the backbone and the head (``head_dtype`` overrides
+the head's alone). Options: :class:`clef_vllm.backends.options.ReferenceOptions`.
 """
 
 from __future__ import annotations
@@ -14,17 +16,15 @@ from typing import Sequence
 import torch
 
 from clef_vllm.backends.base import Backend, MicroBatcher, measure_stage, parse_dtype
-from clef_vllm.checkpoint import (LM_HEAD_KEYS, CheckpointError, CheckpointFiles,
-                                  iter_backbone_tensors, load_head, locate_checkpoint)
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
+from clef_vllm.backends.options import ReferenceOptions, backend_options
+from clef_vllm.checkpoint import (CheckpointError, CheckpointFiles, iter_backbone_tensors, load_head,
+                                  locate_checkpoint)
+from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+from clef_vllm.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES
 from clef_vllm.tables import DenseTable, LexicalTable, load_int8_tables
 
 log = logging.getLogger("clef_vllm")
-
-# Checkpoint-name prefixes of the text backbone (VL release layout first, then text-only layouts).
-TEXT_PREFIXES = ("model.language_model.", "model.")
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "lm_head.", "model.language_model.lm_head.")
 
 
 def text_config_from(files: CheckpointFiles):
@@ -53,9 +53,9 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
         if name in LM_HEAD_KEYS:
             lm_head = tensor
             continue
-        if name.startswith(SKIPPED_PREFIXES):
+        if name.startswith(NOT_TEXT_PREFIXES):
             continue
-        for prefix in TEXT_PREFIXES:
+        for prefix in BACKBONE_PREFIXES:
             if name.startswith(prefix):
                 state[name[len(prefix):]] = tensor
                 break
@@ -94,28 +94,38 @@ class ReferenceBackend(Backend):
 
     name = "reference"
 
-    def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: str = "bfloat16",
-                 max_model_len: int = DEFAULT_MAX_LENGTH, max_batch_size: int = 16, max_batch_tokens: int = 32768,
-                 encoder: RequestEncoder | None = None):
+    def __init__(self, model_dir: str | Path, options: ReferenceOptions | None = None, *,
+                 encoder: RequestEncoder | None = None, **kwargs):
+        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.ReferenceOptions`."""
+        self.options = opts = options if options is not None else backend_options("reference", kwargs)
         self.files = locate_checkpoint(model_dir)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.head_dtype = parse_dtype(dtype)
-        self.max_model_len = int(max_model_len)
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max(max_batch_tokens, self.max_model_len)
+        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            _quiet_kernel_fallback_warnings()
+        self.dtype = parse_dtype(opts.dtype)
+        self.head_dtype = parse_dtype(opts.resolved_head_dtype)
+        self.max_model_len = opts.max_model_len
+        self.max_batch_size = opts.max_batch_size
+        self.max_batch_tokens = max(opts.max_batch_tokens, self.max_model_len)
         self.head = load_head(self.files, dtype=self.head_dtype, device=self.device)
-        self.model, self.lm_table = load_text_backbone(self.files, self.device)
+        self.model, self.lm_table = load_text_backbone(self.files, self.device, self.dtype)
         self.lm_table.to(self.device)
         self.encoder = encoder or _load_encoder(self.files, self.max_model_len)
         pad = self.model.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self._batcher: MicroBatcher | None = None
-        log.info("reference backend: %s layout, head %s on %s, backbone bf16 (transformers %s)",
-                 self.files.layout, str(self.head_dtype).removeprefix("torch."), self.device, _tf_version())
+        log.info("reference backend: %s layout on %s, backbone %s, head %s (transformers %s)%s", self.files.layout,
+                 self.device, _dtype_name(self.dtype), _dtype_name(self.head_dtype), _tf_version(),
+                 "; GDN and conv1d run transformers' reference PyTorch kernels (correct, slower; the fast ones need "
+                 "CUDA)" if self.device.type == "cpu" else "")
 
     def describe(self) -> dict:
         return {"backend": self.name, "device": str(self.device), "layout": self.files.layout,
-                "head_dtype": str(self.head_dtype).removeprefix("torch."), "max_model_len": self.max_model_len}
+                "dtype": _dtype_name(self.dtype), "head_dtype": _dtype_name(self.head_dtype),
+                "quantization": None,    # quantized checkpoints are refused at load
+                "kernels": {"unquantized": sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())},
+                "transformers": _tf_version(), "max_model_len": self.max_model_len,
+                "max_batch_size": self.max_batch_size}
 
     def _batches(self, encoded: Sequence[EncodedRequest]) -> list[list[int]]:
         order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens)
@@ -171,9 +181,22 @@ def _load_encoder(files: CheckpointFiles, max_length: int) -> RequestEncoder:
     """The checkpoint's tokenizer as a request encoder; a broken tokenizer names the files."""
     try:
         return RequestEncoder.from_pretrained(files.root, max_length=max_length)
-    except Exception as exc:  # transformers raises several types for missing or corrupt files
+    except Exception as exc:  # noqa: BLE001 - transformers raises several types for missing or corrupt files
         raise CheckpointError(f"{files.root}: cannot load the tokenizer (tokenizer.json, tokenizer_config.json): "
                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+
+
+def _quiet_kernel_fallback_warnings() -> None:
+    """On CPU, transformers warns once per kernel that the GDN / causal-conv1d fast kernels (CUDA-only
+    packages) are missing and it falls back to PyTorch: expected there, so said once in our own
+    start-up line instead (on CUDA the warning stays: installing them helps)."""
+    import logging as std_logging
+
+    std_logging.getLogger("transformers.integrations.hub_kernels").setLevel(std_logging.ERROR)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tf_version() -> str:

@@ -2,9 +2,10 @@
 joint head inside the worker (``ClefPooler``).
 
 The front-end encodes requests with the shared encoder and hands vLLM token ids plus a head
-spec (``PoolingParams(task="plugin", extra_kwargs={"clef": ...})``); the worker returns only the
-per-option probabilities. The engine lives on a private event-loop thread so the offline API
-(blocking) and the server (asyncio) share one code path.
+spec (``PoolingParams(task="plugin", extra_kwargs={"clef": ...})``, names in
+:mod:`clef_vllm.contract`); the worker returns only the per-option probabilities. The engine lives
+on a private event-loop thread so the offline API (blocking) and the server (asyncio) share one
+code path. Options: :class:`clef_vllm.backends.options.VllmOptions`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,55 +25,91 @@ from typing import Any, Sequence
 import torch
 
 from clef_vllm import ARCHITECTURE
-from clef_vllm.backends.base import Backend, BackendDeadError, parse_dtype
+from clef_vllm.backends.base import Backend, BackendDeadError
+from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH, EncodedRequest, RequestEncoder
+from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
+from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
+from clef_vllm.state_keys import KEY_UNIT
 
 log = logging.getLogger("clef_vllm")
 
-#: Engine settings that are not up to the user (vllm-notes §0.4, R5, R6).
+#: Engine settings that are not up to the user (docs/vllm-internals.md says why each is needed;
+#: vLLM's own defaults differ between versions, so every one is passed explicitly).
 FIXED_ENGINE_SETTINGS = dict(
     runner="pooling",
     tensor_parallel_size=1,
-    enable_prefix_caching=False,      # "plugin" requests never read it; align-mode copies still cost
+    enable_prefix_caching=False,      # on only with the state cache (VllmOptions.state_cache)
     enable_chunked_prefill=True,      # the pooler is chunk-aware
     mamba_ssm_cache_dtype="float32",  # GDN state across chunks in fp32 (the release config's mamba_ssm_dtype)
     skip_tokenizer_init=True,         # prompts arrive as token ids; spans are absolute positions
     disable_log_stats=True,
 )
+VLLM_MISSING = ("the vLLM backend needs vLLM 0.28 (a CUDA GPU machine): pip install './vllm_plugin[vllm]' "
+                "from a clef-vllm checkout, or pip install 'clef-vllm[vllm]'")
+
+
+def import_vllm():
+    """``import vllm``; without it, an ImportError that says which extra to install."""
+    try:
+        import vllm
+    except ModuleNotFoundError as exc:
+        if exc.name != "vllm":
+            raise
+        raise ModuleNotFoundError(VLLM_MISSING, name="vllm") from None
+    return vllm
+
+
+#: A state shorter than this is never keyed for reuse (a KV block of Qwen3.5-9B holds 528 tokens).
+MIN_REUSE_TOKENS = 1024
+#: How long a request waits for another one computing the same state before computing it too.
+FOLLOWER_WAIT_S = 30.0
+#: States answered lately (their requests no longer lead: the state is expected in the cache).
+RECENT_STATES = 4096
 
 
 class EngineError(RuntimeError):
     """The engine returned something other than the expected per-option probabilities."""
 
 
-def engine_kwargs(model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = DEFAULT_MAX_LENGTH,
-                  data_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 128,
-                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
-                  gdn_prefill_backend: str | None = "triton", linear_backend: str | None = None,
-                  load_format: str = "auto", seed: int = 0, **extra: Any) -> dict:
-    """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable)."""
-    files = locate_checkpoint(model_dir, require_weights=load_format != "dummy")
+class StateAffinity:
+    """Which data-parallel engine a state-keyed request goes to: the one its state hashes to, unless
+    that engine has ``slack`` more such requests in flight than the least busy one (then that one,
+    so one hot state cannot hold a whole engine while the others idle). ``None`` with one engine."""
+
+    def __init__(self, engines: int, slack: int = 8):
+        self.engines = engines
+        self.slack = slack
+        self.in_flight = [0] * engines
+
+    def pick(self, state_key: bytes) -> int | None:
+        if self.engines <= 1:
+            return None
+        home = int.from_bytes(state_key[:8], "little") % self.engines
+        least = min(range(self.engines), key=self.in_flight.__getitem__)
+        rank = home if self.in_flight[home] - self.in_flight[least] < self.slack else least
+        self.in_flight[rank] += 1
+        return rank
+
+    def release(self, rank: int | None) -> None:
+        if rank is not None:
+            self.in_flight[rank] -= 1
+
+
+def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **kwargs: Any) -> dict:
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable):
+    :data:`FIXED_ENGINE_SETTINGS` + what the options produce (:func:`~clef_vllm.backends.options.engine_args`)."""
+    opts = options if options is not None else backend_options("vllm", kwargs)
+    files = locate_checkpoint(model_dir, require_weights=opts.load_format != "dummy")
     architectures = files.config.get("architectures") or []
-    kwargs = dict(FIXED_ENGINE_SETTINGS)
-    kwargs.update(
-        model=str(files.root), dtype="bfloat16", max_model_len=int(max_model_len),
-        data_parallel_size=int(data_parallel_size), gpu_memory_utilization=float(gpu_memory_utilization),
-        max_num_seqs=int(max_num_seqs),
-        max_num_batched_tokens=int(max_num_batched_tokens or max(8192, min(int(max_model_len), 16384))),
-        enforce_eager=bool(enforce_eager), load_format=load_format, seed=seed,
-        additional_config={"clef_head_dtype": "float32" if parse_dtype(dtype) == torch.float32 else "bfloat16"},
-    )
+    out = dict(FIXED_ENGINE_SETTINGS)
+    out["model"] = str(files.root)
+    out.update(engine_args(opts))
     if ARCHITECTURE not in architectures:
         # The Cloudflare release says Qwen3_5ForConditionalGeneration: serve it as our class.
-        kwargs["hf_overrides"] = {"architectures": [ARCHITECTURE]}
-    if gdn_prefill_backend:
-        kwargs["gdn_prefill_backend"] = gdn_prefill_backend
-    if linear_backend:
-        kwargs["linear_backend"] = linear_backend
-    kwargs.update(extra)
-    return kwargs
+        out["hf_overrides"] = {"architectures": [ARCHITECTURE]}
+    return out
 
 
 class VllmBackend(Backend):
@@ -79,19 +117,25 @@ class VllmBackend(Backend):
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", max_model_len: int = DEFAULT_MAX_LENGTH,
-                 warmup: bool = True, encoder: RequestEncoder | None = None, **engine_options: Any):
-        import vllm  # noqa: F401 - fail early with a clear ImportError
+    def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
+                 encoder: RequestEncoder | None = None, **kwargs: Any):
+        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.VllmOptions`."""
+        self.options = options if options is not None else backend_options("vllm", kwargs)
+        import_vllm()   # fail early, naming the extra to install
 
         from clef_vllm import register
 
         register()
-        self.files = locate_checkpoint(model_dir, require_weights=engine_options.get("load_format") != "dummy")
+        self.files = locate_checkpoint(model_dir, require_weights=self.options.load_format != "dummy")
         load_head_config(self.files)  # version marker, checked in the front-end too
-        self.max_model_len = int(max_model_len)
+        self.max_model_len = self.options.max_model_len
         self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
-        self.kwargs = engine_kwargs(self.files.root, dtype=dtype, max_model_len=max_model_len, **engine_options)
-        self.warmup_enabled = warmup
+        self.kwargs = engine_kwargs(self.files.root, self.options)
+        self.warmup_enabled = self.options.warmup
+        self.state_cache = bool(self.kwargs.get("enable_prefix_caching"))
+        self.affinity = StateAffinity(int(self.kwargs["data_parallel_size"]))
+        self._leaders: dict[bytes, asyncio.Future] = {}
+        self._recent_states: OrderedDict[bytes, None] = OrderedDict()
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="clef-vllm-engine", daemon=True)
@@ -117,8 +161,9 @@ class VllmBackend(Backend):
         args = AsyncEngineArgs(**self.kwargs)
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
         tasks = await self.engine.get_supported_tasks()
-        if "plugin" not in tasks:
-            raise EngineError(f"engine supports {tasks}, not the 'plugin' pooling task: is the clef plugin loaded?")
+        if POOLING_TASK not in tasks:
+            raise EngineError(f"engine supports {tasks}, not the {POOLING_TASK!r} pooling task: is the clef plugin "
+                              "loaded?")
         log.info("vLLM engine up in %.1f s (dp=%s, max_model_len=%d, max_num_batched_tokens=%d)",
                  time.perf_counter() - t0, self.kwargs["data_parallel_size"], self.kwargs["max_model_len"],
                  self.kwargs["max_num_batched_tokens"])
@@ -131,16 +176,17 @@ class VllmBackend(Backend):
 
         This is the front-end's prediction from the checkpoint config (clef_vllm.quant); each
         worker also logs the kernels it actually instantiated ("clef kernels in use")."""
-        from clef_vllm import quant
+        from clef_vllm.quant.kernels import cuda_capability, predict_kernel
+        from clef_vllm.quant.schemes import FP8_W8A8, UNQUANTIZED, scheme_table, summarize_schemes
 
-        cap = quant.cuda_capability()
+        cap = cuda_capability()
         backend = self.kwargs.get("linear_backend", "auto")
         online = self.kwargs.get("quantization")
         if self.files.quantization_config is None:
-            kinds = {quant.FP8_W8A8 if online == "fp8" else quant.UNQUANTIZED: None}
+            kinds = {FP8_W8A8 if online == "fp8" else UNQUANTIZED: None}
         else:
             try:
-                kinds = quant.summarize_schemes(quant.scheme_table(self.files.config))
+                kinds = summarize_schemes(scheme_table(self.files.config))
             except Exception as exc:  # noqa: BLE001 - a report must never stop the server
                 log.warning("could not resolve quantization schemes: %s", exc)
                 return
@@ -150,47 +196,65 @@ class VllmBackend(Backend):
             if cap is None:
                 lines.append(f"{kind}{where}: no CUDA GPU visible to the front-end")
                 continue
-            pred = quant.predict_kernel(kind, cap, linear_backend=backend)
+            pred = predict_kernel(kind, cap, linear_backend=backend)
             lines.append(f"{kind}{where}: {pred.kernel} [{pred.numerics}] - {pred.description}")
         self.kernels = {"capability": cap, "lines": lines, "summary": {k: v for k, v in kinds.items()}}
         for line in lines:
             log.info("kernels: %s", line)
 
+    def warmup_lengths(self) -> list[int]:
+        """Prompt lengths the warm-up runs one at a time: every prefill-graph bucket (each captures
+        its graphs), lengths that are and are not multiples of 16 (Triton specialises on that),
+        and one longer than a step's token budget (a chunked prefill)."""
+        graphs = (self.kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
+        budget = self.kwargs["max_num_batched_tokens"]
+        wanted = {17, 64, 300, 1024, 4096, budget + 17, *graphs.get("buckets", ())}
+        return sorted({min(n, self.max_model_len) for n in wanted})
+
     async def _warmup(self) -> None:
-        """Run the shapes the server will see (Triton JIT, head paths) before /health says ready."""
+        """Run the shapes the server will see (Triton JIT, prefill graphs, head paths) before /health
+        says ready: each length alone, then concurrent batches of mixed lengths."""
         t0 = time.perf_counter()
         vocab = int(self.files.text_config.get("vocab_size", 1024))
-        lengths = sorted({min(n, self.max_model_len) for n in (64, 300, 1024, 4096, self.kwargs["max_num_batched_tokens"] + 17)})
+        lengths = self.warmup_lengths()
         rng = torch.Generator().manual_seed(0)
+
+        def ids(n):
+            return torch.randint(0, vocab, (n,), generator=rng).tolist()
+
         for n in lengths:
-            await self._run_ids(torch.randint(0, vocab, (n,), generator=rng).tolist())
-        await asyncio.gather(*[self._run_ids(torch.randint(0, vocab, (300,), generator=rng).tolist())
-                               for _ in range(min(32, self.kwargs["max_num_seqs"]))])
-        log.info("warm-up done in %.1f s (lengths %s + a batch of 32)", time.perf_counter() - t0, lengths)
+            await self._run_ids(ids(n))
+        batch = min(32, self.kwargs["max_num_seqs"])
+        await asyncio.gather(*[self._run_ids(ids(300)) for _ in range(batch)])
+        await asyncio.gather(*[self._run_ids(ids(n)) for n in (97, 256, 411)])
+        log.info("warm-up done in %.1f s (lengths %s, a batch of %d, a mixed batch)", time.perf_counter() - t0,
+                 lengths, batch)
 
     async def _run_ids(self, ids: list[int]) -> torch.Tensor:
-        from clef_vllm.worker.pooler import synthetic_spec
+        from clef_vllm.features import synthetic_spec
 
         spec = synthetic_spec(len(ids))
-        return await self._encode(ids, spec)
+        return (await self._encode(ids, spec))[0]
 
     # ------------------------------------------------------------------ requests
 
-    async def _encode(self, ids: list[int], spec: HeadSpec) -> torch.Tensor:
+    async def _encode(self, ids: list[int], spec: HeadSpec, rank: int | None = None,
+                      use_cache: bool = True) -> tuple[torch.Tensor, int]:
+        """Per-option probabilities of one prompt, and how many of its tokens came from the state cache."""
         from vllm import PoolingParams, TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params = PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})
+        reads = self.state_cache and use_cache and bool(spec.state_keys)
+        params = PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: spec.to_wire()},
+                               skip_reading_prefix_cache=not reads)
         request_id = f"clef-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        final = None
         engine = self.engine
         if engine is None:
             raise BackendDeadError("the vLLM engine is not running")
-        # Cancelling this coroutine (server timeout, client gone) makes AsyncLLM.encode abort the
-        # request in the engine core; an engine-core death surfaces as EngineDeadError.
+        # Cancelling this coroutine (server timeout, client gone) aborts the request in the engine
+        # core; an engine-core death surfaces as EngineDeadError.
         try:
-            async for out in engine.encode(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
-                final = out
+            final = await self._final_output(engine, TokensPrompt(prompt_token_ids=ids), params, request_id, rank)
         except EngineDeadError as exc:
             raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
         if final is None:
@@ -201,13 +265,78 @@ class VllmBackend(Backend):
         if not isinstance(data, torch.Tensor):
             data = torch.as_tensor(data)
         data = data.float().reshape(-1)
+        cached = int(getattr(final, "num_cached_tokens", 0) or 0)
         if data.numel() != spec.num_options or not bool(torch.isfinite(data).all()):
+            if cached and reads:
+                log.warning("request %s: no answer from the %d cached tokens (state cache rows missing); "
+                            "recomputing it without the cache", request_id, cached)
+                return await self._encode(ids, spec, rank, use_cache=False)
             raise EngineError(f"engine returned {data.numel()} values for {spec.num_options} options "
                               "(or non-finite values)")
-        return data
+        return data, cached
+
+    @staticmethod
+    async def _final_output(engine, prompt, params, request_id: str, rank: int | None):
+        """The last output of one pooling request; ``rank`` pins it to a data-parallel engine
+        (``AsyncLLM.encode`` has no such argument, so this mirrors it on ``add_request``)."""
+        final = None
+        if rank is None:
+            async for out in engine.encode(prompt, params, request_id=request_id):
+                final = out
+            return final
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        queue = await engine.add_request(request_id, prompt, params, data_parallel_rank=rank)
+        try:
+            while final is None or not final.finished:
+                final = queue.get_nowait() or await queue.get()
+        except (asyncio.CancelledError, Exception) as exc:
+            if not isinstance(exc, EngineDeadError):
+                await engine.abort(queue.request_id, internal=True)
+            raise
+        finally:
+            queue.close()
+        return final
 
     async def _decide(self, encoded: EncodedRequest) -> torch.Tensor:
-        return await self._encode(encoded.input_ids, HeadSpec.from_encoded(encoded))
+        keyed = self.state_cache and encoded.schema_offset >= MIN_REUSE_TOKENS
+        spec = HeadSpec.from_encoded(encoded, state_keys=keyed)
+        state_key = spec.state_keys[encoded.schema_offset // KEY_UNIT - 1] if keyed and spec.state_keys else None
+        if state_key is None:
+            probs, cached = await self._encode(encoded.input_ids, spec)
+        else:
+            probs, cached = await self._decide_keyed(encoded, spec, state_key)
+        encoded.cached_state_tokens = cached
+        return probs
+
+    async def _decide_keyed(self, encoded: EncodedRequest, spec: HeadSpec, state_key: bytes):
+        """A request whose state may be cached goes to the data-parallel engine that holds that state.
+        The first request of a state not seen lately leads: others arriving meanwhile wait for it (up
+        to :data:`FOLLOWER_WAIT_S`) and then read the state from the cache instead of computing it
+        a second time alongside it."""
+        leader = self._leaders.get(state_key)
+        mine = False
+        if leader is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(leader), FOLLOWER_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+        elif state_key not in self._recent_states:
+            leader = self._leaders[state_key] = asyncio.get_running_loop().create_future()
+            mine = True
+        rank = self.affinity.pick(state_key)
+        try:
+            result = await self._encode(encoded.input_ids, spec, rank)
+        finally:
+            self.affinity.release(rank)
+            if mine:
+                leader.set_result(None)
+                del self._leaders[state_key]
+        self._recent_states[state_key] = None
+        self._recent_states.move_to_end(state_key)
+        while len(self._recent_states) > RECENT_STATES:
+            self._recent_states.popitem(last=False)
+        return result
 
     async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
         return await asyncio.wrap_future(self._submit(self._decide(encoded)))
@@ -232,12 +361,11 @@ class VllmBackend(Backend):
         return int(self.kwargs["max_num_seqs"]) * int(self.kwargs["data_parallel_size"])
 
     def describe(self) -> dict:
-        info = {"backend": self.name, "layout": self.files.layout, "max_model_len": self.max_model_len,
+        return {"backend": self.name, "layout": self.files.layout, "dtype": self.options.dtype,
+                "head_dtype": self.options.resolved_head_dtype, "max_model_len": self.max_model_len,
                 "data_parallel_size": self.kwargs["data_parallel_size"],
-                "quantization": (self.files.quantization_config or {}).get("quant_method")}
-        if self.kernels:
-            info["kernels"] = self.kernels.get("summary")
-        return info
+                "quantization": (self.files.quantization_config or {}).get("quant_method") or self.options.quantization,
+                "kernels": self.kernels.get("summary")}
 
     def close(self) -> None:
         if self.engine is not None:

@@ -33,7 +33,8 @@ from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, p
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHORT_TOKENS, WORKLOADS, BenchRequest, RequestFactory, Variant,
-                                       build_variants, load_request_file)
+                                       build_variants)
+from clef_vllm.records import load_request_file
 
 LONG_REQUEST_TOKENS = 2048
 
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = p.add_argument_group("requests")
     w.add_argument("--tokenizer", "--model-dir", dest="tokenizer", metavar="DIR",
-                   help="checkpoint folder whose tokenizer sizes the requests (default with --raw-vllm: MODEL_DIR)")
+                   help="checkpoint folder whose tokenizer sizes the requests, or 'demo' (the demo checkpoint); "
+                        "default with --raw-vllm: MODEL_DIR")
     w.add_argument("--workload", default="short",
                    help=f"comma-separated: {', '.join(WORKLOADS)} or all (default short); "
                         "'none' with --requests runs the file only")
@@ -188,7 +190,8 @@ def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) 
                     log(f"note: {v.name}: template + questions take {floor} tokens > target {v.total_tokens}; "
                         "the state is empty and requests are larger than the target")
             typical = v.typical_tokens or first.expected_tokens
-            counts = {c: requests_for(c, typical, args.num_requests) for c in cs}
+            counts = {c: (v.requests if args.num_requests is None and v.requests else
+                          requests_for(c, typical, args.num_requests)) for c in cs}
             t0 = time.perf_counter()
             pool = [first] + factory.requests(v, max(counts.values()) - 1, start=1)
             warm = factory.requests(v, args.warmup, start=1_000_000) if args.warmup else []
@@ -313,8 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.tokenizer or (args.raw_vllm if raw else None)
     factory = None
     if tokenizer:
+        from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
         from clef_vllm.encoding import RequestEncoder
 
+        tokenizer = resolve_model_dir(tokenizer)       # "demo" -> the demo checkpoint; never a model hub
+        if is_demo(args.tokenizer or args.raw_vllm):
+            log(describe_demo(tokenizer))
+        if not tokenizer.is_dir():
+            build_parser().error(f"--tokenizer {tokenizer}: no such folder (give a checkpoint folder or 'demo'; "
+                                 "names are never looked up on a model hub)")
+        tokenizer = str(tokenizer)
         encoder = RequestEncoder.from_pretrained(tokenizer, max_length=args.max_model_len)
         factory = RequestFactory(encoder, seed=args.seed, model=args.model_name, keep_ids=raw)
     elif raw:

@@ -205,7 +205,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _dist_ms(values_s: Sequence[float], scale: float = 1000.0) -> dict | None:
+def distribution_ms(values_s: Sequence[float], scale: float = 1000.0) -> dict | None:
+    """p50 / p90 / p99 (:func:`percentile`), mean, min and max of durations in seconds, as milliseconds."""
     if not values_s:
         return None
     v = [x * scale for x in values_s]
@@ -244,8 +245,8 @@ def summarize_point(variant: str, concurrency: int, requests: Sequence[BenchRequ
         "req_per_s": round(len(ok) / wall, 4),
         "input_tok_per_s": round(tokens_in / wall, 2),
         "questions_per_s": round(questions / wall, 4),
-        "latency_ms": _dist_ms([o.latency_s for _, o in ok]),
-        "server_ms": _dist_ms(server),
+        "latency_ms": distribution_ms([o.latency_s for _, o in ok]),
+        "server_ms": distribution_ms(server),
         "input_tokens": {
             "mean_expected": round(sum(expected) / len(expected), 1) if expected else None,
             "total_reported": sum(o.input_tokens for _, o in ok if o.input_tokens is not None),

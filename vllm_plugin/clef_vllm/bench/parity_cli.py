@@ -30,7 +30,8 @@ from clef_vllm.bench.parity import accuracy, compare_runs, count_questions
 from clef_vllm.bench.raw_vllm import parse_engine_arg
 from clef_vllm.bench.report import parity_markdown, parity_table
 from clef_vllm.bench.targets import Answered, Condition, Target, open_target
-from clef_vllm.bench.workloads import load_request_file, request_set_digest, synthetic_parity_set
+from clef_vllm.bench.workloads import request_set_digest, synthetic_parity_set
+from clef_vllm.records import load_request_file
 
 DEFAULT_SYNTHETIC = 64
 
@@ -66,11 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first wait up to S seconds for an HTTP side's GET /health to say 200")
 
     o = p.add_argument_group("offline backends (BACKEND:DIR)")
-    o.add_argument("--device", default=None, help="reference backend device (cpu / cuda)")
-    o.add_argument("--dtype", default=None, help="head dtype (bfloat16 / float32)")
+    o.add_argument("--device", default=None, help="reference backend device (cpu / cuda); reference targets only")
+    o.add_argument("--dtype", default=None, help="model dtype (bfloat16; float32 = a float32 reference model)")
+    o.add_argument("--head-dtype", default=None, help="the head's dtype when it differs (bfloat16 / float32)")
     o.add_argument("--max-model-len", type=int, default=None)
     o.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra Clef()/backend option, VALUE as JSON when it parses (e.g. gpu_memory_utilization=0.6)")
+                   help="extra Clef()/backend option (clef_vllm.backends.options), VALUE as JSON when it parses "
+                        "(e.g. gpu_memory_utilization=0.6)")
 
     out = p.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="RECEIPT.json", help="JSON receipt (default clef-parity-<time>.json)")
@@ -118,7 +121,8 @@ def run_side(spec: str, args, bodies: list[dict], conditions: list[Condition],
     from tqdm import tqdm
 
     options: dict[str, Any] = dict(parse_engine_arg(a) for a in args.engine_arg)
-    options.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype),
+    device = args.device if spec.startswith("reference:") else None    # vLLM engines place themselves
+    options.update({k: v for k, v in (("device", device), ("dtype", args.dtype), ("head_dtype", args.head_dtype),
                                       ("max_model_len", args.max_model_len)) if v is not None})
     log(f"opening {spec}")
     headers = parse_headers(args.header)

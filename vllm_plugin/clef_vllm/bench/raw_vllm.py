@@ -44,8 +44,9 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
     """``AsyncEngineArgs`` keyword arguments for the baseline (pure data; no vLLM import).
 
     They start from the server's own vLLM settings (:func:`clef_vllm.backends.vllm_backend.engine_kwargs`:
-    prefix caching off, chunked prefill, fp32 SSM cache, Triton GDN prefill, the same batch limits)
-    and change only what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
+    chunked prefill, fp32 SSM cache, Triton GDN prefill, the same batch limits) without the plugin's
+    own engine features (no prefill graphs, vLLM's default CUDA-graph sizes, no state cache: prefix
+    caching off) and change only what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
     head options, and the architecture. ``arch="auto"`` keeps a stock Qwen3.5 architecture and
     otherwise (our ``ClefFlashForDecision``) uses ``Qwen3_5ForCausalLM``; ``"none"`` keeps whatever
     config.json declares. ``load_format="auto"`` becomes ``dummy`` for a repacked checkpoint (its
@@ -69,7 +70,7 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
               if v is not None}
     kwargs = engine_kwargs(model_dir, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, load_format=load_format, gdn_prefill_backend="triton",
-                           linear_backend=linear_backend, **limits)
+                           linear_backend=linear_backend, prefill_graphs=False, state_cache=False, **limits)
     kwargs.pop("additional_config", None)   # the Clef head's options
     kwargs.pop("hf_overrides", None)        # the server's ClefFlashForDecision
     kwargs["convert"] = "embed"

@@ -21,18 +21,19 @@ import json
 import random
 from array import array
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-WORKLOADS = ("short", "long", "fanout", "mixed")
+WORKLOADS = ("short", "long", "fanout", "mixed", "shared-state")
 DEFAULT_SHORT_TOKENS = 360  # the template + 3 compact questions take ~280-320 (Qwen3.5 tokenizer)
 DEFAULT_LONG_TOKENS = (4096, 16384)
 DEFAULT_FANOUT_STATE_TOKENS = 4096
 DEFAULT_FANOUT_QUESTIONS = (1, 8, 32, 64)
+#: ``shared-state``: every request of a variant asks 3 new questions (~100-150 unique tokens) about
+#: ONE state of this many tokens; (state tokens, requests per point). 15,872 + template + schema
+#: still fits the 16,384-token limit.
+DEFAULT_SHARED_STATES = ((4096, 64), (15872, 33))
 #: ``mixed``: share of requests per component (jpetrucciani's 50 % short / 25 % 4k / 25 % 16k).
 MIXED_SHARES = (("short", 0.5), ("long-first", 0.25), ("long-last", 0.25))
-#: Top-level keys of a SystemOne request; anything else in a request file is bookkeeping.
-REQUEST_KEYS = ("model", "state", "questions", "images", "videos")
 
 _NOUNS = (
     "customer order invoice payment refund account ticket checkout cart shipment delivery address server "
@@ -192,6 +193,7 @@ class Variant:
     total_tokens: int | None = None
     state_tokens: int | None = None
     parts: tuple[tuple["Variant", float], ...] = ()  # mixed: component variants and their shares
+    requests: int | None = None     # requests per point when -n is not given (shared-state)
 
     @property
     def typical_tokens(self) -> float | None:
@@ -218,8 +220,10 @@ def _k(n: int) -> str:
 def build_variants(workloads: Sequence[str], *, short_tokens: int = DEFAULT_SHORT_TOKENS,
                    long_tokens: Sequence[int] = DEFAULT_LONG_TOKENS,
                    fanout_state_tokens: int = DEFAULT_FANOUT_STATE_TOKENS,
-                   fanout_questions: Sequence[int] = DEFAULT_FANOUT_QUESTIONS) -> list[Variant]:
-    """The variants of the named workloads, in order (``mixed`` = 50 % short, 25 % first long, 25 % last long)."""
+                   fanout_questions: Sequence[int] = DEFAULT_FANOUT_QUESTIONS,
+                   shared_states: Sequence[tuple[int, int]] = DEFAULT_SHARED_STATES) -> list[Variant]:
+    """The variants of the named workloads, in order (``mixed`` = 50 % short, 25 % first long, 25 % last long;
+    ``shared-state`` = many requests about one state per variant)."""
     short = Variant("short", "short", 3, total_tokens=short_tokens)
     longs = [Variant(f"long-{_k(n)}", "long", 3, total_tokens=n) for n in long_tokens]
     out: list[Variant] = []
@@ -235,6 +239,8 @@ def build_variants(workloads: Sequence[str], *, short_tokens: int = DEFAULT_SHOR
                 raise ValueError("mixed needs at least one long size")
             parts = ((short, MIXED_SHARES[0][1]), (longs[0], MIXED_SHARES[1][1]), (longs[-1], MIXED_SHARES[2][1]))
             out.append(Variant("mixed", "mixed", 3, parts=parts))
+        elif w == "shared-state":
+            out += [Variant(f"shared-{_k(n)}", "shared-state", 3, state_tokens=n, requests=r) for n, r in shared_states]
         else:
             raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)} (or --requests FILE)")
     return out
@@ -268,7 +274,7 @@ class RequestFactory:
         self.model = model
         self.keep_ids = keep_ids
         self.writer = StateWriter(encoder) if encoder is not None else None
-        self._fixed: dict[str, int] = {}
+        self._states: dict[int, str] = {}
 
     # ---- encoding
     def finish(self, variant: str, body: dict, label: str = "") -> BenchRequest:
@@ -304,6 +310,11 @@ class RequestFactory:
             raise ValueError("generated workloads need the checkpoint's tokenizer (--tokenizer DIR)")
         if variant.parts:
             return self._make_mixed(variant, i)
+        if variant.workload == "shared-state":
+            state = self._shared_state(variant.state_tokens)
+            questions = question_set(_rng(self.seed, variant.name, "questions", i), variant.questions)
+            body = {"model": self.model, "state": state, "questions": questions}
+            return self.finish(variant.name, body, f"{variant.name}#{i}")
         if variant.workload == "fanout":
             state_rng = _rng(self.seed, "fanout-state", variant.state_tokens, i)  # same state for every fan-out
             state = self.writer.text(variant.state_tokens, state_rng)
@@ -316,6 +327,12 @@ class RequestFactory:
         state_tokens = max(0, variant.total_tokens - self._fixed_tokens(body))
         body["state"] = self.writer.text(state_tokens, rng)
         return self.finish(variant.name, body, f"{variant.name}#{i}")
+
+    def _shared_state(self, tokens: int) -> str:
+        """The one state of a ``shared-state`` variant (the same for every request and every run)."""
+        if tokens not in self._states:
+            self._states[tokens] = self.writer.text(tokens, _rng(self.seed, "shared-state", tokens))
+        return self._states[tokens]
 
     def _make_mixed(self, variant: Variant, i: int) -> BenchRequest:
         pick = _rng(self.seed, variant.name, "pick", i).random() * sum(share for _, share in variant.parts)
@@ -339,50 +356,6 @@ class RequestFactory:
 
 
 # --------------------------------------------------------------------------- request files
-
-
-@dataclass
-class RequestRecord:
-    """A request from a file: the SystemOne body, a label (the record's ``id`` or its line) and,
-    when the record has one (build_data's ``answer``), the correct option id per question."""
-
-    body: dict
-    label: str
-    answer: dict | None = None
-
-
-def body_from_record(record: dict, default_model: str = "clef-flash") -> dict:
-    """The SystemOne body inside one JSONL record: its request keys only (extra keys are bookkeeping).
-
-    A record may also wrap the body as ``{"request": {...}, ...}``.
-    """
-    if isinstance(record.get("request"), dict) and "questions" not in record:
-        record = record["request"]
-    body = {k: record[k] for k in REQUEST_KEYS if k in record}
-    body.setdefault("model", default_model)
-    return body
-
-
-def load_request_file(path: str | Path, limit: int | None = None,
-                      default_model: str = "clef-flash") -> list[RequestRecord]:
-    """Read ``FILE.jsonl``: one SystemOne body (optionally with extra keys) per non-empty line."""
-    out: list[RequestRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: a record must be a JSON object")
-            label = str(record.get("id", f"line{lineno}"))
-            answer = record.get("answer") if isinstance(record.get("answer"), dict) else None
-            out.append(RequestRecord(body_from_record(record, default_model), label, answer))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
 
 
 def request_set_digest(bodies: Iterable[dict]) -> str:

@@ -1,6 +1,8 @@
 """FastAPI app: ``POST /v1/systemone``, ``POST /v1/systemone/bulk``, ``GET /health``,
-``GET /health/live``, ``GET /metrics``, ``GET /v1/models``; API documentation at ``/docs`` and
-``/redoc`` (assets served by this server: no CDN), OpenAPI at ``/openapi.json``.
+``GET /health/live``, ``GET /metrics``, ``GET /v1/models``, Workers AI's REST route
+``POST [/client/v4]/accounts/{account_id}/ai/run/{model_name}`` (server/hosted.py); API
+documentation at ``/docs`` and ``/redoc`` (assets served by this server: no CDN), OpenAPI at
+``/openapi.json``.
 
 The model loads in the background after the server starts listening, so ``/health`` can say
 503 ("loading") instead of refusing connections; it says 200 only once requests can be served,
@@ -31,9 +33,10 @@ from clef_vllm import __version__
 from clef_vllm.backends.base import Backend
 from clef_vllm.errors import ClefError, ClientClosed
 from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
-from clef_vllm.server.body import JSON_TYPES, NDJSON_TYPES, check_media_type, decode_json  # noqa: F401 - API
+from clef_vllm.server.body import HOSTED_TYPES, JSON_TYPES, NDJSON_TYPES, check_media_type, decode_json  # noqa: F401 - API
 from clef_vllm.server.bulk import BulkStream
 from clef_vllm.server.errors import error_response, from_http_exception, outcome
+from clef_vllm.server.hosted import hosted_path, install_hosted_routes
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.middleware import CONTEXT_KEY, DOCS_ASSETS, BearerAuth, EdgeMiddleware
 from clef_vllm.server.service import FAILED, READY, DecisionService
@@ -66,16 +69,18 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
 
     @app.exception_handler(ClefError)
     async def _clef_error(request: Request, exc: ClefError):
-        request.scope["state"][CONTEXT_KEY].reason = outcome(exc).reason
+        ctx = request.scope["state"][CONTEXT_KEY]
+        ctx.reason = outcome(exc).reason
         if isinstance(exc, ClientClosed):          # nobody is listening; the edge counts it as 499
             return Response(status_code=499)
-        return error_response(exc, dialect)
+        return error_response(exc, ctx.dialect)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        ctx = request.scope["state"][CONTEXT_KEY]
         error = from_http_exception(exc)
-        request.scope["state"][CONTEXT_KEY].reason = outcome(error).reason
-        return error_response(error, dialect, exc.headers)
+        ctx.reason = outcome(error).reason
+        return error_response(error, ctx.dialect, exc.headers)
 
     @app.get("/health", summary="200 once the model is loaded and serving; 503 while loading, draining or failed")
     async def health():
@@ -93,11 +98,12 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", summary="The served model and backend")
+    @app.get("/v1/models", summary="The served model and backend, once per name (--served-model-name)")
     async def models():
         info = service.backend.describe() if service.backend is not None else {}
-        return {"object": "list", "data": [{"id": settings.served_model, "object": "model", "owned_by": "clef-vllm",
-                                             "clef_vllm_version": __version__, **info}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "clef-vllm",
+                                             "clef_vllm_version": __version__, **info}
+                                            for name in settings.served_models]}
 
     @app.post("/v1/systemone", summary="Answer every question of a SystemOne request in one forward pass",
               response_model=None, responses=_openapi_responses(),
@@ -123,6 +129,7 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
         ctx.timeout_s = settings.request_timeout_s
         return BulkStream(service, ctx)
 
+    install_hosted_routes(app, settings.served_models, systemone)
     _install_docs(app)
 
     app.add_middleware(EdgeMiddleware, metrics=metrics, dialect=dialect,
@@ -140,9 +147,11 @@ NDJSON_ROUTES = frozenset({"/v1/systemone/bulk"})
 
 
 async def require_media_type(request: Request) -> None:
-    """Every POST body must say what it is (415 otherwise): see ``check_media_type``."""
+    """Every POST body must say what it is (415 otherwise): see ``check_media_type``. The hosted
+    route also takes ``curl -d``'s form type, as the hosted API does (``HOSTED_TYPES``)."""
     if request.method == "POST":
-        accepted = NDJSON_TYPES if request.url.path in NDJSON_ROUTES else JSON_TYPES
+        path = request.url.path
+        accepted = NDJSON_TYPES if path in NDJSON_ROUTES else HOSTED_TYPES if hosted_path(path) else JSON_TYPES
         check_media_type(request.headers.get("content-type"), accepted)
 
 

@@ -24,12 +24,13 @@ import uvicorn
 
 from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
+from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import Dialect
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                        DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS,
-                                       DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S,
-                                       OVER_LENGTH_POLICIES)
+                                       DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SERVED_MODELS,
+                                       DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
 
 API_KEY_ENV = "CLEF_API_KEY"
 
@@ -40,13 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"clef-vllm {__version__}")
     p.add_argument("--model", default="demo",
                    help="checkpoint folder (release or repacked layout); 'demo' = generated tiny demo (default)")
-    p.add_argument("--served-model-name", default="clef-flash", help="name reported by /v1/models")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a name this server answers to (repeat for several): listed by /v1/models, and the model "
+                        "names the hosted route POST /client/v4/accounts/{account_id}/ai/run/{NAME} accepts "
+                        f"(default: {' and '.join(DEFAULT_SERVED_MODELS)})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--dialect", choices=[d.value for d in Dialect], default=Dialect.REFERENCE.value,
                    help="acceptance rules, confidence formula and envelope (default: reference)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the joint head's dtype")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the model's dtype (default bfloat16). float32 runs the reference backend in float32 "
+                        "throughout, backbone and head, as the release's own loader; the vLLM backend runs bfloat16")
+    p.add_argument("--head-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="the joint head's dtype when it should differ from --dtype (e.g. a float32 head on vLLM)")
 
     lim = p.add_argument_group("limits and admission control")
     lim.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_LENGTH,
@@ -99,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sec = p.add_argument_group("auth and browsers")
     sec.add_argument("--api-key", action="append", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys). Prefer the "
-                          f"{API_KEY_ENV} environment variable (comma-separated keys): flags show in ps")
+                     help=f"require 'Authorization: Bearer KEY' on /v1/* and the hosted route (repeat for several "
+                          f"keys). Prefer the {API_KEY_ENV} environment variable (comma-separated keys): flags show "
+                          "in ps")
     sec.add_argument("--auth-health-metrics", action="store_true",
                      help="with an API key, also require it on /health, /health/live, /metrics and the API "
                           "documentation (/docs, /redoc, /openapi.json and their assets) (default: open)")
@@ -116,27 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an answer whose top-2 probabilities differ by less counts as a near tie in /metrics "
                           "(default 0.05)")
 
-    ref = p.add_argument_group("reference backend")
-    ref.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    ref.add_argument("--max-batch-size", type=int, default=None, help="requests per micro-batch (default 16)")
-
-    eng = p.add_argument_group("vLLM backend (names as in vLLM)")
-    eng.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int, default=None,
-                     help="engines, one per GPU, behind this one port (internal load balancing)")
-    eng.add_argument("--gpu-memory-utilization", type=float, default=None)
-    eng.add_argument("--max-num-seqs", type=int, default=None)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
-    eng.add_argument("--enforce-eager", action="store_true", default=None)
-    eng.add_argument("--gdn-prefill-backend", "--gdn-backend", dest="gdn_prefill_backend", default=None,
-                     choices=["triton", "flashinfer", "cutedsl"],
-                     help="GDN prefill kernel (default: triton on Hopper)")
-    eng.add_argument("--linear-backend", default=None, help="vLLM --linear-backend (e.g. emulation)")
-    eng.add_argument("--quantization", default=None,
-                     help="online quantization of a BF16 checkpoint (e.g. fp8); quantized checkpoints need none")
-    eng.add_argument("--load-format", default=None,
-                     help="vLLM load format; 'dummy' = random weights for benchmarks (configs only)")
-    eng.add_argument("--no-warmup", dest="warmup", action="store_false", default=True,
-                     help="skip the start-up warm-up (first requests will be slow)")
+    # Backend flags come from the typed options (clef_vllm.backends.options): a flag given for the
+    # backend that does not run is an error (exit 2), never silently ignored.
+    add_flags(p.add_argument_group("reference backend"), "reference")
+    add_flags(p.add_argument_group("vLLM backend (names as in vLLM)"), "vllm")
     return p
 
 
@@ -176,37 +168,53 @@ def _split(values: list[str] | None) -> tuple[str, ...]:
     return tuple(v.strip() for item in values or () for v in item.split(",") if v.strip())
 
 
+def _served_models(args: argparse.Namespace) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in args.served_model_name or ())
+    if any(not name for name in names):
+        build_parser().error("--served-model-name must not be empty")
+    return names or DEFAULT_SERVED_MODELS
+
+
 def api_keys(args: argparse.Namespace, environ=os.environ) -> tuple[str, ...]:
     """``--api-key`` values, else the comma-separated keys of ``$CLEF_API_KEY``."""
     return _split(args.api_key) or _split([environ.get(API_KEY_ENV, "")])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from clef_vllm.server.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_vllm")
 
-    from clef_vllm.api import resolve_model_dir
-    from clef_vllm.backends import make_backend
+    from clef_vllm.backends import make_backend, resolve_backend, vllm_usable
+    from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
     from clef_vllm.server.app import create_app
     from clef_vllm.server.connection import ConnectionRules, protocol_class
     from clef_vllm.server.faults import wrap_load
     from clef_vllm.server.settings import ServerSettings
 
-    options = {k: getattr(args, k) for k in (
-        "device", "max_batch_size", "data_parallel_size", "gpu_memory_utilization", "max_num_seqs",
-        "max_num_batched_tokens", "enforce_eager", "gdn_prefill_backend", "linear_backend", "quantization",
-        "load_format")}
-    options.update(dtype=args.dtype, max_model_len=args.max_model_len, warmup=args.warmup)
+    options = given_options(args)
+    backend = resolve_backend(args.backend)
+    try:
+        backend_options(backend, options)
+    except OptionError as exc:
+        if exc.applies_to:
+            chosen = f"the {backend} backend" + (f" (--backend auto: {vllm_usable()[1]})" if args.backend == "auto"
+                                                 else "")
+            parser.error(f"{flag_of(exc.option)} applies to the {exc.applies_to} backend only; this server would run "
+                         f"{chosen}. Drop the flag or pass --backend {exc.applies_to}")
+        parser.error(f"{flag_of(exc.option) if exc.option else 'options'}: {exc}")
     load_failure: list[BaseException] = []
     engine_failure: list[BaseException] = []
 
     def load():
         model_dir = resolve_model_dir(args.model)
-        log.info("loading %s (backend %s)", model_dir, args.backend)
-        return make_backend(model_dir, args.backend, **options)
+        if is_demo(args.model) and args.log_format != "json":    # also logged; stdout is JSON-only with json logs
+            print(describe_demo(model_dir), flush=True)
+        log.info("loading %s (backend %s)", model_dir, backend)
+        return make_backend(model_dir, backend, **options)
 
     def on_ready():
         if args.log_format == "json":     # keep the output one JSON object per line
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     keys = api_keys(args)
     settings = ServerSettings(
-        dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_model=args.served_model_name,
+        dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_models=_served_models(args),
         max_in_flight=args.max_in_flight, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout or None, load_timeout_s=args.load_timeout or None,
         shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
@@ -240,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_workers=args.cpu_workers, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal,
         on_drained=on_drained)
     if keys:
-        log.info("API key required on /v1/*%s (%d key(s))", " and the probes" if args.auth_health_metrics else "",
-                 len(keys))
+        log.info("API key required on /v1/* and the hosted route%s (%d key(s))",
+                 " and the probes" if args.auth_health_metrics else "", len(keys))
     app = create_app(wrap_load(load), settings)
     # Our own drain answers every request before uvicorn's shutdown starts; its grace period is a backstop.
     rules = ConnectionRules(header_timeout=settings.header_timeout_s, max_connections=settings.max_connections)

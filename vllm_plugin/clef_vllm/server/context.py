@@ -19,6 +19,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from clef_vllm.protocol import Dialect
+
+#: Where the HTTP middleware keeps a request's :class:`RequestContext` (``scope["state"]``).
+CONTEXT_KEY = "clef_ctx"
 STAGES = ("parse", "queue", "encode", "batch_wait", "backbone", "head", "engine", "total")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -47,6 +51,8 @@ class RequestContext:
     input_tokens: int | None = None
     questions: int | None = None
     record: int | None = None          # line index inside a bulk stream
+    dialect: Dialect | None = None     # this request's dialect; None: the server's --dialect
+    default_model: str | None = None   # the body's "model" when it has none (hosted route)
     cancelled: threading.Event = field(default_factory=threading.Event)   # stop its CPU work (pool threads)
     body_bytes: int = 0
     values_counted: bool = False       # the body's JSON values were counted while it was read

@@ -26,6 +26,7 @@ class Outcome:
 OUTCOMES: dict[Kind, Outcome] = {
     Kind.MALFORMED: Outcome(400, "bad_request", 6003),
     Kind.UNSUPPORTED: Outcome(400, "unsupported", 6003),
+    Kind.UNKNOWN_MODEL: Outcome(400, "unknown_model", 7000),      # the hosted API's "no route"
     Kind.UNAUTHORIZED: Outcome(401, "unauthorized", 10000),
     Kind.NOT_FOUND: Outcome(404, "not_found", 7000),
     Kind.METHOD_NOT_ALLOWED: Outcome(405, "method_not_allowed", 7000),

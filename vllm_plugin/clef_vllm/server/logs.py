@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 
-LOG_CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("clef_log_context", default={})
+LOG_CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("clef_log_context", default={})  # noqa: B039 - never mutated, only set
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "color_message",

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (its own registry, served at ``GET /metrics``).
 
 Counters get prometheus-client's ``_total`` suffix on the wire. ``kind`` is ``interactive``
-(``POST /v1/systemone``) or ``bulk`` (records of ``POST /v1/systemone/bulk``).
+(``POST /v1/systemone`` and the hosted route) or ``bulk`` (records of ``POST /v1/systemone/bulk``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class ServerMetrics:
                                    registry=r)
         self.truncated_tokens = Counter("clef_truncated_state_tokens", "State tokens cut to fit max_model_len",
                                         registry=r)
+        self.prompt_tokens = Counter("clef_prompt_tokens", "Prompt tokens of answered requests: read from the state "
+                                     "cache (reused) or run through the backbone (computed)", ["source"], registry=r)
         self.answers = Counter("clef_answers", "Answers returned, by question type", ["type"], registry=r)
         self.near_ties = Counter("clef_near_ties", "Answers whose top-2 probability margin is below "
                                  "clef_near_tie_margin", ["type"], registry=r)
@@ -80,6 +82,9 @@ class ServerMetrics:
         """Input tokens, questions, truncation and near ties of one answered request."""
         self.input_tokens.observe(encoded.num_tokens)
         self.questions.observe(len(encoded.fields))
+        cached = getattr(encoded, "cached_state_tokens", 0)
+        self.prompt_tokens.labels("reused").inc(cached)
+        self.prompt_tokens.labels("computed").inc(encoded.num_tokens - cached)
         if encoded.truncated_state_tokens:
             self.truncations.inc()
             self.truncated_tokens.inc(encoded.truncated_state_tokens)

@@ -1,4 +1,5 @@
-"""The HTTP edge (pure ASGI, so streaming bodies pass untouched): request id, bearer auth,
+"""The HTTP edge (pure ASGI, so streaming bodies pass untouched): request id, the request's
+dialect (``workers-ai`` under the hosted route's prefixes, else ``--dialect``), bearer auth,
 ``Server-Timing`` and ``X-Request-Id`` headers, the access log line, request metrics, a
 dialect-shaped error for anything that escapes the app (a 500 for a bug), 499 for a client that
 left, and ``Connection: close`` on an answer sent before the request body was read to its end."""
@@ -13,8 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clef_vllm.errors import ClefError, ClientClosed, Kind
 from clef_vllm.protocol import Dialect
-from clef_vllm.server.context import RequestContext, accept_request_id
+from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request_id
 from clef_vllm.server.errors import OUTCOMES, error_response, outcome
+from clef_vllm.server.hosted import HOSTED_DIALECT, HOSTED_ROUTE, hosted_path, hosted_route_label
 from clef_vllm.server.logs import LOG_CONTEXT
 from clef_vllm.server.metrics import ServerMetrics
 
@@ -28,7 +30,8 @@ PROBES = ("/health", "/health/live", "/metrics")
 #: The API documentation: open, or behind the key with the probes (``--auth-health-metrics``).
 DOCS = ("/docs", "/redoc", "/openapi.json")
 DOCS_ASSETS = "/docs/assets/"
-CONTEXT_KEY = "clef_ctx"
+#: Routes whose whole time is observed as ``clef_stage_seconds{stage="total", kind="interactive"}``.
+INTERACTIVE_ROUTES = ("/v1/systemone", HOSTED_ROUTE)
 _STATUS_REASON = {o.status: o.reason for kind, o in reversed(OUTCOMES.items())}
 
 class BearerAuth:
@@ -43,7 +46,7 @@ class BearerAuth:
         (``/docs``, ``/redoc``, ``/openapi.json`` and the pages' assets) with ``--auth-health-metrics``."""
         if not self.keys:
             return False
-        return path.startswith("/v1/") or (self.protect_probes and (
+        return path.startswith("/v1/") or hosted_path(path) or (self.protect_probes and (
             path in PROBES or path in DOCS or path.startswith(DOCS_ASSETS)))
 
     def allows(self, headers: Headers) -> bool:
@@ -68,8 +71,9 @@ class EdgeMiddleware:
             return
         headers = Headers(scope=scope)
         path = scope["path"]
-        route = path if path in ROUTES else "other"
-        ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route)
+        route = path if path in ROUTES else hosted_route_label(path) or "other"
+        ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route,
+                             dialect=HOSTED_DIALECT if hosted_path(path) else self.dialect)
         scope.setdefault("state", {})[CONTEXT_KEY] = ctx
         token = LOG_CONTEXT.set({"request_id": ctx.request_id})
         status: int | None = None
@@ -98,7 +102,7 @@ class EdgeMiddleware:
             if self.auth.protects(path) and not self.auth.allows(headers):
                 exc = ClefError("missing or invalid API key (Authorization: Bearer <key>)", kind=Kind.UNAUTHORIZED)
                 ctx.reason = outcome(exc).reason
-                await error_response(exc, self.dialect)(scope, receive_tracking, send_with_headers)
+                await error_response(exc, ctx.dialect)(scope, receive_tracking, send_with_headers)
             else:
                 await self.app(scope, receive_tracking, send_with_headers)
         except ClientClosed:
@@ -106,12 +110,12 @@ class EdgeMiddleware:
         except ClefError as exc:                    # raised where no exception handler runs
             ctx.reason = outcome(exc).reason
             if status is None:
-                await error_response(exc, self.dialect)(scope, receive_tracking, send_with_headers)
+                await error_response(exc, ctx.dialect)(scope, receive_tracking, send_with_headers)
         except Exception as exc:  # noqa: BLE001 - nothing a client sends may produce a stack trace
             log.error("internal error on %s: %s", path, exc, exc_info=exc)
             ctx.reason = "internal"
             if status is None:
-                await error_response(ClefError("internal server error", kind=Kind.INTERNAL), self.dialect)(
+                await error_response(ClefError("internal server error", kind=Kind.INTERNAL), ctx.dialect)(
                     scope, receive_tracking, send_with_headers)
         finally:
             self._finish(scope, ctx, status)
@@ -129,7 +133,7 @@ class EdgeMiddleware:
             access_log.debug("%s %s %d", scope["method"], scope["path"], status)
             return
         self.metrics.observe_request(ctx.route, status, ctx.reason)
-        if ctx.route == "/v1/systemone":
+        if ctx.route in INTERACTIVE_ROUTES:
             self.metrics.stage_seconds.labels("total", "interactive").observe(elapsed)
         fields = {"method": scope["method"], "path": ctx.route, "status": status, "reason": ctx.reason,
                   "duration_ms": round(elapsed * 1000, 2)}

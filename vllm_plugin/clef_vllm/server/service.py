@@ -342,27 +342,32 @@ class DecisionService:
 
     # ------------------------------------------------------------------ one decision
 
-    def _parse(self, raw: bytes | str | Any, ctx: RequestContext) -> SystemOneRequest:
+    def _parse(self, raw: bytes | str | Any, ctx: RequestContext, dialect: Dialect) -> SystemOneRequest:
         limits = self.limits
         body = decode_json(raw, limits, ctx.checkpoint, ctx.values_counted) if isinstance(raw, (bytes, str)) else raw
         ctx.checkpoint()
-        return parse_request(body, self.dialect, limits)
+        if ctx.default_model is not None and isinstance(body, dict) and "model" not in body:
+            body = {"model": ctx.default_model, **body}
+        return parse_request(body, dialect, limits)
 
     async def answer(self, raw: bytes | list | Any, ctx: RequestContext, kind: str = INTERACTIVE) -> dict:
         """The response body for a request body (bytes, or already decoded), or a ClefError. A body
-        given in a one-item list is taken out of it, so nothing keeps it alive once it is parsed."""
+        given in a one-item list is taken out of it, so nothing keeps it alive once it is parsed.
+        The request's route decides the dialect (``ctx.dialect``; none: ``--dialect``) and may
+        supply the ``model`` a body leaves out (``ctx.default_model``)."""
         t0 = time.perf_counter()
+        dialect = ctx.dialect or self.dialect
         if isinstance(raw, list):
             raw = raw.pop()
-        parsed = await self.pool.run(ctx, self._parse, raw, ctx)
+        parsed = await self.pool.run(ctx, self._parse, raw, ctx, dialect)
         del raw
         ctx.add_stage("parse", time.perf_counter() - t0)
         ctx.questions = len(parsed.questions)
         encoded, probs = await self._admitted(parsed, ctx, kind)
-        payload = await self.pool.run(ctx, build_response, parsed, encoded, probs, self.dialect)
+        payload = await self.pool.run(ctx, build_response, parsed, encoded, probs, dialect)
         self.metrics.observe_decision(encoded, probs)
         self.metrics.observe_stages(kind, ctx.stages)
-        return hosted_envelope(payload) if self.dialect is Dialect.WORKERS_AI else payload
+        return hosted_envelope(payload) if dialect is Dialect.WORKERS_AI else payload
 
     async def answer_unless_gone(self, raw: bytes, ctx: RequestContext,
                                  receive: Callable[[], Awaitable[dict]]) -> bytes:

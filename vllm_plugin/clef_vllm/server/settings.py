@@ -8,6 +8,8 @@ from typing import Callable
 from clef_vllm.protocol import Dialect
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Names the server answers to by default: ours, and the hosted model's (the hosted route's path).
+DEFAULT_SERVED_MODELS = ("clef-flash", "@cf/cloudflare/clef-flash")
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -26,7 +28,7 @@ class ServerSettings:
 
     dialect: Dialect = Dialect.REFERENCE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    served_model: str = "clef-flash"
+    served_models: tuple[str, ...] = DEFAULT_SERVED_MODELS   # /v1/models; model names of the hosted route
     # admission control
     max_in_flight: int | None = None          # default: backend.suggested_max_in_flight()
     max_queue: int | None = None              # default: 2 x max_in_flight
@@ -66,3 +68,6 @@ class ServerSettings:
         self.dialect = Dialect(self.dialect)
         if self.max_buffered_bytes is None:
             self.max_buffered_bytes = BUFFERED_BODIES * self.max_body_bytes
+        self.served_models = tuple(dict.fromkeys(self.served_models))
+        if not self.served_models or not all(isinstance(n, str) and n.strip() for n in self.served_models):
+            raise ValueError(f"served_models must be non-empty names, got {self.served_models!r}")

@@ -9,8 +9,6 @@ a merge, ordered by the merged token's rank, which reproduces tiktoken's ids.
 from __future__ import annotations
 
 import base64
-import os
-import tempfile
 from pathlib import Path
 
 
@@ -57,15 +55,11 @@ def build_qwen35_tokenizer(out: str | Path) -> Path:
 
 def cached_qwen35_tokenizer(cache_dir: str | Path | None = None) -> Path:
     """The Qwen3.5 tokenizer folder, built once under ``$CLEF_VLLM_CACHE`` (default ~/.cache/clef-vllm)."""
-    root = Path(cache_dir or os.environ.get("CLEF_VLLM_CACHE", Path.home() / ".cache" / "clef-vllm"))
-    path = root / "qwen3.5-tokenizer"
-    if not (path / "tokenizer.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".qwen3.5-tokenizer-", dir=root))
-        build_qwen35_tokenizer(tmp)
-        if path.exists():
-            import shutil
+    from clef_vllm.atomic import atomic_dir
+    from clef_vllm.demo import cache_root
 
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+    path = Path(cache_dir or cache_root()) / "qwen3.5-tokenizer"
+    if not (path / "tokenizer.json").is_file():
+        with atomic_dir(path, replace=True) as tmp:
+            build_qwen35_tokenizer(tmp)
     return path

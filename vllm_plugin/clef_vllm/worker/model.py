@@ -26,24 +26,29 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, Suppo
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
-from clef_vllm.checkpoint import (LM_HEAD_KEYS, CheckpointError, load_head_config, load_head_state,
-                                  locate_checkpoint)
+from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
+from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY
 from clef_vllm.head import JointSchemaHead
+from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
+from clef_vllm.quant.fused_scales import fused_global_scales
+from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.worker.pooler import ClefPooler
+from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
-HEAD_DTYPE_KEY = "clef_head_dtype"
-# Backbone tensors we never load on the text path.
-SKIPPED = ("mtp.", "model.visual.", "visual.")
+#: Log the prefill-graph counters every this many forward steps.
+GRAPH_REPORT_EVERY = 2000
 # fp8 e4m3fn NaN encodings (S.1111.111); the format has no infinities.
 _FP8_NAN = (0x7F, 0xFF)
 
 
 def _head_dtype(vllm_config: VllmConfig) -> torch.dtype:
     name = (vllm_config.additional_config or {}).get(HEAD_DTYPE_KEY, "bfloat16")
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    if name not in HEAD_DTYPES:
+        raise ValueError(f"additional_config[{HEAD_DTYPE_KEY!r}] must be one of {HEAD_DTYPES}, got {name!r}")
+    return getattr(torch, name)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -83,14 +88,9 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     """Qwen3.5 text backbone + joint schema head, served through the ``plugin`` pooling task."""
 
     is_pooling_model = True
-    packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-        "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
-        "in_proj_ba": ["in_proj_b", "in_proj_a"],
-    }
-    # Release checkpoints are VL-shaped (model.language_model.*); text-only ones use model.*.
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
+    # Both from clef_vllm.quant.schemes, which resolves quantization schemes with the same names.
+    packed_modules_mapping = {fused: list(shards) for fused, shards in FUSED_MODULES.items()}
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=dict(PLUGIN_NAME_MAP))
 
     # vLLM's Qwen3.5 mamba-state hooks, reused as they are.
     get_mamba_state_dtype_from_config = classmethod(
@@ -119,9 +119,43 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self.lm_table = Int8RowTable(torch.zeros(vocab, hidden, dtype=torch.int8), torch.ones(vocab))
         else:
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
-        self.pooler = ClefPooler(self.head, self.lm_table)
+        self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
+        self.prefill_graphs = self._install_prefill_graphs(vllm_config)
+        self._steps = 0
+
+    def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
+        """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""
+        setting = (vllm_config.additional_config or {}).get(STATE_CACHE_KEY)
+        if not setting or not vllm_config.cache_config.enable_prefix_caching:
+            return None
+        config = self.config
+        layers = sum(t == "full_attention" for t in getattr(config, "layer_types", ()) or ()) or 1
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_dtype = vllm_config.model_config.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
+        per_token = layers * 2 * config.num_key_value_heads * head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+        capacity = setting.get("capacity_blocks") if isinstance(setting, dict) else None
+        return StateCacheSettings(vllm_config.cache_config, per_token,
+                                  vllm_config.cache_config.gpu_memory_utilization, capacity)
+
+    def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
+        """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
+        setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
+        if not setting:
+            return None
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            log.info("clef prefill graphs: off (no CUDA device)")
+            return None
+        buckets = setting.get("buckets") if isinstance(setting, dict) else None
+        runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS,
+                                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        count = runner.install(self.model)
+        log.info("clef prefill graphs: %d GDN layers, single-sequence steps of up to %d tokens replay from CUDA "
+                 "graphs (buckets %s)", count, runner.buckets[-1] if runner.buckets else 0, list(runner.buckets))
+        return runner
 
     # ------------------------------------------------------------------ vLLM model interface
 
@@ -131,6 +165,10 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         """Final-norm hidden states of every scheduled token (what the head consumes)."""
+        if self.prefill_graphs is not None:
+            self._steps += 1
+            if self._steps % GRAPH_REPORT_EVERY == 0:
+                log.info("clef prefill graphs: %s", self.prefill_graphs.describe())
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):
@@ -150,9 +188,9 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                 self.lm_table.weight.copy_(tensor)
                 self._loaded_lm_head = True
                 continue
-            if name.startswith(SKIPPED):
+            if name.startswith(NOT_TEXT_PREFIXES):
                 continue
-            if not name.startswith("model."):
+            if not name.startswith(TEXT_BACKBONE_PREFIX):
                 # e.g. joint_head.safetensors picked up by a root glob (no index): loaded separately.
                 continue
             if name.endswith("weight_global_scale"):
@@ -211,7 +249,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         return out
 
     def _check_complete(self, loaded: set[str]) -> None:
-        """Every parameter must have come from the checkpoint and be finite (R4)."""
+        """Every parameter must have come from the checkpoint and be finite (vLLM does not track
+        missing tensors for quantized checkpoints)."""
         optional = self._optional_parameters()
         missing = sorted(n for n, _ in self.named_parameters() if n not in loaded and n not in optional)
         if missing:
@@ -222,22 +261,15 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             raise CheckpointError(f"{self.files.root}: non-finite values in {bad[:6]}")
 
     def _check_fused_global_scales(self) -> None:
-        """NVFP4 shards fused into one vLLM module must share one weight global scale (R1)."""
-        groups: dict[str, list[tuple[str, float]]] = {}
-        for fused, shards in self.packed_modules_mapping.items():
-            for name, value in self._global_scales.items():
-                module = name.rsplit(".", 1)[0]
-                for shard in shards:
-                    if module.endswith("." + shard):
-                        key = module[: -len(shard)] + fused
-                        groups.setdefault(key, []).extend((shard, float(v)) for v in value)
-        unequal = {k: v for k, v in groups.items() if len({round(s, 6) for _, s in v}) > 1}
+        """NVFP4 shards fused into one vLLM module must share one weight global scale: vLLM keeps
+        the max divisor and silently mis-scales the other shards (clef_vllm.quant.fused_scales)."""
+        unequal = [g for g in fused_global_scales(self._global_scales) if not g.weight_ok]
         if unequal:
-            first = next(iter(unequal.items()))
+            first = unequal[0]
             raise CheckpointError(
                 f"{self.files.root}: NVFP4 shards of {len(unequal)} fused module(s) have different weight global "
-                f"scales (e.g. {first[0]}: {first[1]}); vLLM would silently mis-scale them. Re-export with shared "
-                "scales or fix the checkpoint: python scripts/clef_load.py DIR --fix-fused-scales --out FIXED_DIR")
+                f"scales (e.g. {first.describe()}); vLLM would silently mis-scale them. Re-export with shared "
+                "scales or fix the checkpoint: clef-load DIR --fix-fused-scales --out FIXED_DIR")
 
 
 __all__ = ["ClefFlashForDecision"]

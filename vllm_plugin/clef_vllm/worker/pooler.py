@@ -1,4 +1,5 @@
-"""ClefPooler: the joint schema head inside vLLM's worker, as a ``Pooler`` (task ``"plugin"``).
+"""ClefPooler: the joint schema head inside vLLM's worker, as a ``Pooler`` (task ``"plugin"``,
+:data:`clef_vllm.contract.POOLING_TASK`).
 
 vLLM calls the pooler on every step with that step's hidden states, also for partial
 prefills (chunked prefill). Per request, a :class:`~clef_vllm.features.RecordAccumulator`
@@ -8,72 +9,103 @@ once, and the pooler returns that request's fp32 per-option probabilities — a 
 a [L, 4096] tensor. Unfinished requests get ``None`` (vLLM finishes a pooling request on its
 first non-None output).
 
-Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]`` (plain lists, msgpack
-safe). vLLM's memory profiling and warm-up call the pooler without them: those requests get a
-synthetic spec so the profiler sees representative head work.
+Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]``
+(:data:`clef_vllm.contract.PARAMS_KEY`; plain lists, msgpack safe). vLLM's memory profiling and
+warm-up call the pooler without them: those requests get a synthetic spec so the profiler sees
+representative head work.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Set
+from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 
-from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
+from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
 from clef_vllm.head import JointSchemaHead
+from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
+from clef_vllm.worker import state_cache
 
 log = logging.getLogger("clef_vllm")
 
-EXTRA_KEY = "clef"
+
+@dataclass
+class StateCacheSettings:
+    """How the worker's side cache is made (created at the pooler's first call: vLLM's memory profiling).
+
+    ``cache_config`` is vLLM's (its ``block_size`` is final by then); ``kv_bytes_per_token`` is what
+    one token costs in the KV cache, so the pool can hold the rows of every token the KV cache holds.
+    ``capacity_blocks`` overrides the computed size (tests)."""
+
+    cache_config: object
+    kv_bytes_per_token: int
+    gpu_memory_utilization: float = 0.9
+    capacity_blocks: int | None = None
 
 
-def synthetic_spec(num_tokens: int) -> HeadSpec | None:
-    """A representative spec for a dummy request of ``num_tokens`` (profiling / warm-up).
-
-    Three fields (noul, choice, score) with 2-4 options each in the last quarter of the
-    prompt; ``None`` when the prompt is too short to hold any span.
-    """
-    options = (2, 3, 4)
-    needed = sum(1 + n for n in options)  # one-token question span + one-token option spans
-    if num_tokens < needed:
-        if num_tokens < 2:
-            return None
-        return HeadSpec(num_tokens, (0,), ((0, 1),), ((1, 2),), (1,), (0,))
-    pos = num_tokens - needed
-    q_spans, o_spans = [], []
-    for n in options:
-        q_spans.append((pos, pos + 1))
-        pos += 1
-        for _ in range(n):
-            o_spans.append((pos, pos + 1))
-            pos += 1
-    return HeadSpec(num_tokens, (0, 1, 2), tuple(q_spans), tuple(o_spans), options, (0,) * len(o_spans))
+def make_side_cache(settings: StateCacheSettings, width: int, dtype: torch.dtype, device) -> state_cache.SideCache | None:
+    """The pool, sized from the KV budget still free on ``device`` (or ``settings.capacity_blocks``)."""
+    block = int(settings.cache_config.block_size)
+    if block % KEY_UNIT:
+        log.warning("clef state cache: off (KV block size %d is not a multiple of %d)", block, KEY_UNIT)
+        return None
+    capacity = settings.capacity_blocks
+    if capacity is None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = settings.gpu_memory_utilization * total - (total - free)
+        else:
+            budget = 1 << 30
+        share = state_cache.side_share(width, dtype, settings.kv_bytes_per_token)
+        capacity = state_cache.capacity_for(max(budget, 0) * share, block, width, dtype)
+    cache = state_cache.SideCache(capacity, block, width, dtype, device)
+    log.info("clef state cache: memory rows of %d blocks x %d tokens (%.2f GiB) beside the KV cache", capacity,
+             block, cache.nbytes / 2**30)
+    return cache
 
 
 class ClefPooler(Pooler):
     """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.features`."""
 
-    def __init__(self, head: JointSchemaHead, table: LexicalTable):
+    def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None):
         super().__init__()
         # Plain references: the head and the table are registered on the model itself.
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_table", table)
+        self._cache_settings = state_cache_settings
+
+    def side_cache(self, device) -> state_cache.SideCache | None:
+        """This worker's side cache when the state cache is on (made at the first call)."""
+        if self._cache_settings is None:
+            return None
+        cache = state_cache.current()
+        if cache is None:
+            cache = make_side_cache(self._cache_settings, self._head.config.width, self._head.dtype, device)
+            if cache is None:
+                self._cache_settings = None
+                return None
+            state_cache.install(cache)
+        return cache
 
     def get_supported_tasks(self) -> Set[str]:
-        return {"plugin"}
+        return {POOLING_TASK}
 
     def get_pooling_updates(self, task) -> PoolingParamsUpdate:
         return PoolingParamsUpdate()
 
-    def _accumulator(self, params, states, prompt_len: int, start: int) -> RecordAccumulator | None:
+    def _accumulator(self, params, states, prompt_len: int, start: int,
+                     cache: state_cache.SideCache | None = None) -> RecordAccumulator | None:
         acc = getattr(states, "clef", None)
         if acc is not None and start == 0 and acc.filled > 0:
             acc = None  # the request was preempted and restarts its prefill
         if acc is None:
-            wire = (params.extra_kwargs or {}).get(EXTRA_KEY) if params is not None else None
+            wire = (params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None
             if wire is None:
                 spec = synthetic_spec(prompt_len)
             else:
@@ -89,12 +121,45 @@ class ClefPooler(Pooler):
                 states.clef = False
                 return None
             acc = RecordAccumulator(spec)
+            if start > 0 and not self._start_from_cache(acc, start, cache):
+                states.clef = False
+                return None
             states.clef = acc
         elif acc is False:
             return None
         if acc.filled != start:
             log.error("clef pooler: chunk starts at %d but %d positions were seen", start, acc.filled)
         return acc
+
+    @staticmethod
+    def _start_from_cache(acc: RecordAccumulator, start: int, cache: state_cache.SideCache | None) -> bool:
+        """Give a request that vLLM starts at ``start`` (a prefix-cache hit) the memory rows of
+        ``[0, start)``; ``False`` if they are not there (never expected: the scheduler grants hits only
+        as far as rows exist)."""
+        keys = block_keys(acc.spec.state_keys, cache.block) if cache is not None else []
+        rows = None
+        if cache is not None and start % cache.block == 0 and start // cache.block <= len(keys):
+            rows = cache.read(keys[:start // cache.block])
+        if rows is None:
+            log.error("clef pooler: a request starts at position %d from vLLM's prefix cache but the state cache "
+                      "has no memory rows for it; it is answered with NaN (the backend retries it uncached)", start)
+            return False
+        acc.start_from_cache(rows)
+        acc.stored_blocks = start // cache.block
+        cache.stats.hits += 1
+        cache.stats.reused_tokens += start
+        return True
+
+    @staticmethod
+    def _store_blocks(acc: RecordAccumulator, cache: state_cache.SideCache) -> None:
+        """Store the memory rows of every whole KV block of the reusable prefix computed so far."""
+        if not acc.spec.state_keys:
+            return
+        keys = block_keys(acc.spec.state_keys, cache.block)
+        upto = min(acc.filled // cache.block, len(keys))
+        for k in range(acc.stored_blocks, upto):
+            cache.write(keys[k], acc.memory_rows(k * cache.block, (k + 1) * cache.block))
+        acc.stored_blocks = max(acc.stored_blocks, upto)
 
     def forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
         cursor = pooling_metadata.get_pooling_cursor()
@@ -106,9 +171,10 @@ class ClefPooler(Pooler):
         out: list[torch.Tensor | None] = [None] * len(scheduled)
         pieces, finishing, offset = [], [], 0
         device = hidden_states.device
+        cache = self.side_cache(device)
         for i, n in enumerate(scheduled):
             start = seq_lens[i] - n
-            acc = self._accumulator(params[i], states[i], prompt_lens[i], start)
+            acc = self._accumulator(params[i], states[i], prompt_lens[i], start, cache)
             done = seq_lens[i] >= prompt_lens[i]
             if acc is not None and n > 0:
                 pieces.append((acc, offset, n, start))
@@ -118,6 +184,9 @@ class ClefPooler(Pooler):
                 out[i] = torch.full((1,), float("nan"), device=device)
             offset += n
         accumulate(self._head, hidden_states, pieces)
+        if cache is not None:              # after every read of this step (the scheduler's grants)
+            for acc, *_ in pieces:
+                self._store_blocks(acc, cache)
         if finishing:
             probs = decide_records(self._head, self._table, [acc for _, acc in finishing])
             for (i, _), p in zip(finishing, probs):

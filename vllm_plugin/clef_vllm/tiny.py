@@ -1,5 +1,8 @@
 """Tiny Clef checkpoints in the EXACT release layout, built in seconds, deterministically.
 
+The demo checkpoint (:mod:`clef_vllm.demo`), the test suite and the GPU checks use them; users make
+one with ``clef-make-tiny OUT`` (e.g. to try the scripts of docs/scripts.md).
+
 ``build_tiny_checkpoint(out)`` writes what Cloudflare/clef-flash ships, at toy size:
 ``config.json`` (``Qwen3_5ForConditionalGeneration``, text + a 1-block vision config),
 ``generation_config.json``, sharded ``model-0000N-of-0000M.safetensors`` + index (bf16,
@@ -14,16 +17,16 @@ Weights are random but scaled so that answers are not flat.
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import random
-import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from clef_vllm import __version__
+from clef_vllm.atomic import atomic_dir
 from clef_vllm.encoding import PREFIX_TEXT, SCHEMA_HEADER_TEXT, SUFFIX_TEXT
 from clef_vllm.head import HeadConfig, JointSchemaHead
 
@@ -34,7 +37,7 @@ SPECIAL_TOKENS = [
     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
     "<think>", "</think>",
 ]
-# Qwen3.5's pre-tokenizer split (clef-spec §3.7).
+# Qwen3.5's pre-tokenizer split regex (the one in the release's tokenizer.json).
 QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 CHAT_TEMPLATE = (
@@ -148,62 +151,66 @@ def build_head(config: HeadConfig, seed: int) -> JointSchemaHead:
 def build_tiny_checkpoint(out: str | Path, *, layout: str = "release", seed: int = 0, hidden: int = 128,
                           layers: int = 4, mtp: bool = False, shard_mb: float = 1.0, marker: str | None = None,
                           embed_std: float = 1.0) -> Path:
-    """Build a tiny checkpoint at ``out`` (must not exist). ``layout``: ``release`` or ``repacked``."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    """Build a tiny checkpoint at ``out`` (must not exist). ``layout``: ``release`` or ``repacked``.
 
+    The folder appears only when complete (:mod:`clef_vllm.atomic`)."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(out)
     if layout not in ("release", "repacked"):
         raise ValueError("layout must be 'release' or 'repacked'")
+    kw = dict(seed=seed, hidden=hidden, layers=layers, mtp=mtp, shard_mb=shard_mb, embed_std=embed_std)
+    if layout == "release":
+        with atomic_dir(out) as tmp:
+            _write_release(tmp, **kw)
+        return out
+    from clef_vllm.repack import repack_tables
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        release = tmp / "release"
-        release.mkdir()
-        tok = build_tokenizer(release, seed=seed)
-        (release / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-        ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-        vocab = (len(tok) + 63) // 64 * 64
-        text = tiny_text_config(ids, vocab, hidden, layers)
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
-                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                      in_channels=3, deepstack_visual_indexes=[])
-        cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
-                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
-        torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(cfg)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(seed + 7)
-            for name, p in model.named_parameters():
-                if name.endswith("embed_tokens.weight"):
-                    p.copy_(torch.randn(p.shape, generator=g) * embed_std)
-                elif "norm" in name:  # zero-centred RMSNorm weights off 0, so w vs 1+w shows
-                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        model = model.to(torch.bfloat16).eval()
-        model.generation_config.eos_token_id = ids["<|endoftext|>"]
-        model.save_pretrained(str(release), max_shard_size=f"{int(shard_mb * 1024)}KB")
-        if mtp:
-            _add_mtp(release, model, text)
-
-        head_cfg = tiny_head_config(hidden)
-        head = build_head(head_cfg, seed + 1).to(torch.bfloat16)
-        save_file({k: v.contiguous() for k, v in head.state_dict().items()},
-                  str(release / "joint_head.safetensors"), metadata={"format": "pt"})
-        (release / "joint_head_config.json").write_text(json.dumps(head_cfg.to_dict(), indent=2) + "\n")
-
-        if layout == "release":
-            os.replace(release, out)
-        else:
-            from clef_vllm.repack import repack_tables
-
-            repack_tables(release, out, marker=marker)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.release-", dir=out.parent) as work:
+        _write_release(Path(work), **kw)
+        repack_tables(work, out, marker=marker)
     return out
+
+
+def _write_release(release: Path, *, seed: int, hidden: int, layers: int, mtp: bool, shard_mb: float,
+                   embed_std: float) -> None:
+    """Every file of the release layout, into the existing (empty) folder ``release``."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tok = build_tokenizer(release, seed=seed)
+    (release / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = (len(tok) + 63) // 64 * 64
+    text = tiny_text_config(ids, vocab, hidden, layers)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  in_channels=3, deepstack_visual_indexes=[])
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 7)
+        for name, p in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * embed_std)
+            elif "norm" in name:  # zero-centred RMSNorm weights off 0, so w vs 1+w shows
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(str(release), max_shard_size=f"{int(shard_mb * 1024)}KB")
+    if mtp:
+        _add_mtp(release, model, text)
+
+    head_cfg = tiny_head_config(hidden)
+    head = build_head(head_cfg, seed + 1).to(torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()},
+              str(release / "joint_head.safetensors"), metadata={"format": "pt"})
+    (release / "joint_head_config.json").write_text(json.dumps(head_cfg.to_dict(), indent=2) + "\n")
 
 
 def _add_mtp(root: Path, model, text: dict) -> None:
@@ -229,12 +236,21 @@ def _add_mtp(root: Path, model, text: dict) -> None:
     index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
-def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """The demo checkpoint (tiny, release layout), built on first use under ``~/.cache/clef-vllm``."""
-    root = Path(cache_dir or os.environ.get("CLEF_VLLM_CACHE", Path.home() / ".cache" / "clef-vllm"))
-    path = root / f"demo-tiny-{__version__}"
-    if not (path / "joint_head.safetensors").is_file():
-        if path.exists():
-            shutil.rmtree(path)
-        build_tiny_checkpoint(path)
-    return path
+def main(argv: list[str] | None = None) -> int:
+    """``clef-make-tiny OUT``: a tiny random Clef checkpoint (seconds on a CPU), e.g. to try the scripts."""
+    ap = argparse.ArgumentParser(prog="clef-make-tiny", description=main.__doc__.split(": ", 1)[1])
+    ap.add_argument("out", type=Path, help="output folder (must not exist)")
+    ap.add_argument("--layout", choices=("release", "repacked"), default="release",
+                    help="release: the Cloudflare release's files (default); repacked: clef_head/ + int8 tables")
+    ap.add_argument("--mtp", action="store_true", help="also write mtp.* tensors, as Qwen3.5 checkpoints carry")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.out.exists():
+        ap.error(f"{a.out} exists; choose a new folder")
+    build_tiny_checkpoint(a.out, layout=a.layout, mtp=a.mtp, seed=a.seed)
+    print(f"wrote a tiny {a.layout}-layout Clef checkpoint (random weights) to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

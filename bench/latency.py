@@ -1,0 +1,166 @@
+"""Where one decision's time goes on the GPU: wall time, GPU kernel time, host time, kernel launches.
+
+Runs the Clef pooling model in-process (``vllm.LLM``, engine core in this process) on a checkpoint
+(default: a 9B-shaped config-only folder served with dummy weights) with the server's own engine
+settings (``engine_kwargs``), one request at a time, in each MODE (one subprocess per mode):
+
+    graphs     prefill graphs on (the default server), state cache off
+    nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
+    capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
+    cache      prefill graphs on and the state cache on (prefix caching in align mode)
+    raw        vLLM ``embed`` pooling of the same ids, vLLM's defaults (no head, no plugin features)
+
+Per mode: single-request p50 for several lengths, 256 x 400-token batch throughput, and a
+torch.profiler summary over 5 requests of 400 tokens (GPU kernel ms, CUDA launches, CUDA graph
+launches, the ops with the most host time). Output: one JSON object per mode (and --out FILE).
+
+    python3 bench/latency.py [--modes graphs,nographs] [--quantization fp8] [--ckpt DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LENGTHS = (100, 400, 1000, 4096)
+
+
+def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.bench.raw_vllm import raw_engine_kwargs
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+
+    common = dict(max_model_len=16384, gpu_memory_utilization=0.85, max_num_seqs=128)
+    if mode == "raw":
+        kw = raw_engine_kwargs(ckpt, load_format="dummy", max_model_len=16384, gpu_memory_utilization=0.85,
+                               max_num_seqs=128, quantization=quantization)
+    else:
+        kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
+                           state_cache=mode == "cache", **common)
+        if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
+            kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
+        if quantization:
+            kw["quantization"] = quantization
+    kw.pop("disable_log_stats", None)
+    return kw
+
+
+def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, PoolingParams, TokensPrompt
+
+    from clef_vllm import register
+    from clef_vllm.features import HeadSpec
+    from clef_vllm.features import synthetic_spec
+
+    register()
+    kw = engine_settings(mode, ckpt, quantization)
+    if isinstance(kw.get("pooler_config"), dict):
+        from vllm.config import PoolerConfig
+
+        kw["pooler_config"] = PoolerConfig(**kw["pooler_config"])
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    start_s = time.perf_counter() - t0
+
+    def prompt(n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        return TokensPrompt(prompt_token_ids=torch.randint(10, 1000, (n,), generator=g).tolist())
+
+    def params(n: int):
+        if mode == "raw":
+            return PoolingParams(task="embed")
+        spec: HeadSpec = synthetic_spec(n)
+        return PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})
+
+    def once(prompts) -> float:
+        t = time.perf_counter()
+        task = "embed" if mode == "raw" else "plugin"
+        llm.encode(prompts, pooling_params=[params(len(p["prompt_token_ids"])) for p in prompts],
+                   pooling_task=task, use_tqdm=False)
+        return (time.perf_counter() - t) * 1000
+
+    for n in (64, 300, 400, 417, 1000, 1024, 4096):          # every kernel specialisation and graph bucket
+        once([prompt(n, n)])
+        once([prompt(n, n + 1)])
+    res = {"mode": mode, "quantization": quantization, "engine_start_s": round(start_s, 1)}
+    for n in LENGTHS:
+        walls = [once([prompt(n, 1000 + i)]) for i in range(20)]
+        res[f"single_{n}_p50_ms"] = round(statistics.median(walls), 1)
+    batch = [prompt(400, 9000 + i) for i in range(256)]
+    once(batch[:64])
+    res["batch256x400_tok_s"] = round(256 * 400 / once(batch) * 1000)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        walls = [once([prompt(400, 7000 + i)]) for i in range(5)]
+    events = prof.key_averages()
+    cuda = [e for e in events if e.device_type.name == "CUDA"]
+    res["profiled_wall_ms_per_req"] = round(sum(walls) / 5, 1)
+    res["gpu_kernel_ms_per_req"] = round(sum(e.self_device_time_total for e in events) / 5 / 1000, 2)
+    res["kernel_launches_per_req"] = round(sum(e.count for e in cuda) / 5)
+    res["graph_launches_per_req"] = round(sum(e.count for e in events if e.key == "cudaGraphLaunch") / 5, 1)
+    res["host_ms_per_req"] = round(sum(e.self_cpu_time_total for e in events) / 5 / 1000, 2)
+    res["most_host_time"] = [(e.key[:70], round(e.self_cpu_time_total / 5000, 2), e.count // 5)
+                             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]]
+    if mode != "raw":
+        def report(worker):
+            model = worker.model_runner.model
+            out = {}
+            if model.prefill_graphs is not None:
+                out["prefill_graphs"] = model.prefill_graphs.describe()
+            from clef_vllm.worker import state_cache
+
+            if state_cache.current() is not None:
+                out["state_cache"] = state_cache.current().describe()
+            return out
+
+        try:
+            res["worker"] = llm.collective_rpc(report)[0]
+        except Exception as exc:  # noqa: BLE001 - a report only
+            res["worker"] = f"unavailable: {type(exc).__name__}: {exc}"
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="graphs,nographs")
+    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint (default: a generated 9B-shaped config folder)")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (online)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON
+    a = ap.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization)), flush=True)
+        return 0
+    ckpt = a.ckpt
+    if ckpt is None:
+        from clef_vllm.release import write_config_only_checkpoint
+
+        ckpt = Path(tempfile.mkdtemp()) / "clef-9b"
+        write_config_only_checkpoint(ckpt, layout="repacked")
+    results = []
+    for mode in a.modes.split(","):
+        cmd = [sys.executable, __file__, "--one", mode, "--ckpt", str(ckpt)]
+        if a.quantization:
+            cmd += ["--quantization", a.quantization]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        res = json.loads(lines[-1]) if lines else {"mode": mode, "error": proc.returncode,
+                                                   "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    if a.out:
+        a.out.write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Prefill graphs (clef_vllm.worker.prefill_graphs): bucket choice, fallback rules, padding exactness.
+
+The graph body runs here with a plain-torch reference of the GDN kernels: padding a sequence to a
+bucket must leave the real rows' outputs AND the stored conv / SSM states exactly as without
+padding, with and without an initial state (a later chunk, a prefix-cache hit). The Triton
+kernels and the capture itself are compared on the GPU (tests/gpu/vllm_parity.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, Bucket, GdnDims, choose_bucket,
+                                             cudagraph_capture_sizes, fallback_reason, single_sequence_core)
+from support.gdn_reference import KERNELS
+
+HK, HV, DK, DV, WIDTH, LINES = 2, 4, 8, 8, 4, 3
+CONV_DIM = 2 * HK * DK + HV * DV
+
+
+@pytest.fixture(autouse=True)
+def float32_default():
+    """Every tensor here is fp32 (other tests load models under a bf16 default dtype)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(before)
+
+
+def test_choose_bucket_is_the_smallest_that_fits():
+    buckets = (64, 128, 512)
+    assert choose_bucket(1, buckets) == 64
+    assert choose_bucket(64, buckets) == 64
+    assert choose_bucket(65, buckets) == 128
+    assert choose_bucket(512, buckets) == 512
+    assert choose_bucket(513, buckets) is None
+    assert list(DEFAULT_BUCKETS) == sorted(DEFAULT_BUCKETS)
+
+
+def metadata(**over):
+    md = dict(num_prefills=1, num_decodes=0, num_spec_decodes=0, spec_sequence_masks=None, num_prefill_tokens=400,
+              num_actual_tokens=400, prefill_state_indices=torch.tensor([7], dtype=torch.int32))
+    md.update(over)
+    return SimpleNamespace(**md)
+
+
+@pytest.mark.parametrize("over, reason", [
+    ({}, None),
+    ({"num_prefills": 2}, "batch"),
+    ({"num_prefills": 0}, "no_prefill"),
+    ({"num_decodes": 1}, "decodes"),
+    ({"spec_sequence_masks": torch.ones(1, dtype=torch.bool)}, "speculative"),
+    ({"num_actual_tokens": 3, "num_prefill_tokens": 3}, "too_short"),
+    ({"num_actual_tokens": 5000, "num_prefill_tokens": 5000}, "too_long"),
+    ({"num_actual_tokens": 410}, "padded_metadata"),
+    ({"prefill_state_indices": torch.tensor([1, 2], dtype=torch.int32)}, "state_indices"),
+])
+def test_fallback_reasons(over, reason):
+    assert fallback_reason(metadata(**over), DEFAULT_BUCKETS, min_tokens=4) == reason
+    assert fallback_reason(None, DEFAULT_BUCKETS, 4) == "no_metadata"
+
+
+def test_capture_sizes_cover_the_buckets_and_vllms_own_sizes():
+    sizes = cudagraph_capture_sizes(8192, max_num_seqs=128)
+    assert sizes == sorted(set(sizes))
+    assert {1, 2, 4, 8, 248, 256} <= set(sizes)
+    assert set(DEFAULT_BUCKETS) <= set(sizes)
+    assert 272 not in sizes and 400 not in sizes          # vLLM stops at 2 x 128 = 256 here
+    assert max(cudagraph_capture_sizes(1000)) <= 1000
+
+
+def make_layer(dim_first: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.zeros(LINES, CONV_DIM, WIDTH - 1) if dim_first else torch.zeros(LINES, WIDTH - 1, CONV_DIM)
+    return SimpleNamespace(
+        conv_weight=torch.randn(CONV_DIM, WIDTH, generator=g) * 0.5, conv_bias=None, activation="silu",
+        conv_state_raw=raw, conv_state=raw if dim_first else raw.transpose(-1, -2), conv_dim_first=dim_first,
+        ssm_state=torch.zeros(LINES, HV, DV, DK), A_log=torch.randn(HV, generator=g) * 0.3,
+        dt_bias=torch.randn(HV, generator=g) * 0.3, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
+
+
+def make_bucket(size: int) -> Bucket:
+    return Bucket(size, GdnDims(CONV_DIM, HV, DV, WIDTH), "cpu", torch.float32, None, None, None)
+
+
+def run_chunk(layer, size, qkv, b, a, line, has_init, garbage=None):
+    """What the runner does around a replay: copy the real rows in, run the body, read the real rows."""
+    n = qkv.shape[0]
+    bucket = make_bucket(size)
+    if garbage is not None:                   # stale rows from earlier requests sit in the padding
+        bucket.qkv.copy_(garbage[0][:size])
+        bucket.b.copy_(garbage[1][:size])
+        bucket.a.copy_(garbage[2][:size])
+    bucket.set_length(n)
+    bucket.lines.fill_(line)
+    bucket.has_init.fill_(has_init)
+    bucket.qkv[:n] = qkv
+    bucket.b[:n] = b
+    bucket.a[:n] = a
+    single_sequence_core(layer, bucket, KERNELS)
+    return bucket.out[:n].clone()
+
+
+def inputs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, CONV_DIM, generator=g), torch.randn(n, HV, generator=g), torch.randn(n, HV, generator=g))
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+@pytest.mark.parametrize("n, size", [(13, 16), (13, 64), (64, 64), (5, 128)])
+def test_padding_changes_neither_outputs_nor_states(dim_first, n, size):
+    exact, padded = make_layer(dim_first), make_layer(dim_first)
+    qkv, b, a = inputs(n, seed=n)
+    garbage = inputs(size, seed=99)
+    want = run_chunk(exact, n, qkv, b, a, line=1, has_init=False)
+    got = run_chunk(padded, size, qkv, b, a, line=1, has_init=False, garbage=tuple(t * 50 for t in garbage))
+    # fp32 CPU kernels vectorise differently for different lengths: equal up to ~1e-8 here; a padding
+    # bug (an unmasked gate, a stale conv tail) moves them by O(1e-1).
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded.ssm_state, exact.ssm_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(padded.conv_state_raw, exact.conv_state_raw)
+    assert padded.ssm_state[1].abs().sum() > 0 and padded.ssm_state[[0, 2]].abs().sum() == 0   # only its line
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_chunks_with_initial_state_equal_one_pass(dim_first):
+    """A prompt prefilled in two padded chunks (the second reading the first's states, as a later
+    chunk or a prefix-cache hit does) equals the same prompt in one unpadded pass."""
+    qkv, b, a = inputs(40, seed=3)
+    whole = make_layer(dim_first)
+    want = run_chunk(whole, 40, qkv, b, a, line=2, has_init=False)
+    split = make_layer(dim_first)
+    first = run_chunk(split, 64, qkv[:23], b[:23], a[:23], line=2, has_init=False, garbage=inputs(64, 5))
+    second = run_chunk(split, 64, qkv[23:], b[23:], a[23:], line=2, has_init=True, garbage=inputs(64, 6))
+    torch.testing.assert_close(torch.cat([first, second]), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.ssm_state, whole.ssm_state, rtol=1e-5, atol=1e-5)
+    assert torch.equal(split.conv_state_raw, whole.conv_state_raw)
+
+
+def test_masked_rows_leave_the_recurrent_state_bit_identical():
+    """g = 0 and beta = 0 make a row an exact identity of the delta rule's state."""
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 20, HK, DK, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(1, 20, HV, DV, generator=g)
+    gate = -torch.rand(1, 20, HV, generator=g)
+    beta = torch.rand(1, 20, HV, generator=g)
+    h0 = torch.randn(1, HV, DV, DK, generator=g)
+    o_short, s_short = KERNELS.rule(q[:, :12], k[:, :12], v[:, :12], gate[:, :12], beta[:, :12], h0, None, None, None)
+    gate[:, 12:] = 0
+    beta[:, 12:] = 0
+    v[:, 12:] *= 1e3                                  # padded rows hold anything finite
+    o_long, s_long = KERNELS.rule(q, k, v, gate, beta, h0, None, None, None)
+    assert torch.equal(o_long[:, :12], o_short)
+    assert torch.equal(s_long, s_short)
+
+
+def test_without_initial_state_a_stale_line_is_ignored():
+    layer = make_layer(False)
+    layer.ssm_state.fill_(float("nan"))             # whatever the line held before
+    layer.conv_state_raw.fill_(float("nan"))
+    qkv, b, a = inputs(20, seed=8)
+    out = run_chunk(layer, 64, qkv, b, a, line=0, has_init=False)
+    assert torch.isfinite(out).all() and torch.isfinite(layer.ssm_state[0]).all()
+    assert torch.isfinite(layer.conv_state_raw[0]).all()
+
+
+def test_bucket_length_mask_and_tail():
+    bucket = make_bucket(16)
+    bucket.set_length(10)
+    assert bucket.valid.tolist() == [1.0] * 10 + [0.0] * 6
+    assert bucket.tail.tolist() == [7, 8, 9]

@@ -1,0 +1,247 @@
+"""The state cache's bookkeeping on CPU: content keys, the side pool (LRU, no stale reads), the
+scheduler's hit cap and chunk rule, and the pooler reading cached memory rows for a prefix-cache
+hit — driven through vLLM's own pooler metadata with synthetic hidden states (the gloo harness).
+Hits under a real engine (full / partial hits, eviction, concurrent same-state requests) run on
+the GPU: tests/gpu/state_cache_check.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from clef_vllm.state_keys import KEY_UNIT, block_keys, prefix_keys
+from support import vllm_cpu
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_prefix_keys_identify_exact_prefixes():
+    ids = list(range(1000, 1100))
+    keys = prefix_keys(ids, upto=100)
+    assert len(keys) == 100 // KEY_UNIT and len(set(keys)) == len(keys) and all(len(k) == 16 for k in keys)
+    assert prefix_keys(ids, 100) == keys                           # deterministic
+    assert prefix_keys(ids + [7, 8, 9], 100) == keys               # later tokens do not matter
+    changed = ids.copy()
+    changed[40] += 1                                               # unit 2 (tokens 32..47)
+    other = prefix_keys(changed, 100)
+    assert other[:2] == keys[:2] and all(a != b for a, b in zip(other[2:], keys[2:]))
+    assert prefix_keys(ids, 15) == [] and prefix_keys(ids, 10_000) == prefix_keys(ids, 96)
+
+
+def test_block_keys_take_each_blocks_last_unit():
+    keys = [bytes([i]) * 16 for i in range(10)]
+    assert block_keys(keys, 32) == [keys[1], keys[3], keys[5], keys[7], keys[9]]
+    assert block_keys(keys, 48) == [keys[2], keys[5], keys[8]]
+    with pytest.raises(ValueError, match="multiple"):
+        block_keys(keys, 40)
+
+
+# --------------------------------------------------------------------------- the side pool
+
+
+def rows(value: float, block: int = 4, width: int = 3) -> torch.Tensor:
+    return torch.full((block, width), value)
+
+
+def test_side_cache_reads_written_blocks_and_evicts_least_recently_used():
+    from clef_vllm.worker.state_cache import SideCache
+
+    cache = SideCache(capacity=2, block=4, width=3, dtype=torch.float32, device="cpu")
+    cache.write(b"a", rows(1))
+    cache.write(b"b", rows(2))
+    cache.write(b"a", rows(9))                                     # present: kept as is, now most recent
+    assert torch.equal(cache.read([b"a", b"b"]), torch.cat([rows(1), rows(2)]))
+    assert cache.present_prefix([b"a", b"b", b"c"]) == 2 and cache.present_prefix([b"c", b"a"]) == 0
+    cache.read([b"a"])
+    cache.write(b"c", rows(3))                                     # evicts b, the least recently used
+    assert b"b" not in cache and b"a" in cache and b"c" in cache
+    assert cache.read([b"a", b"b"]) is None                        # never a partial or stale answer
+    assert cache.stats.evicted_blocks == 1 and cache.stats.missing_reads == 1 and cache.stats.stored_blocks == 3
+    with pytest.raises(ValueError):
+        cache.write(b"d", rows(4, block=3))
+
+
+def test_side_cache_is_sized_to_cover_the_kv_cache():
+    from clef_vllm.worker.state_cache import capacity_for, side_share
+
+    share = side_share(1024, torch.bfloat16, 32768)                # Qwen3.5-9B: 8 attention layers x 4 KiB
+    assert share == pytest.approx(2048 / (2048 + 32768))
+    assert capacity_for(int(100e9 * share), 528, 1024, torch.bfloat16) == int(100e9 * share // (528 * 2048))
+
+
+# --------------------------------------------------------------------------- scheduler rules
+
+
+def test_chunks_end_on_block_boundaries_and_stop_at_the_reuse_boundary():
+    from clef_vllm.worker.scheduler import capped_chunk, reuse_boundary
+
+    block, budget = 32, 1024
+    assert reuse_boundary(100, [b"k"] * 6, block) == 96           # 6 units = 96 tokens, limit 100
+    assert reuse_boundary(100, [b"k"] * 3, block) == 32            # only 48 tokens keyed
+    assert reuse_boundary(20, [b"k"], block) == 0
+    # one step for the whole prompt, except one stop at the reuse boundary
+    assert capped_chunk(0, 300, 300, block, budget, boundary=96) == 96
+    assert capped_chunk(96, 204, 300, block, budget, boundary=96) == 204
+    assert capped_chunk(0, 300, 300, block, budget, boundary=0) == 300     # no reusable block: no split
+    # a chunk cut by the token budget ends on a block boundary
+    assert capped_chunk(0, 100, 300, block, budget, boundary=0) == 96
+    assert capped_chunk(96, 100, 300, block, budget, boundary=0) == 96
+    # after a cache hit the prompt runs to its end in one chunk
+    assert capped_chunk(96, 204, 300, block, budget, boundary=96) == 204
+    # a junction with a cached prompt (block-floored) is a stop too, before the reuse boundary
+    assert capped_chunk(0, 300, 300, block, budget, boundary=96, junction=70) == 64
+    assert capped_chunk(64, 236, 300, block, budget, boundary=96, junction=70) == 32
+
+
+class FakeManager:
+    def __init__(self, hit_blocks: int):
+        self.empty_kv_cache_blocks = "empty"
+        self.hit_blocks = hit_blocks
+        self.caps = []
+        self.coordinator = SimpleNamespace(find_longest_cache_hit=self.find)
+
+    def prefix_cache_lookup_enabled(self, request):
+        return not request.skip_reading_prefix_cache
+
+    def find(self, hashes, cap):
+        self.caps.append(cap)
+        hit = min(cap // 32, self.hit_blocks) * 32
+        return [f"b{i}" for i in range(hit // 32)], hit, 0
+
+    def create_kv_cache_blocks(self, blocks):
+        return blocks
+
+
+def fake_request(limit, unit_keys, num_tokens=400, skip=False):
+    from vllm import PoolingParams
+
+    params = PoolingParams(task="plugin", extra_kwargs={"clef": {"r": limit, "k": unit_keys}},
+                           skip_reading_prefix_cache=skip)
+    return SimpleNamespace(pooling_params=params, num_tokens=num_tokens, block_hashes=["h"] * 12,
+                           skip_reading_prefix_cache=skip)
+
+
+@pytest.fixture
+def side_cache():
+    from clef_vllm.worker import state_cache
+
+    cache = state_cache.SideCache(capacity=16, block=32, width=3, dtype=torch.float32, device="cpu")
+    state_cache.install(cache)
+    yield cache
+    state_cache.install(None)
+
+
+def test_the_hit_is_capped_by_the_rows_present_and_the_reusable_prefix(side_cache):
+    pytest.importorskip("vllm")
+    vllm_cpu.setup()
+    from clef_vllm.worker.scheduler import ClefScheduler
+
+    hit = ClefScheduler._get_local_prefix_cache_hit
+    units = prefix_keys(list(range(300)), 300)                     # 18 units = 9 blocks of 32
+    blocks = block_keys(units, 32)
+    for key in blocks[:5]:
+        side_cache.write(key, rows(0, block=32))
+    sched = SimpleNamespace(kv_cache_manager=FakeManager(hit_blocks=8), block_size=32)
+    # rows for 5 blocks: vLLM is asked for at most 160 tokens though it holds 8 blocks
+    assert hit(sched, fake_request(290, units))[1] == 160 and sched.kv_cache_manager.caps[-1] == 160
+    # the reusable prefix ends at 100 tokens: at most 3 blocks
+    assert hit(sched, fake_request(100, units))[1] == 96
+    # rows for fewer than one block, or a request that skips the cache: no hit, vLLM not asked
+    asked = len(sched.kv_cache_manager.caps)
+    assert hit(sched, fake_request(290, units[:1]))[1] == 0
+    assert hit(sched, fake_request(290, units, skip=True))[1] == 0
+    assert len(sched.kv_cache_manager.caps) == asked
+    # no side cache in this process (not created yet): never a hit
+    from clef_vllm.worker import state_cache
+
+    state_cache.install(None)
+    assert hit(sched, fake_request(290, units))[1] == 0
+
+
+# --------------------------------------------------------------------------- the pooler
+
+
+@pytest.fixture(scope="module")
+def release_model(tiny_release):
+    pytest.importorskip("vllm")
+    vllm_cpu.setup()
+    return vllm_cpu.load_model(tiny_release)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_release):
+    from clef_vllm.encoding import RequestEncoder
+
+    return RequestEncoder.from_pretrained(tiny_release)
+
+
+def _metadata(specs, scheduled, seq_lens, states):
+    from vllm import PoolingParams
+    from vllm.v1.pool.metadata import PoolingMetadata
+
+    params = [PoolingParams(task="plugin", extra_kwargs={"clef": s.to_wire()}) for s in specs]
+    md = PoolingMetadata(prompt_lens=torch.tensor([s.num_tokens for s in specs]), prompt_token_ids=None,
+                         prompt_token_ids_cpu=None, pooling_params=params, pooling_states=states)
+    md.build_pooling_cursor(np.array(scheduled), torch.tensor(seq_lens), device=torch.device("cpu"))
+    return md
+
+
+def _request(state, questions):
+    from clef_vllm.protocol import parse_request
+
+    return parse_request({"model": "m", "state": state, "questions": questions})
+
+
+@torch.inference_mode()
+def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model, encoder, tiny_release):
+    from vllm.v1.pool.metadata import PoolingStates
+
+    from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
+
+    m = release_model
+    block = 32
+    pooler = ClefPooler(m.head, m.lm_table, StateCacheSettings(SimpleNamespace(block_size=block), 1, capacity_blocks=64))
+    state = " ".join(f"ticket {i} says checkout fails with error {i * 7}" for i in range(30))
+    enc_a = encoder.encode(_request(state, {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}))
+    enc_b = encoder.encode(_request(state, {"team": {"type": "choice", "criteria": {"billing": "Pay", "tech": "Ops"}},
+                                            "sev": {"type": "score", "criteria": ["lo", "hi"]}}))
+    spec_a, spec_b = HeadSpec.from_encoded(enc_a, state_keys=True), HeadSpec.from_encoded(enc_b, state_keys=True)
+    shared = enc_a.schema_offset
+    assert enc_a.input_ids[:shared] == enc_b.input_ids[:shared] and spec_a.state_keys[:3] == spec_b.state_keys[:3]
+    g = torch.Generator().manual_seed(0)
+    width = m.config.hidden_size
+    h_a = torch.randn(spec_a.num_tokens, width, generator=g).to(torch.bfloat16)
+    h_b = torch.cat([h_a[:shared], torch.randn(spec_b.num_tokens - shared, width, generator=g).to(torch.bfloat16)])
+    try:
+        # request A, whole prompt in one step: its reusable blocks are stored
+        out_a = pooler(h_a, _metadata([spec_a], [spec_a.num_tokens], [spec_a.num_tokens], [PoolingStates()]))[0]
+        cache = state_cache.current()
+        stored = min(spec_a.first_span_start, len(spec_a.state_keys) * KEY_UNIT) // block
+        assert stored >= 3 and cache.stats.stored_blocks == stored and len(cache) == stored
+        # request B hits 3 blocks: vLLM schedules only the rest; the pooler reads the rows
+        start = 3 * block
+        st = PoolingStates()
+        out_b = pooler(h_b[start:], _metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens], [st]))[0]
+        assert cache.stats.hits == 1 and cache.stats.reused_tokens == start
+        full = RecordAccumulator(spec_b)
+        accumulate(m.head, h_b, [(full, 0, spec_b.num_tokens, 0)])
+        want = decide_records(m.head, m.lm_table, [full])[0]
+        torch.testing.assert_close(out_b, want, atol=2e-3, rtol=0)
+        # the reused rows are bit-identical to the rows B would have computed (same rows, same head)
+        _, recomputed = m.head.encode_tokens(h_b[:start])
+        assert torch.equal(cache.read(block_keys(spec_b.state_keys, block)[:3]), recomputed)
+        assert torch.isfinite(out_a).all()
+        # a hit whose rows are gone is answered with NaN (the backend then recomputes it uncached)
+        cache._slots.clear()
+        cache._free = list(range(cache.capacity))
+        out = pooler(h_b[start:], _metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens],
+                                            [PoolingStates()]))[0]
+        assert torch.isnan(out).all()
+    finally:
+        state_cache.install(None)

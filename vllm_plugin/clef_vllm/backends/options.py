@@ -1,0 +1,306 @@
+"""Typed options of each backend, validated before any backend is built.
+
+:func:`clef_vllm.backends.make_backend` turns its keyword arguments into :class:`ReferenceOptions`
+or :class:`VllmOptions` with :func:`backend_options`: an unknown option, one that belongs to the
+other backend, or a value of the wrong type or range is an :class:`OptionError` naming it. Nothing
+is dropped silently.
+
+Each field is declared once, with :func:`option`: its default, its help text, its ``clef-systemone``
+flag(s) and, for the vLLM backend, how it reaches ``vllm.AsyncEngineArgs`` (``engine="name"`` for
+a keyword of the same meaning, a function for anything derived, ``None`` for options of ours).
+:func:`engine_args` and the server's flags are generated from these declarations, so a new engine
+option is one new field of :class:`VllmOptions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from clef_vllm.encoding import DEFAULT_MAX_LENGTH
+
+#: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
+DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+class OptionError(ValueError):
+    """An engine option that does not exist, does not apply to the chosen backend, or has a bad value.
+
+    ``option`` names it; ``applies_to`` is the other backend when it is that backend's option only."""
+
+    def __init__(self, message: str, option: str | None = None, applies_to: str | None = None):
+        super().__init__(message)
+        self.option = option
+        self.applies_to = applies_to
+
+
+def option(default: Any, help: str, *, flags: tuple[str, ...] = (), engine: str | Callable | None = None,
+           kind: type | tuple[type, ...] | None = None, choices: tuple | None = None, minimum: float | None = None,
+           maximum: float | None = None, action: str | None = None, metavar: str | None = None):
+    """A dataclass field with what the CLI and the engine need to know about it.
+
+    ``flags``: ``clef-systemone`` flags generated for it (none: the CLI maps it itself, or it has
+    no flag). ``engine``: the ``AsyncEngineArgs`` keyword it sets (same value), or a function
+    ``(options, kwargs) -> None`` that edits the engine kwargs, or ``None``. ``kind``: the Python
+    type(s) a value must have (``None`` is always allowed when the default is ``None``);
+    ``choices`` / ``minimum`` / ``maximum`` restrict it further. ``action``: ``store_true`` or
+    ``store_false`` for boolean flags; a boolean field without one takes ``on`` / ``off`` on the
+    command line.
+    """
+    meta = {"help": help, "flags": flags, "engine": engine, "kind": kind, "choices": choices, "minimum": minimum,
+            "maximum": maximum, "action": action, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _check(owner: str, f: dataclasses.Field, value: Any) -> Any:
+    """Validate (and normalise) one value against its field's metadata."""
+    m = f.metadata
+    if value is None:
+        if f.default is None:
+            return None
+        raise OptionError(f"{owner} option {f.name!r} must not be None", f.name)
+    if f.name in ("dtype", "head_dtype") and not isinstance(value, str):   # e.g. torch.float32
+        value = str(value)
+    if f.name in ("dtype", "head_dtype"):
+        value = DTYPE_ALIASES.get(value.removeprefix("torch."), value)
+    kind = m.get("kind")
+    if kind is not None:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if not ok and float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            names = " or ".join(k.__name__ for k in kinds)
+            raise OptionError(f"{owner} option {f.name!r} must be {names}, got {type(value).__name__} {value!r}",
+                              f.name)
+    choices = m.get("choices")
+    if choices is not None and value not in choices:
+        raise OptionError(f"{owner} option {f.name!r} must be one of {list(choices)}, got {value!r} ({m['help']})",
+                          f.name)
+    if m.get("minimum") is not None and value < m["minimum"]:
+        raise OptionError(f"{owner} option {f.name!r} must be >= {m['minimum']}, got {value!r}", f.name)
+    if m.get("maximum") is not None and value > m["maximum"]:
+        raise OptionError(f"{owner} option {f.name!r} must be <= {m['maximum']}, got {value!r}", f.name)
+    return value
+
+
+class _Validated:
+    """Checks every field against its :func:`option` metadata after ``__init__``."""
+
+    backend: str = "?"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _check(f"{self.backend} backend", f, getattr(self, f.name)))
+
+
+@dataclass(frozen=True)
+class ReferenceOptions(_Validated):
+    """Options of the reference backend (transformers backbone + shared head, CPU or CUDA)."""
+
+    backend = "reference"
+
+    dtype: str = option("bfloat16", "dtype of the whole model, backbone and head (float32: the release's own "
+                        "float32 numerics)", kind=(str,), choices=("bfloat16", "float32"))
+    head_dtype: str | None = option(None, "the joint head's dtype when it differs from dtype (e.g. a float32 head on "
+                                    "a bf16 backbone)", kind=(str,), choices=("bfloat16", "float32"))
+    max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", kind=int, minimum=1)
+    device: str | None = option(None, "cpu or cuda (default: cuda if available)", flags=("--device",), kind=str)
+    max_batch_size: int = option(16, "requests per micro-batch (default 16)", flags=("--max-batch-size",), kind=int,
+                                 minimum=1)
+    max_batch_tokens: int = option(32768, "padded tokens per micro-batch (at least max_model_len; default 32768)",
+                                   flags=("--max-batch-tokens",), kind=int, minimum=1)
+
+    @property
+    def resolved_head_dtype(self) -> str:
+        return self.head_dtype or self.dtype
+
+
+def _max_num_batched_tokens(opts: "VllmOptions", kwargs: dict) -> None:
+    """Default: the request limit, at least 8192 and at most 16384 (one chunk holds a typical prompt)."""
+    kwargs["max_num_batched_tokens"] = int(opts.max_num_batched_tokens
+                                           or max(8192, min(int(opts.max_model_len), 16384)))
+
+
+def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
+    from clef_vllm.contract import HEAD_DTYPE_KEY
+
+    kwargs.setdefault("additional_config", {})[HEAD_DTYPE_KEY] = opts.resolved_head_dtype
+
+
+def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
+    """The worker's GDN prefill graphs (:mod:`clef_vllm.worker.prefill_graphs`) per padded bucket up to
+    the step's token budget, and vLLM's piecewise CUDA graphs captured up to the same token counts."""
+    if not opts.prefill_graphs:
+        return
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
+
+    budget = kwargs["max_num_batched_tokens"]
+    buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets}
+    if not opts.enforce_eager:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
+            budget, buckets, kwargs["max_num_seqs"])}
+
+
+def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
+    """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
+    (:mod:`clef_vllm.worker.state_cache`) and the scheduler rules that keep the two consistent."""
+    if not opts.state_cache:
+        return
+    from clef_vllm.contract import STATE_CACHE_KEY
+
+    kwargs.update(enable_prefix_caching=True, scheduler_cls="clef_vllm.worker.scheduler.ClefScheduler")
+    kwargs.setdefault("additional_config", {})[STATE_CACHE_KEY] = {"on": True}
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+@dataclass(frozen=True)
+class VllmOptions(_Validated):
+    """Options of the vLLM backend. Every field that reaches the engine says how (``engine=``).
+
+    Engine settings that are not up to the user are in
+    :data:`clef_vllm.backends.vllm_backend.FIXED_ENGINE_SETTINGS`.
+    """
+
+    backend = "vllm"
+
+    dtype: str = option("bfloat16", "dtype of the backbone: vLLM runs Clef in bfloat16; for a float32 head use "
+                        "head_dtype (--head-dtype)", engine="dtype", kind=(str,), choices=("bfloat16",))
+    head_dtype: str | None = option(None, "the joint head's dtype inside the worker (bfloat16 or float32)",
+                                    engine=_head_dtype_config, kind=(str,), choices=("bfloat16", "float32"))
+    max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", engine="max_model_len", kind=int,
+                                minimum=1)
+    data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",
+                                     flags=("--data-parallel-size", "--dp"), engine="data_parallel_size", kind=int,
+                                     minimum=1)
+    gpu_memory_utilization: float = option(0.9, "share of each GPU's memory vLLM may use (default 0.9)",
+                                           flags=("--gpu-memory-utilization",), engine="gpu_memory_utilization",
+                                           kind=float, minimum=0.01, maximum=1.0)
+    max_num_seqs: int = option(128, "requests per engine step (default 128)", flags=("--max-num-seqs",),
+                               engine="max_num_seqs", kind=int, minimum=1)
+    max_num_batched_tokens: int | None = option(None, "tokens per engine step; longer prompts are chunked (default: "
+                                                "max-model-len clamped to [8192, 16384])",
+                                                flags=("--max-num-batched-tokens",), engine=_max_num_batched_tokens,
+                                                kind=int, minimum=1)
+    enforce_eager: bool = option(False, "no CUDA graphs / torch.compile (faster start, slower steps)",
+                                 flags=("--enforce-eager",), engine="enforce_eager", kind=bool, action="store_true")
+    gdn_prefill_backend: str | None = option("triton", "GDN prefill kernel (default triton: FlashInfer's JITs on "
+                                             "first use on Hopper)", flags=("--gdn-prefill-backend", "--gdn-backend"),
+                                             engine="gdn_prefill_backend", kind=str,
+                                             choices=("triton", "flashinfer", "cutedsl"))
+    linear_backend: str | None = option(None, "vLLM --linear-backend (e.g. emulation: true W4A4 NVFP4 numerics on "
+                                        "Hopper, slow)", flags=("--linear-backend",), engine="linear_backend",
+                                        kind=str)
+    quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
+                                      "checkpoints need none", flags=("--quantization",), engine="quantization",
+                                      kind=str)
+    load_format: str = option("auto", "vLLM load format; 'dummy' = random weights for benchmarks (configs only)",
+                              flags=("--load-format",), engine="load_format", kind=str)
+    seed: int = option(0, "engine seed", engine="seed", kind=int)
+    prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
+                                  "capture vLLM's piecewise graphs up to the same token counts (default on; "
+                                  "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
+    state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
+                               "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
+                               flags=("--state-cache",), engine=_state_cache, kind=bool)
+    warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
+                          kind=bool, action="store_false")
+
+    @property
+    def resolved_head_dtype(self) -> str:
+        return self.head_dtype or self.dtype
+
+
+#: Option dataclass per backend name.
+OPTIONS: dict[str, type] = {"reference": ReferenceOptions, "vllm": VllmOptions}
+
+
+def field_names(backend: str) -> set[str]:
+    return {f.name for f in fields(OPTIONS[backend])}
+
+
+def backend_options(backend: str, options: dict[str, Any]):
+    """``options`` as the typed options of ``backend`` (``reference`` or ``vllm``).
+
+    A ``None`` value means "the default". Raises :class:`OptionError` naming the first option that
+    is unknown, belongs to the other backend only, or has a bad value.
+    """
+    if backend not in OPTIONS:
+        raise OptionError(f"no options for backend {backend!r}; expected one of {sorted(OPTIONS)}")
+    given = {k: v for k, v in options.items() if v is not None}
+    mine = field_names(backend)
+    for name in given:
+        if name in mine:
+            continue
+        others = [b for b in OPTIONS if b != backend and name in field_names(b)]
+        if others:
+            raise OptionError(f"option {name!r} applies to the {others[0]} backend, not to the {backend} backend",
+                              name, others[0])
+        raise OptionError(f"unknown option {name!r} for the {backend} backend; it takes {sorted(mine)}", name)
+    return OPTIONS[backend](**given)
+
+
+def engine_args(opts: VllmOptions) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` keywords that :class:`VllmOptions` fields produce (see their ``engine``)."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(opts):
+        how = f.metadata.get("engine")
+        if how is None:
+            continue
+        if callable(how):
+            how(opts, kwargs)
+        elif getattr(opts, f.name) is not None:
+            kwargs[how] = getattr(opts, f.name)
+    return kwargs
+
+
+# --------------------------------------------------------------------------- command-line flags
+
+
+def add_flags(group, backend: str) -> None:
+    """Add the flags of ``backend``'s options that declare ``flags`` to an argparse group.
+
+    Defaults are suppressed: a flag that was not given does not appear in the namespace, so
+    :func:`given_options` can tell "given" from "default" (a flag given for the other backend is
+    then an error, not silently ignored)."""
+    for f in fields(OPTIONS[backend]):
+        m = f.metadata
+        if not m.get("flags"):
+            continue
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": m["help"]}
+        if m.get("action"):
+            kw["action"] = m["action"]
+        elif m["kind"] is bool:
+            kw.update(type=_on_off, metavar="{on,off}")
+        else:
+            kinds = m["kind"] if isinstance(m["kind"], tuple) else (m["kind"],)
+            kw["type"] = kinds[0] if kinds[0] in (int, float) else str
+            if m.get("choices"):
+                kw["choices"] = list(m["choices"])
+            if m.get("metavar"):
+                kw["metavar"] = m["metavar"]
+        group.add_argument(*m["flags"], **kw)
+
+
+def flag_of(name: str) -> str:
+    """The CLI flag of option ``name`` (for messages): its first declared flag, else ``--name``."""
+    for cls in OPTIONS.values():
+        for f in fields(cls):
+            if f.name == name and f.metadata.get("flags"):
+                return f.metadata["flags"][0]
+    return "--" + name.replace("_", "-")
+
+
+def given_options(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The backend options present in a namespace built with :func:`add_flags` (flags given)."""
+    names = set().union(*(field_names(b) for b in OPTIONS))
+    return {k: v for k, v in vars(namespace).items() if k in names}

@@ -1,0 +1,23 @@
+"""What the vLLM backend (front-end) and the plugin's worker code agree on; imports nothing.
+
+The front-end (:mod:`clef_vllm.backends.vllm_backend`) sends every request as
+``PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: HeadSpec.to_wire()})`` and starts the
+engine with ``additional_config={HEAD_DTYPE_KEY: "bfloat16" | "float32", ...}`` (plus the
+prefill-graph and state-cache settings below when they are on); the worker (:mod:`clef_vllm.worker`)
+reads exactly these names. Both sides import them from here (the engine side through
+:mod:`clef_vllm.backends.options`).
+"""
+
+#: vLLM pooling task served by :class:`clef_vllm.worker.pooler.ClefPooler` (vLLM's task for a
+#: model-defined pooler; ``PoolingParams.verify`` leaves its params alone).
+POOLING_TASK = "plugin"
+#: Key of the per-request head spec in ``PoolingParams.extra_kwargs`` (plain lists: msgpack-safe).
+PARAMS_KEY = "clef"
+#: Key of the joint head's dtype in vLLM's ``additional_config`` (read by every worker).
+HEAD_DTYPE_KEY = "clef_head_dtype"
+#: Values ``HEAD_DTYPE_KEY`` may take.
+HEAD_DTYPES = ("bfloat16", "float32")
+#: ``additional_config`` key: ``{"buckets": [...]}`` turns on the GDN prefill graphs (absent: off).
+PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
+#: ``additional_config`` key: present (a dict) when the state cache is on (prefix caching + side rows).
+STATE_CACHE_KEY = "clef_state_cache"

@@ -1,0 +1,99 @@
+"""Which vLLM 0.28 scheme class and GEMM kernel a quantization scheme gets on a CUDA capability.
+
+The only part of :mod:`clef_vllm.quant` that serving needs: the server's front-end logs this
+prediction per scheme at start-up (each worker then logs what it actually instantiated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clef_vllm.quant.schemes import FP8_W8A8, FP8_W8A16, NVFP4_W4A4, NVFP4_W4A16, UNQUANTIZED
+
+
+@dataclass(frozen=True)
+class KernelPrediction:
+    """What vLLM 0.28 runs for one scheme on one GPU."""
+
+    kind: str
+    scheme_class: str          # CompressedTensorsW8A8Fp8 / CompressedTensorsW4A4Fp4 / UnquantizedLinearMethod
+    kernel: str                # the GEMM kernel class vLLM selects first
+    numerics: str              # what is actually computed, e.g. "W4A16 (weights only)"
+    description: str           # one line for logs
+    supported: bool = True
+
+
+def parse_capability(capability) -> tuple[int, int]:
+    """``(9, 0)``, ``"9.0"``, ``9.0``, ``90`` or ``"sm_90"`` -> ``(9, 0)``."""
+    if isinstance(capability, tuple):
+        return int(capability[0]), int(capability[1])
+    text = str(capability).lower().removeprefix("sm_").removeprefix("sm")
+    if "." in text:
+        major, minor = text.split(".", 1)
+        return int(major), int(minor[:1] or 0)
+    value = int(text)
+    return (value // 10, value % 10) if value >= 10 else (value, 0)
+
+
+def gpu_family(capability) -> str:
+    major, minor = parse_capability(capability)
+    return {7: "Turing/Volta", 8: "Ada" if minor >= 9 else "Ampere", 9: "Hopper", 10: "Blackwell",
+            11: "Blackwell", 12: "Blackwell (consumer)"}.get(major, f"SM{major}{minor}")
+
+
+def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flashinfer: bool = True) -> KernelPrediction:
+    """The scheme class and GEMM kernel vLLM 0.28 picks for ``kind`` on a CUDA ``capability``.
+
+    Follows ``init_fp8_linear_kernel`` / ``init_nvfp4_linear_kernel`` (docs/vllm-internals.md,
+    "Kernels"): FP8 W8A8
+    per-channel + dynamic per-token -> CUTLASS on SM89+; NVFP4 -> Marlin W4A16 below SM100,
+    FlashInfer/CUTLASS native W4A4 on SM100+. ``linear_backend="emulation"`` forces the NVFP4
+    emulation kernel (true W4A4 numerics, slow). ``flashinfer``: whether FlashInfer is installed.
+    """
+    cap = parse_capability(capability)
+    num = cap[0] * 10 + cap[1]
+    family = f"{gpu_family(cap)} GPU (SM{num})"
+    if kind == UNQUANTIZED:
+        return KernelPrediction(kind, "UnquantizedLinearMethod", "torch/cuBLAS GEMM", "BF16",
+                                f"unquantized layers run as BF16 GEMMs on this {family}")
+    if kind in (FP8_W8A8, FP8_W8A16):
+        if num < 75:
+            return KernelPrediction(kind, "-", "-", "-", f"FP8 is not supported on SM{num} (needs SM75+)", False)
+        if kind == FP8_W8A8 and num >= 89:
+            return KernelPrediction(kind, "CompressedTensorsW8A8Fp8", "CutlassFP8ScaledMMLinearKernel", "W8A8 FP8",
+                                    f"FP8 W8A8 runs natively (CUTLASS, dynamic per-token FP8 activations) on this {family}")
+        return KernelPrediction(kind, "CompressedTensorsW8A16Fp8", "MarlinFP8ScaledMMLinearKernel",
+                                "W8A16 (weights only)",
+                                f"FP8 runs as Marlin W8A16 (weights only, BF16 activations) on this {family}")
+    if kind in (NVFP4_W4A4, NVFP4_W4A16):
+        if num < 75:
+            return KernelPrediction(kind, "-", "-", "-", f"NVFP4 is not supported on SM{num} (needs SM75+)", False)
+        cls = "CompressedTensorsW4A4Fp4"
+        if linear_backend == "emulation":
+            return KernelPrediction(kind, cls, "EmulationNvFp4LinearKernel",
+                                    "W4A4 (emulated)" if kind == NVFP4_W4A4 else "W4A16 (emulated)",
+                                    f"NVFP4 runs through the emulation kernel (true FP4 numerics, slow) on this {family}")
+        if kind == NVFP4_W4A4 and cap[0] in (10, 11):
+            kernel = "FlashInferCuteDslNvFp4LinearKernel" if flashinfer else "CutlassNvFp4LinearKernel"
+            return KernelPrediction(kind, cls, kernel, "W4A4",
+                                    f"NVFP4 W4A4 runs natively ({'FlashInfer' if flashinfer else 'CUTLASS'}, "
+                                    f"FP4 activations with the calibrated input global scale) on this {family}")
+        if kind == NVFP4_W4A4 and cap[0] >= 12:
+            kernel = "FlashInferCutlassNvFp4LinearKernel" if flashinfer else "CutlassNvFp4LinearKernel"
+            return KernelPrediction(kind, cls, kernel, "W4A4",
+                                    f"NVFP4 W4A4 runs natively ({'FlashInfer-CUTLASS' if flashinfer else 'CUTLASS'}) "
+                                    f"on this {family}")
+        what = "NVFP4 W4A4" if kind == NVFP4_W4A4 else "NVFP4 W4A16"
+        return KernelPrediction(kind, cls, "MarlinNvFp4LinearKernel", "W4A16 (weights only)",
+                                f"{what} runs as Marlin W4A16 (weights only, BF16 activations; the input global "
+                                f"scale is unused) on this {family}")
+    return KernelPrediction(kind, "?", "?", "?", f"scheme {kind} is outside the Hybrid recipe; not predicted", False)
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """This machine's first CUDA device capability, or None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(0))

@@ -1,0 +1,43 @@
+"""Content keys of a prompt's reusable prefix (the state cache's addressing; no vLLM, no torch).
+
+The front-end keys the token ids before a request's first question/option span in units of
+:data:`KEY_UNIT` tokens, chained, so key ``j`` identifies exactly the ids ``[0, (j + 1) * KEY_UNIT)``.
+The worker stores the joint head's memory rows of a cached KV block under the key of the block's
+last unit; the scheduler grants a prefix-cache hit only as far as such rows exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+#: Tokens per key. vLLM's KV block sizes are multiples of 16 (its attention kernels require it).
+KEY_UNIT = 16
+#: Bytes per key (BLAKE2b digest size): a collision between two prefixes is out of reach (2^-128).
+KEY_BYTES = 16
+_PERSON = b"clef-state-v1"
+
+
+def prefix_keys(token_ids: Sequence[int], upto: int, unit: int = KEY_UNIT) -> list[bytes]:
+    """Chained keys of ``token_ids[:upto]``, one per whole ``unit`` tokens."""
+    count = max(0, min(upto, len(token_ids)) // unit)
+    if count == 0:
+        return []
+    data = np.asarray(token_ids[:count * unit], dtype="<u4").tobytes()
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    step = unit * 4
+    keys = []
+    for j in range(count):
+        h.update(data[j * step:(j + 1) * step])
+        keys.append(h.copy().digest())
+    return keys
+
+
+def block_keys(unit_keys: Sequence[bytes], block: int, unit: int = KEY_UNIT) -> list[bytes]:
+    """The key of each whole ``block``-token block the unit keys cover (its last unit's key)."""
+    if block % unit:
+        raise ValueError(f"block size {block} is not a multiple of the key unit {unit}")
+    per = block // unit
+    return [unit_keys[(k + 1) * per - 1] for k in range(len(unit_keys) // per)]

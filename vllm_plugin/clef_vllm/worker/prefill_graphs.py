@@ -1,0 +1,376 @@
+"""Plugin-owned CUDA graphs for the Gated DeltaNet layers of prefill steps.
+
+Why: vLLM 0.28 runs a pooling model's linear layers as piecewise CUDA graphs, but every GDN
+layer is a graph break. Its core (causal conv1d, gating prep, the chunked delta rule, the state
+write) is ~8 Triton launches whose host cost (~0.9 ms per layer, mostly Python and Triton's
+launch path) dwarfs their GPU time for a short request: 24 layers make a ~400-token decision
+host-bound. Replaying the same kernels from a CUDA graph costs one launch.
+
+What: for a step that prefills exactly ONE sequence (the common case for an interactive
+decision, and every chunk of a long one), each GDN layer's core runs from a graph captured for
+a padded token count (a *bucket*). Every other step takes vLLM's own path unchanged.
+
+Padding is made exact, not approximate:
+
+* causal conv1d and the delta rule are causal, so outputs of the real rows never see the
+  padded rows after them;
+* padded rows get gate ``g = 0`` (decay ``exp(0) = 1``) and ``beta = 0`` (no write), so the
+  recurrent state after the padded rows equals the state after the last real row, bit for bit
+  (the WY factors of a ``beta = 0`` row are zero rows);
+* the conv state the kernel stores (the last ``width - 1`` inputs of the *padded* sequence) is
+  replaced by the last ``width - 1`` real inputs.
+
+So the states written for the sequence are those of the real tokens and may be read again
+(a later chunk of the same prompt, or a prefix-cache hit). Static buffers are shared by all
+layers of a bucket (layers run one after another on one stream); graphs share one memory pool.
+Capture uses the null block's state line (line 0) as scratch, so it never touches a request's
+state. See docs/latency.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger("clef_vllm")
+
+#: Padded token counts a single-sequence prefill step can replay from a graph. A step with more
+#: tokens (or several sequences) runs vLLM's own path.
+DEFAULT_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
+#: FLA's chunk length: chunk metadata is built per bucket for this size.
+CHUNK_SIZE = 64
+#: The null block's state line: scratch for warm-up and capture (vLLM pads with it too).
+SCRATCH_LINE = 0
+
+
+def choose_bucket(num_tokens: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``num_tokens`` tokens, or ``None`` when none does."""
+    i = bisect.bisect_left(buckets, num_tokens)
+    return buckets[i] if i < len(buckets) else None
+
+
+def fallback_reason(md: Any, buckets: Sequence[int], min_tokens: int) -> str | None:
+    """Why a step's GDN metadata cannot use a graph (``None``: it can).
+
+    Eligible: exactly one prefill sequence, no decodes, no speculative tokens, at least
+    ``min_tokens`` tokens (the conv state repair needs ``width - 1`` real rows) and a bucket that
+    holds them. Only host-side fields are read: no GPU synchronisation.
+    """
+    if md is None:
+        return "no_metadata"
+    if getattr(md, "spec_sequence_masks", None) is not None or getattr(md, "num_spec_decodes", 0):
+        return "speculative"
+    if md.num_decodes:
+        return "decodes"
+    if md.num_prefills != 1:
+        return "batch" if md.num_prefills > 1 else "no_prefill"
+    if md.num_prefill_tokens != md.num_actual_tokens:
+        return "padded_metadata"
+    if md.prefill_state_indices is None or md.prefill_state_indices.shape[0] != 1:
+        return "state_indices"
+    n = md.num_actual_tokens
+    if n < min_tokens:
+        return "too_short"
+    if choose_bucket(n, buckets) is None:
+        return "too_long"
+    return None
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@dataclass(frozen=True)
+class GdnKernels:
+    """The kernels a GDN core is made of; vLLM's Triton kernels on the GPU, a torch reference in tests.
+
+    ``conv(x, layer, has_init, lines, query_start_loc, meta)``: causal conv1d + activation of
+    ``x`` [dim, T] (channel-last view), reading and updating ``layer.conv_state`` lines.
+    ``prep(y, a, b, layer)``: (q, k, v, g, beta) from the conv output [T, dim] (g: log decay).
+    ``rule(q, k, v, g, beta, h0, cu_seqlens, chunk_indices, chunk_offsets)``: (o, final_state).
+    """
+
+    conv: Callable
+    prep: Callable
+    rule: Callable
+
+
+def vllm_kernels() -> GdnKernels:
+    """vLLM 0.28's own Triton kernels, called exactly as its ``_forward_core`` prefill path does."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+    from vllm.third_party.flash_linear_attention.ops import fused_post_conv_prep
+
+    def conv(x, layer, has_init, lines, query_start_loc, meta):
+        return causal_conv1d_fn(x, layer.conv_weight, layer.conv_bias, activation=layer.activation,
+                                conv_states=layer.conv_state, has_initial_state=has_init, cache_indices=lines,
+                                query_start_loc=query_start_loc, metadata=meta)
+
+    def prep(y, a, b, layer):
+        return fused_post_conv_prep(conv_output=y, a=a, b=b, A_log=layer.A_log, dt_bias=layer.dt_bias,
+                                    num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim,
+                                    head_v_dim=layer.head_v_dim, apply_l2norm=True, output_g_exp=False)
+
+    def rule(q, k, v, g, beta, h0, cu_seqlens, chunk_indices, chunk_offsets, *, layer):
+        return layer.chunk_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+                                use_qk_l2norm_in_kernel=False)
+
+    return GdnKernels(conv=conv, prep=prep, rule=rule)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+class Bucket:
+    """Static buffers and chunk metadata for one padded length, shared by every GDN layer."""
+
+    def __init__(self, size: int, dims: "GdnDims", device, dtype, conv_meta: Any, chunk_indices, chunk_offsets):
+        self.size = size
+        zeros = dict(device=device)
+        # Inputs start as zeros: padded rows then only ever hold earlier real (finite) inputs.
+        self.qkv = torch.zeros(size, dims.conv_dim, dtype=dtype, **zeros)
+        self.b = torch.zeros(size, dims.num_v_heads, dtype=dtype, **zeros)
+        self.a = torch.zeros(size, dims.num_v_heads, dtype=dtype, **zeros)
+        self.out = torch.zeros(size, dims.num_v_heads, dims.head_v_dim, dtype=dtype, **zeros)
+        self.lines = torch.zeros(1, dtype=torch.int32, **zeros)          # the sequence's state line
+        self.has_init = torch.zeros(1, dtype=torch.bool, **zeros)        # read its state first?
+        self.query_start_loc = torch.tensor([0, size], dtype=torch.int32, **zeros)
+        self.valid = torch.zeros(size, dtype=torch.float32, **zeros)     # 1 for real rows, 0 for padding
+        self.positions = torch.arange(size, dtype=torch.int64, **zeros)
+        self.tail_offsets = torch.arange(-(dims.conv_width - 1), 0, dtype=torch.int64, **zeros)
+        self.tail = torch.zeros(dims.conv_width - 1, dtype=torch.int64, **zeros)
+        self.conv_meta = conv_meta
+        self.chunk_indices = chunk_indices
+        self.chunk_offsets = chunk_offsets
+        self.length: int | None = None
+
+    def set_length(self, n: int) -> None:
+        """Point the padding mask and the conv-tail rows at ``n`` real tokens (3 small kernels)."""
+        if self.length == n:
+            return
+        torch.lt(self.positions, n, out=self.valid)
+        torch.add(self.tail_offsets, n, out=self.tail)
+        self.length = n
+
+
+@dataclass(frozen=True)
+class GdnDims:
+    conv_dim: int
+    num_v_heads: int
+    head_v_dim: int
+    conv_width: int
+
+
+def layer_view(layer) -> SimpleNamespace:
+    """What the graph body needs from a vLLM ``QwenGatedDeltaNetAttention`` (after KV-cache binding)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    raw = layer.kv_cache[0]
+    dim_first = is_conv_state_dim_first()
+    w = layer.conv1d.weight
+    return SimpleNamespace(
+        conv_weight=w.view(w.size(0), w.size(2)), conv_bias=layer.conv1d.bias, activation=layer.activation,
+        conv_state=raw if dim_first else raw.transpose(-1, -2), conv_state_raw=raw, conv_dim_first=dim_first,
+        ssm_state=layer.kv_cache[1], A_log=layer.A_log, dt_bias=layer.dt_bias,
+        num_k_heads=layer.num_k_heads // layer.tp_size, head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim,
+        chunk_rule=layer.chunk_gated_delta_rule)
+
+
+def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels) -> None:
+    """One GDN layer's core for one padded sequence: reads ``bucket.qkv/a/b``, writes ``bucket.out``
+    and the sequence's conv / SSM state lines. Graph-capturable: no host synchronisation, every
+    tensor it reads or writes has a fixed address."""
+    x = bucket.qkv
+    y = kernels.conv(x.transpose(0, 1), view, bucket.has_init, bucket.lines, bucket.query_start_loc,
+                     bucket.conv_meta).transpose(0, 1)
+    # The kernel stored the last width-1 inputs of the PADDED sequence; store the real ones.
+    tail = x.index_select(0, bucket.tail)                                 # [width-1, dim]
+    view.conv_state_raw[bucket.lines] = (tail.transpose(0, 1) if view.conv_dim_first else tail).unsqueeze(0).to(
+        view.conv_state_raw.dtype)
+    q, k, v, g, beta = kernels.prep(y, bucket.a, bucket.b, view)
+    keep = bucket.valid[:, None]
+    g.mul_(keep)                 # log decay 0: the state passes padded rows unchanged
+    beta.mul_(keep)              # no write from padded rows
+    h0 = view.ssm_state[bucket.lines]
+    h0 = torch.where(bucket.has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
+    o, final = kernels.rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), h0,
+                            bucket.query_start_loc, bucket.chunk_indices, bucket.chunk_offsets, layer=view)
+    view.ssm_state[bucket.lines] = final.to(view.ssm_state.dtype)
+    bucket.out.copy_(o.reshape(bucket.out.shape))
+
+
+# --------------------------------------------------------------------------- runner
+
+
+@dataclass
+class GraphStats:
+    replays: int = 0
+    captures: int = 0
+    fallbacks: Counter = field(default_factory=Counter)
+
+
+class GdnGraphRunner:
+    """Owns the per-(layer, bucket) graphs and replays them for eligible steps.
+
+    ``install(model)`` wraps the ``_forward_core`` of every GDN layer of ``model``; the wrapper
+    replays a graph when :func:`fallback_reason` says the step is eligible and calls vLLM's own
+    method otherwise (and for vLLM's own warm-up and capture runs).
+    """
+
+    def __init__(self, buckets: Sequence[int] = DEFAULT_BUCKETS, *, max_tokens: int | None = None,
+                 kernels: GdnKernels | None = None):
+        buckets = sorted({int(b) for b in buckets if b > 0 and (max_tokens is None or b <= max_tokens)})
+        self.buckets = tuple(buckets)
+        self.kernels = kernels
+        self.stats = GraphStats()
+        self._buckets: dict[int, Bucket] = {}
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._broken: set[tuple[str, int]] = set()
+        self._views: dict[str, SimpleNamespace] = {}
+        self._pool = None
+        self.min_tokens = 4
+
+    # ------------------------------------------------------------------ installation
+
+    def install(self, model: torch.nn.Module) -> int:
+        """Wrap every GDN layer of ``model``; returns how many were wrapped."""
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+        count = 0
+        for module in model.modules():
+            if isinstance(module, QwenGatedDeltaNetAttention) and not getattr(module, "_clef_graphs", False):
+                original = module._forward_core
+                module._forward_core = self._wrap(module, original)
+                module._clef_graphs = True
+                self.min_tokens = max(self.min_tokens, module.conv_kernel_size)
+                count += 1
+        return count
+
+    def _wrap(self, layer, original):
+        def forward_core(mixed_qkv, b, a, core_attn_out):
+            if not self.run(layer, mixed_qkv, b, a, core_attn_out):
+                original(mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+        return forward_core
+
+    # ------------------------------------------------------------------ one layer call
+
+    def run(self, layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+            core_attn_out: torch.Tensor) -> bool:
+        """Replay this layer's graph for the current step; ``False``: the caller runs vLLM's path."""
+        from vllm.forward_context import get_forward_context
+
+        md_all = get_forward_context().attn_metadata
+        md = md_all.get(layer.prefix) if isinstance(md_all, dict) else None
+        reason = fallback_reason(md, self.buckets, self.min_tokens)
+        if reason is None and layer.gdn_prefill_backend != "triton":
+            reason = "gdn_backend"
+        if reason is None and torch.cuda.is_current_stream_capturing():
+            reason = "capturing"
+        if reason is not None:
+            self.stats.fallbacks[reason] += 1
+            return False
+        n = md.num_actual_tokens
+        size = choose_bucket(n, self.buckets)
+        key = (layer.prefix, size)
+        if key in self._broken:
+            self.stats.fallbacks["capture_failed"] += 1
+            return False
+        bucket = self._bucket(size, layer, mixed_qkv)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(layer, bucket, key)
+            if graph is None:
+                self.stats.fallbacks["capture_failed"] += 1
+                return False
+        bucket.set_length(n)
+        bucket.lines.copy_(md.prefill_state_indices[:1])
+        bucket.has_init.copy_(md.prefill_has_initial_state[:1])
+        bucket.qkv[:n].copy_(mixed_qkv[:n])
+        bucket.b[:n].copy_(b[:n])
+        bucket.a[:n].copy_(a[:n])
+        graph.replay()
+        core_attn_out[:n].copy_(bucket.out[:n])
+        self.stats.replays += 1
+        return True
+
+    # ------------------------------------------------------------------ buckets and capture
+
+    def _view(self, layer) -> SimpleNamespace:
+        view = self._views.get(layer.prefix)
+        if view is None:
+            view = self._views[layer.prefix] = layer_view(layer)
+        return view
+
+    def _bucket(self, size: int, layer, like: torch.Tensor) -> Bucket:
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            from vllm.third_party.flash_linear_attention.ops.index import (prepare_chunk_indices,
+                                                                           prepare_chunk_offsets)
+            from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
+
+            device = like.device
+            cu_cpu = torch.tensor([0, size], dtype=torch.int32)
+            nums, batch_ptr, offsets_ptr = compute_causal_conv1d_metadata(cu_cpu, device=device)
+            meta = SimpleNamespace(nums_dict=nums, batch_ptr=batch_ptr, token_chunk_offset_ptr=offsets_ptr)
+            chunk_indices = prepare_chunk_indices(cu_cpu, CHUNK_SIZE).to(device)
+            chunk_offsets = prepare_chunk_offsets(cu_cpu, CHUNK_SIZE).to(device)
+            dims = GdnDims(conv_dim=like.shape[-1], num_v_heads=layer.num_v_heads // layer.tp_size,
+                           head_v_dim=layer.head_v_dim, conv_width=layer.conv_kernel_size)
+            bucket = self._buckets[size] = Bucket(size, dims, device, like.dtype, meta, chunk_indices, chunk_offsets)
+        return bucket
+
+    def _capture(self, layer, bucket: Bucket, key) -> "torch.cuda.CUDAGraph | None":
+        view = self._view(layer)
+        kernels = self.kernels or vllm_kernels()
+        self.kernels = kernels
+
+        def body():
+            single_sequence_core(view, bucket, kernels)
+
+        try:
+            bucket.lines.fill_(SCRATCH_LINE)
+            bucket.has_init.fill_(False)
+            bucket.set_length(bucket.size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):                   # autotune / JIT outside the capture
+                body()
+                body()
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                body()
+        except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
+            self._broken.add(key)
+            log.warning("clef prefill graphs: capture for %s at %d tokens failed (%s: %s); that bucket uses "
+                        "vLLM's path", key[0], key[1], type(exc).__name__, exc)
+            return None
+        finally:
+            bucket.length = None            # set_length() runs again for the real step
+        self._graphs[key] = graph
+        self.stats.captures += 1
+        return graph
+
+    def describe(self) -> dict:
+        return {"buckets": list(self.buckets), "graphs": len(self._graphs), "replays": self.stats.replays,
+                "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
+
+
+def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS, max_num_seqs: int = 256) -> list[int]:
+    """vLLM's piecewise capture sizes, extended with the GDN buckets.
+
+    vLLM's default stops at ``min(2 x max_num_seqs, 512)`` tokens, so a ~400-token request on a
+    server with 128 sequences runs its linear layers without graphs; capturing the buckets too
+    lets a single-sequence step replay every part of the backbone.
+    """
+    top = min(2 * max_num_seqs, 512)
+    sizes = {1, 2, 4} | set(range(8, min(top, 256) + 1, 8)) | set(range(256, top + 1, 16))
+    sizes |= {b for b in buckets}
+    return sorted(s for s in sizes if s <= max_tokens)

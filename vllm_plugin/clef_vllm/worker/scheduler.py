@@ -1,0 +1,98 @@
+"""``ClefScheduler``: vLLM 0.28's scheduler with two rules for Clef requests under the state cache.
+
+vLLM runs in the engine-core process together with its (single, TP=1) worker, so the scheduler
+sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
+
+1. **A hit never outruns the memory rows.** vLLM's prefix-cache lookup is capped at the request's
+   reusable prefix (tokens before its first span, ``HeadSpec.reuse_limit``) and at the leading
+   blocks whose memory rows the side cache holds; vLLM's own search then finds the longest hit
+   below the cap where the attention blocks and a GDN state agree.
+2. **A chunk ends where the next request can resume.** In ``align`` mode vLLM keeps a GDN state
+   only where a prefill chunk ends on a block boundary, and it would otherwise stop every prompt
+   at its last full block, a boundary inside the schema that only a request with the same
+   questions can use. A Clef request's prefill instead stops at the last block boundary of its
+   reusable prefix (and at a shared-prefix junction vLLM detected: where this prompt diverges from
+   a cached one), then runs to the end (every chunk but the last still ends on a block boundary,
+   as vLLM requires).
+
+Requests without Clef reuse information (vLLM's profiling, other pooling tasks) get vLLM's rules.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from clef_vllm.contract import PARAMS_KEY
+from clef_vllm.state_keys import KEY_UNIT, block_keys
+from clef_vllm.worker import state_cache
+
+log = logging.getLogger("clef_vllm")
+
+
+def reuse_info(request) -> tuple[int, list]:
+    """``(reuse_limit, unit_keys)`` of a Clef request under the state cache, else ``(0, [])``."""
+    params = getattr(request, "pooling_params", None)
+    spec = ((params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None) or {}
+    limit = int(spec.get("r", 0) or 0)
+    return (limit, list(spec.get("k") or ())) if limit > 0 else (0, [])
+
+
+def reuse_boundary(limit: int, unit_keys: list, block: int) -> int:
+    """The last block boundary inside the keyed reusable prefix (0: none)."""
+    return min(limit, len(unit_keys) * KEY_UNIT) // block * block
+
+
+def capped_chunk(start: int, num_new_tokens: int, prompt_len: int, block: int, budget: int, boundary: int,
+                 junction: int = 0) -> int:
+    """Tokens of a Clef request's next prefill chunk: every chunk but the last ends on a block boundary,
+    and a chunk stops at the reuse ``boundary`` and at a shared-prefix ``junction`` (where another
+    request's prompt diverges from this one: its GDN state there serves both) that lie inside it."""
+    end = start + num_new_tokens
+    if start >= prompt_len:
+        return num_new_tokens
+    if end < prompt_len:                      # not the last chunk: end on a block boundary
+        aligned = end // block * block
+        if aligned > start or block <= budget:
+            end = aligned
+    stops = ((start // block + 1) * block if start % block else 0, boundary, junction // block * block)
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
+
+
+class ClefScheduler(Scheduler):
+    """See the module docstring."""
+
+    def _get_local_prefix_cache_hit(self, request):
+        limit, unit_keys = reuse_info(request)
+        manager = self.kv_cache_manager
+        empty = (manager.empty_kv_cache_blocks, 0, 0, False)
+        if not limit:
+            return super()._get_local_prefix_cache_hit(request)
+        cache = state_cache.current()
+        block = self.block_size
+        if cache is None or cache.block != block or block % KEY_UNIT or not manager.prefix_cache_lookup_enabled(request):
+            return empty
+        present = cache.present_prefix(block_keys(unit_keys, block))
+        cap = min(request.num_tokens - 1, limit, present * block)
+        if cap < block:
+            return empty
+        blocks, hit, uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, cap)
+        boundary = hit + uncached if uncached else 0
+        return manager.create_kv_cache_blocks(blocks), hit, boundary, False
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+                                   num_external_computed_tokens: int = 0) -> int:
+        limit, unit_keys = reuse_info(request)
+        if not limit:
+            return super()._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens,
+                                                      num_external_computed_tokens)
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        budget = self.max_num_scheduled_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0:
+            budget = min(budget, threshold)
+        return capped_chunk(start, num_new_tokens, request.num_prompt_tokens, self.block_size, budget,
+                            reuse_boundary(limit, unit_keys, self.block_size),
+                            min(getattr(request, "shared_prefix_boundary", 0) or 0, limit))
