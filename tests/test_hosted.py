@@ -213,7 +213,11 @@ def test_raw_http_errors_carry_the_hosted_envelope_on_both_spellings(live_server
                             404, 7000, "no such route")
         assert_hosted_error(run(server, path + "?queueRequest=true", REQUEST, headers=headers), 400, 6003,
                             "queueRequest", "POST /v1/systemone/bulk")
-        assert_hosted_error(httpx.get(server.url + path, headers=headers), 405, 5012, "method not allowed")
+        assert_hosted_error(httpx.get(server.url + path, headers=headers), 405, 7000, "method not allowed")
+        # text/plain (what a cross-site form can forge JSON with) or no type at all: 415, as on /v1/systemone
+        for content_type in ("text/plain", ""):
+            assert_hosted_error(run(server, path, REQUEST, headers={**headers, "Content-Type": content_type}),
+                                415, 6003, "Content-Type")
     # auth: the hosted route is behind --api-key, like /v1/*
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Token {TOKEN}"}):
         resp = run(hosted_server, path, REQUEST, headers=headers)
