@@ -17,6 +17,20 @@ from support import vllm_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: A support-ticket request with one question of each type, used across the server tests.
+REQUEST = {
+    "model": "clef-flash",
+    "state": "Checkout has been failing for every customer for the last hour.",
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
+        "team": {"type": "choice", "instructions": "Which team should handle it?",
+                 "criteria": {"technical": "Outages, errors, and configuration", "billing": "Payments, invoices, and refunds",
+                              "sales": "Plans and upgrades"}},
+        "severity": {"type": "score", "instructions": "How severe?",
+                     "criteria": ["No impact", "Minor", "Major", "Critical"]},
+    },
+}
+
 # vLLM picks its platform at first import: on a machine without a GPU, make that the CPU platform
 # (and stub torchvision) before any test imports vLLM.
 try:

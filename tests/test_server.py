@@ -39,20 +39,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, LiveServer
+from conftest import REPO, REQUEST, LiveServer
 
-REQUEST = {
-    "model": "clef-flash",
-    "state": "Checkout has been failing for every customer for the last hour.",
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
-        "team": {"type": "choice", "instructions": "Which team should handle it?",
-                 "criteria": {"technical": "Outages, errors, and configuration", "billing": "Payments, invoices, and refunds",
-                              "sales": "Plans and upgrades"}},
-        "severity": {"type": "score", "instructions": "How severe?",
-                     "criteria": ["No impact", "Minor", "Major", "Critical"]},
-    },
-}
 
 
 NDJSON = {"Content-Type": "application/x-ndjson"}

@@ -25,40 +25,32 @@ def state_array(size: int) -> bytes:
     return head + b"1," * ((size - len(head) - len(tail)) // 2) + tail
 
 
+def _filled(head: bytes, item: bytes, tail: bytes, size: int, reserve: int) -> bytes:
+    """``head`` + as many ``item % n`` (n = 0, 1, ...) joined by commas as fit in ``size`` bytes, less
+    ``reserve`` + ``tail``."""
+    out, total, n = [], len(head) + len(tail), 0
+    while total < size - reserve:
+        piece = item % n
+        out.append(piece)
+        total += len(piece) + 1
+        n += 1
+    return head + b",".join(out) + tail
+
+
 def state_keys(size: int) -> bytes:
     """A state object with as many keys as fit in ``size`` bytes."""
-    head, out, n = b'{"model":"m","questions":{"a":{"type":"noul"}},"state":{', [], 0
-    total = len(head) + 2
-    while total < size - 16:
-        item = b'"k%d":1' % n
-        out.append(item)
-        total += len(item) + 1
-        n += 1
-    return head + b",".join(out) + b"}}"
+    return _filled(b'{"model":"m","questions":{"a":{"type":"noul"}},"state":{', b'"k%d":1', b"}}", size, 16)
 
 
 def many_questions(size: int) -> bytes:
     """As many noul questions as fit in ``size`` bytes."""
-    head, out, n = b'{"model":"m","state":1,"questions":{', [], 0
-    total = len(head) + 2
-    while total < size - 32:
-        item = b'"%d":{"type":"noul"}' % n
-        out.append(item)
-        total += len(item) + 1
-        n += 1
-    return head + b",".join(out) + b"}}"
+    return _filled(b'{"model":"m","state":1,"questions":{', b'"%d":{"type":"noul"}', b"}}", size, 32)
 
 
 def many_options(size: int) -> bytes:
     """One choice question with as many options as fit in ``size`` bytes."""
-    head, out, n = b'{"model":"m","state":1,"questions":{"a":{"type":"choice","criteria":{', [], 0
-    total = len(head) + 4
-    while total < size - 32:
-        item = b'"%d":null' % n
-        out.append(item)
-        total += len(item) + 1
-        n += 1
-    return head + b",".join(out) + b"}}}}"
+    return _filled(b'{"model":"m","state":1,"questions":{"a":{"type":"choice","criteria":{', b'"%d":null', b"}}}}",
+                   size, 32)
 
 
 def state_text(size: int) -> bytes:
