@@ -380,6 +380,33 @@ def test_d5_sigterm_aborts_stalled_clients_answers_the_rest_and_exits_in_time(se
     assert "Traceback" not in log and "ASGI" not in log and " ERROR " not in log
 
 
+def test_a_second_sigterm_answers_open_requests_and_exits_at_once_without_a_traceback(tiny_release, tmp_path):
+    """Process managers, ``timeout`` and impatient people signal twice: the second SIGTERM answers
+    what is still open 503 (naming it), closes the backend and exits, without the drain's wait and
+    without uvicorn's cancelled-lifespan traceback."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--shutdown-timeout", "60"],
+                        env={"CLEF_VLLM_FAULTS": f"instant,hold_dir={holds}"}).wait_ready()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(post, server, held("twice"))
+            wait(lambda: metric(server, "clef_in_flight") == 1, 30, "the request in the engine")
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            wait(lambda: "graceful shutdown" in server.log(), 10, "the first signal")
+            server.proc.send_signal(signal.SIGTERM)
+            assert_clean_error(stuck.result(timeout=30), 503, "a second SIGTERM")
+            code = server.proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        server.stop()
+    assert code == 0 and elapsed < 10, (code, elapsed)          # not the 60 s drain
+    log = server.log()
+    assert "SIGTERM again: exiting now" in log
+    assert "Traceback" not in log and "CancelledError" not in log and " ERROR " not in log, log[-3000:]
+
+
 # --------------------------------------------------------------------------- finally
 
 

@@ -196,7 +196,7 @@ class BulkStream(Response):
                     w.cancel()
                 if not finished.done():
                     if service.abandon.is_set():
-                        self.aborted = "server is shutting down (--shutdown-timeout)"
+                        self.aborted = f"server is shutting down ({service.abandon_cause})"
                         await self._cancel(tasks)
                     else:
                         raise ClientClosed("client disconnected")

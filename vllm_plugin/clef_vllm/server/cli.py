@@ -14,6 +14,7 @@ Testing hooks (``CLEF_VLLM_LOAD_GATE``, ``CLEF_VLLM_FAULTS``): clef_vllm/server/
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -278,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+#: After a second signal: how long the app's shutdown (closing the backend) may take.
+FORCED_SHUTDOWN_S = 5.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn with a graceful first SIGTERM/SIGINT (drain, then exit 0); a second one exits at once.
 
@@ -295,10 +300,24 @@ class DrainingServer(uvicorn.Server):
         if self.signalled or self.service.loop is None:
             log.warning("%s again: exiting now", name)
             self.should_exit = self.force_exit = True
+            if self.service.loop is not None:
+                self.service.loop.call_soon_threadsafe(self.service.abandon_now, f"{name} again", f"a second {name}")
             return
         self.signalled = True
         log.info("%s: graceful shutdown", name)
         self.service.loop.call_soon_threadsafe(self.service.begin_drain)
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown; after a forced exit uvicorn skips the app's own (lifespan) shutdown and
+        the loop's teardown would cancel it mid-way (a logged traceback): run it here, bounded. Open
+        requests were answered 503 by ``abandon_now``, so it only closes the backend (≤ 1 s wait)."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            try:
+                await asyncio.wait_for(self.lifespan.shutdown(), FORCED_SHUTDOWN_S)
+            except asyncio.TimeoutError:
+                logging.getLogger("clef_vllm").warning("application shutdown took over %g s; leaving anyway",
+                                                       FORCED_SHUTDOWN_S)
 
 
 if __name__ == "__main__":

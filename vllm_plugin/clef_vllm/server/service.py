@@ -120,6 +120,7 @@ class DecisionService:
         self._idle: asyncio.Event | None = None
         self.stopping: asyncio.Event | None = None     # set on drain or failure: bulk streams stop reading
         self.abandon: asyncio.Event | None = None      # the shutdown timeout passed: answer everything now
+        self.abandon_cause = "--shutdown-timeout"      # or "a second SIGTERM" (abandon_now)
         self._tasks: list[asyncio.Task] = []
         self.limits: RequestLimits | None = None
         self.pool = CpuPool(settings.cpu_workers or default_cpu_workers())
@@ -229,15 +230,22 @@ class DecisionService:
             return
         self._tasks.append(asyncio.get_running_loop().create_task(self._finish_then(self.settings.on_drained)))
 
+    def abandon_now(self, why: str, cause: str = "--shutdown-timeout") -> None:
+        """Answer every open request and upload 503 now and cancel its work (the shutdown timeout
+        passed, or a second SIGTERM: ``cause`` is what their error names)."""
+        if self.abandon is None or self.abandon.is_set():
+            return
+        self.abandon_cause = cause
+        log.warning("%s: %d open request(s) are answered 503 and abandoned", why, self.active)
+        self.abandon.set()
+
     async def _finish_then(self, callback: Callable | None, *args) -> None:
         """Wait until no request is open (at most ``shutdown_timeout_s``), then run ``callback``."""
         try:
             await asyncio.wait_for(self._idle.wait(), self.settings.shutdown_timeout_s)
             log.info("every accepted request was answered")
         except asyncio.TimeoutError:
-            log.warning("shutdown timeout (%g s): %d open request(s) are answered 503 and abandoned",
-                        self.settings.shutdown_timeout_s, self.active)
-            self.abandon.set()
+            self.abandon_now(f"shutdown timeout ({self.settings.shutdown_timeout_s:g} s)")
             try:
                 await asyncio.wait_for(self._idle.wait(), ABANDON_GRACE_S)
             except asyncio.TimeoutError:
@@ -389,7 +397,7 @@ class DecisionService:
             await asyncio.gather(work, return_exceptions=True)
             if watchers[0].done() and not watchers[0].cancelled():
                 raise ClientClosed("client closed the connection before the answer was ready")
-            raise ServiceError("server is shutting down; the request was not answered within --shutdown-timeout",
+            raise ServiceError(f"server is shutting down; the request was not answered ({self.abandon_cause})",
                                kind=Kind.DRAINING)
         return work.result()
 
