@@ -58,6 +58,16 @@ def body_too_large(limit: int, what: str = "body") -> RequestError:
     return RequestError(f"{what} exceeds {limit} bytes (--max-body-bytes)", kind=Kind.BODY_TOO_LARGE)
 
 
+def declared_length(declared: str | None, limit: int) -> int | None:
+    """The body's declared ``Content-Length`` (``None`` when absent or not a number), refused (413)
+    when it is over ``limit``: before a byte of the body is read or accounted."""
+    if declared is None or not declared.isdigit():
+        return None
+    if int(declared) > limit:
+        raise body_too_large(limit)
+    return int(declared)
+
+
 class BodyReader:
     """Reads a request body from ASGI ``receive`` with the slow-client rules:
 
@@ -167,8 +177,7 @@ class BodyReader:
     async def read_all(self, limit: int, declared: str | None = None, limits: RequestLimits | None = None) -> bytes:
         """The whole body, refused (413) as soon as it passes ``limit`` bytes (declared or streamed) or,
         with ``limits``, as soon as it holds more JSON values than they allow (the rest is not read)."""
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise body_too_large(limit)
+        declared_length(declared, limit)
         max_values = limits.max_values if limits is not None else None
         counter, counted = None, 0
         chunks = []

@@ -25,7 +25,7 @@ from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, Re
 from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
 from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
-from clef_vllm.server.body import BodyReader, decode_json
+from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import ServerSettings
@@ -335,12 +335,9 @@ class DecisionService:
                         declared: str | None) -> bytes:
         """The whole body under the size cap, the slow-client rules and the memory budget."""
         limit = self.settings.max_body_bytes
-        if declared is not None and declared.isdigit():
-            if int(declared) > limit:
-                from clef_vllm.server.body import body_too_large
-
-                raise body_too_large(limit)
-            self.take_body_bytes(ctx, int(declared))
+        length = declared_length(declared, limit)
+        if length is not None:
+            self.take_body_bytes(ctx, length)
         reader = self.body_reader(receive)
         raw = await reader.read_all(limit, declared, self.limits)      # too many JSON values: 413 early
         ctx.values_counted = True
