@@ -134,7 +134,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         layers = sum(t == "full_attention" for t in getattr(config, "layer_types", ()) or ()) or 1
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_dtype = vllm_config.model_config.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
-        per_token = layers * 2 * config.num_key_value_heads * head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+        per_token = layers * 2 * config.num_key_value_heads * head_dim * kv_dtype.itemsize
         capacity = setting.get("capacity_blocks") if isinstance(setting, dict) else None
         return StateCacheSettings(vllm_config.cache_config, per_token,
                                   vllm_config.cache_config.gpu_memory_utilization, capacity)

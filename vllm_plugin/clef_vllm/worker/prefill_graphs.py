@@ -372,5 +372,5 @@ def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BU
     """
     top = min(2 * max_num_seqs, 512)
     sizes = {1, 2, 4} | set(range(8, min(top, 256) + 1, 8)) | set(range(256, top + 1, 16))
-    sizes |= {b for b in buckets}
+    sizes |= set(buckets)
     return sorted(s for s in sizes if s <= max_tokens)

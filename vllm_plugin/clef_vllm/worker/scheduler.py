@@ -66,10 +66,10 @@ class ClefScheduler(Scheduler):
 
     def _get_local_prefix_cache_hit(self, request):
         limit, unit_keys = reuse_info(request)
-        manager = self.kv_cache_manager
-        empty = (manager.empty_kv_cache_blocks, 0, 0, False)
         if not limit:
             return super()._get_local_prefix_cache_hit(request)
+        manager = self.kv_cache_manager
+        empty = (manager.empty_kv_cache_blocks, 0, 0, False)
         cache = state_cache.current()
         block = self.block_size
         if cache is None or cache.block != block or block % KEY_UNIT or not manager.prefix_cache_lookup_enabled(request):

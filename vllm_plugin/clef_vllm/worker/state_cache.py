@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -34,6 +34,7 @@ import torch
 from clef_vllm.state_keys import KEY_UNIT, block_keys, prefix_keys  # noqa: F401 - re-exported
 
 log = logging.getLogger("clef_vllm")
+
 
 @dataclass
 class CacheStats:
@@ -43,7 +44,6 @@ class CacheStats:
     missing_reads: int = 0
     hits: int = 0                   # requests that started from cached rows
     reused_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class SideCache:
@@ -61,7 +61,7 @@ class SideCache:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return self.pool.nbytes
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots
@@ -136,11 +136,11 @@ def install(cache: SideCache | None) -> None:
 
 def capacity_for(budget_bytes: int, block: int, width: int, dtype: torch.dtype) -> int:
     """Blocks that fit in ``budget_bytes``."""
-    per_block = block * width * torch.tensor([], dtype=dtype).element_size()
+    per_block = block * width * dtype.itemsize
     return max(1, int(budget_bytes // per_block))
 
 
 def side_share(width: int, head_dtype: torch.dtype, kv_bytes_per_token: int) -> float:
     """The fraction of a KV budget the side rows need to cover every token the KV cache can hold."""
-    side = width * torch.tensor([], dtype=head_dtype).element_size()
+    side = width * head_dtype.itemsize
     return side / (side + kv_bytes_per_token)
