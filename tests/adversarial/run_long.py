@@ -67,7 +67,7 @@ class Server(LiveServer):
 
     def __init__(self, ckpt: Path, work: Path, *args: str, env: dict | None = None):
         port = free_port()
-        super().__init__(["--model", str(ckpt), "--backend", "reference", "--no-warmup", *args],
+        super().__init__(["--model", str(ckpt), "--backend", "reference", *args],
                          env={"CLEF_VLLM_FAULTS": "instant", **(env or {})}, ready_timeout=300, port=port,
                          log_path=work / f"server-{port}.log")
         self.wait_ready()
@@ -381,7 +381,7 @@ def main() -> int:
     started = time.time()
     server = Server(ckpt, work)
     summary = {"command": " ".join(["python", "tests/adversarial/run_long.py", *sys.argv[1:]]),
-               "server": "clef-systemone --backend reference --no-warmup (other flags default) on the tiny checkpoint "
+               "server": "clef-systemone --backend reference (other flags default) on the tiny checkpoint "
                          "with the Qwen3.5 tokenizer, CLEF_VLLM_FAULTS=instant (the engine answers at once), CPU",
                "machine": f"{os.cpu_count()} cores, shared (1-min load average at start: {os.getloadavg()[0]:.1f})",
                "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -164,6 +164,15 @@ def test_d3_worst_case_bodies_are_refused_cheaply(adv, build, fragment):
     assert httpx.get(adv.url + "/health/live", timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize("build", [state_array, state_keys, many_questions, many_options])
+def test_d3_worst_case_bodies_are_refused_cheaply_on_the_hosted_route_too(adv, build):
+    resp = httpx.post(adv.url + "/accounts/acct/ai/run/@cf/cloudflare/clef-flash", content=build(2 * 1024 * 1024),
+                      headers=JSON, timeout=120)
+    assert resp.status_code == 413, resp.text
+    error = resp.json()["errors"][0]
+    assert error["code"] == 5021 and "JSON values" in error["message"] and "2048 tokens" in error["message"]
+
+
 def test_d3_smaller_worst_cases_hit_the_count_limits(adv):
     assert_clean_error(post(adv, many_questions(6_000)), 413, "questions fit in 2048 tokens")
     assert_clean_error(post(adv, many_options(8_000)), 413, "options and levels")
