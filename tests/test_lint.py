@@ -41,3 +41,68 @@ def test_the_decision_core_imports_no_layer_above_it():
         found = _imports(package / f"{name}.py")
         bad = sorted(m for m in found if any(m == a or m.startswith(a + ".") for a in ABOVE))
         assert not bad, f"clef_vllm/{name}.py imports {bad}: the core must not depend on backends, server or vLLM"
+
+
+def _defined_names(path) -> set[str]:
+    """Names bound at the top level of a module (definitions, assignments, imports)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value is not None:
+                names.update(ast.literal_eval(node.value))    # lazily provided names (module __getattr__)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)):
+            names.update(_defined_names_in(node))
+    return names
+
+
+def _defined_names_in(node) -> set[str]:
+    import ast
+
+    out = set()
+    for child in ast.walk(node):
+        if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+            out.add(child.name)
+        elif isinstance(child, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in child.names)
+        elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+            out.add(child.id)
+    return out
+
+
+def test_every_clef_vllm_import_in_the_repository_resolves():
+    """Scripts outside the suite (long runners, GPU checks, benchmarks) import the package too, often
+    inside functions: a module or name moved by a refactor must not leave one of them broken."""
+    import ast
+
+    package = REPO / "vllm_plugin"
+    files = [p for p in REPO.rglob("*.py")
+             if not any(part.startswith(".") or part in ("build", "node_modules") for part in p.relative_to(REPO).parts)]
+    broken = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("clef_vllm"):
+                modules, names = [node.module], [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [a.name for a in node.names if a.name.startswith("clef_vllm")], []
+            else:
+                continue
+            for module in modules:
+                base = package / module.replace(".", "/")
+                source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+                if not source.exists():
+                    broken.append(f"{path.relative_to(REPO)}:{node.lineno}: no module {module}")
+                    continue
+                defined = _defined_names(source)
+                for name in names:
+                    if name != "*" and name not in defined and not (base / name).with_suffix(".py").exists() \
+                            and not (base / name).is_dir():
+                        broken.append(f"{path.relative_to(REPO)}:{node.lineno}: {module} has no {name}")
+    assert not broken, "\n".join(broken)
