@@ -14,6 +14,10 @@
 # both: tiny server DP=2 correctness (vllm_parity --dp 2) -> tiny clef-bench DP=2 server vs raw DP=2
 # PLAN=bench (issue 5 follow-up) instead: GPU 0: 9B BF16 DP=1; GPU 1: 9B FP8 DP=1, tiny DP=1;
 # both: 9B BF16 DP=2 server vs raw DP=2, tiny DP=2 (clef-bench only, no quality/parity/faults).
+# PLAN=reuse (issues 12-14): GPU 0: 9B BF16 server (prefill graphs, cache off) vs raw -> 9B BF16 with
+#        --state-cache on (shared-state + the unique-state workloads); GPU 1: tiny parity (240) -> graphs
+#        and offline-API checks (fast_paths) -> 9B BF16 shared-state with the cache off; both: 9B BF16
+#        DP=2 with the cache on (shared-state, one-state and 32-state variants: the affinity hits).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +50,10 @@ TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIM
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 PLAN=${PLAN:-all}
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
+# PLAN=reuse: the state-cache sweep. One-state variants are measured hot (their warm-up caches the
+# state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
+SHARED=(WORKLOADS=shared-state CONC=1,16,64 "CONC_OVERRIDES=shared-4k-32s=16" TIME_LIMIT=6 WARMUP=4
+        READY_TIMEOUT=360 BENCH_TIMEOUT=300 "BENCH_ARGS=--shared-states 4096x64,15872x33,4096x64x32")
 
 tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds clef-parity vs the reference)
   job bench_tiny_dp1 "$1" 420 env "${TINY_SWEEP[@]}" PHASES=server,"$( (( full )) && echo parity,)"raw,compare \
@@ -53,6 +61,32 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 }
 
 case "${1:-}" in
+queue0|queue1)
+  if [ "$PLAN" = reuse ]; then set -- "reuse_$1"; fi ;;
+esac
+
+case "${1:-}" in
+reuse_queue0)
+  job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
+      BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8701
+  job cache_on_9b_bf16 0 600 env "${SHARED[@]}" WORKLOADS=shared-state,short,long,fanout \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33,4096x64x32 --unique-per-point" \
+      "CONC_OVERRIDES=shared-state=1,16,64 shared-4k-32s=16 long=1,8 fanout=1,8" CONC=1,16,64 PHASES=server \
+      LABEL=9b-dummy-bf16-cache-on SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8711
+  touch "$S/queue0.done"
+  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+  job cache_on_9b_bf16_dp2 0,1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-dp2 \
+      SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
+  touch "$S/all.done"
+  log "all done"
+  ;;
+reuse_queue1)
+  job parity_tiny 1 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  job fast_paths 1 360 python3 tests/gpu/fast_paths.py --out "$S/fast_paths" --n 16 --only graphs,api
+  job cache_off_9b_bf16 1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
+      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8712
+  touch "$S/queue1.done"
+  ;;
 launch)
   rm -f "$S"/*.done
   python3 bench/make_ckpt.py tiny "$TINY" && python3 bench/make_ckpt.py 9b "$NINE" || exit 1

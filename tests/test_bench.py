@@ -111,6 +111,27 @@ def test_shared_state_variants_ask_new_questions_about_one_state(tiny_encoder):
     assert RequestFactory(tiny_encoder).make(variants[0], 3).body == reqs[3].body           # deterministic
 
 
+def test_multi_state_variants_go_round_robin_and_warm_up_elsewhere(tiny_encoder):
+    """TOKENSxREQUESTSxSTATES: request i asks about state i mod STATES; warm-up requests use states of their
+    own (so warming up never caches a measured state); the one-state variant keeps its one state."""
+    from clef_vllm.bench.bench_cli import _shared_states
+    from clef_vllm.bench.workloads import WARM_START
+
+    spec = _shared_states("300x5,200x6x3")
+    assert spec == [(300, 5), (200, 6, 3)]
+    one, multi = build_variants(["shared-state"], shared_states=spec)
+    assert (multi.name, multi.requests, multi.states) == ("shared-200-3s", 6, 3) and multi.describe()["states"] == 3
+    factory = RequestFactory(tiny_encoder)
+    states = [r.body["state"] for r in factory.requests(multi, 6)]
+    assert states[:3] == states[3:] and len(set(states)) == 3
+    warm = [r.body["state"] for r in factory.requests(multi, 2, start=WARM_START)]
+    assert len(set(warm)) == 2 and not set(warm) & set(states)
+    assert factory.make(one, 0).body["state"] == factory.make(one, WARM_START).body["state"]
+    for bad in ("300", "300x0", "1x2x3x4", "ax2"):
+        with pytest.raises(Exception, match="TOKENSxREQUESTS"):
+            _shared_states(bad)
+
+
 def test_requests_are_deterministic_and_prefix_stable(tiny_encoder):
     v = build_variants(["short"], short_tokens=600)[0]
     a = RequestFactory(tiny_encoder, seed=1).requests(v, 6)
@@ -299,6 +320,7 @@ def _check_point(p: dict) -> None:
     tokens = p["input_tokens"]
     assert tokens["checked"] == p["ok"] and tokens["mismatches"] == 0
     assert tokens["total_reported"] == pytest.approx(p["input_tok_per_s"] * p["duration_s"], rel=1e-3)
+    assert tokens["cached"] == 0 and tokens["requests_with_hits"] == 0  # the reference backend has no state cache
 
 
 def test_bench_short_and_fanout_against_live_server(live_server, tiny_release, tiny_short_tokens, tmp_path, capsys):
@@ -415,6 +437,46 @@ def test_sender_reports_timeouts_and_bad_bodies():
     timed_out, bad = asyncio.run(scenario())
     assert timed_out.status == "timeout" and 0.4 < timed_out.latency_s < 3
     assert bad.status == "bad_response" and "1 answers for 2 questions" in bad.error and bad.server_ms == 7.5
+
+
+def test_unique_per_point_gives_every_point_its_own_states(tiny_encoder):
+    """--unique-per-point: no request state repeats across concurrency points or fan-out variants (a state
+    cache would otherwise answer the later points from the earlier ones); shared-state variants keep theirs."""
+    from clef_vllm.bench.bench_cli import build_parser, make_plan
+
+    argv = ["http://x", "--workload", "short,fanout,shared-state", "--short-tokens", "700", "--fanout-tokens", "64",
+            "--fanout-questions", "1,3",
+            "--shared-states", "64x3", "-c", "1,2", "-n", "3"]
+    factory = RequestFactory(tiny_encoder)
+    plain = make_plan(build_parser().parse_args(argv), factory, lambda _: None)
+    assert plain[0].point_requests(1)[0].body == plain[0].point_requests(2)[0].body   # without: points repeat
+
+    plan = make_plan(build_parser().parse_args([*argv, "--unique-per-point"]), factory, lambda _: None)
+    states = {}
+    for item in plan:
+        for c in (1, 2):
+            reqs = item.point_requests(c)
+            assert len(reqs) == 3
+            states[item.name, c] = [r.body["state"] for r in reqs]
+    unique = [s for (name, _), ss in states.items() if not name.startswith("shared") for s in ss]
+    assert len(unique) == len(set(unique)) == 2 * 3 * 3       # short, fanout-1q, fanout-3q at two points
+    assert len({s for (name, _), ss in states.items() if name == "shared-64" for s in ss}) == 1
+
+
+def test_point_counts_state_cache_hits():
+    """usage.cached_state_tokens is summed per point, as a share of the reported tokens, and shown in the table."""
+    from clef_vllm.bench.loadgen import Outcome, summarize_point
+    from clef_vllm.bench.report import bench_row
+    from clef_vllm.bench.workloads import BenchRequest
+
+    reqs = [BenchRequest("shared-4k", {}, b"{}", 3, 1000, label=f"r{i}") for i in range(4)]
+    outs = [Outcome("200", 0.1, input_tokens=1000, cached_tokens=c) for c in (0, 864, 864, None)]
+    p = summarize_point("shared-4k", 4, reqs, outs, 1.0)
+    assert p["input_tokens"]["cached"] == 1728 and p["input_tokens"]["cached_share"] == 0.432
+    assert p["input_tokens"]["requests_with_hits"] == 2
+    assert bench_row(p)[-1] == "1000 ok, 43% cached"
+    none = summarize_point("short", 1, reqs[:1], outs[:1], 1.0)
+    assert none["input_tokens"]["cached"] == 0 and bench_row(none)[-1] == "1000 ok"
 
 
 def test_bench_compare_mode(tmp_path, capsys):

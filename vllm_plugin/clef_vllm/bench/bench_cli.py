@@ -32,8 +32,8 @@ from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, p
                                      systemone_url, wait_ready)
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
-                                       DEFAULT_SHORT_TOKENS, WORKLOADS, BenchRequest, RequestFactory, Variant,
-                                       build_variants)
+                                       DEFAULT_SHARED_STATES, DEFAULT_SHORT_TOKENS, WARM_START, WORKLOADS,
+                                       BenchRequest, RequestFactory, Variant, build_variants)
 from clef_vllm.records import load_request_file
 
 LONG_REQUEST_TOKENS = 2048
@@ -60,6 +60,19 @@ def parse_concurrency(items: list[str]) -> tuple[list[int], dict[str, list[int]]
         else:
             default = _ints(item)
     return default or [1, 4, 16, 64], overrides
+
+
+def _shared_states(text: str) -> list[tuple[int, ...]]:
+    out = []
+    for item in text.split(","):
+        try:
+            values = tuple(int(x) for x in item.lower().split("x"))
+        except ValueError:
+            values = ()
+        if len(values) not in (2, 3) or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected TOKENSxREQUESTS[xSTATES] with positive integers, got {item!r}")
+        out.append(values)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,8 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fanout: state tokens (default 4096)")
     w.add_argument("--fanout-questions", type=_ints, default=list(DEFAULT_FANOUT_QUESTIONS),
                    help="fanout: questions per variant (default 1,8,32,64)")
+    w.add_argument("--shared-states", type=_shared_states, default=list(DEFAULT_SHARED_STATES),
+                   metavar="TOKENSxREQUESTS[xSTATES],...",
+                   help="shared-state: per variant the state's tokens, requests per point and (optionally) how "
+                        "many states they go round-robin over (default 4096x64,15872x33)")
 
     s = p.add_argument_group("sweep")
+    s.add_argument("--unique-per-point", action="store_true",
+                   help="give every (variant, concurrency) point requests of its own, so no state repeats across "
+                        "points or variants (measure unique-state traffic against a server with --state-cache on); "
+                        "shared-state variants keep their states")
     s.add_argument("-c", "--concurrency", nargs="+", default=["1,4,16,64"], metavar="LIST",
                    help="closed-loop clients per point, e.g. '1,4,16,64'; add NAME=LIST to override per "
                         "workload or variant: --concurrency 1,4,16,64 long=1,4,16 fanout=1,8")
@@ -149,13 +170,18 @@ class PlanItem:
     """One variant: its concurrencies, the measured pool and the warm-up requests."""
 
     def __init__(self, variant: Variant | None, name: str, concurrencies: list[int], pool: list[BenchRequest],
-                 warm: list[BenchRequest], counts: dict[int, int]):
+                 warm: list[BenchRequest], counts: dict[int, int], offsets: dict[int, int] | None = None):
         self.variant = variant
         self.name = name
         self.concurrencies = concurrencies
         self.pool = pool
         self.warm = warm
         self.counts = counts
+        self.offsets = offsets or {}   # --unique-per-point: where each point's own requests start in the pool
+
+    def point_requests(self, c: int) -> list[BenchRequest]:
+        start = self.offsets.get(c, 0)
+        return self.pool[start: start + self.counts[c]]
 
     def describe(self) -> dict:
         d = self.variant.describe() if self.variant else {"name": self.name, "workload": "file"}
@@ -180,7 +206,8 @@ def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) 
         if factory is None:
             raise SystemExit("clef-bench: generated workloads need --tokenizer DIR (the checkpoint folder)")
         variants = build_variants(names, short_tokens=args.short_tokens, long_tokens=args.long_tokens,
-                                  fanout_state_tokens=args.fanout_tokens, fanout_questions=args.fanout_questions)
+                                  fanout_state_tokens=args.fanout_tokens, fanout_questions=args.fanout_questions,
+                                  shared_states=args.shared_states)
         for v in variants:
             cs = overrides.get(v.name) or overrides.get(v.workload) or default_c
             first = factory.make(v, 0)
@@ -193,10 +220,19 @@ def make_plan(args, factory: RequestFactory | None, log: Callable[[str], None]) 
             counts = {c: (v.requests if args.num_requests is None and v.requests else
                           requests_for(c, typical, args.num_requests)) for c in cs}
             t0 = time.perf_counter()
-            pool = [first] + factory.requests(v, max(counts.values()) - 1, start=1)
-            warm = factory.requests(v, args.warmup, start=1_000_000) if args.warmup else []
+            offsets = None
+            if args.unique_per_point and v.workload != "shared-state":
+                # every point its own requests (and states): a state cache sees no repeats across points
+                # or variants (fan-out variants would otherwise share their states)
+                pool, offsets = [], {}
+                for k, c in enumerate(cs):
+                    offsets[c] = len(pool)
+                    pool += factory.requests(v, counts[c], start=WARM_START * (2 + len(plan)) + 10_000 * k)
+            else:
+                pool = [first] + factory.requests(v, max(counts.values()) - 1, start=1)
+            warm = factory.requests(v, args.warmup, start=WARM_START) if args.warmup else []
             log(f"generated {len(pool) + len(warm)} '{v.name}' requests in {time.perf_counter() - t0:.1f}s")
-            plan.append(PlanItem(v, v.name, cs, pool, warm, counts))
+            plan.append(PlanItem(v, v.name, cs, pool, warm, counts, offsets))
     if args.requests:
         records = load_request_file(args.requests, args.limit, args.model_name)
         fac = factory or RequestFactory(None, seed=args.seed, model=args.model_name)
@@ -234,7 +270,7 @@ async def run_plan(plan: list[PlanItem], session: Callable[[int], Any], *, time_
             if bad:
                 log(f"warm-up '{item.name}': {len(bad)}/{len(warm)} not 200 (first: {bad[0].status} {bad[0].error})")
         for c in item.concurrencies:
-            reqs = item.pool[: item.counts[c]]
+            reqs = item.point_requests(c)
             bar = tqdm(total=len(reqs), desc=f"{item.name} c={c}", leave=False, disable=not progress,
                        file=sys.stderr, dynamic_ncols=True)
             async with session(c) as sender:
@@ -362,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         for item in plan:
             item.pool = [r for r in item.pool if r.input_ids is not None]
             item.warm = [r for r in item.warm if r.input_ids is not None]
-            item.counts = {c: min(n, len(item.pool)) for c, n in item.counts.items()}
+            item.counts = {c: min(n, len(item.pool) - item.offsets.get(c, 0)) for c, n in item.counts.items()}
     results["variants"] = [item.describe() for item in plan]
 
     if raw:

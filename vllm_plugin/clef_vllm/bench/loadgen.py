@@ -33,6 +33,7 @@ class Outcome:
     status: str
     latency_s: float
     input_tokens: int | None = None     # as reported by the server (usage.input_tokens)
+    cached_tokens: int | None = None    # usage.cached_state_tokens (tokens read from the state cache)
     server_ms: float | None = None      # Server-Timing total, when the server sends one
     error: str | None = None
 
@@ -177,14 +178,16 @@ class HttpSender:
         try:
             body = unwrap_envelope(json.loads(raw))
             answers = body["answers"]
-            tokens = body.get("usage", {}).get("input_tokens")
+            usage = body.get("usage", {})
+            tokens, cached = usage.get("input_tokens"), usage.get("cached_state_tokens")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return Outcome("bad_response", latency, server_ms=server_ms, error=f"unreadable body: {exc}"[:300])
         if not isinstance(answers, dict) or len(answers) != req.questions:
             return Outcome("bad_response", latency, server_ms=server_ms,
                            error=f"{len(answers) if isinstance(answers, dict) else '?'} answers for "
                                  f"{req.questions} questions")
-        return Outcome("200", latency, input_tokens=tokens if isinstance(tokens, int) else None, server_ms=server_ms)
+        return Outcome("200", latency, input_tokens=tokens if isinstance(tokens, int) else None,
+                       cached_tokens=cached if isinstance(cached, int) else None, server_ms=server_ms)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -233,6 +236,8 @@ def summarize_point(variant: str, concurrency: int, requests: Sequence[BenchRequ
     wall = max(wall_s, 1e-9)
     server = [o.server_ms / 1000.0 for _, o in ok if o.server_ms is not None]
     expected = [r.expected_tokens for r in requests if r.expected_tokens is not None]
+    reported = sum(o.input_tokens for _, o in ok if o.input_tokens is not None)
+    cached = [o.cached_tokens for _, o in ok if o.cached_tokens is not None]
     return {
         "variant": variant,
         "concurrency": concurrency,
@@ -249,7 +254,12 @@ def summarize_point(variant: str, concurrency: int, requests: Sequence[BenchRequ
         "server_ms": distribution_ms(server),
         "input_tokens": {
             "mean_expected": round(sum(expected) / len(expected), 1) if expected else None,
-            "total_reported": sum(o.input_tokens for _, o in ok if o.input_tokens is not None),
+            "total_reported": reported,
+            # the state cache: tokens the server read instead of computing (usage.cached_state_tokens),
+            # the share of the reported tokens they make up, and how many requests read any
+            "cached": sum(cached) if cached else 0,
+            "cached_share": round(sum(cached) / reported, 4) if cached and reported else 0.0,
+            "requests_with_hits": sum(1 for c in cached if c > 0),
             "checked": len(checked),
             "mismatches": len(mismatched),
             "mismatch_examples": [{"request": r.label, "expected": r.expected_tokens, "reported": o.input_tokens}

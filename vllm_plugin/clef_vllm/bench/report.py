@@ -28,7 +28,10 @@ def _tokens(point: dict) -> str:
     base = "-" if mean is None else f"{mean:.0f}"
     if t.get("mismatches"):
         return f"{base} ({t['mismatches']}/{t['checked']} MISMATCH)"
-    return base + (" ok" if t.get("checked") else "")
+    base += " ok" if t.get("checked") else ""
+    if t.get("cached"):  # the state cache answered part of the prompts
+        base += f", {100 * t.get('cached_share', 0):.0f}% cached"
+    return base
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:

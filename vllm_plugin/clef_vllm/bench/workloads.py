@@ -29,9 +29,14 @@ DEFAULT_LONG_TOKENS = (4096, 16384)
 DEFAULT_FANOUT_STATE_TOKENS = 4096
 DEFAULT_FANOUT_QUESTIONS = (1, 8, 32, 64)
 #: ``shared-state``: every request of a variant asks 3 new questions (~100-150 unique tokens) about
-#: ONE state of this many tokens; (state tokens, requests per point). 15,872 + template + schema
-#: still fits the 16,384-token limit.
+#: ONE state of this many tokens; (state tokens, requests per point[, states]). 15,872 + template +
+#: schema still fits the 16,384-token limit. With a third number the requests go round-robin over that
+#: many states (request i asks about state i mod states), so each state gets requests/states of them:
+#: the affinity case of data-parallel serving, where a follow-up must find the engine holding its state.
 DEFAULT_SHARED_STATES = ((4096, 64), (15872, 33))
+#: Warm-up requests are numbered from here (``bench_cli``); a multi-state variant gives them states of
+#: their own, so warming up does not put the measured states in the cache.
+WARM_START = 1_000_000
 #: ``mixed``: share of requests per component (jpetrucciani's 50 % short / 25 % 4k / 25 % 16k).
 MIXED_SHARES = (("short", 0.5), ("long-first", 0.25), ("long-last", 0.25))
 
@@ -194,6 +199,7 @@ class Variant:
     state_tokens: int | None = None
     parts: tuple[tuple["Variant", float], ...] = ()  # mixed: component variants and their shares
     requests: int | None = None     # requests per point when -n is not given (shared-state)
+    states: int = 1                 # shared-state: distinct states the requests go round-robin over
 
     @property
     def typical_tokens(self) -> float | None:
@@ -208,6 +214,8 @@ class Variant:
             d["target_total_tokens"] = self.total_tokens
         if self.state_tokens is not None:
             d["target_state_tokens"] = self.state_tokens
+        if self.states > 1:
+            d["states"] = self.states
         if self.parts:
             d["parts"] = {v.name: share for v, share in self.parts}
         return d
@@ -221,7 +229,7 @@ def build_variants(workloads: Sequence[str], *, short_tokens: int = DEFAULT_SHOR
                    long_tokens: Sequence[int] = DEFAULT_LONG_TOKENS,
                    fanout_state_tokens: int = DEFAULT_FANOUT_STATE_TOKENS,
                    fanout_questions: Sequence[int] = DEFAULT_FANOUT_QUESTIONS,
-                   shared_states: Sequence[tuple[int, int]] = DEFAULT_SHARED_STATES) -> list[Variant]:
+                   shared_states: Sequence[tuple[int, ...]] = DEFAULT_SHARED_STATES) -> list[Variant]:
     """The variants of the named workloads, in order (``mixed`` = 50 % short, 25 % first long, 25 % last long;
     ``shared-state`` = many requests about one state per variant)."""
     short = Variant("short", "short", 3, total_tokens=short_tokens)
@@ -240,7 +248,10 @@ def build_variants(workloads: Sequence[str], *, short_tokens: int = DEFAULT_SHOR
             parts = ((short, MIXED_SHARES[0][1]), (longs[0], MIXED_SHARES[1][1]), (longs[-1], MIXED_SHARES[2][1]))
             out.append(Variant("mixed", "mixed", 3, parts=parts))
         elif w == "shared-state":
-            out += [Variant(f"shared-{_k(n)}", "shared-state", 3, state_tokens=n, requests=r) for n, r in shared_states]
+            for n, r, *k in shared_states:
+                states = k[0] if k else 1
+                name = f"shared-{_k(n)}" + (f"-{states}s" if states > 1 else "")
+                out.append(Variant(name, "shared-state", 3, state_tokens=n, requests=r, states=states))
         else:
             raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)} (or --requests FILE)")
     return out
@@ -274,7 +285,7 @@ class RequestFactory:
         self.model = model
         self.keep_ids = keep_ids
         self.writer = StateWriter(encoder) if encoder is not None else None
-        self._states: dict[int, str] = {}
+        self._states: dict[tuple, str] = {}
 
     # ---- encoding
     def finish(self, variant: str, body: dict, label: str = "") -> BenchRequest:
@@ -311,7 +322,8 @@ class RequestFactory:
         if variant.parts:
             return self._make_mixed(variant, i)
         if variant.workload == "shared-state":
-            state = self._shared_state(variant.state_tokens)
+            which = 0 if variant.states == 1 else ("warm", i) if i >= WARM_START else i % variant.states
+            state = self._shared_state(variant.state_tokens, which)
             questions = question_set(_rng(self.seed, variant.name, "questions", i), variant.questions)
             body = {"model": self.model, "state": state, "questions": questions}
             return self.finish(variant.name, body, f"{variant.name}#{i}")
@@ -328,11 +340,13 @@ class RequestFactory:
         body["state"] = self.writer.text(state_tokens, rng)
         return self.finish(variant.name, body, f"{variant.name}#{i}")
 
-    def _shared_state(self, tokens: int) -> str:
-        """The one state of a ``shared-state`` variant (the same for every request and every run)."""
-        if tokens not in self._states:
-            self._states[tokens] = self.writer.text(tokens, _rng(self.seed, "shared-state", tokens))
-        return self._states[tokens]
+    def _shared_state(self, tokens: int, which: Any = 0) -> str:
+        """State ``which`` of a ``shared-state`` variant (the same in every run; 0 = the one state)."""
+        key = (tokens, which)
+        if key not in self._states:
+            parts = ("shared-state", tokens) if which == 0 else ("shared-state", tokens, which)
+            self._states[key] = self.writer.text(tokens, _rng(self.seed, *parts))
+        return self._states[key]
 
     def _make_mixed(self, variant: Variant, i: int) -> BenchRequest:
         pick = _rng(self.seed, variant.name, "pick", i).random() * sum(share for _, share in variant.parts)
