@@ -93,8 +93,12 @@ def servers(request, tiny_release, cache_dir, tmp_path_factory):
                         "--request-timeout", "120", "--bulk-concurrency", "2", "--max-bulk-streams", "1",
                         "--api-key", OPS_KEYS[0], "--api-key", OPS_KEYS[1], "--cors-origins", ORIGIN,
                         "--log-format", "json", "--near-tie-margin", "1.0"]
+    nodocs = tmp / "no-docs" / "fastapi_offline"           # the "limits" server runs without fastapi-offline
+    nodocs.mkdir(parents=True)
+    (nodocs / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
+    hide_docs = {"PYTHONPATH": os.pathsep.join(filter(None, [str(nodocs.parent), os.environ.get("PYTHONPATH")]))}
     started = {
-        "limits": LiveServer(model + ["--max-model-len", "600", "--max-body-bytes", "8192"]),
+        "limits": LiveServer(model + ["--max-model-len", "600", "--max-body-bytes", "8192"], env=hide_docs),
         "hosted": LiveServer(model + ["--dialect", "workers-ai"]),
         "gated": LiveServer(model, env={"CLEF_VLLM_LOAD_GATE": str(gate)}),
         "broken": LiveServer(["--model", str(nohead), "--backend", "reference"]),
@@ -224,6 +228,16 @@ def test_health_models_openapi_and_docs(client):
         "$ref": "#/components/schemas/SystemOneRequest"}
     docs = client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower() and "/openapi.json" in docs.text
+
+
+def test_server_without_fastapi_offline_serves_without_doc_pages(limits):
+    """A missing fastapi-offline (an install that skipped a dependency) turns /docs and /redoc off with one
+    warning; the server and /openapi.json still work."""
+    assert httpx.get(limits.url + "/docs", timeout=10).status_code == 404
+    assert httpx.get(limits.url + "/redoc", timeout=10).status_code == 404
+    assert "/v1/systemone" in httpx.get(limits.url + "/openapi.json", timeout=10).json()["paths"]
+    assert post(limits, REQUEST).status_code == 200
+    assert "fastapi-offline is not installed" in limits.log()
 
 
 def test_truncation_over_http(limits):

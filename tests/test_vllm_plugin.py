@@ -490,3 +490,17 @@ def test_importing_the_plugin_keeps_cuda_checks_fork_safe():
     import clef_vllm  # noqa: F401
 
     assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+
+
+def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(tiny_release):
+    """The server's warm-up lengths (also what tests/gpu/diag_hang.py --len server replays): every prefill-graph
+    bucket, lengths that are and are not multiples of 16, one longer than a step (capped at max_model_len)."""
+    from clef_vllm.backends.vllm_backend import engine_kwargs, warmup_lengths
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+
+    lengths = warmup_lengths(engine_kwargs(tiny_release, max_model_len=8192, max_num_batched_tokens=2048))
+    assert lengths == sorted(set(lengths)) and {17, 300, 2048 + 17} <= set(lengths)
+    assert {b for b in DEFAULT_BUCKETS if b <= 2048} <= set(lengths)     # buckets up to the step's token budget
+    assert any(n % 16 for n in lengths) and any(n % 16 == 0 for n in lengths)
+    capped = warmup_lengths(engine_kwargs(tiny_release, max_model_len=1000, prefill_graphs=False))
+    assert capped == [17, 64, 300, 1000]                                   # no buckets without prefill graphs

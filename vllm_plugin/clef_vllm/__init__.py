@@ -28,6 +28,10 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from clef_vllm.stacks import enable_stack_dumps
+
+    enable_stack_dumps()   # kill -USR1 <engine core pid> prints where it is (vLLM loads this in every process)
+
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "clef_vllm.worker.model:ClefFlashForDecision")
     _registered = True

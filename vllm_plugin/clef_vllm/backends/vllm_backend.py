@@ -31,6 +31,7 @@ from clef_vllm.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
+from clef_vllm.stacks import dump_descendant_stacks
 from clef_vllm.state_keys import KEY_UNIT
 
 log = logging.getLogger("clef_vllm")
@@ -65,12 +66,41 @@ def import_vllm():
 MIN_REUSE_TOKENS = 1024
 #: How long a request waits for another one computing the same state before computing it too.
 FOLLOWER_WAIT_S = 30.0
+#: One warm-up step (a prompt alone, or a batch) that takes longer than this means a stuck engine: the
+#: engine processes are asked for their thread stacks (SIGUSR1, :mod:`clef_vllm.stacks`) and the start
+#: fails naming the step, instead of /health never turning 200. Generous: it includes Triton's JIT and
+#: the prefill graphs' capture on a fresh machine.
+WARMUP_STEP_TIMEOUT_S = 180.0
 #: States answered lately (their requests no longer lead: the state is expected in the cache).
 RECENT_STATES = 4096
 
 
 class EngineError(RuntimeError):
     """The engine returned something other than the expected per-option probabilities."""
+
+
+def warmup_lengths(kwargs: dict) -> list[int]:
+    """Prompt lengths the warm-up runs one at a time, for an engine made with ``kwargs``
+    (:func:`engine_kwargs`): every prefill-graph bucket (each captures its graphs), lengths that are
+    and are not multiples of 16 (Triton specialises on that), and one longer than a step's token
+    budget (a chunked prefill)."""
+    graphs = (kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
+    budget = kwargs["max_num_batched_tokens"]
+    wanted = {17, 64, 300, 1024, 4096, budget + 17, *graphs.get("buckets", ())}
+    return sorted({min(n, kwargs["max_model_len"]) for n in wanted})
+
+
+async def bounded_warmup_step(what: str, step, timeout_s: float | None = None):
+    """Await one warm-up ``step``; past ``timeout_s`` (default :data:`WARMUP_STEP_TIMEOUT_S`) the engine
+    processes dump their thread stacks into the log and :class:`EngineError` names the step."""
+    limit = WARMUP_STEP_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return await asyncio.wait_for(step, limit)
+    except asyncio.TimeoutError:
+        pids = dump_descendant_stacks()
+        where = f"the thread stacks of engine processes {pids} follow in the log" if pids else "no engine process found"
+        log.error("warm-up: %s did not finish within %.0f s; %s", what, limit, where)
+        raise EngineError(f"warm-up: {what} did not finish within {limit:.0f} s (a stuck engine; {where})") from None
 
 
 class StateAffinity:
@@ -203,13 +233,8 @@ class VllmBackend(Backend):
             log.info("kernels: %s", line)
 
     def warmup_lengths(self) -> list[int]:
-        """Prompt lengths the warm-up runs one at a time: every prefill-graph bucket (each captures
-        its graphs), lengths that are and are not multiples of 16 (Triton specialises on that),
-        and one longer than a step's token budget (a chunked prefill)."""
-        graphs = (self.kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
-        budget = self.kwargs["max_num_batched_tokens"]
-        wanted = {17, 64, 300, 1024, 4096, budget + 17, *graphs.get("buckets", ())}
-        return sorted({min(n, self.max_model_len) for n in wanted})
+        """Prompt lengths the warm-up runs one at a time (:func:`warmup_lengths`)."""
+        return warmup_lengths(self.kwargs)
 
     async def _warmup(self) -> None:
         """Run the shapes the server will see (Triton JIT, prefill graphs, head paths) before /health
@@ -223,10 +248,12 @@ class VllmBackend(Backend):
             return torch.randint(0, vocab, (n,), generator=rng).tolist()
 
         for n in lengths:
-            await self._run_ids(ids(n))
+            await bounded_warmup_step(f"a {n}-token prompt", self._run_ids(ids(n)))
         batch = min(32, self.kwargs["max_num_seqs"])
-        await asyncio.gather(*[self._run_ids(ids(300)) for _ in range(batch)])
-        await asyncio.gather(*[self._run_ids(ids(n)) for n in (97, 256, 411)])
+        await bounded_warmup_step(f"a batch of {batch} prompts of 300 tokens",
+                                  asyncio.gather(*[self._run_ids(ids(300)) for _ in range(batch)]))
+        await bounded_warmup_step("a batch of 97, 256 and 411 tokens",
+                                  asyncio.gather(*[self._run_ids(ids(n)) for n in (97, 256, 411)]))
         log.info("warm-up done in %.1f s (lengths %s, a batch of %d, a mixed batch)", time.perf_counter() - t0,
                  lengths, batch)
 

@@ -171,8 +171,14 @@ def _bulk_openapi_responses() -> dict:
 
 def _install_docs(app: FastAPI) -> None:
     """``/docs`` (Swagger UI) and ``/redoc`` with their JavaScript, CSS and icon served from the
-    ``fastapi-offline`` package: the pages work on a machine without internet access."""
-    import fastapi_offline
+    ``fastapi-offline`` package: the pages work on a machine without internet access. Without that
+    package (an install that skipped a dependency) the server still serves, without the two pages."""
+    try:
+        import fastapi_offline
+    except ImportError:
+        log.warning("fastapi-offline is not installed: /docs and /redoc are off (/openapi.json is served); "
+                    "pip install fastapi-offline to get them")
+        return
 
     assets = Path(fastapi_offline.__file__).parent / "static"
     app.mount(DOCS_ASSETS.rstrip("/"), StaticFiles(directory=assets), name="docs-assets")
