@@ -18,6 +18,11 @@
 #        --state-cache on (shared-state + the unique-state workloads); GPU 1: tiny parity (240) -> graphs
 #        and offline-API checks (fast_paths) -> 9B BF16 shared-state with the cache off; both: 9B BF16
 #        DP=2 with the cache on (shared-state, one-state and 32-state variants: the affinity hits).
+# PLAN=next (after the fifth session): GPU 0: the --state-cache on server again (its warm-up is now
+#        bounded and dumps the engine's stacks if stuck) -> the server's warm-up lengths in process
+#        (diag_hang.py) -> latency.py graphs vs layer scope; GPU 1: graphs-vs-vLLM parity with the layer
+#        scope -> 9B BF16 short, server with --prefill-graph-scope layer vs raw -> the same in FP8;
+#        both: DP=2 with the cache on (only worth its minutes when GPU 0's cache job passed).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,8 +67,9 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  if [ "$PLAN" = reuse ]; then set -- "reuse_$1"; fi ;;
+  if [ "$PLAN" = reuse ] || [ "$PLAN" = next ]; then set -- "${PLAN}_$1"; fi ;;
 esac
+SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
 case "${1:-}" in
 reuse_queue0)
@@ -85,6 +91,31 @@ reuse_queue1)
   job fast_paths 1 360 python3 tests/gpu/fast_paths.py --out "$S/fast_paths" --n 16 --only graphs,api
   job cache_off_9b_bf16 1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8712
+  touch "$S/queue1.done"
+  ;;
+next_queue0)
+  job cache_on_9b_bf16 0 600 env "${SHARED[@]}" WORKLOADS=shared-state,short,long,fanout \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33,4096x64x32 --unique-per-point" \
+      "CONC_OVERRIDES=shared-state=1,16,64 shared-4k-32s=16 long=1,8 fanout=1,8" CONC=1,16,64 PHASES=server \
+      LABEL=9b-dummy-bf16-cache-on SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8711
+  job diag_cache_inprocess 0 240 python3 tests/gpu/diag_hang.py "$NINE" --big --graphs --cache --len server --dump 60
+  job latency_scope 0 600 python3 bench/latency.py --modes graphs,layer --ckpt "$NINE" --out "$S/latency_scope/latency.json"
+  touch "$S/queue0.done"
+  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+  if grep -q '"rc": 0' "$S/cache_on_9b_bf16/rc.json" 2>/dev/null; then
+    job cache_on_9b_bf16_dp2 0,1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-dp2 \
+        SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
+  fi
+  touch "$S/all.done"
+  log "all done"
+  ;;
+next_queue1)
+  job fast_paths_layer 1 360 env CLEF_DUMP_AFTER=240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" \
+      --n 8 --only graphs --scope layer
+  job short_9b_bf16_layer 1 500 env "${SHORT[@]}" LABEL=9b-dummy-bf16-layer \
+      SERVER_ARGS="--load-format dummy --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8721
+  job short_9b_fp8_layer 1 500 env "${SHORT[@]}" LABEL=9b-dummy-fp8-layer RAW_ARGS="--raw-quantization fp8" \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8722
   touch "$S/queue1.done"
   ;;
 launch)

@@ -5,6 +5,7 @@ Runs the Clef pooling model in-process (``vllm.LLM``, engine core in this proces
 settings (``engine_kwargs``), one request at a time, in each MODE (one subprocess per mode):
 
     graphs     prefill graphs on (the default server), state cache off
+    layer      prefill graphs on with ``--prefill-graph-scope layer`` (the packed GDN op in the graph)
     nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode)
@@ -43,6 +44,7 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
                                max_num_seqs=128, quantization=quantization)
     else:
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
+                           prefill_graph_scope="layer" if mode == "layer" else "core",
                            state_cache=mode == "cache", **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)

@@ -118,7 +118,9 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"max_num_seq": 4}, "unknown option 'max_num_seq'"),
                        ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be <= 1.0"),
                        ({"max_num_seqs": "8"}, "'max_num_seqs' must be int"),
-                       ({"dtype": "float32"}, "head_dtype")):
+                       ({"dtype": "float32"}, "head_dtype"),
+                       ({"prefill_graph_scope": "model"}, "'prefill_graph_scope' must be one of"),
+                       ({"prefill_graph_scope": "layer", "prefill_graphs": False}, "needs prefill_graphs on")):
         with pytest.raises(OptionError, match=match):
             engine_kwargs(tiny_release, **bad)
 
@@ -502,5 +504,10 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
     assert lengths == sorted(set(lengths)) and {17, 300, 2048 + 17} <= set(lengths)
     assert {b for b in DEFAULT_BUCKETS if b <= 2048} <= set(lengths)     # buckets up to the step's token budget
     assert any(n % 16 for n in lengths) and any(n % 16 == 0 for n in lengths)
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+
+    assert engine_kwargs(tiny_release)["additional_config"][PREFILL_GRAPHS_KEY]["scope"] == "core"
+    layer = engine_kwargs(tiny_release, prefill_graph_scope="layer")["additional_config"][PREFILL_GRAPHS_KEY]
+    assert layer["scope"] == "layer" and layer["buckets"]
     capped = warmup_lengths(engine_kwargs(tiny_release, max_model_len=1000, prefill_graphs=False))
     assert capped == [17, 64, 300, 1000]                                   # no buckets without prefill graphs
