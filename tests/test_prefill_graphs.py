@@ -89,22 +89,26 @@ def make_bucket(size: int) -> Bucket:
     return Bucket(size, GdnDims(CONV_DIM, HV, DV, WIDTH), "cpu", torch.float32, None, None, None)
 
 
-def run_chunk(layer, size, qkv, b, a, line, has_init, garbage=None):
-    """What the runner does around a replay: copy the real rows in, run the body, read the real rows."""
-    n = qkv.shape[0]
+def run_bucket(layer, size, rows, line, has_init, garbage=None, body=single_sequence_core):
+    """What the runner does around a replay: copy the real rows in (over stale ``garbage`` rows of earlier
+    requests, if given), run ``body`` on the bucket, read the real rows. ``rows``: buffer name -> tensor."""
+    n = next(iter(rows.values())).shape[0]
     bucket = make_bucket(size)
-    if garbage is not None:                   # stale rows from earlier requests sit in the padding
-        bucket.qkv.copy_(garbage[0][:size])
-        bucket.b.copy_(garbage[1][:size])
-        bucket.a.copy_(garbage[2][:size])
+    if body is single_sequence_layer:
+        bucket.packed(QKVZ_DIM, 2 * HV)
+    for (name, given), stale in zip(rows.items(), garbage or [None] * len(rows)):
+        if stale is not None:
+            getattr(bucket, name).copy_(stale[:size])
+        getattr(bucket, name)[:n] = given
     bucket.set_length(n)
     bucket.lines.fill_(line)
     bucket.has_init.fill_(has_init)
-    bucket.qkv[:n] = qkv
-    bucket.b[:n] = b
-    bucket.a[:n] = a
-    single_sequence_core(layer, bucket, KERNELS)
+    body(layer, bucket, KERNELS)
     return bucket.out[:n].clone()
+
+
+def run_chunk(layer, size, qkv, b, a, line, has_init, garbage=None):
+    return run_bucket(layer, size, {"qkv": qkv, "b": b, "a": a}, line, has_init, garbage)
 
 
 def inputs(n, seed):
@@ -178,19 +182,8 @@ def test_bucket_length_mask_and_tail():
 
 
 def run_layer_chunk(layer, size, qkvz, ba, line, has_init, garbage=None):
-    """Scope "layer": copy the packed rows in, run split + core + norm on the bucket, read the real rows."""
-    n = qkvz.shape[0]
-    bucket = make_bucket(size).packed(QKVZ_DIM, 2 * HV)
-    if garbage is not None:
-        bucket.qkvz.copy_(garbage[0][:size])
-        bucket.ba.copy_(garbage[1][:size])
-    bucket.set_length(n)
-    bucket.lines.fill_(line)
-    bucket.has_init.fill_(has_init)
-    bucket.qkvz[:n] = qkvz
-    bucket.ba[:n] = ba
-    single_sequence_layer(layer, bucket, KERNELS)
-    return bucket.out[:n].clone()
+    """Scope "layer": the packed rows in, split + core + norm on the bucket."""
+    return run_bucket(layer, size, {"qkvz": qkvz, "ba": ba}, line, has_init, garbage, body=single_sequence_layer)
 
 
 def packed_inputs(n, seed):

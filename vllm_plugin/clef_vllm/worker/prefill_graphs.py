@@ -348,14 +348,20 @@ class GdnGraphRunner:
                 return None
         return md, bucket, graph
 
-    @staticmethod
-    def _point_at(bucket: Bucket, md) -> int:
-        """Set the bucket's length, state line and initial-state flag for this step; the token count."""
+    def _replay(self, found, inputs: Callable[[Bucket], Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                core_attn_out: torch.Tensor) -> None:
+        """Point the bucket at this step (length, state line, initial-state flag), copy the real rows of
+        ``inputs(bucket)`` (pairs of static buffer, step tensor) in, replay, copy the real output rows out."""
+        md, bucket, graph = found
         n = md.num_actual_tokens
         bucket.set_length(n)
         bucket.lines.copy_(md.prefill_state_indices[:1])
         bucket.has_init.copy_(md.prefill_has_initial_state[:1])
-        return n
+        for static, given in inputs(bucket):
+            static[:n].copy_(given[:n])
+        graph.replay()
+        core_attn_out[:n].copy_(bucket.out[:n])
+        self.stats.replays += 1
 
     def run(self, layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
             core_attn_out: torch.Tensor) -> bool:
@@ -363,14 +369,7 @@ class GdnGraphRunner:
         found = self._eligible(layer, "core", mixed_qkv)
         if found is None:
             return False
-        md, bucket, graph = found
-        n = self._point_at(bucket, md)
-        bucket.qkv[:n].copy_(mixed_qkv[:n])
-        bucket.b[:n].copy_(b[:n])
-        bucket.a[:n].copy_(a[:n])
-        graph.replay()
-        core_attn_out[:n].copy_(bucket.out[:n])
-        self.stats.replays += 1
+        self._replay(found, lambda bk: ((bk.qkv, mixed_qkv), (bk.b, b), (bk.a, a)), core_attn_out)
         return True
 
     def run_layer(self, layer, mixed_qkvz: torch.Tensor, ba: torch.Tensor, core_attn_out: torch.Tensor) -> bool:
@@ -381,13 +380,7 @@ class GdnGraphRunner:
         found = self._eligible(layer, "layer", mixed_qkvz, ba.shape[-1])
         if found is None:
             return False
-        md, bucket, graph = found
-        n = self._point_at(bucket, md)
-        bucket.qkvz[:n].copy_(mixed_qkvz[:n])
-        bucket.ba[:n].copy_(ba[:n])
-        graph.replay()
-        core_attn_out[:n].copy_(bucket.out[:n])
-        self.stats.replays += 1
+        self._replay(found, lambda bk: ((bk.qkvz, mixed_qkvz), (bk.ba, ba)), core_attn_out)
         self.stats.layer_replays += 1
         return True
 
