@@ -106,3 +106,37 @@ def test_every_clef_vllm_import_in_the_repository_resolves():
                             and not (base / name).is_dir():
                         broken.append(f"{path.relative_to(REPO)}:{node.lineno}: {module} has no {name}")
     assert not broken, "\n".join(broken)
+
+
+def test_runners_import_only_modules_on_their_own_path():
+    """A script run as ``python DIR/x.py`` has DIR on sys.path, not tests/: a long runner or GPU check that
+    imports a module of this repository from elsewhere (tests/fuzz/run_long.py imported ``test_fuzz``) only
+    fails when someone runs it. Every import of a repository-local module resolves from where the file runs:
+    a script (``__main__``) from its own folder, everything else under tests/ from tests/ or its folder."""
+    import ast
+
+    roots = [REPO / d for d in ("tests", "bench", "scripts")]
+    files = [p for root in roots for p in root.rglob("*.py") if "__pycache__" not in p.parts]
+    local = {p.stem for p in files} | {p.parent.name for p in files if p.name == "__init__.py"} | {
+        d.name for root in roots for d in root.iterdir() if d.is_dir() and any(d.glob("*.py"))}
+    broken = []
+    for path in files:
+        text = path.read_text()
+        script = "__main__" in text and not path.name.startswith("test_")
+        search = [path.parent] if script else [path.parent, REPO / "tests"]
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top not in local:
+                    continue
+                if not any((d / f"{top}.py").exists() or (d / top / "__init__.py").exists() or (d / top).is_dir()
+                           for d in search):
+                    broken.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {module}, which is not on its "
+                                  f"path when {'run as a script' if script else 'imported by the tests'}")
+    assert not broken, "\n".join(broken)

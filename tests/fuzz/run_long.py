@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 # run as a script: this folder is sys.path[0], so the strategies module imports as a top-level one
-from strategies import check_response, check_valid_response, raw_bodies, requests, valid_requests
+from strategies import check_encoding, check_response, check_valid_response, raw_bodies, requests, valid_requests
 
 from clef_vllm.testing.server import LiveServer
 
@@ -209,8 +209,6 @@ def main() -> int:
     timed("bulk-lines", lambda: run_hypothesis(bulk_one, st.lists(line, min_size=1, max_size=8), args.bulk, seed + 2))
 
     # 5. in-process model + encoder
-    from test_fuzz import check_encoding
-
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
 

@@ -182,3 +182,38 @@ def check_response(status: int, headers, body_bytes: bytes, sent: bytes, dialect
     if result["model"] != request["model"]:
         return "model is not echoed"
     return None
+
+
+def check_encoding(encoder, body) -> None:
+    """parse -> encode -> answers for one decoded body; only RequestError may escape."""
+    import torch
+
+    from clef_vllm.answers import build_response
+    from clef_vllm.errors import Kind
+    from clef_vllm.protocol import RequestError, parse_request
+    from clef_vllm.server.errors import error_body, outcome
+
+    try:
+        parsed = parse_request(body, limits=encoder.request_limits())
+    except RequestError as exc:
+        assert 400 <= outcome(exc).status < 500 and str(exc)
+        json.dumps(error_body(exc), ensure_ascii=False).encode("utf-8")   # the error body is always encodable
+        return
+    try:
+        enc = encoder.encode(parsed)
+    except RequestError as exc:
+        assert exc.kind is Kind.SCHEMA_TOO_LONG and "schema requires" in exc.message
+        return
+    assert enc.num_tokens <= encoder.max_length and enc.truncated_state_tokens >= 0
+    assert [f.question_id for f in enc.fields] == list(parsed.questions)
+    prefix = len(encoder.prefix_ids)
+    assert enc.schema_offset == prefix + enc.state_tokens
+    for f in enc.fields:
+        start, end = f.question_span
+        assert enc.schema_offset <= start < end <= enc.num_tokens
+        assert len(f.option_ids) == len(f.option_spans) >= 1
+        assert all(end <= a < b <= enc.num_tokens for a, b in f.option_spans)
+    probs = torch.cat([torch.full((len(f.option_ids),), 1.0 / len(f.option_ids)) for f in enc.fields])
+    answer = build_response(parsed, enc, probs)
+    assert list(answer["answers"]) == list(parsed.questions)
+    json.dumps(answer, ensure_ascii=False).encode("utf-8")                 # the response is always encodable
