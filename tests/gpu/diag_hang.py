@@ -3,7 +3,8 @@ thread's Python stack is dumped every DUMP s, and the process exits after 3 dump
 
     python3 tests/gpu/diag_hang.py CKPT [--graphs] [--cache] [--big] [--len 300,1000 | --len server]
 
-``--len server``: the lengths of the server's warm-up, in its order (``warmup_lengths``).
+``--len server``: the server's warm-up, in its order (``warmup_lengths``, then its two batches), with
+the server's pooling parameters (``skip_reading_prefix_cache``).
 """
 import argparse
 import faulthandler
@@ -41,12 +42,16 @@ print("DIAG engine up", flush=True)
 faulthandler.dump_traceback_later(args.dump, repeat=True)
 threading.Timer(3.2 * args.dump, lambda: os._exit(3)).start()
 lengths = warmup_lengths(kw) if args.len == "server" else [int(x) for x in args.len.split(",")]
-for n in lengths:
+steps = [[n] for n in lengths]
+if args.len == "server":            # then the server's two batches
+    steps += [[300] * min(32, kw["max_num_seqs"]), [97, 256, 411]]
+for k, step in enumerate(steps):
     t0 = time.time()
-    spec = synthetic_spec(n)
-    r = llm.encode([TokensPrompt(prompt_token_ids=[5 + i % 200 for i in range(n)])],
-                   pooling_params=[PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})],
-                   pooling_task="plugin", use_tqdm=False)
-    print("DIAG", n, "ok", round(time.time() - t0, 2), tuple(r[0].outputs.data.shape), flush=True)
+    prompts = [TokensPrompt(prompt_token_ids=[5 + (i * 7 + k) % 200 for i in range(n)]) for n in step]
+    params = [PoolingParams(task="plugin", extra_kwargs={"clef": synthetic_spec(n).to_wire()},
+                            skip_reading_prefix_cache=True) for n in step]
+    r = llm.encode(prompts, pooling_params=params, pooling_task="plugin", use_tqdm=False)
+    print("DIAG", step if len(step) < 4 else f"{len(step)} x {step[0]}", "ok", round(time.time() - t0, 2),
+          tuple(r[0].outputs.data.shape), flush=True)
 print("DIAG all done", flush=True)
 os._exit(0)
