@@ -511,3 +511,34 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
     assert layer["scope"] == "layer" and layer["buckets"]
     capped = warmup_lengths(engine_kwargs(tiny_release, max_model_len=1000, prefill_graphs=False))
     assert capped == [17, 64, 300, 1000]                                   # no buckets without prefill graphs
+
+
+def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
+    """Both graph scopes wrap vLLM 0.28's real GDN layer: the methods and attributes they rely on exist
+    (``_forward_core``, ``_forward_core_fused_norm_packed``, the split sizes, ``split_ba``, the gated norm),
+    the split sizes match the layer's conv width, and a step without metadata (vLLM's warm-up) still
+    reaches vLLM's own method through both wrappers."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from clef_vllm.worker.prefill_graphs import GdnGraphRunner
+
+    model = vllm_cpu.load_model(tiny_release)               # its own copy: the wrappers stay on it
+    layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+    assert layers
+    for layer in layers:
+        assert (layer.key_dim * 2 + layer.value_dim) // layer.tp_size == layer.conv1d.weight.shape[0]
+        assert callable(layer.split_ba) and callable(layer._rms_norm_gated_cuda)
+    calls = []
+    for layer in layers:                                    # stand-ins for vLLM's methods, to see who runs
+        layer._forward_core = lambda **kw: calls.append("core")
+        layer._forward_core_fused_norm_packed = lambda **kw: calls.append("packed")
+    runner = GdnGraphRunner(scope="layer")
+    assert runner.install(model) == len(layers) and runner.install(model) == 0   # idempotent
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, vllm_cpu.vllm_config_for(tiny_release)):
+        layers[0]._forward_core_fused_norm_packed(torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(4, 1, 1))
+        layers[0]._forward_core(torch.zeros(4, 8), torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(4, 1, 1))
+    assert calls == ["packed", "core"]
+    assert runner.describe()["fallbacks"] == {"no_metadata": 1} and runner.stats.replays == 0
