@@ -55,10 +55,23 @@ TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIM
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 PLAN=${PLAN:-all}
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
-# PLAN=reuse: the state-cache sweep. One-state variants are measured hot (their warm-up caches the
-# state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
+# PLAN=reuse / next: the state-cache sweep. One-state variants are measured hot (their warm-up caches
+# the state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
+SHARED_STATES="--shared-states 4096x64,15872x33,4096x64x32"
 SHARED=(WORKLOADS=shared-state CONC=1,16,64 "CONC_OVERRIDES=shared-4k-32s=16" TIME_LIMIT=6 WARMUP=4
-        READY_TIMEOUT=360 BENCH_TIMEOUT=300 "BENCH_ARGS=--shared-states 4096x64,15872x33,4096x64x32")
+        READY_TIMEOUT=360 BENCH_TIMEOUT=300 "BENCH_ARGS=$SHARED_STATES")
+
+cache_on_9b() {  # the shared-state sweep plus the unique-state workloads against --state-cache on, GPU 0
+  job cache_on_9b_bf16 0 600 env "${SHARED[@]}" WORKLOADS=shared-state,short,long,fanout \
+      "BENCH_ARGS=$SHARED_STATES --unique-per-point" \
+      "CONC_OVERRIDES=shared-state=1,16,64 shared-4k-32s=16 long=1,8 fanout=1,8" CONC=1,16,64 PHASES=server \
+      LABEL=9b-dummy-bf16-cache-on SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8711
+}
+
+cache_on_9b_dp2() {  # the shared-state sweep against --state-cache on with DP=2 (affinity), both GPUs
+  job cache_on_9b_bf16_dp2 0,1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-dp2 \
+      SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
+}
 
 tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds clef-parity vs the reference)
   job bench_tiny_dp1 "$1" 420 env "${TINY_SWEEP[@]}" PHASES=server,"$( (( full )) && echo parity,)"raw,compare \
@@ -75,14 +88,10 @@ case "${1:-}" in
 reuse_queue0)
   job bench_9b_bf16 0 600 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16 SERVER_ARGS="--load-format dummy" \
       BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8701
-  job cache_on_9b_bf16 0 600 env "${SHARED[@]}" WORKLOADS=shared-state,short,long,fanout \
-      "BENCH_ARGS=--shared-states 4096x64,15872x33,4096x64x32 --unique-per-point" \
-      "CONC_OVERRIDES=shared-state=1,16,64 shared-4k-32s=16 long=1,8 fanout=1,8" CONC=1,16,64 PHASES=server \
-      LABEL=9b-dummy-bf16-cache-on SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8711
+  cache_on_9b
   touch "$S/queue0.done"
   while [ ! -f "$S/queue1.done" ]; do sleep 2; done
-  job cache_on_9b_bf16_dp2 0,1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-dp2 \
-      SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
+  cache_on_9b_dp2
   touch "$S/all.done"
   log "all done"
   ;;
@@ -94,17 +103,13 @@ reuse_queue1)
   touch "$S/queue1.done"
   ;;
 next_queue0)
-  job cache_on_9b_bf16 0 600 env "${SHARED[@]}" WORKLOADS=shared-state,short,long,fanout \
-      "BENCH_ARGS=--shared-states 4096x64,15872x33,4096x64x32 --unique-per-point" \
-      "CONC_OVERRIDES=shared-state=1,16,64 shared-4k-32s=16 long=1,8 fanout=1,8" CONC=1,16,64 PHASES=server \
-      LABEL=9b-dummy-bf16-cache-on SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8711
+  cache_on_9b
   job diag_cache_inprocess 0 240 python3 tests/gpu/diag_hang.py "$NINE" --big --graphs --cache --len server --dump 60
   job latency_scope 0 600 python3 bench/latency.py --modes graphs,layer --ckpt "$NINE" --out "$S/latency_scope/latency.json"
   touch "$S/queue0.done"
   while [ ! -f "$S/queue1.done" ]; do sleep 2; done
   if grep -q '"rc": 0' "$S/cache_on_9b_bf16/rc.json" 2>/dev/null; then
-    job cache_on_9b_bf16_dp2 0,1 600 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-dp2 \
-        SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
+    cache_on_9b_dp2
   fi
   touch "$S/all.done"
   log "all done"

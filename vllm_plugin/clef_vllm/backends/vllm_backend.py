@@ -232,16 +232,12 @@ class VllmBackend(Backend):
         for line in lines:
             log.info("kernels: %s", line)
 
-    def warmup_lengths(self) -> list[int]:
-        """Prompt lengths the warm-up runs one at a time (:func:`warmup_lengths`)."""
-        return warmup_lengths(self.kwargs)
-
     async def _warmup(self) -> None:
         """Run the shapes the server will see (Triton JIT, prefill graphs, head paths) before /health
         says ready: each length alone, then concurrent batches of mixed lengths."""
         t0 = time.perf_counter()
         vocab = int(self.files.text_config.get("vocab_size", 1024))
-        lengths = self.warmup_lengths()
+        lengths = warmup_lengths(self.kwargs)
         rng = torch.Generator().manual_seed(0)
 
         def ids(n):

@@ -374,9 +374,8 @@ class GdnGraphRunner:
 
     def run_layer(self, layer, mixed_qkvz: torch.Tensor, ba: torch.Tensor, core_attn_out: torch.Tensor) -> bool:
         """Scope ``layer``: replay the packed op's graph (split + core + gated norm); ``False``: the caller
-        runs vLLM's packed op (whose core call may still replay the ``core`` graph)."""
-        if self.scope != "layer":
-            return False
+        runs vLLM's packed op (whose core call may still replay the ``core`` graph). Installed only for
+        scope ``layer``."""
         found = self._eligible(layer, "layer", mixed_qkvz, ba.shape[-1])
         if found is None:
             return False
