@@ -93,6 +93,7 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
                                           prefill_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
+    assert off.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"   # rule 0 holds for every request
     assert "clef_prefill_graphs" not in off.additional_config and "clef_state_cache" not in off.additional_config
 
 

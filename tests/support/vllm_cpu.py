@@ -127,3 +127,78 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
             return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
     finally:
         torch.set_default_dtype(default_dtype)
+
+
+def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: int, block: int = 32,
+                  state_cache: bool = False, num_blocks: int = 256):
+    """vLLM 0.28's real scheduler (class ``scheduler_cls``) for ``checkpoint`` on CPU, with a hybrid KV
+    cache config of one attention and one GDN group (``align`` mode and prefix caching when
+    ``state_cache``). No worker: :func:`run_scheduler` stands in for the model runner's outputs."""
+    setup()
+    import torch
+    from vllm.config import CacheConfig, SchedulerConfig
+    from vllm.utils.hashing import sha256
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import clef_vllm
+
+    clef_vllm.register()
+    mode = "align" if state_cache else "none"
+    vc = vllm_config_for(checkpoint, max_model_len=max_model_len)
+    vc.cache_config = CacheConfig(block_size=block, enable_prefix_caching=state_cache, mamba_cache_mode=mode)
+    vc.cache_config.num_gpu_blocks = num_blocks
+    vc.scheduler_config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=max_model_len,
+                                          enable_chunked_prefill=True, is_encoder_decoder=False)
+    groups = [KVCacheGroupSpec(["attn"], FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8,
+                                                           dtype=torch.bfloat16)),
+              KVCacheGroupSpec(["gdn"], MambaSpec(block_size=block, shapes=((4, 8),), dtypes=(torch.float32,),
+                                                  mamba_cache_mode=mode))]
+    init_none_hash(sha256)
+    cls = resolve_obj_by_qualname(scheduler_cls)
+    return cls(vllm_config=vc, kv_cache_config=KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                                             kv_cache_groups=groups),
+               structured_output_manager=StructuredOutputManager(vc), block_size=block, log_stats=False)
+
+
+def pooling_request(scheduler, request_id: str, token_ids: list[int], clef: dict | None = None):
+    """A pooling request as the engine core builds it (block hashes for the prefix cache); ``clef`` is
+    the plugin's wire spec in the pooling params (``r``/``k``: the state cache's reuse information)."""
+    from vllm import PoolingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from clef_vllm.contract import PARAMS_KEY
+
+    params = PoolingParams(task="plugin", extra_kwargs={PARAMS_KEY: clef} if clef else None)
+    return Request(request_id, prompt_token_ids=list(token_ids), sampling_params=None, pooling_params=params,
+                   block_hasher=get_request_block_hasher(scheduler.block_size, sha256))
+
+
+def run_scheduler(scheduler, requests, max_steps: int = 50) -> dict[str, list[int]]:
+    """Add ``requests``, then schedule steps, answering each with a pooled output once a request's
+    prompt is computed (what the model runner does), until all finish or ``max_steps`` steps ran.
+    Returns each request's chunk sizes; a request still unfinished has ``-1`` appended."""
+    import torch
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    chunks: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        scheduler.add_request(r)
+    for _ in range(max_steps):
+        if not scheduler.requests:
+            break
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        for rid in ids:
+            chunks[rid].append(out.num_scheduled_tokens[rid])
+        done = [scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_prompt_tokens for rid in ids]
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            pooler_output=[torch.zeros(1) if d else None for d in done]))
+    for rid in scheduler.requests:
+        chunks[rid].append(-1)
+    return chunks

@@ -149,12 +149,12 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
-    (:mod:`clef_vllm.worker.state_cache`) and the scheduler rules that keep the two consistent."""
+    (:mod:`clef_vllm.worker.state_cache`); the scheduler (always ours) keeps the two consistent."""
     if not opts.state_cache:
         return
     from clef_vllm.contract import STATE_CACHE_KEY
 
-    kwargs.update(enable_prefix_caching=True, scheduler_cls="clef_vllm.worker.scheduler.ClefScheduler")
+    kwargs.update(enable_prefix_caching=True)
     kwargs.setdefault("additional_config", {})[STATE_CACHE_KEY] = {"on": True}
 
 

@@ -45,6 +45,7 @@ FIXED_ENGINE_SETTINGS = dict(
     enable_chunked_prefill=True,      # the pooler is chunk-aware
     mamba_ssm_cache_dtype="float32",  # GDN state across chunks in fp32 (the release config's mamba_ssm_dtype)
     skip_tokenizer_init=True,         # prompts arrive as token ids; spans are absolute positions
+    scheduler_cls="clef_vllm.worker.scheduler.ClefScheduler",  # a context-filling prompt finishes (its rule 0)
     disable_log_stats=True,
 )
 VLLM_MISSING = ("the vLLM backend needs vLLM 0.28 (a CUDA GPU machine): pip install './vllm_plugin[vllm]' "

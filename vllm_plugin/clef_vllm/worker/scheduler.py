@@ -1,8 +1,18 @@
-"""``ClefScheduler``: vLLM 0.28's scheduler with two rules for Clef requests under the state cache.
+"""``ClefScheduler``: vLLM 0.28's scheduler, always used for Clef, with one fix for every request and two
+rules for Clef requests under the state cache.
 
 vLLM runs in the engine-core process together with its (single, TP=1) worker, so the scheduler
 sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
 
+0. **A prompt of exactly ``max_model_len`` tokens finishes.** vLLM caps each chunk of a running
+   request at ``max_model_len - computed - 1``, keeping room for the token a generating model
+   samples after its prompt. A pooling engine samples nothing, but the cap still applies: the last
+   chunk of such a prompt is always one token short, the next step gets zero tokens, and the
+   request waits forever without an error (it holds its KV blocks and its client). Any prompt
+   that fills the context and needs two chunks hits it: longer than ``max_num_batched_tokens``,
+   or split at the reuse boundary with the state cache on (a warm-up step of the 9B server did).
+   The scheduler here declares that a step samples no token (as vLLM does for diffusion models),
+   which removes the reservation and nothing else for a pooling engine.
 1. **A hit never outruns the memory rows.** vLLM's prefix-cache lookup is capped at the request's
    reusable prefix (tokens before its first span, ``HeadSpec.reuse_limit``) and at the leading
    blocks whose memory rows the side cache holds; vLLM's own search then finds the longest hit
@@ -63,6 +73,11 @@ def capped_chunk(start: int, num_new_tokens: int, prompt_len: int, block: int, b
 
 class ClefScheduler(Scheduler):
     """See the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.vllm_config.model_config.runner_type == "pooling":
+            self.num_sampled_tokens_per_step = 0       # rule 0
 
     def _get_local_prefix_cache_hit(self, request):
         limit, unit_keys = reuse_info(request)

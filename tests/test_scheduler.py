@@ -1,0 +1,77 @@
+"""``ClefScheduler`` driven as vLLM 0.28's real scheduler on CPU (a hybrid attention + GDN KV cache
+config, block hashes, the prefix cache's block pool), with the model runner's outputs stood in:
+every prompt finishes, however its chunks fall, and a state-cache hit comes from vLLM's own lookup."""
+
+from __future__ import annotations
+
+import pytest
+
+from support import vllm_cpu
+
+pytest.importorskip("vllm")
+
+CLEF = "clef_vllm.worker.scheduler.ClefScheduler"
+VLLM = "vllm.v1.core.sched.scheduler.Scheduler"
+MAX_LEN, BLOCK = 256, 32
+
+
+def ids(n: int, salt: int = 0) -> list[int]:
+    return [1000 + salt * 7919 + i for i in range(n)]
+
+
+def reuse(token_ids: list[int], limit: int) -> dict:
+    """The plugin's wire spec for a request whose first ``limit`` tokens are its reusable state."""
+    from clef_vllm.state_keys import prefix_keys
+
+    return {"r": limit, "k": list(prefix_keys(token_ids, limit))}
+
+
+def test_vllm_alone_never_finishes_a_context_filling_prompt_split_in_chunks(tiny_release):
+    """Why rule 0 exists: vLLM keeps one token of the context for a sampled token even for pooling, so
+    the last chunk of a ``max_model_len`` prompt never runs. If this starts passing, vLLM fixed it."""
+    sched = vllm_cpu.scheduler_for(tiny_release, VLLM, MAX_LEN, budget=128)
+    chunks = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", ids(MAX_LEN))])
+    assert chunks["a"] == [128, 127, -1]
+
+
+@pytest.mark.parametrize("state_cache", [False, True], ids=["cache-off", "cache-on"])
+@pytest.mark.parametrize("length", [MAX_LEN, MAX_LEN - 1, MAX_LEN - BLOCK, 129])
+def test_every_prompt_finishes_however_it_is_chunked(tiny_release, state_cache, length):
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, state_cache=state_cache)
+    reqs = [vllm_cpu.pooling_request(sched, "a", ids(length)), vllm_cpu.pooling_request(sched, "b", ids(MAX_LEN, 1))]
+    chunks = vllm_cpu.run_scheduler(sched, reqs)
+    assert sum(chunks["a"]) == length and sum(chunks["b"]) == MAX_LEN, chunks
+    assert all(n % BLOCK == 0 for c in chunks.values() for n in c[:-1]) or not state_cache   # align: block ends
+
+
+def test_a_context_filling_state_cache_request_stops_at_its_reuse_boundary_and_finishes(tiny_release):
+    """The 9B server's warm-up step that never finished: a prompt of exactly max_model_len tokens, one
+    step's budget, split at the reuse boundary (the last block boundary before the first span)."""
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
+    prompt = ids(MAX_LEN)
+    chunks = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", prompt, reuse(prompt, 200))])
+    assert chunks["a"] == [192, MAX_LEN - 192]
+
+
+def test_a_follow_up_on_the_same_state_gets_vllms_hit_capped_by_the_rows_present(tiny_release):
+    import torch
+
+    from clef_vllm.state_keys import block_keys
+    from clef_vllm.worker import state_cache
+
+    cache = state_cache.SideCache(capacity=16, block=BLOCK, width=3, dtype=torch.float32, device="cpu")
+    state_cache.install(cache)
+    try:
+        sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
+        state = ids(200)
+        first, second, third = (state + ids(56, salt) for salt in (1, 2, 3))
+        spec = reuse(first, 200)
+        assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", first, spec)])["a"] == [192, 64]
+        # the worker stored no rows yet: vLLM's cached blocks are not used
+        assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", second, spec)])["b"] == [192, 64]
+        for key in block_keys(spec["k"], BLOCK):
+            cache.write(key, torch.zeros(BLOCK, 3))
+        # rows for the whole keyed prefix: the follow-up computes only what follows its 192 cached tokens
+        assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "c", third, spec)])["c"] == [64]
+    finally:
+        state_cache.install(None)
