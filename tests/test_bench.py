@@ -176,6 +176,9 @@ def test_synthetic_parity_set_is_varied_and_deterministic():
     choice_ids = [list(q["criteria"]) for body in a for q in body["questions"].values() if q["type"] == "choice"]
     assert any(ids != sorted(ids) for ids in choice_ids)  # wire order is not the encoded order
     assert any(not isinstance(body["state"], str) for body in a)
+    shared = synthetic_parity_set(40, seed=5, states=8)
+    assert [body["state"] for body in shared] == [a[i % 8]["state"] for i in range(40)]   # states repeat
+    assert [body["questions"] for body in shared] == [body["questions"] for body in a]   # questions do not
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -281,6 +284,25 @@ def test_compare_runs_counts_flips_errors_and_tokens():
     (flip,) = r["flips"]
     assert (flip["label"], flip["question"], flip["a_top"], flip["b_top"]) == ("r0", "c", "x", "y")
     assert flip["a_margin"] == pytest.approx(0.1) and flip["b_margin"] == pytest.approx(0.04)
+    assert r["cached_requests"] == 0 and r["overall_cached"]["questions"] == 0
+
+
+def test_compare_runs_splits_the_questions_answered_from_a_cached_state():
+    from clef_vllm.bench.report import parity_markdown
+
+    a = [_ok({"n": _noul(0.9)}), _ok({"n": _noul(0.3)}), _ok({"n": _noul(0.6)})]
+    b = [_ok({"n": _noul(0.9)}), _ok({"n": _noul(0.7)}), _ok({"n": _noul(0.61)})]
+    b[1].body["usage"]["cached_state_tokens"] = 1056
+    b[2].body["usage"]["cached_state_tokens"] = 528
+    r = compare_runs(["r0", "r1", "r2"], a, b)
+    assert r["cached_state_tokens"] == {"a": 0, "b": 1584} and r["cached_requests"] == 2
+    assert r["overall_cached"]["questions"] == 2 and r["overall_cached"]["flips"] == 1
+    assert r["overall_uncached"] == {**r["overall_uncached"], "questions": 1, "flips": 0, "max_abs_dp": 0}
+    receipt = {"a": {"spec": "http://a"}, "b": {"spec": "http://b"}, "comparison": r,
+               "request_set": {"source": "s", "requests": 3, "sha256": "0" * 64,
+                               "questions": {"total": 3, "noul": 3, "choice": 0, "score": 0}},
+               "conditions": {"main": {"concurrency": 8, "order": "request"}}}
+    assert "Answered from a cached state: 2 requests (cached state tokens A 0, B 1584)" in parity_markdown(receipt)
 
 
 def test_accuracy_against_answer_keys():

@@ -135,6 +135,8 @@ def compare_runs(labels: Sequence[str], a: Sequence[Answered], b: Sequence[Answe
     status_pairs: dict[str, int] = {}
     token_mismatches: list[dict] = []
     problems: list[dict] = []
+    cached = {"a": 0, "b": 0}                 # usage.cached_state_tokens (a server with --state-cache on)
+    hit_requests: set[int] = set()            # requests either side answered from a cached state
     for i, (ra, rb) in enumerate(zip(a, b)):
         if not (ra.ok and rb.ok):
             key = f"{ra.status}/{rb.status}"
@@ -147,6 +149,11 @@ def compare_runs(labels: Sequence[str], a: Sequence[Answered], b: Sequence[Answe
         tb = (rb.body.get("usage") or {}).get("input_tokens")
         if ta != tb:
             token_mismatches.append({"request": i, "label": labels[i], "a": ta, "b": tb})
+        for side, res in (("a", ra), ("b", rb)):
+            n = int((res.body.get("usage") or {}).get("cached_state_tokens") or 0)
+            cached[side] += n
+            if n:
+                hit_requests.add(i)
         answers_a, answers_b = ra.body.get("answers") or {}, rb.body.get("answers") or {}
         for qid, ans_a in answers_a.items():
             ans_b = answers_b.get(qid)
@@ -184,6 +191,11 @@ def compare_runs(labels: Sequence[str], a: Sequence[Answered], b: Sequence[Answe
         "input_token_mismatches": len(token_mismatches),
         "input_token_mismatch_examples": token_mismatches[:10],
         "problems": problems,
+        "cached_state_tokens": cached,
+        # the same agreement over the questions of requests answered from a cached state on a side
+        "cached_requests": len(hit_requests),
+        "overall_cached": _aggregate([d for d in diffs if d.request in hit_requests]),
+        "overall_uncached": _aggregate([d for d in diffs if d.request not in hit_requests]),
     }
 
 

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"N generated requests (default {DEFAULT_SYNTHETIC} when no --requests)")
     r.add_argument("--synthetic-max-words", type=int, default=400, metavar="W",
                    help="longest synthetic text state, in words (default 400)")
+    r.add_argument("--synthetic-states", type=int, default=None, metavar="K",
+                   help="synthetic request i asks about the state of request i %% K: repeated states, "
+                        "for a server with --state-cache on (default: every state new)")
     r.add_argument("--seed", type=int, default=0, help="synthetic set and shuffle seed")
     r.add_argument("--model-name", default="clef-flash")
 
@@ -98,16 +101,18 @@ def load_set(args) -> tuple[list[dict], list[str], list[dict | None], dict]:
         sources.append(f"file {args.requests}")
     n_syn = args.synthetic if args.synthetic is not None else (0 if args.requests else DEFAULT_SYNTHETIC)
     if n_syn:
-        syn = synthetic_parity_set(n_syn, seed=args.seed, model=args.model_name, max_words=args.synthetic_max_words)
+        syn = synthetic_parity_set(n_syn, seed=args.seed, model=args.model_name, max_words=args.synthetic_max_words,
+                                   states=args.synthetic_states)
         bodies += syn
         labels += [f"syn{i}" for i in range(n_syn)]
         keys += [None] * n_syn
-        sources.append(f"synthetic (seed {args.seed}, n {n_syn}, ≤{args.synthetic_max_words} words)")
+        shared = f", {args.synthetic_states} states" if args.synthetic_states else ""
+        sources.append(f"synthetic (seed {args.seed}, n {n_syn}, ≤{args.synthetic_max_words} words{shared})")
     if not bodies:
         raise SystemExit("clef-parity: empty request set")
     info = {"source": " + ".join(sources), "requests": len(bodies), "questions": count_questions(bodies),
             "answer_keys": sum(1 for k in keys if k), "sha256": request_set_digest(bodies), "file": args.requests,
-            "synthetic": n_syn, "seed": args.seed}
+            "synthetic": n_syn, "synthetic_states": args.synthetic_states, "seed": args.seed}
     return bodies, labels, keys, info
 
 

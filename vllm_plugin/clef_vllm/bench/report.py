@@ -136,6 +136,13 @@ def parity_markdown(receipt: dict) -> str:
         lines.append(f"- Not compared (A/B status): {cmp_['status_pairs_not_compared']}")
     if cmp_["input_token_mismatches"]:
         lines.append(f"- **usage.input_tokens differs on {cmp_['input_token_mismatches']} requests**")
+    if cmp_.get("cached_requests"):
+        hit, rest = cmp_["overall_cached"], cmp_["overall_uncached"]
+        lines.append(f"- Answered from a cached state: {cmp_['cached_requests']} requests (cached state tokens "
+                     f"A {cmp_['cached_state_tokens']['a']}, B {cmp_['cached_state_tokens']['b']}); their questions: "
+                     f"top-1 {_pct(hit['top1_agreement'])}, max abs Δp {_f(hit['max_abs_dp'])}, {hit['flips']} flips; "
+                     f"the others: top-1 {_pct(rest['top1_agreement'])}, max abs Δp {_f(rest['max_abs_dp'])}, "
+                     f"{rest['flips']} flips")
     lines += [f"- {line}" for line in verdict_lines(receipt)]
     for side, acc in (receipt.get("accuracy") or {}).items():
         parts = [f"{t} {_pct(acc['per_type'][t]['accuracy'])} (n {acc['per_type'][t]['questions']})"

@@ -393,12 +393,15 @@ _JSON_STATES = (
 )
 
 
-def synthetic_parity_set(n: int, seed: int = 0, model: str = "clef-flash", max_words: int = 400) -> list[dict]:
+def synthetic_parity_set(n: int, seed: int = 0, model: str = "clef-flash", max_words: int = 400,
+                         states: int | None = None) -> list[dict]:
     """``n`` varied requests for fidelity checks (no tokenizer needed).
 
     Mixes text and JSON states of 5-``max_words`` words, 1-6 questions, choice questions with 2-8
     options in unsorted wire order (some descriptions null), score scales of 2-10 levels, noul
-    questions with and without criteria, and some structured (object) instructions.
+    questions with and without criteria, and some structured (object) instructions. With ``states``,
+    request ``i`` asks its questions about the state of request ``i % states``: later requests repeat
+    earlier states, as the state cache expects (a server with it answers them from cached prefixes).
     """
     out = []
     for i in range(n):
@@ -427,5 +430,7 @@ def synthetic_parity_set(n: int, seed: int = 0, model: str = "clef-flash", max_w
             if r.random() < 0.15:
                 q["instructions"] = {"question": q["instructions"], "context": r.choice(_ADJS)}
             questions[qid] = q
+        if states and i >= states:
+            state = out[i % states]["state"]
         out.append({"model": model, "state": state, "questions": questions})
     return out
