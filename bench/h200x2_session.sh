@@ -18,11 +18,12 @@
 #        --state-cache on (shared-state + the unique-state workloads); GPU 1: tiny parity (240) -> graphs
 #        and offline-API checks (fast_paths) -> 9B BF16 shared-state with the cache off; both: 9B BF16
 #        DP=2 with the cache on (shared-state, one-state and 32-state variants: the affinity hits).
-# PLAN=next (after the fifth session): GPU 0: the --state-cache on server again (its warm-up is now
-#        bounded and dumps the engine's stacks if stuck) -> the server's warm-up lengths in process
-#        (diag_hang.py) -> latency.py graphs vs layer scope; GPU 1: graphs-vs-vLLM parity with the layer
-#        scope -> 9B BF16 short, server with --prefill-graph-scope layer vs raw -> the same in FP8;
-#        both: DP=2 with the cache on (only worth its minutes when GPU 0's cache job passed).
+# PLAN=sixth (issues 13, then 12): stage A, GPU 0: 9B BF16 server with --state-cache on (shared-state
+#        sweep + unique-state workloads); GPU 1: tiny server with the cache on vs the reference (clef-parity,
+#        repeated states) -> the unique-state workloads with the cache off (the 3 % comparison); stage B,
+#        both GPUs: DP=2 with the cache on; stage C, GPU 0: latency.py graphs vs layer scope -> 9B FP8 short
+#        with the layer scope vs raw; GPU 1: graphs-vs-vLLM parity with the layer scope -> 9B BF16 short with
+#        the layer scope vs raw -> 9B FP8 shared-state with the cache on.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +74,11 @@ cache_on_9b_dp2() {  # the shared-state sweep against --state-cache on with DP=2
       SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
 }
 
+phase_a_done() {  # phase_a_done GPU: this queue's first stage is over; wait for the other queue's
+  touch "$S/phase_a.$1"
+  while [ ! -f "$S/phase_a.0" ] || [ ! -f "$S/phase_a.1" ]; do sleep 2; done
+}
+
 tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds clef-parity vs the reference)
   job bench_tiny_dp1 "$1" 420 env "${TINY_SWEEP[@]}" PHASES=server,"$( (( full )) && echo parity,)"raw,compare \
       LABEL=tiny-dp1 bash bench/gpu_bench.sh "$TINY" 8703
@@ -80,7 +86,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  if [ "$PLAN" = reuse ] || [ "$PLAN" = next ]; then set -- "${PLAN}_$1"; fi ;;
+  if [ "$PLAN" = reuse ] || [ "$PLAN" = sixth ]; then set -- "${PLAN}_$1"; fi ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -102,29 +108,40 @@ reuse_queue1)
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8712
   touch "$S/queue1.done"
   ;;
-next_queue0)
+sixth_queue0)
   cache_on_9b
-  job diag_cache_inprocess 0 240 python3 tests/gpu/diag_hang.py "$NINE" --big --graphs --cache --len server --dump 60
-  job latency_scope 0 600 python3 bench/latency.py --modes graphs,layer --ckpt "$NINE" --out "$S/latency_scope/latency.json"
-  touch "$S/queue0.done"
-  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
+  phase_a_done 0
   if grep -q '"rc": 0' "$S/cache_on_9b_bf16/rc.json" 2>/dev/null; then
     cache_on_9b_dp2
   fi
+  touch "$S/dp2.done"
+  job latency_scope 0 600 python3 bench/latency.py --modes graphs,layer --ckpt "$NINE" --out "$S/latency_scope/latency.json"
+  job short_9b_fp8_layer 0 500 env "${SHORT[@]}" LABEL=9b-dummy-fp8-layer RAW_ARGS="--raw-quantization fp8" \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8722
+  touch "$S/queue0.done"
+  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
   touch "$S/all.done"
   log "all done"
   ;;
-next_queue1)
+sixth_queue1)
+  job cache_parity_tiny 1 420 env PHASES=parity LABEL=tiny-cache-on READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
+      SERVER_ARGS="--state-cache on" \
+      PARITY_ARGS="--synthetic 96 --synthetic-states 12 --synthetic-max-words 2500 -c 8 --device cuda" \
+      bash bench/gpu_bench.sh "$TINY" 8731
+  job cache_off_9b_bf16_unique 1 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
+      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8732
+  phase_a_done 1
+  while [ ! -f "$S/dp2.done" ]; do sleep 2; done
   job fast_paths_layer 1 360 env CLEF_DUMP_AFTER=240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" \
       --n 8 --only graphs --scope layer
   job short_9b_bf16_layer 1 500 env "${SHORT[@]}" LABEL=9b-dummy-bf16-layer \
       SERVER_ARGS="--load-format dummy --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8721
-  job short_9b_fp8_layer 1 500 env "${SHORT[@]}" LABEL=9b-dummy-fp8-layer RAW_ARGS="--raw-quantization fp8" \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8722
+  job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
   touch "$S/queue1.done"
   ;;
 launch)
-  rm -f "$S"/*.done
+  rm -f "$S"/*.done "$S"/phase_a.*
   python3 bench/make_ckpt.py tiny "$TINY" && python3 bench/make_ckpt.py 9b "$NINE" || exit 1
   for q in queue0 queue1; do
     PLAN=$PLAN setsid nohup bash "$0" "$q" >"$S/$q.log" 2>&1 </dev/null &
