@@ -24,6 +24,10 @@
 #        both GPUs: DP=2 with the cache on; stage C, GPU 0: latency.py graphs vs layer scope -> 9B FP8 short
 #        with the layer scope vs raw; GPU 1: graphs-vs-vLLM parity with the layer scope -> 9B BF16 short with
 #        the layer scope vs raw -> 9B FP8 shared-state with the cache on.
+# PLAN=sixthb (after the sixth session's first run): GPU 0: latency.py graphs vs cache (in-process follow-ups
+#        on a cached 16k state, profiled); GPU 1: a context-filling 16,384-token request chunked by
+#        --max-num-batched-tokens 4096 (the scheduler's rule 0 on the GPU); both: DP=2 with the cache on
+#        again (the worker now beside the scheduler), then DP=2 short server vs raw (the executor change).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,7 +90,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  if [ "$PLAN" = reuse ] || [ "$PLAN" = sixth ]; then set -- "${PLAN}_$1"; fi ;;
+  case "$PLAN" in reuse|sixth|sixthb) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -139,6 +143,22 @@ sixth_queue1)
   job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
       SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
   touch "$S/queue1.done"
+  ;;
+sixthb_queue0)
+  job latency_cache 0 420 python3 bench/latency.py --modes graphs,cache --ckpt "$NINE" --out "$S/latency_cache/latency.json"
+  phase_a_done 0
+  cache_on_9b_dp2
+  job short_9b_bf16_dp2 0,1 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-dp2 \
+      SERVER_ARGS="--load-format dummy --data-parallel-size 2" RAW_ARGS="--raw-engine-arg data_parallel_size=2" \
+      bash bench/gpu_bench.sh "$NINE" 8705
+  touch "$S/all.done"
+  log "all done"
+  ;;
+sixthb_queue1)
+  job context_filling_chunked 1 300 env WORKLOADS=long CONC=1 "CONC_OVERRIDES=long=1" TIME_LIMIT=4 WARMUP=1 \
+      READY_TIMEOUT=360 BENCH_TIMEOUT=200 PHASES=server LABEL=9b-dummy-bf16-chunk4096 "BENCH_ARGS=--long-tokens 16384" \
+      SERVER_ARGS="--load-format dummy --max-num-batched-tokens 4096" bash bench/gpu_bench.sh "$NINE" 8741
+  phase_a_done 1
   ;;
 launch)
   rm -f "$S"/*.done "$S"/phase_a.*

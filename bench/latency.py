@@ -8,7 +8,8 @@ settings (``engine_kwargs``), one request at a time, in each MODE (one subproces
     layer      prefill graphs on with ``--prefill-graph-scope layer`` (the packed GDN op in the graph)
     nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
-    cache      prefill graphs on and the state cache on (prefix caching in align mode)
+    cache      prefill graphs on and the state cache on (prefix caching in align mode); also follow-ups
+               on one cached 15,872-token state (400 new tokens each): p50 and a profile
     raw        vLLM ``embed`` pooling of the same ids, vLLM's defaults (no head, no plugin features)
 
 Per mode: single-request p50 for several lengths, 256 x 400-token batch throughput, and a
@@ -28,9 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 LENGTHS = (100, 400, 1000, 4096)
+STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up requests (a 16k prompt with 400 new tokens)
 
 
 def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
@@ -54,15 +58,34 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
     return kw
 
 
+def profiled(request: Callable[[int], float], n: int = 5) -> dict:
+    """torch.profiler over ``n`` calls of ``request(i)`` (one request each): per-request wall, GPU kernel
+    time, CUDA kernel and graph launches, host time, and the ops with the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        walls = [request(i) for i in range(n)]
+    events = prof.key_averages()
+    cuda = [e for e in events if e.device_type.name == "CUDA"]
+    return {
+        "profiled_wall_ms_per_req": round(sum(walls) / n, 1),
+        "gpu_kernel_ms_per_req": round(sum(e.self_device_time_total for e in events) / n / 1000, 2),
+        "kernel_launches_per_req": round(sum(e.count for e in cuda) / n),
+        "graph_launches_per_req": round(sum(e.count for e in events if e.key == "cudaGraphLaunch") / n, 1),
+        "host_ms_per_req": round(sum(e.self_cpu_time_total for e in events) / n / 1000, 2),
+        "most_host_time": [(e.key[:70], round(e.self_cpu_time_total / n / 1000, 2), e.count // n)
+                           for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]],
+    }
+
+
 def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, PoolingParams, TokensPrompt
 
     from clef_vllm import register
-    from clef_vllm.features import HeadSpec
-    from clef_vllm.features import synthetic_spec
+    from clef_vllm.features import HeadSpec, synthetic_spec
+    from clef_vllm.state_keys import prefix_keys
 
     register()
     kw = engine_settings(mode, ckpt, quantization)
@@ -78,17 +101,19 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
         g = torch.Generator().manual_seed(seed)
         return TokensPrompt(prompt_token_ids=torch.randint(10, 1000, (n,), generator=g).tolist())
 
-    def params(n: int):
+    def params(p, reuse: int):
         if mode == "raw":
             return PoolingParams(task="embed")
-        spec: HeadSpec = synthetic_spec(n)
+        ids = p["prompt_token_ids"]
+        spec: HeadSpec = synthetic_spec(len(ids))
+        if reuse:       # the first `reuse` tokens are a state the cache may hold (as the front end keys them)
+            spec = replace(spec, reuse_limit=reuse, state_keys=tuple(prefix_keys(ids, reuse)))
         return PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})
 
-    def once(prompts) -> float:
+    def once(prompts, reuse: int = 0) -> float:
         t = time.perf_counter()
         task = "embed" if mode == "raw" else "plugin"
-        llm.encode(prompts, pooling_params=[params(len(p["prompt_token_ids"])) for p in prompts],
-                   pooling_task=task, use_tqdm=False)
+        llm.encode(prompts, pooling_params=[params(p, reuse) for p in prompts], pooling_task=task, use_tqdm=False)
         return (time.perf_counter() - t) * 1000
 
     for n in (64, 300, 400, 417, 1000, 1024, 4096):          # every kernel specialisation and graph bucket
@@ -101,17 +126,17 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
     batch = [prompt(400, 9000 + i) for i in range(256)]
     once(batch[:64])
     res["batch256x400_tok_s"] = round(256 * 400 / once(batch) * 1000)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        walls = [once([prompt(400, 7000 + i)]) for i in range(5)]
-    events = prof.key_averages()
-    cuda = [e for e in events if e.device_type.name == "CUDA"]
-    res["profiled_wall_ms_per_req"] = round(sum(walls) / 5, 1)
-    res["gpu_kernel_ms_per_req"] = round(sum(e.self_device_time_total for e in events) / 5 / 1000, 2)
-    res["kernel_launches_per_req"] = round(sum(e.count for e in cuda) / 5)
-    res["graph_launches_per_req"] = round(sum(e.count for e in events if e.key == "cudaGraphLaunch") / 5, 1)
-    res["host_ms_per_req"] = round(sum(e.self_cpu_time_total for e in events) / 5 / 1000, 2)
-    res["most_host_time"] = [(e.key[:70], round(e.self_cpu_time_total / 5000, 2), e.count // 5)
-                             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]]
+    res.update(profiled(lambda i: once([prompt(400, 7000 + i)])))
+    if mode == "cache":     # follow-ups on one cached state: STATE_TOKENS shared, 400 new tokens each
+        state = prompt(STATE_TOKENS, 4242)["prompt_token_ids"]
+
+        def follow_up(i: int) -> float:
+            return once([TokensPrompt(prompt_token_ids=state + prompt(400, 5000 + i)["prompt_token_ids"])],
+                        reuse=STATE_TOKENS)
+
+        res["followup_first_ms"] = round(follow_up(0), 1)
+        res["followup_p50_ms"] = round(statistics.median(follow_up(i) for i in range(1, 21)), 1)
+        res["followup"] = profiled(lambda i: follow_up(100 + i))
     if mode != "raw":
         def report(worker):
             model = worker.model_runner.model

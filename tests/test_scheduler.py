@@ -75,3 +75,15 @@ def test_a_follow_up_on_the_same_state_gets_vllms_hit_capped_by_the_rows_present
         assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "c", third, spec)])["c"] == [64]
     finally:
         state_cache.install(None)
+
+
+def test_a_scheduler_that_cannot_see_the_pool_says_so_once_and_grants_no_hit(tiny_release, caplog):
+    """With the worker in another process (vLLM's multiprocess executor) the pool is invisible here."""
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
+    state = ids(200)
+    with caplog.at_level("WARNING", logger="clef_vllm"):
+        for salt, name in enumerate("abc"):       # one after another: b and c would hit vLLM's cached blocks
+            prompt = state + ids(56, salt)
+            req = vllm_cpu.pooling_request(sched, name, prompt, reuse(prompt, 200))
+            assert vllm_cpu.run_scheduler(sched, [req])[name] == [192, 64]
+    assert sum("does not see the worker's memory-row pool" in r.getMessage() for r in caplog.records) == 1

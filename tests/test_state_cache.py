@@ -145,7 +145,8 @@ def test_the_hit_is_capped_by_the_rows_present_and_the_reusable_prefix(side_cach
     blocks = block_keys(units, 32)
     for key in blocks[:5]:
         side_cache.write(key, rows(0, block=32))
-    sched = SimpleNamespace(kv_cache_manager=FakeManager(hit_blocks=8), block_size=32)
+    sched = SimpleNamespace(kv_cache_manager=FakeManager(hit_blocks=8), block_size=32, _warned_no_pool=False,
+                            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="mp")))
     # rows for 5 blocks: vLLM is asked for at most 160 tokens though it holds 8 blocks
     assert hit(sched, fake_request(290, units))[1] == 160 and sched.kv_cache_manager.caps[-1] == 160
     # the reusable prefix ends at 100 tokens: at most 3 blocks

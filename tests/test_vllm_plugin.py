@@ -94,6 +94,8 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
                                           prefill_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
     assert off.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"   # rule 0 holds for every request
+    # the worker beside the scheduler, with data parallelism too (vLLM's CPU platform swaps in "mp" here)
+    assert engine_kwargs(tiny_release, data_parallel_size=2)["distributed_executor_backend"] == "uni"
     assert "clef_prefill_graphs" not in off.additional_config and "clef_state_cache" not in off.additional_config
 
 

@@ -78,6 +78,7 @@ class ClefScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         if self.vllm_config.model_config.runner_type == "pooling":
             self.num_sampled_tokens_per_step = 0       # rule 0
+        self._warned_no_pool = False
 
     def _get_local_prefix_cache_hit(self, request):
         limit, unit_keys = reuse_info(request)
@@ -87,6 +88,11 @@ class ClefScheduler(Scheduler):
         empty = (manager.empty_kv_cache_blocks, 0, 0, False)
         cache = state_cache.current()
         block = self.block_size
+        if cache is None and not self._warned_no_pool:
+            self._warned_no_pool = True
+            log.warning("clef state cache: the scheduler does not see the worker's memory-row pool (the worker "
+                        "runs in another process: distributed_executor_backend=%s); no request will reuse a state",
+                        self.vllm_config.parallel_config.distributed_executor_backend)
         if cache is None or cache.block != block or block % KEY_UNIT or not manager.prefix_cache_lookup_enabled(request):
             return empty
         present = cache.present_prefix(block_keys(unit_keys, block))
