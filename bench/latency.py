@@ -84,6 +84,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
     from vllm import LLM, PoolingParams, TokensPrompt
 
     from clef_vllm import register
+    from clef_vllm.backends.vllm_backend import pooling_params
     from clef_vllm.features import HeadSpec, synthetic_spec
     from clef_vllm.state_keys import prefix_keys
 
@@ -108,7 +109,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
         spec: HeadSpec = synthetic_spec(len(ids))
         if reuse:       # the first `reuse` tokens are a state the cache may hold (as the front end keys them)
             spec = replace(spec, reuse_limit=reuse, state_keys=tuple(prefix_keys(ids, reuse)))
-        return PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()})
+        return pooling_params(spec, reads=bool(reuse))
 
     def once(prompts, reuse: int = 0) -> float:
         t = time.perf_counter()

@@ -23,10 +23,10 @@ ap.add_argument("--dump", type=float, default=25)
 ap.add_argument("--big", action="store_true", help="the server's settings instead of fast_paths'")
 args = ap.parse_args()
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-from vllm import LLM, PoolingParams, TokensPrompt  # noqa: E402
+from vllm import LLM, TokensPrompt  # noqa: E402
 
 from clef_vllm import register  # noqa: E402
-from clef_vllm.backends.vllm_backend import engine_kwargs, warmup_lengths  # noqa: E402
+from clef_vllm.backends.vllm_backend import engine_kwargs, pooling_params, warmup_lengths  # noqa: E402
 from clef_vllm.features import synthetic_spec  # noqa: E402
 
 register()
@@ -48,8 +48,7 @@ if args.len == "server":            # then the server's two batches
 for k, step in enumerate(steps):
     t0 = time.time()
     prompts = [TokensPrompt(prompt_token_ids=[5 + (i * 7 + k) % 200 for i in range(n)]) for n in step]
-    params = [PoolingParams(task="plugin", extra_kwargs={"clef": synthetic_spec(n).to_wire()},
-                            skip_reading_prefix_cache=True) for n in step]
+    params = [pooling_params(synthetic_spec(n)) for n in step]
     r = llm.encode(prompts, pooling_params=params, pooling_task="plugin", use_tqdm=False)
     print("DIAG", step if len(step) < 4 else f"{len(step)} x {step[0]}", "ok", round(time.time() - t0, 2),
           tuple(r[0].outputs.data.shape), flush=True)

@@ -52,10 +52,10 @@ def run_engine(config: dict) -> dict:
 
         faulthandler.dump_traceback_later(float(os.environ["CLEF_DUMP_AFTER"]), exit=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from vllm import LLM, PoolingParams, TokensPrompt
+    from vllm import LLM, TokensPrompt
 
     from clef_vllm import register
-    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.backends.vllm_backend import engine_kwargs, pooling_params
     from clef_vllm.contract import STATE_CACHE_KEY
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.worker import state_cache
@@ -78,8 +78,7 @@ def run_engine(config: dict) -> dict:
         for body, skip in zip(step["bodies"], step.get("skip", [False] * len(step["bodies"]))):
             enc, spec = encode(encoder, body, keyed=config["cache"])
             prompts.append(TokensPrompt(prompt_token_ids=enc.input_ids))
-            params.append(PoolingParams(task="plugin", extra_kwargs={"clef": spec.to_wire()},
-                                        skip_reading_prefix_cache=skip or not config["cache"]))
+            params.append(pooling_params(spec, reads=config["cache"] and not skip))
             encs.append(enc)
         results = llm.encode(prompts, pooling_params=params, pooling_task="plugin", use_tqdm=False)
         out["steps"].append({"name": step["name"], "results": [

@@ -94,6 +94,16 @@ def warmup_lengths(kwargs: dict) -> list[int]:
     return sorted({min(n, kwargs["max_model_len"]) for n in wanted})
 
 
+def pooling_params(spec: HeadSpec, reads: bool = False):
+    """vLLM's pooling parameters of one Clef request. ``reads``: it may start from vLLM's prefix cache
+    (state cache on, reusable prefix keyed); otherwise it skips reading it, as every per-token pooling
+    request must when no side store holds the skipped tokens' memory rows."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: spec.to_wire()},
+                         skip_reading_prefix_cache=not reads)
+
+
 async def bounded_warmup_step(what: str, step, timeout_s: float | None = None):
     """Await one warm-up ``step``; past ``timeout_s`` (default :data:`WARMUP_STEP_TIMEOUT_S`) the engine
     processes dump their thread stacks into the log and :class:`EngineError` names the step."""
@@ -268,12 +278,11 @@ class VllmBackend(Backend):
     async def _encode(self, ids: list[int], spec: HeadSpec, rank: int | None = None,
                       use_cache: bool = True) -> tuple[torch.Tensor, int]:
         """Per-option probabilities of one prompt, and how many of its tokens came from the state cache."""
-        from vllm import PoolingParams, TokensPrompt
+        from vllm import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
         reads = self.state_cache and use_cache and bool(spec.state_keys)
-        params = PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: spec.to_wire()},
-                               skip_reading_prefix_cache=not reads)
+        params = pooling_params(spec, reads=reads)
         request_id = f"clef-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         engine = self.engine
         if engine is None:
