@@ -87,3 +87,15 @@ def test_a_scheduler_that_cannot_see_the_pool_says_so_once_and_grants_no_hit(tin
             req = vllm_cpu.pooling_request(sched, name, prompt, reuse(prompt, 200))
             assert vllm_cpu.run_scheduler(sched, [req])[name] == [192, 64]
     assert sum("does not see the worker's memory-row pool" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_clef_request_with_nothing_to_reuse_runs_in_one_step(tiny_release):
+    """vLLM stops an align-mode prefill at its last full block so that a later request could resume
+    there; a Clef request with no keyed state (too short) can serve nobody, so it runs in one step."""
+    from clef_vllm.features import synthetic_spec
+
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
+    clef = vllm_cpu.pooling_request(sched, "clef", ids(200), synthetic_spec(200).to_wire())
+    other = vllm_cpu.pooling_request(sched, "other", ids(200, 1))            # not a Clef request: vLLM's rule
+    assert vllm_cpu.run_scheduler(sched, [clef])["clef"] == [200]
+    assert vllm_cpu.run_scheduler(sched, [other])["other"] == [192, 8]

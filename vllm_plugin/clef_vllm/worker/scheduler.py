@@ -23,7 +23,9 @@ sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
    questions can use. A Clef request's prefill instead stops at the last block boundary of its
    reusable prefix (and at a shared-prefix junction vLLM detected: where this prompt diverges from
    a cached one), then runs to the end (every chunk but the last still ends on a block boundary,
-   as vLLM requires).
+   as vLLM requires). A Clef request with nothing to reuse (a state too short to key) runs in one
+   step: nothing it computes could serve a later request, so vLLM's stop at its last full block
+   would only add a step.
 
 Requests without Clef reuse information (vLLM's profiling, other pooling tasks) get vLLM's rules.
 """
@@ -41,10 +43,15 @@ from clef_vllm.worker import state_cache
 log = logging.getLogger("clef_vllm")
 
 
+def clef_spec(request) -> dict | None:
+    """The wire spec of a Clef request (``None``: another request, e.g. vLLM's profiling)."""
+    params = getattr(request, "pooling_params", None)
+    return (params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None
+
+
 def reuse_info(request) -> tuple[int, list]:
     """``(reuse_limit, unit_keys)`` of a Clef request under the state cache, else ``(0, [])``."""
-    params = getattr(request, "pooling_params", None)
-    spec = ((params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None) or {}
+    spec = clef_spec(request) or {}
     limit = int(spec.get("r", 0) or 0)
     return (limit, list(spec.get("k") or ())) if limit > 0 else (0, [])
 
@@ -106,7 +113,7 @@ class ClefScheduler(Scheduler):
     def _mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
                                    num_external_computed_tokens: int = 0) -> int:
         limit, unit_keys = reuse_info(request)
-        if not limit:
+        if not limit and clef_spec(request) is None:
             return super()._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens,
                                                       num_external_computed_tokens)
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
