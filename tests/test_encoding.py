@@ -664,3 +664,37 @@ def test_pieces_are_not_used_with_another_pretokenizer_or_a_spaced_added_token(t
     spaced = Tokenizer.from_file(str(tiny_release / "tokenizer.json"))
     spaced.add_special_tokens(["<two words>"])
     assert not RequestEncoder(spaced).split_state
+
+
+def test_a_repeated_state_is_tokenized_once_per_piece_with_the_same_ids(hf_tok):
+    """The piece cache: a state sent again, under another schema (so another budget and last piece),
+    or changed in one place, gets exactly the ids an encoder without the cache gives."""
+    import random
+
+    plain = RequestEncoder(hf_tok, piece_cache=0)
+    cached = RequestEncoder(hf_tok)
+    rng = random.Random(3)
+    state = _tricky_text(rng, 120_000)
+    few = {"a": {"type": "noul", "instructions": "Is it urgent?"}}
+    many = {f"q{i}": {"type": "score", "instructions": "How bad? " * 40, "criteria": ["low", "mid", "high"]}
+            for i in range(12)}
+    changed = state[:50_000] + " Inserted words here." + state[50_000:]
+    for questions, text in ((few, state), (few, state), (many, state), (few, changed), (many, 2 * state)):
+        body = req(text, **questions)
+        first, second = encode(plain, body, max_length=16384), encode(cached, body, max_length=16384)
+        assert second.input_ids == first.input_ids and second.truncated_state_tokens == first.truncated_state_tokens
+    assert cached.pieces.hits > 2 * cached.pieces.misses > 0      # a change re-tokenizes from where it is on
+    assert len(plain.pieces) == 0 and plain.pieces.hits == 0
+
+
+def test_the_piece_cache_drops_the_least_recently_used_pieces():
+    from clef_vllm.encoding import PieceCache
+
+    cache = PieceCache(capacity=2)
+    a, b, c = (PieceCache.key(t) for t in ("alpha", "beta", "gamma"))
+    cache.put(a, [1, 2])
+    cache.put(b, [3])
+    assert list(cache.get(a)) == [1, 2]                   # a is now the most recent
+    cache.put(c, [4])                                     # drops b
+    assert cache.get(b) is None and list(cache.get(c)) == [4] and len(cache) == 2
+    assert PieceCache.key("\ud800 lone surrogate") != PieceCache.key("x")   # any str can be keyed

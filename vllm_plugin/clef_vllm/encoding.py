@@ -12,8 +12,12 @@ ids of the whole state's tokenization, grown until it holds more tokens than can
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import threading
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -47,6 +51,10 @@ PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 #: batched call (the Rust tokenizer encodes a batch on all cores; one long text uses one core).
 #: The ids are exactly those of the whole state: see ``state_pieces``.
 STATE_PIECE_CHARS = 4096
+#: Token ids of this many state pieces are kept (least recently used dropped; ~1,000 ids of 4 bytes
+#: each per piece, so ~32 MB): a state sent again, or a longer one starting the same way, is
+#: tokenized only where its pieces differ (its last piece, cut where this request's budget ends).
+STATE_PIECE_CACHE = 8192
 #: Schema segments are tokenized in batches of about this many characters; a schema that already
 #: cannot fit is refused before the rest is tokenized.
 SCHEMA_BATCH_CHARS = 65536
@@ -119,6 +127,43 @@ def state_pieces(text: str, size: int = STATE_PIECE_CHARS, added: Sequence[str] 
         start = cut
     pieces.append(text[start:])
     return pieces
+
+
+class PieceCache:
+    """Token ids of state pieces by content (a 16-byte BLAKE2b digest of the piece), least recently used
+    dropped past ``capacity`` pieces. Thread-safe; tokenizing a piece is a pure function of its text."""
+
+    def __init__(self, capacity: int = STATE_PIECE_CACHE):
+        self.capacity = capacity
+        self._ids: OrderedDict[bytes, array] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(piece: str) -> bytes:
+        return hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def get(self, key: bytes) -> array | None:
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is None:
+                self.misses += 1
+                return None
+            self._ids.move_to_end(key)
+            self.hits += 1
+            return ids
+
+    def put(self, key: bytes, ids: Sequence[int]) -> None:
+        if self.capacity < 1:
+            return
+        with self._lock:
+            self._ids[key] = array("I", ids)
+            self._ids.move_to_end(key)
+            while len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def render(value: Any) -> str:
@@ -320,7 +365,8 @@ class EncodedRequest:
 class RequestEncoder:
     """Encodes validated requests with one tokenizer; constant segments are tokenized once."""
 
-    def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, max_state_tokens: int | None = None):
+    def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, max_state_tokens: int | None = None,
+                 piece_cache: int = STATE_PIECE_CACHE):
         # A transformers fast tokenizer or a bare ``tokenizers.Tokenizer``; we call the Rust
         # tokenizer directly (batched, no padding/truncation state, so it is thread-safe).
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
@@ -337,6 +383,7 @@ class RequestEncoder:
         self.split_state = self._pieces_are_exact()
         self._added = tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
         self.max_token_bytes = self._longest_token_bytes()
+        self.pieces = PieceCache(piece_cache)
 
     def _check_tokenizer(self) -> None:
         """Refuse a tokenizer that cannot encode the prompt (e.g. an empty one, which recent
@@ -516,7 +563,14 @@ class RequestEncoder:
         pieces = state_pieces(text, added=self._added) if self.split_state and text else [text]
         if len(pieces) == 1:
             return self.tokenize(pieces[0])
-        return list(chain.from_iterable(self._tokenize_many(pieces)))
+        keys = [PieceCache.key(p) for p in pieces]
+        found: list[Sequence[int] | None] = [self.pieces.get(k) for k in keys]
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing:
+            for i, ids in zip(missing, self._tokenize_many([pieces[i] for i in missing])):
+                found[i] = ids
+                self.pieces.put(keys[i], ids)
+        return list(chain.from_iterable(found))
 
 
 def _no_check() -> None:
