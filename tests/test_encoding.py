@@ -690,11 +690,17 @@ def test_a_repeated_state_is_tokenized_once_per_piece_with_the_same_ids(hf_tok):
 def test_the_piece_cache_drops_the_least_recently_used_pieces():
     from clef_vllm.encoding import PieceCache
 
-    cache = PieceCache(capacity=2)
+    cache = PieceCache(capacity=4, max_pieces=100)        # 4 ids in all
     a, b, c = (PieceCache.key(t) for t in ("alpha", "beta", "gamma"))
     cache.put(a, [1, 2])
     cache.put(b, [3])
     assert list(cache.get(a)) == [1, 2]                   # a is now the most recent
-    cache.put(c, [4])                                     # drops b
-    assert cache.get(b) is None and list(cache.get(c)) == [4] and len(cache) == 2
+    cache.put(c, [4, 5])                                  # 5 ids: drops b
+    assert cache.get(b) is None and list(cache.get(c)) == [4, 5] and len(cache) == 2 and cache.size == 4
+    cache.put(b, [6] * 5)                                 # larger than the whole cache: not kept
+    assert cache.get(b) is None and cache.size == 4
+    many = PieceCache(capacity=64 * 3)                    # ... and at most capacity // 64 pieces
+    for i in range(10):
+        many.put(PieceCache.key(str(i)), [i])
+    assert len(many) == 3 and many.size == 3 and many.get(PieceCache.key("9")) is not None
     assert PieceCache.key("\ud800 lone surrogate") != PieceCache.key("x")   # any str can be keyed

@@ -51,10 +51,11 @@ PROMPT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
 #: batched call (the Rust tokenizer encodes a batch on all cores; one long text uses one core).
 #: The ids are exactly those of the whole state: see ``state_pieces``.
 STATE_PIECE_CHARS = 4096
-#: Token ids of this many state pieces are kept (least recently used dropped; ~1,000 ids of 4 bytes
-#: each per piece, so ~32 MB): a state sent again, or a longer one starting the same way, is
-#: tokenized only where its pieces differ (its last piece, cut where this request's budget ends).
-STATE_PIECE_CACHE = 8192
+#: Token ids of state pieces kept, at most this many ids in all (4 bytes each: 32 MB) and
+#: ``STATE_PIECE_CACHE // 64`` pieces, least recently used dropped: a state sent again, or a longer
+#: one starting the same way, is tokenized only where its pieces differ (its last piece, cut where
+#: this request's budget ends). Memory stays bounded whatever the states are made of.
+STATE_PIECE_CACHE = 8_000_000
 #: Schema segments are tokenized in batches of about this many characters; a schema that already
 #: cannot fit is refused before the rest is tokenized.
 SCHEMA_BATCH_CHARS = 65536
@@ -131,11 +132,14 @@ def state_pieces(text: str, size: int = STATE_PIECE_CHARS, added: Sequence[str] 
 
 class PieceCache:
     """Token ids of state pieces by content (a 16-byte BLAKE2b digest of the piece), least recently used
-    dropped past ``capacity`` pieces. Thread-safe; tokenizing a piece is a pure function of its text."""
+    dropped past ``capacity`` ids in all or ``capacity // 64`` pieces. Thread-safe; tokenizing a piece
+    is a pure function of its text."""
 
-    def __init__(self, capacity: int = STATE_PIECE_CACHE):
+    def __init__(self, capacity: int = STATE_PIECE_CACHE, max_pieces: int | None = None):
         self.capacity = capacity
+        self.max_pieces = capacity // 64 if max_pieces is None else max_pieces
         self._ids: OrderedDict[bytes, array] = OrderedDict()
+        self._size = 0                            # ids held
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -154,13 +158,19 @@ class PieceCache:
             return ids
 
     def put(self, key: bytes, ids: Sequence[int]) -> None:
-        if self.capacity < 1:
+        if len(ids) > self.capacity or self.max_pieces < 1:
             return
         with self._lock:
+            old = self._ids.pop(key, None)
+            self._size += len(ids) - (len(old) if old is not None else 0)
             self._ids[key] = array("I", ids)
-            self._ids.move_to_end(key)
-            while len(self._ids) > self.capacity:
-                self._ids.popitem(last=False)
+            while self._size > self.capacity or len(self._ids) > self.max_pieces:
+                self._size -= len(self._ids.popitem(last=False)[1])
+
+    @property
+    def size(self) -> int:
+        """Token ids held."""
+        return self._size
 
     def __len__(self) -> int:
         return len(self._ids)
