@@ -23,7 +23,8 @@
 #        repeated states) -> the unique-state workloads with the cache off (the 3 % comparison); stage B,
 #        both GPUs: DP=2 with the cache on; stage C, GPU 0: latency.py graphs vs layer scope -> 9B FP8 short
 #        with the layer scope vs raw; GPU 1: graphs-vs-vLLM parity with the layer scope -> 9B BF16 short with
-#        the layer scope vs raw -> 9B FP8 shared-state with the cache on.
+#        the layer scope vs raw -> 9B FP8 shared-state with the cache on. (The layer scope did not win and
+#        is gone: stage C's jobs keep their names but now run the one remaining prefill-graph path.)
 # PLAN=sixthb (after the sixth session's first run): GPU 0: latency.py graphs vs cache (in-process follow-ups
 #        on a cached 16k state, profiled); GPU 1: a context-filling 16,384-token request chunked by
 #        --max-num-batched-tokens 4096 (the scheduler's rule 0 on the GPU); both: DP=2 with the cache on
@@ -119,9 +120,9 @@ sixth_queue0)
     cache_on_9b_dp2
   fi
   touch "$S/dp2.done"
-  job latency_scope 0 600 python3 bench/latency.py --modes graphs,layer --ckpt "$NINE" --out "$S/latency_scope/latency.json"
+  job latency_scope 0 600 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_scope/latency.json"
   job short_9b_fp8_layer 0 500 env "${SHORT[@]}" LABEL=9b-dummy-fp8-layer RAW_ARGS="--raw-quantization fp8" \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8722
+      SERVER_ARGS="--load-format dummy --quantization fp8" bash bench/gpu_bench.sh "$NINE" 8722
   touch "$S/queue0.done"
   while [ ! -f "$S/queue1.done" ]; do sleep 2; done
   touch "$S/all.done"
@@ -137,9 +138,9 @@ sixth_queue1)
   phase_a_done 1
   while [ ! -f "$S/dp2.done" ]; do sleep 2; done
   job fast_paths_layer 1 360 env CLEF_DUMP_AFTER=240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" \
-      --n 8 --only graphs --scope layer
+      --n 8 --only graphs
   job short_9b_bf16_layer 1 500 env "${SHORT[@]}" LABEL=9b-dummy-bf16-layer \
-      SERVER_ARGS="--load-format dummy --prefill-graph-scope layer" bash bench/gpu_bench.sh "$NINE" 8721
+      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8721
   job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
       SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
   touch "$S/queue1.done"

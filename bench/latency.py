@@ -5,7 +5,6 @@ Runs the Clef pooling model in-process (``vllm.LLM``, engine core in this proces
 settings (``engine_kwargs``), one request at a time, in each MODE (one subprocess per mode):
 
     graphs     prefill graphs on (the default server), state cache off
-    layer      prefill graphs on with ``--prefill-graph-scope layer`` (the packed GDN op in the graph)
     nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode); also follow-ups
@@ -33,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+MODES = ("graphs", "nographs", "capsonly", "cache", "raw")
 LENGTHS = (100, 400, 1000, 4096)
 STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up requests (a 16k prompt with 400 new tokens)
 
@@ -48,7 +48,6 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
                                max_num_seqs=128, quantization=quantization)
     else:
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
-                           prefill_graph_scope="layer" if mode == "layer" else "core",
                            state_cache=mode == "cache", **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
@@ -165,6 +164,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON
     a = ap.parse_args()
+    unknown = sorted(set(a.modes.split(",")) - set(MODES))
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
     if a.one:
         print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization)), flush=True)
         return 0

@@ -140,8 +140,7 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
     budget = kwargs["max_num_batched_tokens"]
     buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
-    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets,
-                                                                      "scope": opts.prefill_graph_scope}
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"])}
@@ -210,22 +209,11 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
-    prefill_graph_scope: str = option("core", "what a prefill graph holds: 'core' (the GDN core) or 'layer' (also "
-                                      "vLLM's split of the projections and the gated norm: fewer host launches; "
-                                      "experimental, docs/latency.md)", flags=("--prefill-graph-scope",), kind=str,
-                                      choices=("core", "layer"))
     state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
                                "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.prefill_graph_scope != "core" and not self.prefill_graphs:
-            raise OptionError("vllm backend option 'prefill_graph_scope' needs prefill_graphs on "
-                              "(--prefill-graph-scope with --prefill-graphs off has nothing to scope)",
-                              "prefill_graph_scope")
 
     @property
     def resolved_head_dtype(self) -> str:
