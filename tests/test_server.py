@@ -1110,3 +1110,20 @@ def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_relea
     finally:
         backend._loop.call_soon_threadsafe(backend._loop.stop)
         backend._thread.join(10)
+
+
+def test_a_clean_sigterm_exits_0_every_time(tiny_release):
+    """The reference backend (torch on CPU) after a real request: SIGTERM drains and exits 0, never
+    an abort in the interpreter's teardown (exit 134 in about one run in three before the server
+    left with ``os._exit`` once it had closed its backend; seen in a venv made by README's demo
+    command, 3 of 6 runs, not in the test venv, so this guards the exit status rather than
+    reproducing that abort)."""
+    for _ in range(3):
+        server = LiveServer(["--model", str(tiny_release), "--backend", "reference"]).wait_ready()
+        try:
+            assert server.call("/v1/systemone", REQUEST)[0] == 200
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(timeout=60) == 0, server.log()[-2000:]
+            assert "terminate called" not in server.log()
+        finally:
+            server.stop()
