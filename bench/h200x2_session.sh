@@ -29,6 +29,9 @@
 #        on a cached 16k state, profiled); GPU 1: a context-filling 16,384-token request chunked by
 #        --max-num-batched-tokens 4096 (the scheduler's rule 0 on the GPU); both: DP=2 with the cache on
 #        again (the worker now beside the scheduler), then DP=2 short server vs raw (the executor change).
+# PLAN=seventh (next): the state cache again after the sixth session's fixes (piece cache, one step for
+#        unkeyed requests): GPU 0: 9B BF16 cache-on sweep -> latency.py graphs vs cache; GPU 1: the
+#        cache-off unique-state comparison -> 9B FP8 cache-on shared-state; both: DP=2 with the cache on.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,7 +94,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixth|sixthb) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixth|sixthb|seventh) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -159,6 +162,21 @@ sixthb_queue1)
   job context_filling_chunked 1 300 env WORKLOADS=long CONC=1 "CONC_OVERRIDES=long=1" TIME_LIMIT=4 WARMUP=1 \
       READY_TIMEOUT=360 BENCH_TIMEOUT=200 PHASES=server LABEL=9b-dummy-bf16-chunk4096 "BENCH_ARGS=--long-tokens 16384" \
       SERVER_ARGS="--load-format dummy --max-num-batched-tokens 4096" bash bench/gpu_bench.sh "$NINE" 8741
+  phase_a_done 1
+  ;;
+seventh_queue0)
+  cache_on_9b
+  job latency_cache 0 420 python3 bench/latency.py --modes graphs,cache --ckpt "$NINE" --out "$S/latency_cache/latency.json"
+  phase_a_done 0
+  cache_on_9b_dp2
+  touch "$S/all.done"
+  log "all done"
+  ;;
+seventh_queue1)
+  job cache_off_9b_bf16_unique 1 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
+      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8732
+  job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
   phase_a_done 1
   ;;
 launch)
