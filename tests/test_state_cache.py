@@ -246,3 +246,61 @@ def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model
         assert torch.isnan(out).all()
     finally:
         state_cache.install(None)
+
+
+# --------------------------------------------------------------------------- the front end: which states are kept
+
+
+def _front_end(admit_on_repeat: bool = True):
+    """The vLLM backend's request routing with the engine call stood in: records what each request sent."""
+    import asyncio
+    from collections import OrderedDict
+
+    from clef_vllm.backends.vllm_backend import StateAffinity, VllmBackend
+
+    backend = VllmBackend.__new__(VllmBackend)
+    backend.state_cache, backend.admit_on_repeat = True, admit_on_repeat
+    backend.affinity = StateAffinity(1)
+    backend._leaders, backend._recent_states, backend._sightings = {}, OrderedDict(), OrderedDict()
+    sent = []
+
+    async def encode(ids, spec, rank=None, use_cache=True):
+        entry = {"keyed": bool(spec.state_keys), "start": len(sent)}
+        sent.append(entry)
+        await asyncio.sleep(0.02)
+        entry["end"] = len(sent)
+        return torch.zeros(spec.num_options), 0
+
+    backend._encode = encode
+    return backend, sent
+
+
+def test_a_state_is_kept_from_its_second_request_and_a_burst_has_one_leader(encoder):
+    import asyncio
+
+    def enc(state: str, q: str = "Is it urgent?"):
+        return encoder.encode(_request(state, {"q": {"type": "noul", "instructions": q}}))
+
+    long_a, long_b = "alpha beta gamma " * 400, "delta epsilon zeta " * 400
+    assert enc(long_a).schema_offset >= 1024 and enc("short state").schema_offset < 1024
+    backend, sent = _front_end()
+
+    def run(*reqs):
+        async def together():
+            return await asyncio.wait_for(asyncio.gather(*(backend._decide(r) for r in reqs)), 10)
+        return asyncio.run(together())
+
+    for state in (long_a, long_a, long_b, long_a, "short state", "short state"):
+        run(enc(state))
+    # A: first request whole and not cached, then kept; B: first; short states are never keyed
+    assert [s["keyed"] for s in sent] == [False, True, False, True, False, False]
+
+    sent.clear()
+    run(*(enc("eta theta iota " * 400, f"Question {i}?") for i in range(5)))   # five at once about a new state
+    first, leader, *followers = sent
+    assert not first["keyed"] and leader["keyed"] and all(f["keyed"] for f in followers)
+    assert all(f["start"] >= leader["end"] for f in followers)               # they waited for the leader
+
+    backend, sent = _front_end(admit_on_repeat=False)                        # --state-cache-admit first
+    run(enc(long_b))
+    assert [s["keyed"] for s in sent] == [True]

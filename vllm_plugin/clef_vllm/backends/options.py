@@ -212,6 +212,10 @@ class VllmOptions(_Validated):
     state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
                                "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)
+    state_cache_admit: str = option("repeat", "with the state cache on, which states are kept: 'repeat' (a state "
+                                    "seen before or in flight; a state's first request runs in one step and "
+                                    "is not cached) or 'first' (every state long enough)",
+                                    flags=("--state-cache-admit",), kind=str, choices=("repeat", "first"))
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -117,6 +118,14 @@ async def bounded_warmup_step(what: str, step, timeout_s: float | None = None):
         raise EngineError(f"warm-up: {what} did not finish within {limit:.0f} s (a stuck engine; {where})") from None
 
 
+def remember(recent: OrderedDict, key: bytes, limit: int = RECENT_STATES) -> None:
+    """Put ``key`` last in the LRU ``recent``, keeping at most ``limit`` keys."""
+    recent[key] = None
+    recent.move_to_end(key)
+    while len(recent) > limit:
+        recent.popitem(last=False)
+
+
 class StateAffinity:
     """Which data-parallel engine a state-keyed request goes to: the one its state hashes to, unless
     that engine has ``slack`` more such requests in flight than the least busy one (then that one,
@@ -177,9 +186,11 @@ class VllmBackend(Backend):
         self.kwargs = engine_kwargs(self.files.root, self.options)
         self.warmup_enabled = self.options.warmup
         self.state_cache = bool(self.kwargs.get("enable_prefix_caching"))
+        self.admit_on_repeat = self.options.state_cache_admit == "repeat"
         self.affinity = StateAffinity(int(self.kwargs["data_parallel_size"]))
         self._leaders: dict[bytes, asyncio.Future] = {}
-        self._recent_states: OrderedDict[bytes, None] = OrderedDict()
+        self._recent_states: OrderedDict[bytes, None] = OrderedDict()   # states computed with their keys lately
+        self._sightings: OrderedDict[bytes, None] = OrderedDict()       # states seen once, not cached
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="clef-vllm-engine", daemon=True)
@@ -338,6 +349,10 @@ class VllmBackend(Backend):
         keyed = self.state_cache and encoded.schema_offset >= MIN_REUSE_TOKENS
         spec = HeadSpec.from_encoded(encoded, state_keys=keyed)
         state_key = spec.state_keys[encoded.schema_offset // KEY_UNIT - 1] if keyed and spec.state_keys else None
+        if state_key is not None and self.admit_on_repeat and self._first_sighting(state_key):
+            # Caching a state costs its request one more step (split at the reuse boundary); a state
+            # seen once may never come back, so its first request runs whole and only a repeat keeps it.
+            spec, state_key = replace(spec, reuse_limit=0, state_keys=()), None
         if state_key is None:
             probs, cached = await self._encode(encoded.input_ids, spec)
         else:
@@ -368,11 +383,16 @@ class VllmBackend(Backend):
             if mine:
                 leader.set_result(None)
                 del self._leaders[state_key]
-        self._recent_states[state_key] = None
-        self._recent_states.move_to_end(state_key)
-        while len(self._recent_states) > RECENT_STATES:
-            self._recent_states.popitem(last=False)
+        remember(self._recent_states, state_key)
         return result
+
+    def _first_sighting(self, state_key: bytes) -> bool:
+        """Whether no request about this state was seen lately (cached, in flight, or a first one that
+        was not cached); either way it is seen now."""
+        if state_key in self._recent_states or state_key in self._leaders or state_key in self._sightings:
+            return False
+        remember(self._sightings, state_key)
+        return True
 
     async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
         return await asyncio.wrap_future(self._submit(self._decide(encoded)))
