@@ -18,13 +18,8 @@
 #        --state-cache on (shared-state + the unique-state workloads); GPU 1: tiny parity (240) -> graphs
 #        and offline-API checks (fast_paths) -> 9B BF16 shared-state with the cache off; both: 9B BF16
 #        DP=2 with the cache on (shared-state, one-state and 32-state variants: the affinity hits).
-# PLAN=sixth (issues 13, then 12): stage A, GPU 0: 9B BF16 server with --state-cache on (shared-state
-#        sweep + unique-state workloads); GPU 1: tiny server with the cache on vs the reference (clef-parity,
-#        repeated states) -> the unique-state workloads with the cache off (the 3 % comparison); stage B,
-#        both GPUs: DP=2 with the cache on; stage C, GPU 0: latency.py graphs vs layer scope -> 9B FP8 short
-#        with the layer scope vs raw; GPU 1: graphs-vs-vLLM parity with the layer scope -> 9B BF16 short with
-#        the layer scope vs raw -> 9B FP8 shared-state with the cache on. (The layer scope did not win and
-#        is gone: stage C's jobs keep their names but now run the one remaining prefill-graph path.)
+# PLAN=sixth ran once, at commit a8b158d (its commands: bench/results/h200x2_session_2026-12-01.log); its
+#        layer-scope jobs cannot run since that scope was removed, so the plan is no longer here.
 # PLAN=sixthb (after the sixth session's first run): GPU 0: latency.py graphs vs cache (in-process follow-ups
 #        on a cached 16k state, profiled); GPU 1: a context-filling 16,384-token request chunked by
 #        --max-num-batched-tokens 4096 (the scheduler's rule 0 on the GPU); both: DP=2 with the cache on
@@ -64,7 +59,7 @@ TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIM
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 PLAN=${PLAN:-all}
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
-# PLAN=reuse / next: the state-cache sweep. One-state variants are measured hot (their warm-up caches
+# PLAN=reuse / sixthb / seventh: the state-cache sweep. One-state variants are measured hot (their warm-up caches
 # the state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
 # The 32-state variant asks three times about each state: under the default --state-cache-admit repeat a
 # state's first request is not cached, its second is, its third hits (until the sixth session: 4096x64x32).
@@ -84,6 +79,21 @@ cache_on_9b_dp2() {  # the shared-state sweep against --state-cache on with DP=2
       SERVER_ARGS="--load-format dummy --state-cache on --data-parallel-size 2" bash bench/gpu_bench.sh "$NINE" 8713
 }
 
+cache_off_9b_unique() {  # the unique-state workloads against --state-cache off (the 3 % comparison), GPU 1
+  job cache_off_9b_bf16_unique 1 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
+      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8732
+}
+
+cache_on_9b_fp8() {  # the shared-state sweep against --state-cache on, online FP8, GPU 1
+  job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
+}
+
+latency_cache() {  # latency.py graphs vs cache in process (follow-ups on a cached 16k state), GPU 0
+  job latency_cache 0 420 python3 bench/latency.py --modes graphs,cache --ckpt "$NINE" \
+      --out "$S/latency_cache/latency.json"
+}
+
 phase_a_done() {  # phase_a_done GPU: this queue's first stage is over; wait for the other queue's
   touch "$S/phase_a.$1"
   while [ ! -f "$S/phase_a.0" ] || [ ! -f "$S/phase_a.1" ]; do sleep 2; done
@@ -96,7 +106,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixth|sixthb|seventh) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|seventh) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -118,40 +128,8 @@ reuse_queue1)
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8712
   touch "$S/queue1.done"
   ;;
-sixth_queue0)
-  cache_on_9b
-  phase_a_done 0
-  if grep -q '"rc": 0' "$S/cache_on_9b_bf16/rc.json" 2>/dev/null; then
-    cache_on_9b_dp2
-  fi
-  touch "$S/dp2.done"
-  job latency_scope 0 600 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_scope/latency.json"
-  job short_9b_fp8_layer 0 500 env "${SHORT[@]}" LABEL=9b-dummy-fp8-layer RAW_ARGS="--raw-quantization fp8" \
-      SERVER_ARGS="--load-format dummy --quantization fp8" bash bench/gpu_bench.sh "$NINE" 8722
-  touch "$S/queue0.done"
-  while [ ! -f "$S/queue1.done" ]; do sleep 2; done
-  touch "$S/all.done"
-  log "all done"
-  ;;
-sixth_queue1)
-  job cache_parity_tiny 1 420 env PHASES=parity LABEL=tiny-cache-on READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
-      SERVER_ARGS="--state-cache on" \
-      PARITY_ARGS="--synthetic 96 --synthetic-states 12 --synthetic-max-words 2500 -c 8 --device cuda" \
-      bash bench/gpu_bench.sh "$TINY" 8731
-  job cache_off_9b_bf16_unique 1 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
-      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8732
-  phase_a_done 1
-  while [ ! -f "$S/dp2.done" ]; do sleep 2; done
-  job fast_paths_layer 1 360 env CLEF_DUMP_AFTER=240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" \
-      --n 8 --only graphs
-  job short_9b_bf16_layer 1 500 env "${SHORT[@]}" LABEL=9b-dummy-bf16-layer \
-      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8721
-  job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
-  touch "$S/queue1.done"
-  ;;
 sixthb_queue0)
-  job latency_cache 0 420 python3 bench/latency.py --modes graphs,cache --ckpt "$NINE" --out "$S/latency_cache/latency.json"
+  latency_cache
   phase_a_done 0
   cache_on_9b_dp2
   job short_9b_bf16_dp2 0,1 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-dp2 \
@@ -168,17 +146,15 @@ sixthb_queue1)
   ;;
 seventh_queue0)
   cache_on_9b
-  job latency_cache 0 420 python3 bench/latency.py --modes graphs,cache --ckpt "$NINE" --out "$S/latency_cache/latency.json"
+  latency_cache
   phase_a_done 0
   cache_on_9b_dp2
   touch "$S/all.done"
   log "all done"
   ;;
 seventh_queue1)
-  job cache_off_9b_bf16_unique 1 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
-      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8732
-  job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
+  cache_off_9b_unique
+  cache_on_9b_fp8
   phase_a_done 1
   ;;
 launch)
