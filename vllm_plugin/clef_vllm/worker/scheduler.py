@@ -27,7 +27,8 @@ sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
    step: nothing it computes could serve a later request, so vLLM's stop at its last full block
    would only add a step.
 
-Requests without Clef reuse information (vLLM's profiling, other pooling tasks) get vLLM's rules.
+Requests that are not Clef requests (vLLM's profiling, other pooling tasks) get vLLM's own prefix-cache
+lookup and chunk split; rule 0 holds for them too.
 """
 
 from __future__ import annotations
@@ -112,10 +113,10 @@ class ClefScheduler(Scheduler):
 
     def _mamba_block_aligned_split(self, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
                                    num_external_computed_tokens: int = 0) -> int:
-        limit, unit_keys = reuse_info(request)
-        if not limit and clef_spec(request) is None:
+        if clef_spec(request) is None:
             return super()._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens,
                                                       num_external_computed_tokens)
+        limit, unit_keys = reuse_info(request)
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         budget = self.max_num_scheduled_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
