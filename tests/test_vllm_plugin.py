@@ -510,6 +510,10 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
     assert list(engine_kwargs(tiny_release)["additional_config"][PREFILL_GRAPHS_KEY]) == ["buckets"]
     capped = warmup_lengths(engine_kwargs(tiny_release, max_model_len=1000, prefill_graphs=False))
     assert capped == [17, 64, 300, 1000]                                   # no buckets without prefill graphs
+    from clef_vllm.backends.vllm_backend import warmup_batches
+
+    assert warmup_batches(engine_kwargs(tiny_release, max_num_seqs=8)) == [[300] * 8, [97, 256, 411]]
+    assert len(warmup_batches(engine_kwargs(tiny_release))[0]) == 32                  # at most 32 at once
 
 
 def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):

@@ -3,7 +3,7 @@ thread's Python stack is dumped every DUMP s, and the process exits after 3 dump
 
     python3 tests/gpu/diag_hang.py CKPT [--graphs] [--cache] [--big] [--len 300,1000 | --len server]
 
-``--len server``: the server's warm-up, in its order (``warmup_lengths``, then its two batches), with
+``--len server``: the server's warm-up, in its order (``warmup_lengths``, then ``warmup_batches``), with
 the server's pooling parameters (``skip_reading_prefix_cache``).
 """
 import argparse
@@ -26,7 +26,8 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname
 from vllm import LLM, TokensPrompt  # noqa: E402
 
 from clef_vllm import register  # noqa: E402
-from clef_vllm.backends.vllm_backend import engine_kwargs, pooling_params, warmup_lengths  # noqa: E402
+from clef_vllm.backends.vllm_backend import (engine_kwargs, pooling_params, warmup_batches,  # noqa: E402
+                                             warmup_lengths)
 from clef_vllm.features import synthetic_spec  # noqa: E402
 
 register()
@@ -43,8 +44,8 @@ faulthandler.dump_traceback_later(args.dump, repeat=True)
 threading.Timer(3.2 * args.dump, lambda: os._exit(3)).start()
 lengths = warmup_lengths(kw) if args.len == "server" else [int(x) for x in args.len.split(",")]
 steps = [[n] for n in lengths]
-if args.len == "server":            # then the server's two batches
-    steps += [[300] * min(32, kw["max_num_seqs"]), [97, 256, 411]]
+if args.len == "server":            # then the server's batches
+    steps += warmup_batches(kw)
 for k, step in enumerate(steps):
     t0 = time.time()
     prompts = [TokensPrompt(prompt_token_ids=[5 + (i * 7 + k) % 200 for i in range(n)]) for n in step]

@@ -95,6 +95,12 @@ def warmup_lengths(kwargs: dict) -> list[int]:
     return sorted({min(n, kwargs["max_model_len"]) for n in wanted})
 
 
+def warmup_batches(kwargs: dict) -> list[list[int]]:
+    """Prompt lengths of the warm-up's concurrent batches, after :func:`warmup_lengths`: a full batch of
+    300-token prompts (up to 32) and a mixed one (vLLM's eager path with several sequences)."""
+    return [[300] * min(32, kwargs["max_num_seqs"]), [97, 256, 411]]
+
+
 def pooling_params(spec: HeadSpec, reads: bool = False):
     """vLLM's pooling parameters of one Clef request. ``reads``: it may start from vLLM's prefix cache
     (state cache on, reusable prefix keyed); otherwise it skips reading it, as every per-token pooling
@@ -270,13 +276,12 @@ class VllmBackend(Backend):
 
         for n in lengths:
             await bounded_warmup_step(f"a {n}-token prompt", self._run_ids(ids(n)))
-        batch = min(32, self.kwargs["max_num_seqs"])
-        await bounded_warmup_step(f"a batch of {batch} prompts of 300 tokens",
-                                  asyncio.gather(*[self._run_ids(ids(300)) for _ in range(batch)]))
-        await bounded_warmup_step("a batch of 97, 256 and 411 tokens",
-                                  asyncio.gather(*[self._run_ids(ids(n)) for n in (97, 256, 411)]))
-        log.info("warm-up done in %.1f s (lengths %s, a batch of %d, a mixed batch)", time.perf_counter() - t0,
-                 lengths, batch)
+        batches = warmup_batches(self.kwargs)
+        for batch in batches:
+            await bounded_warmup_step(f"a batch of {len(batch)} prompts ({sorted(set(batch))} tokens)",
+                                      asyncio.gather(*[self._run_ids(ids(n)) for n in batch]))
+        log.info("warm-up done in %.1f s (lengths %s, then batches of %s prompts)", time.perf_counter() - t0,
+                 lengths, [len(b) for b in batches])
 
     async def _run_ids(self, ids: list[int]) -> torch.Tensor:
         from clef_vllm.features import synthetic_spec
