@@ -99,3 +99,59 @@ def test_a_clef_request_with_nothing_to_reuse_runs_in_one_step(tiny_release):
     other = vllm_cpu.pooling_request(sched, "other", ids(200, 1))            # not a Clef request: vLLM's rule
     assert vllm_cpu.run_scheduler(sched, [clef])["clef"] == [200]
     assert vllm_cpu.run_scheduler(sched, [other])["other"] == [192, 8]
+
+
+def _probe_hit(sched, token_ids: list[int]) -> int:
+    """What vLLM's own lookup finds cached for ``token_ids`` (both KV groups agreeing), uncapped."""
+    probe = vllm_cpu.pooling_request(sched, "probe", token_ids)
+    return sched.kv_cache_manager.coordinator.find_longest_cache_hit(probe.block_hashes, len(token_ids) - 1)[1]
+
+
+def test_matching_at_the_key_unit_resumes_a_follow_up_at_the_end_of_the_state(tiny_release):
+    """``--state-cache-match unit`` (vLLM's prefix_match_unit = 16): the first request stops at the end of
+    its keyed prefix (208, inside the block 192..224) where vLLM registers its partial tail, nothing past it
+    is cached, and a follow-up whose rows are present computes only what follows 208, in one chunk."""
+    import torch
+
+    from clef_vllm.state_keys import block_keys
+    from clef_vllm.worker import state_cache
+
+    cache = state_cache.SideCache(capacity=32, block=BLOCK, width=3, dtype=torch.float32, device="cpu", tails=True)
+    state_cache.install(cache)
+    try:
+        sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True, unit=16)
+        assert sched._fine
+        state = ids(216)                                   # reusable prefix 216 tokens: 13 keyed units = 208
+        first, second, third = (state + ids(40, salt) for salt in (1, 2, 3))
+        spec = reuse(first, 216)
+        assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", first, spec)])["a"] == [208, 48]
+        # vLLM holds the state up to 208 and nothing past it (block 192..224 still holds the state at 208)
+        assert _probe_hit(sched, first) == 208
+        # no rows yet: no hit
+        assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", second, spec)])["b"] == [208, 48]
+        for key in block_keys(spec["k"], BLOCK):
+            cache.write(key, torch.zeros(BLOCK, 3))
+        cache.write(spec["k"][-1], torch.zeros(16, 3))     # the tail: rows 192..208
+        for name, prompt in (("c", third), ("d", third)):  # a follow-up leaves the cache as it found it
+            assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, name, prompt, spec)])[name] == [48]
+        assert _probe_hit(sched, first) == 208
+        # a longer state that starts with this one resumes at 208 too; before its own end (240) a chunk that
+        # starts inside a block ends at the block's end (vLLM's invariant for the blocks it caches)
+        longer = state[:208] + ids(40, 9)
+        spec2 = reuse(longer, 248)
+        chunks = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "e", longer, spec2)])["e"]
+        assert chunks == [16, 16, 8]
+        assert _probe_hit(sched, longer) == 240
+    finally:
+        state_cache.install(None)
+
+
+def test_matching_at_whole_blocks_keeps_its_block_boundary(tiny_release):
+    """``--state-cache-match block``: the first request stops at the last block boundary of its keyed
+    prefix (192), and nothing past that is cached."""
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
+    assert not sched._fine
+    prompt = ids(216) + ids(40, 1)
+    assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", prompt, reuse(prompt, 216))])["a"] \
+        == [192, 64]
+    assert _probe_hit(sched, prompt) == 192

@@ -2,10 +2,11 @@
 scheduler's hit cap and chunk rule, and the pooler reading cached memory rows for a prefix-cache
 hit — driven through vLLM's own pooler metadata with synthetic hidden states (the gloo harness).
 Hits under a real engine (full / partial hits, eviction, concurrent same-state requests) run on
-the GPU: tests/gpu/state_cache_check.py."""
+the GPU: tests/gpu/fast_paths.py (its ``state_cache`` part)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,26 +44,51 @@ def test_block_keys_take_each_blocks_last_unit():
 # --------------------------------------------------------------------------- the side pool
 
 
-def rows(value: float, block: int = 4, width: int = 3) -> torch.Tensor:
+def rows(value: float, block: int = 32, width: int = 3) -> torch.Tensor:
     return torch.full((block, width), value)
 
 
 def test_side_cache_reads_written_blocks_and_evicts_least_recently_used():
     from clef_vllm.worker.state_cache import SideCache
 
-    cache = SideCache(capacity=2, block=4, width=3, dtype=torch.float32, device="cpu")
-    cache.write(b"a", rows(1))
-    cache.write(b"b", rows(2))
-    cache.write(b"a", rows(9))                                     # present: kept as is, now most recent
-    assert torch.equal(cache.read([b"a", b"b"]), torch.cat([rows(1), rows(2)]))
-    assert cache.present_prefix([b"a", b"b", b"c"]) == 2 and cache.present_prefix([b"c", b"a"]) == 0
-    cache.read([b"a"])
-    cache.write(b"c", rows(3))                                     # evicts b, the least recently used
-    assert b"b" not in cache and b"a" in cache and b"c" in cache
-    assert cache.read([b"a", b"b"]) is None                        # never a partial or stale answer
-    assert cache.stats.evicted_blocks == 1 and cache.stats.missing_reads == 1 and cache.stats.stored_blocks == 3
+    cache = SideCache(capacity=2, block=32, width=3, dtype=torch.float32, device="cpu")
+    units = prefix_keys(list(range(200)), 200)                     # 12 units: 6 blocks of 32
+    other = prefix_keys(list(range(1, 201)), 200)
+    a, b, c = block_keys(units, 32)[:3]
+    cache.write(a, rows(1))
+    cache.write(b, rows(2))
+    cache.write(a, rows(9))                                        # present: kept as is, now most recent
+    assert torch.equal(cache.read(units, 64), torch.cat([rows(1), rows(2)]))
+    assert cache.present(units) == 64 and cache.present(other) == 0 and cache.present(units[:3]) == 32
+    cache.read(units, 32)
+    cache.write(c, rows(3))                                        # evicts b, the least recently used
+    assert b not in cache and a in cache and c in cache
+    assert cache.read(units, 64) is None                           # never a partial or stale answer
+    assert cache.read(units, 48) is None                           # no tails kept: nothing inside a block
+    assert cache.stats.evicted_blocks == 1 and cache.stats.missing_reads == 2 and cache.stats.stored_blocks == 3
     with pytest.raises(ValueError):
-        cache.write(b"d", rows(4, block=3))
+        cache.write(b"d", rows(4, block=16))                       # a tail, but this cache keeps none
+    with pytest.raises(ValueError):
+        SideCache(capacity=2, block=40, width=3, dtype=torch.float32, device="cpu")
+
+
+def test_side_cache_keeps_the_tail_of_a_prefix_that_ends_inside_a_block():
+    """With vLLM matching prefixes at the key unit, a hit can end at the state's end, inside a block:
+    the rows from that block's start are one more entry, under the key of the prefix's last unit."""
+    from clef_vllm.worker.state_cache import SideCache
+
+    cache = SideCache(capacity=4, block=64, width=3, dtype=torch.float32, device="cpu", tails=True)
+    units = prefix_keys(list(range(300)), 300)                     # 18 units; blocks of 4 units
+    cache.write(block_keys(units, 64)[0], rows(1, block=64))
+    tail = torch.arange(48 * 3, dtype=torch.float32).view(48, 3)
+    cache.write(units[6], tail)                                    # a prefix of 112 tokens: 64 + a 48-row tail
+    assert cache.present(units[:7]) == 112 and cache.present(units) == 112
+    assert cache.present(units[:6]) == 64                          # a shorter keyed prefix: vLLM has no tail there
+    assert torch.equal(cache.read(units, 112), torch.cat([rows(1, block=64), tail]))
+    assert torch.equal(cache.read(units, 96), torch.cat([rows(1, block=64), tail[:32]]))   # inside the tail
+    changed = prefix_keys(list(range(100)) + [7] * 200, 300)       # same first 96 tokens, then different
+    assert cache.present(changed) == 64 and cache.read(changed, 112) is None
+    assert cache.read(changed, 96) is None                         # keys cannot tell the first 96 tokens agree
 
 
 def test_side_cache_is_sized_to_cover_the_kv_cache():
@@ -83,6 +109,11 @@ def test_chunks_end_on_block_boundaries_and_stop_at_the_reuse_boundary():
     assert reuse_boundary(100, [b"k"] * 6, block) == 96           # 6 units = 96 tokens, limit 100
     assert reuse_boundary(100, [b"k"] * 3, block) == 32            # only 48 tokens keyed
     assert reuse_boundary(20, [b"k"], block) == 0
+    # vLLM matching prefixes at the key unit: the boundary is the keyed prefix's end
+    assert reuse_boundary(100, [b"k"] * 5, block, fine=True) == 80
+    assert capped_chunk(0, 300, 300, block, budget, boundary=80) == 80
+    assert capped_chunk(80, 220, 300, block, budget, boundary=80) == 220   # past it nothing is cached: one chunk
+    assert capped_chunk(48, 252, 300, block, budget, boundary=80) == 16    # before it, a mid-block start ends its block
     # one step for the whole prompt, except one stop at the reuse boundary
     assert capped_chunk(0, 300, 300, block, budget, boundary=96) == 96
     assert capped_chunk(96, 204, 300, block, budget, boundary=96) == 204
@@ -236,7 +267,7 @@ def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model
         torch.testing.assert_close(out_b, want, atol=2e-3, rtol=0)
         # the reused rows are bit-identical to the rows B would have computed (same rows, same head)
         _, recomputed = m.head.encode_tokens(h_b[:start])
-        assert torch.equal(cache.read(block_keys(spec_b.state_keys, block)[:3]), recomputed)
+        assert torch.equal(cache.read(spec_b.state_keys, start), recomputed)
         assert torch.isfinite(out_a).all()
         # a hit whose rows are gone is answered with NaN (the backend then recomputes it uncached)
         cache._slots.clear()
@@ -244,6 +275,44 @@ def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model
         out = pooler(h_b[start:], _metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens],
                                             [PoolingStates()]))[0]
         assert torch.isnan(out).all()
+    finally:
+        state_cache.install(None)
+
+
+@torch.inference_mode()
+def test_pooler_keeps_the_tail_and_answers_a_hit_at_the_end_of_the_state(release_model, encoder):
+    """With vLLM matching prefixes at the key unit the pooler also stores the rows after the keyed
+    prefix's last block boundary, and a hit there (inside a block) is answered like a full prefill."""
+    from vllm.v1.pool.metadata import PoolingStates
+
+    from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
+
+    m, block = release_model, 32
+    settings = StateCacheSettings(SimpleNamespace(block_size=block, prefix_match_unit=KEY_UNIT), 1, capacity_blocks=64)
+    pooler = ClefPooler(m.head, m.lm_table, settings)
+    state = " ".join(f"order {i} shipped late to depot {i * 3}" for i in range(25))
+    spec = HeadSpec.from_encoded(encoder.encode(_request(state, {"late": {"type": "noul", "instructions": "Late?"}})),
+                                 state_keys=True)
+    end = len(spec.state_keys) * KEY_UNIT
+    if end % block == 0:                                        # make the keyed prefix end inside a block
+        spec = replace(spec, state_keys=spec.state_keys[:-1])
+        end -= KEY_UNIT
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(spec.num_tokens, m.config.hidden_size, generator=g).to(torch.bfloat16)
+    try:
+        pooler(h, _metadata([spec], [spec.num_tokens], [spec.num_tokens], [PoolingStates()]))
+        cache = state_cache.current()
+        assert cache.tails and cache.present(spec.state_keys) == end
+        assert len(cache) == end // block + 1                   # the whole blocks and one tail
+        out = pooler(h[end:], _metadata([spec], [spec.num_tokens - end], [spec.num_tokens], [PoolingStates()]))[0]
+        assert cache.stats.hits == 1 and cache.stats.reused_tokens == end and len(cache) == end // block + 1
+        full = RecordAccumulator(spec)
+        accumulate(m.head, h, [(full, 0, spec.num_tokens, 0)])
+        torch.testing.assert_close(out, decide_records(m.head, m.lm_table, [full])[0], atol=2e-3, rtol=0)
+        _, recomputed = m.head.encode_tokens(h[:end])
+        assert torch.equal(cache.read(spec.state_keys, end), recomputed)
     finally:
         state_cache.install(None)
 

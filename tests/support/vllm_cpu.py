@@ -130,10 +130,11 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
 
 
 def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: int, block: int = 32,
-                  state_cache: bool = False, num_blocks: int = 256):
+                  state_cache: bool = False, num_blocks: int = 256, unit: int | None = None):
     """vLLM 0.28's real scheduler (class ``scheduler_cls``) for ``checkpoint`` on CPU, with a hybrid KV
     cache config of one attention and one GDN group (``align`` mode and prefix caching when
-    ``state_cache``). No worker: :func:`run_scheduler` stands in for the model runner's outputs."""
+    ``state_cache``; ``unit``: vLLM's ``prefix_match_unit``, as ``--state-cache-match unit`` sets it).
+    No worker: :func:`run_scheduler` stands in for the model runner's outputs."""
     setup()
     import torch
     from vllm.config import CacheConfig, SchedulerConfig
@@ -148,7 +149,8 @@ def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: in
     clef_vllm.register()
     mode = "align" if state_cache else "none"
     vc = vllm_config_for(checkpoint, max_model_len=max_model_len)
-    vc.cache_config = CacheConfig(block_size=block, enable_prefix_caching=state_cache, mamba_cache_mode=mode)
+    vc.cache_config = CacheConfig(block_size=block, enable_prefix_caching=state_cache, mamba_cache_mode=mode,
+                                  prefix_match_unit=unit)
     vc.cache_config.num_gpu_blocks = num_blocks
     vc.scheduler_config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=max_model_len,
                                           enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -160,7 +162,8 @@ def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: in
     cls = resolve_obj_by_qualname(scheduler_cls)
     return cls(vllm_config=vc, kv_cache_config=KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                                              kv_cache_groups=groups),
-               structured_output_manager=StructuredOutputManager(vc), block_size=block, log_stats=False)
+               structured_output_manager=StructuredOutputManager(vc), block_size=block,
+               hash_block_size=unit or block, log_stats=False)
 
 
 def pooling_request(scheduler, request_id: str, token_ids: list[int], clef: dict | None = None):
@@ -175,7 +178,7 @@ def pooling_request(scheduler, request_id: str, token_ids: list[int], clef: dict
 
     params = PoolingParams(task="plugin", extra_kwargs={PARAMS_KEY: clef} if clef else None)
     return Request(request_id, prompt_token_ids=list(token_ids), sampling_params=None, pooling_params=params,
-                   block_hasher=get_request_block_hasher(scheduler.block_size, sha256))
+                   block_hasher=get_request_block_hasher(scheduler.hash_block_size, sha256))
 
 
 def run_scheduler(scheduler, requests, max_steps: int = 50) -> dict[str, list[int]]:

@@ -152,7 +152,7 @@ class RecordAccumulator:
         self.memory: list[torch.Tensor] = []
         self.last_state: torch.Tensor | None = None
         self.filled = 0
-        self.stored_blocks = 0      # leading KV blocks whose rows are in the state cache
+        self.stored = 0             # leading positions whose rows are in the state cache
         self.cached = 0             # leading positions that came from the state cache
 
     @property

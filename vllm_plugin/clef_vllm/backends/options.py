@@ -154,6 +154,10 @@ def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     from clef_vllm.contract import STATE_CACHE_KEY
 
     kwargs.update(enable_prefix_caching=True)
+    if opts.state_cache_match == "unit":
+        from clef_vllm.state_keys import KEY_UNIT
+
+        kwargs.update(prefix_match_unit=KEY_UNIT)   # hits and GDN states at the state's end, not at a block's
     kwargs.setdefault("additional_config", {})[STATE_CACHE_KEY] = {"on": True}
 
 
@@ -216,6 +220,11 @@ class VllmOptions(_Validated):
                                     "seen before or in flight; a state's first request runs in one step and "
                                     "is not cached) or 'first' (every state long enough)",
                                     flags=("--state-cache-admit",), kind=str, choices=("repeat", "first"))
+    state_cache_match: str = option("unit", "with the state cache on, where a hit may end: 'unit' (at the end of "
+                                    "the request's state and schema header, to 16 tokens: vLLM's prefix-match "
+                                    "unit) or 'block' (at the last whole KV block in it, 528 tokens at 9B)",
+                                    flags=("--state-cache-match",), kind=str,
+                                    choices=("unit", "block"))
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
 from clef_vllm.head import JointSchemaHead
-from clef_vllm.state_keys import KEY_UNIT, block_keys
+from clef_vllm.state_keys import KEY_UNIT
 from clef_vllm.tables import LexicalTable
 from clef_vllm.worker import state_cache
 
@@ -64,9 +64,11 @@ def make_side_cache(settings: StateCacheSettings, width: int, dtype: torch.dtype
             budget = 1 << 30
         share = state_cache.side_share(width, dtype, settings.kv_bytes_per_token)
         capacity = state_cache.capacity_for(max(budget, 0) * share, block, width, dtype)
-    cache = state_cache.SideCache(capacity, block, width, dtype, device)
-    log.info("clef state cache: memory rows of %d blocks x %d tokens (%.2f GiB) beside the KV cache", capacity,
-             block, cache.nbytes / 2**30)
+    unit = getattr(settings.cache_config, "prefix_match_unit", None)
+    cache = state_cache.SideCache(capacity, block, width, dtype, device, tails=bool(unit) and unit < block)
+    log.info("clef state cache: memory rows of %d blocks x %d tokens (%.2f GiB) beside the KV cache; hits %s",
+             capacity, block, cache.nbytes / 2**30,
+             f"to the state's last {unit}-token unit" if cache.tails else "at whole blocks")
     return cache
 
 
@@ -136,30 +138,31 @@ class ClefPooler(Pooler):
         """Give a request that vLLM starts at ``start`` (a prefix-cache hit) the memory rows of
         ``[0, start)``; ``False`` if they are not there (never expected: the scheduler grants hits only
         as far as rows exist)."""
-        keys = block_keys(acc.spec.state_keys, cache.block) if cache is not None else []
-        rows = None
-        if cache is not None and start % cache.block == 0 and start // cache.block <= len(keys):
-            rows = cache.read(keys[:start // cache.block])
+        rows = cache.read(acc.spec.state_keys, start) if cache is not None else None
         if rows is None:
             log.error("clef pooler: a request starts at position %d from vLLM's prefix cache but the state cache "
                       "has no memory rows for it; it is answered with NaN (the backend retries it uncached)", start)
             return False
         acc.start_from_cache(rows)
-        acc.stored_blocks = start // cache.block
+        acc.stored = start
         cache.stats.hits += 1
         cache.stats.reused_tokens += start
         return True
 
     @staticmethod
     def _store_blocks(acc: RecordAccumulator, cache: state_cache.SideCache) -> None:
-        """Store the memory rows of every whole KV block of the reusable prefix computed so far."""
-        if not acc.spec.state_keys:
-            return
-        keys = block_keys(acc.spec.state_keys, cache.block)
-        upto = min(acc.filled // cache.block, len(keys))
-        for k in range(acc.stored_blocks, upto):
-            cache.write(keys[k], acc.memory_rows(k * cache.block, (k + 1) * cache.block))
-        acc.stored_blocks = max(acc.stored_blocks, upto)
+        """Store the memory rows of every whole KV block of the keyed prefix computed so far, and its tail
+        (the rows after its last block boundary) once it is computed, when the cache keeps tails."""
+        keys = acc.spec.state_keys
+        end = len(keys) * KEY_UNIT                     # the keyed prefix: where a later request can resume
+        block = cache.block
+        upto = min(acc.filled, end) // block * block
+        for pos in range(acc.stored // block * block, upto, block):
+            cache.write(keys[(pos + block) // KEY_UNIT - 1], acc.memory_rows(pos, pos + block))
+        acc.stored = max(acc.stored, upto)
+        if cache.tails and acc.stored < end <= acc.filled:
+            cache.write(keys[-1], acc.memory_rows(upto, end))
+            acc.stored = end
 
     def forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
         cursor = pooling_metadata.get_pooling_cursor()

@@ -15,17 +15,24 @@ sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
    which removes the reservation and nothing else for a pooling engine.
 1. **A hit never outruns the memory rows.** vLLM's prefix-cache lookup is capped at the request's
    reusable prefix (tokens before its first span, ``HeadSpec.reuse_limit``) and at the leading
-   blocks whose memory rows the side cache holds; vLLM's own search then finds the longest hit
+   tokens whose memory rows the side cache holds; vLLM's own search then finds the longest hit
    below the cap where the attention blocks and a GDN state agree.
 2. **A chunk ends where the next request can resume.** In ``align`` mode vLLM keeps a GDN state
-   only where a prefill chunk ends on a block boundary, and it would otherwise stop every prompt
-   at its last full block, a boundary inside the schema that only a request with the same
-   questions can use. A Clef request's prefill instead stops at the last block boundary of its
-   reusable prefix (and at a shared-prefix junction vLLM detected: where this prompt diverges from
-   a cached one), then runs to the end (every chunk but the last still ends on a block boundary,
-   as vLLM requires). A Clef request with nothing to reuse (a state too short to key) runs in one
-   step: nothing it computes could serve a later request, so vLLM's stop at its last full block
-   would only add a step.
+   only where a prefill chunk ends on a block boundary, or, when it matches prefixes at a finer unit
+   (``prefix_match_unit``: the state cache sets it to the key unit, 16 tokens), also at the one
+   point per prompt it registers as a *partial tail*. By itself vLLM stops every prompt at its last
+   full block and registers the partial tail at the prompt's end, both inside the schema, where
+   only a request with the same questions could resume. A Clef request's prefill instead stops at
+   the end of its keyed reusable prefix (with whole-block matching: the last block boundary in it)
+   and at a shared-prefix junction vLLM detected (where this prompt diverges from a cached one),
+   then runs to its end. A Clef request with nothing to reuse (a state too short to key) runs in
+   one step: nothing it computes could serve a later request.
+3. **Nothing past the reusable prefix is cached.** A Clef request's blocks are registered in vLLM's
+   prefix cache only by steps that end at or before the end of its keyed prefix, and that end is
+   registered as the request's partial tail. Past it nothing could serve a hit (rule 1 caps every
+   hit at the reusable prefix), and it keeps vLLM's invariant that a registered GDN block holds the
+   state at the block's end: the step after the tail starts inside a block and may run past that
+   block's end, so the block still holds the state at the tail.
 
 Requests that are not Clef requests (vLLM's profiling, other pooling tasks) get vLLM's own prefix-cache
 lookup and chunk split; rule 0 holds for them too.
@@ -38,7 +45,7 @@ import logging
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from clef_vllm.contract import PARAMS_KEY
-from clef_vllm.state_keys import KEY_UNIT, block_keys
+from clef_vllm.state_keys import KEY_UNIT
 from clef_vllm.worker import state_cache
 
 log = logging.getLogger("clef_vllm")
@@ -57,9 +64,25 @@ def reuse_info(request) -> tuple[int, list]:
     return (limit, list(spec.get("k") or ())) if limit > 0 else (0, [])
 
 
-def reuse_boundary(limit: int, unit_keys: list, block: int) -> int:
-    """The last block boundary inside the keyed reusable prefix (0: none)."""
-    return min(limit, len(unit_keys) * KEY_UNIT) // block * block
+def reuse_boundary(limit: int, unit_keys: list, block: int, fine: bool = False) -> int:
+    """Where a later request can resume: the end of the keyed reusable prefix (``fine``: vLLM matches
+    prefixes at the key unit), else the last block boundary inside it (0: none)."""
+    end = min(limit, len(unit_keys) * KEY_UNIT)
+    return end if fine else end // block * block
+
+
+class UpTo:
+    """``request`` as vLLM's cache bookkeeping sees it when its prompt ends at ``num_prompt_tokens``
+    (vLLM registers a partial tail at the prompt's last prefix-match unit; rule 3 moves it)."""
+
+    __slots__ = ("_request", "num_prompt_tokens")
+
+    def __init__(self, request, num_prompt_tokens: int):
+        object.__setattr__(self, "_request", request)
+        object.__setattr__(self, "num_prompt_tokens", num_prompt_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
 
 
 def capped_chunk(start: int, num_new_tokens: int, prompt_len: int, block: int, budget: int, boundary: int,
@@ -74,7 +97,10 @@ def capped_chunk(start: int, num_new_tokens: int, prompt_len: int, block: int, b
         aligned = end // block * block
         if aligned > start or block <= budget:
             end = aligned
-    stops = ((start // block + 1) * block if start % block else 0, boundary, junction // block * block)
+    # A chunk that starts inside a block ends at that block's end while its blocks are cached (before the
+    # boundary: vLLM's invariant); past the boundary nothing is cached (rule 3), so it runs on.
+    stops = ((start // block + 1) * block if start % block and start < boundary else 0, boundary,
+             junction // block * block)
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)
 
@@ -87,6 +113,18 @@ class ClefScheduler(Scheduler):
         if self.vllm_config.model_config.runner_type == "pooling":
             self.num_sampled_tokens_per_step = 0       # rule 0
         self._warned_no_pool = False
+        coordinator = self.kv_cache_manager.coordinator
+        self._fine = bool(getattr(self, "mamba_partial_cache_hit", False))   # vLLM registers partial tails
+        self._cache_blocks = coordinator.cache_blocks
+        coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
+
+    def _cache_up_to_boundary(self, request, num_computed_tokens: int) -> None:
+        if clef_spec(request) is None:
+            return self._cache_blocks(request, num_computed_tokens)
+        limit, unit_keys = reuse_info(request)
+        boundary = reuse_boundary(limit, unit_keys, self.block_size, self._fine)
+        if 0 < num_computed_tokens <= boundary:
+            self._cache_blocks(UpTo(request, boundary), num_computed_tokens)
 
     def _get_local_prefix_cache_hit(self, request):
         limit, unit_keys = reuse_info(request)
@@ -101,11 +139,10 @@ class ClefScheduler(Scheduler):
             log.warning("clef state cache: the scheduler does not see the worker's memory-row pool (the worker "
                         "runs in another process: distributed_executor_backend=%s); no request will reuse a state",
                         self.vllm_config.parallel_config.distributed_executor_backend)
-        if cache is None or cache.block != block or block % KEY_UNIT or not manager.prefix_cache_lookup_enabled(request):
+        if cache is None or cache.block != block or not manager.prefix_cache_lookup_enabled(request):
             return empty
-        present = cache.present_prefix(block_keys(unit_keys, block))
-        cap = min(request.num_tokens - 1, limit, present * block)
-        if cap < block:
+        cap = min(request.num_tokens - 1, limit, cache.present(unit_keys))
+        if cap < KEY_UNIT:
             return empty
         blocks, hit, uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, cap)
         boundary = hit + uncached if uncached else 0
@@ -123,5 +160,5 @@ class ClefScheduler(Scheduler):
         if threshold > 0:
             budget = min(budget, threshold)
         return capped_chunk(start, num_new_tokens, request.num_prompt_tokens, self.block_size, budget,
-                            reuse_boundary(limit, unit_keys, self.block_size),
+                            reuse_boundary(limit, unit_keys, self.block_size, self._fine),
                             min(getattr(request, "shared_prefix_boundary", 0) or 0, limit))
