@@ -24,9 +24,14 @@
 #        on a cached 16k state, profiled); GPU 1: a context-filling 16,384-token request chunked by
 #        --max-num-batched-tokens 4096 (the scheduler's rule 0 on the GPU); both: DP=2 with the cache on
 #        again (the worker now beside the scheduler), then DP=2 short server vs raw (the executor change).
-# PLAN=seventh (next): the state cache again after the sixth session's fixes (piece cache, one step for
+# PLAN=seventh: the state cache again after the sixth session's fixes (piece cache, one step for
 #        unkeyed requests): GPU 0: 9B BF16 cache-on sweep -> latency.py graphs vs cache; GPU 1: the
 #        cache-off unique-state comparison -> 9B FP8 cache-on shared-state; both: DP=2 with the cache on.
+# PLAN=eighth (next; supersedes seventh): the state cache with hits at the state's end (--state-cache-match
+#        unit, the new default): GPU 0: 9B BF16 cache-on sweep -> latency.py graphs vs cache; GPU 1: tiny
+#        GPU cases (full / partial hit, concurrent, eviction) -> clef-parity cache on vs the reference ->
+#        the cache-off unique-state comparison -> 9B BF16 shared-state with --state-cache-match block;
+#        both: DP=2 with the cache on.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +64,7 @@ TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIM
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 PLAN=${PLAN:-all}
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
-# PLAN=reuse / sixthb / seventh: the state-cache sweep. One-state variants are measured hot (their warm-up caches
+# PLAN=reuse / sixthb / seventh / eighth: the state-cache sweep. One-state variants are measured hot (their warm-up caches
 # the state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
 # The 32-state variant asks three times about each state: under the default --state-cache-admit repeat a
 # state's first request is not cached, its second is, its third hits (until the sixth session: 4096x64x32).
@@ -94,6 +99,22 @@ latency_cache() {  # latency.py graphs vs cache in process (follow-ups on a cach
       --out "$S/latency_cache/latency.json"
 }
 
+cache_gpu_cases_tiny() {  # the state cache's GPU cases on the tiny checkpoint (fast_paths: cache, eviction), GPU 1
+  job cache_cases_tiny 1 360 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
+}
+
+cache_parity_tiny() {  # clef-parity: the tiny server with the cache on vs the reference backend (the receipt), GPU 1
+  job cache_parity_tiny 1 420 env PHASES=parity LABEL=tiny-cache-on READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
+      SERVER_ARGS="--state-cache on" \
+      "PARITY_ARGS=--synthetic 96 --synthetic-states 12 --synthetic-max-words 2500 -c 8 --device cuda" \
+      bash bench/gpu_bench.sh "$TINY" 8731
+}
+
+cache_on_9b_block() {  # the shared-state sweep with hits at whole blocks only (the previous rule), GPU 1
+  job cache_on_9b_bf16_block 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-block \
+      SERVER_ARGS="--load-format dummy --state-cache on --state-cache-match block" bash bench/gpu_bench.sh "$NINE" 8724
+}
+
 phase_a_done() {  # phase_a_done GPU: this queue's first stage is over; wait for the other queue's
   touch "$S/phase_a.$1"
   while [ ! -f "$S/phase_a.0" ] || [ ! -f "$S/phase_a.1" ]; do sleep 2; done
@@ -106,7 +127,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|seventh) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|seventh|eighth) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -155,6 +176,21 @@ seventh_queue0)
 seventh_queue1)
   cache_off_9b_unique
   cache_on_9b_fp8
+  phase_a_done 1
+  ;;
+eighth_queue0)
+  cache_on_9b
+  latency_cache
+  phase_a_done 0
+  cache_on_9b_dp2
+  touch "$S/all.done"
+  log "all done"
+  ;;
+eighth_queue1)
+  cache_gpu_cases_tiny
+  cache_parity_tiny
+  cache_off_9b_unique
+  cache_on_9b_block
   phase_a_done 1
   ;;
 launch)
