@@ -32,6 +32,8 @@
 #        GPU cases (full / partial hit, concurrent, eviction) -> clef-parity cache on vs the reference ->
 #        the cache-off unique-state comparison -> 9B BF16 shared-state with --state-cache-match block;
 #        both: DP=2 with the cache on.
+# PLAN=eighth1: the same on the one-GPU machine (nvidia-h200), one queue, no DP=2: tiny GPU cases -> 9B BF16
+#        cache-on sweep -> cache-off unique-state comparison -> whole-block A/B -> parity receipt -> latency.py.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +65,7 @@ NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fa
 TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 PLAN=${PLAN:-all}
+B=$([ "$PLAN" = eighth1 ] && echo 0 || echo 1)   # the second queue's GPU (0 on the one-GPU machine)
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
 # PLAN=reuse / sixthb / seventh / eighth: the state-cache sweep. One-state variants are measured hot (their warm-up caches
 # the state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
@@ -85,12 +88,12 @@ cache_on_9b_dp2() {  # the shared-state sweep against --state-cache on with DP=2
 }
 
 cache_off_9b_unique() {  # the unique-state workloads against --state-cache off (the 3 % comparison), GPU 1
-  job cache_off_9b_bf16_unique 1 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
+  job cache_off_9b_bf16_unique "$B" 600 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-off \
       SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8732
 }
 
 cache_on_9b_fp8() {  # the shared-state sweep against --state-cache on, online FP8, GPU 1
-  job cache_on_9b_fp8 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
+  job cache_on_9b_fp8 "$B" 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-fp8-cache-on \
       SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8723
 }
 
@@ -100,18 +103,18 @@ latency_cache() {  # latency.py graphs vs cache in process (follow-ups on a cach
 }
 
 cache_gpu_cases_tiny() {  # the state cache's GPU cases on the tiny checkpoint (fast_paths: cache, eviction), GPU 1
-  job cache_cases_tiny 1 360 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
+  job cache_cases_tiny "$B" 360 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
 }
 
 cache_parity_tiny() {  # clef-parity: the tiny server with the cache on vs the reference backend (the receipt), GPU 1
-  job cache_parity_tiny 1 420 env PHASES=parity LABEL=tiny-cache-on READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
+  job cache_parity_tiny "$B" 420 env PHASES=parity LABEL=tiny-cache-on READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
       SERVER_ARGS="--state-cache on" \
       "PARITY_ARGS=--synthetic 96 --synthetic-states 12 --synthetic-max-words 2500 -c 8 --device cuda" \
       bash bench/gpu_bench.sh "$TINY" 8731
 }
 
 cache_on_9b_block() {  # the shared-state sweep with hits at whole blocks only (the previous rule), GPU 1
-  job cache_on_9b_bf16_block 1 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-block \
+  job cache_on_9b_bf16_block "$B" 500 env "${SHARED[@]}" PHASES=server LABEL=9b-dummy-bf16-cache-on-block \
       SERVER_ARGS="--load-format dummy --state-cache on --state-cache-match block" bash bench/gpu_bench.sh "$NINE" 8724
 }
 
@@ -127,7 +130,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|seventh|eighth) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|seventh|eighth|eighth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -192,6 +195,18 @@ eighth_queue1)
   cache_off_9b_unique
   cache_on_9b_block
   phase_a_done 1
+  ;;
+eighth1_queue0)
+  cache_gpu_cases_tiny
+  cache_on_9b
+  cache_off_9b_unique
+  cache_on_9b_block
+  cache_parity_tiny
+  latency_cache
+  touch "$S/all.done"
+  log "all done"
+  ;;
+eighth1_queue1)
   ;;
 launch)
   rm -f "$S"/*.done "$S"/phase_a.*
