@@ -8,7 +8,10 @@ settings (``engine_kwargs``), one request at a time, in each MODE (one subproces
     nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode); also follow-ups
-               on one cached 15,872-token state (400 new tokens each): p50 and a profile
+               on one cached 15,872-token state (400 new tokens each): p50 and a profile; and bursts of
+               1, 16 and 64 follow-ups on one cached 4,096-token state (330 new tokens each) submitted
+               together: wall ms, and a profile of the 64-burst
+    cacheblock the same with ``--state-cache-match block`` (hits only at whole KV blocks)
     raw        vLLM ``embed`` pooling of the same ids, vLLM's defaults (no head, no plugin features)
 
 Per mode: single-request p50 for several lengths, 256 x 400-token batch throughput, and a
@@ -32,9 +35,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-MODES = ("graphs", "nographs", "capsonly", "cache", "raw")
+MODES = ("graphs", "nographs", "capsonly", "cache", "cacheblock", "raw")
+CACHE_MODES = {"cache": "unit", "cacheblock": "block"}     # mode -> --state-cache-match
 LENGTHS = (100, 400, 1000, 4096)
 STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up requests (a 16k prompt with 400 new tokens)
+BURST_STATE, BURST_NEW = 4096, 330     # mode cache: bursts of follow-ups on one 4k state
 
 
 def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
@@ -47,8 +52,8 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
         kw = raw_engine_kwargs(ckpt, load_format="dummy", max_model_len=16384, gpu_memory_utilization=0.85,
                                max_num_seqs=128, quantization=quantization)
     else:
-        kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
-                           state_cache=mode == "cache", **common)
+        cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
+        kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs", **cache, **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:
@@ -74,10 +79,12 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
         "host_ms_per_req": round(sum(e.self_cpu_time_total for e in events) / n / 1000, 2),
         "most_host_time": [(e.key[:70], round(e.self_cpu_time_total / n / 1000, 2), e.count // n)
                            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]],
+        "most_gpu_time": [(e.key[:70], round(e.self_device_time_total / n / 1000, 2), e.count // n)
+                          for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:12]],
     }
 
 
-def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
+def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, PoolingParams, TokensPrompt
@@ -120,14 +127,15 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
         once([prompt(n, n)])
         once([prompt(n, n + 1)])
     res = {"mode": mode, "quantization": quantization, "engine_start_s": round(start_s, 1)}
-    for n in LENGTHS:
-        walls = [once([prompt(n, 1000 + i)]) for i in range(20)]
-        res[f"single_{n}_p50_ms"] = round(statistics.median(walls), 1)
-    batch = [prompt(400, 9000 + i) for i in range(256)]
-    once(batch[:64])
-    res["batch256x400_tok_s"] = round(256 * 400 / once(batch) * 1000)
-    res.update(profiled(lambda i: once([prompt(400, 7000 + i)])))
-    if mode == "cache":     # follow-ups on one cached state: STATE_TOKENS shared, 400 new tokens each
+    if not followups_only:
+        for n in LENGTHS:
+            walls = [once([prompt(n, 1000 + i)]) for i in range(20)]
+            res[f"single_{n}_p50_ms"] = round(statistics.median(walls), 1)
+        batch = [prompt(400, 9000 + i) for i in range(256)]
+        once(batch[:64])
+        res["batch256x400_tok_s"] = round(256 * 400 / once(batch) * 1000)
+        res.update(profiled(lambda i: once([prompt(400, 7000 + i)])))
+    if mode in CACHE_MODES:     # follow-ups on one cached state: STATE_TOKENS shared, 400 new tokens each
         state = prompt(STATE_TOKENS, 4242)["prompt_token_ids"]
 
         def follow_up(i: int) -> float:
@@ -137,6 +145,16 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None) -> dict:
         res["followup_first_ms"] = round(follow_up(0), 1)
         res["followup_p50_ms"] = round(statistics.median(follow_up(i) for i in range(1, 21)), 1)
         res["followup"] = profiled(lambda i: follow_up(100 + i))
+        small = prompt(BURST_STATE, 4343)["prompt_token_ids"]
+
+        def burst(n: int, seed: int) -> float:     # n follow-ups on the 4k state, submitted together
+            return once([TokensPrompt(prompt_token_ids=small + prompt(BURST_NEW, seed + i)["prompt_token_ids"])
+                         for i in range(n)], reuse=BURST_STATE)
+
+        burst(2, 60000)                             # the state is cached from its second request on
+        res["burst_ms"] = {n: round(statistics.median(burst(n, 61000 + 1000 * k) for k in range(3)), 1)
+                           for n in (1, 16, 64)}
+        res["burst64"] = profiled(lambda i: burst(64, 70000 + 1000 * i), n=2)
     if mode != "raw":
         def report(worker):
             model = worker.model_runner.model
@@ -162,13 +180,15 @@ def main() -> int:
     ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint (default: a generated 9B-shaped config folder)")
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--followups-only", action="store_true",
+                    help="cache modes: only the follow-ups and bursts (no single lengths, batch or 400-token profile)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON
     a = ap.parse_args()
     unknown = sorted(set(a.modes.split(",")) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
     if a.one:
-        print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization)), flush=True)
+        print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization, a.followups_only)), flush=True)
         return 0
     ckpt = a.ckpt
     if ckpt is None:
@@ -181,6 +201,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--one", mode, "--ckpt", str(ckpt)]
         if a.quantization:
             cmd += ["--quantization", a.quantization]
+        if a.followups_only:
+            cmd.append("--followups-only")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         res = json.loads(lines[-1]) if lines else {"mode": mode, "error": proc.returncode,

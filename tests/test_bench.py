@@ -16,7 +16,8 @@ import pytest
 
 from clef_vllm.bench.bench_cli import main as bench_main
 from clef_vllm.bench.bench_cli import parse_concurrency
-from clef_vllm.bench.loadgen import percentile, server_total_ms, systemone_url, unwrap_envelope
+from clef_vllm.bench.loadgen import (percentile, server_timing, server_total_ms, stage_medians, systemone_url,
+                                     unwrap_envelope)
 from clef_vllm.bench.parity import compare_runs, distribution, kl_divergence, total_variation
 from clef_vllm.bench.parity_cli import main as parity_main
 from clef_vllm.bench.targets import Answered, Condition
@@ -192,6 +193,11 @@ def test_parse_concurrency_and_helpers():
     assert percentile(list(range(101)), 90) == 90
     assert server_total_ms("total;dur=12.5") == 12.5 and server_total_ms("db;dur=3, total;dur=7") == 7.0
     assert server_total_ms(None) is None
+    assert server_timing("parse;dur=0.21, encode;dur=1.5, engine;dur=40.25, total;dur=43") == \
+        {"parse": 0.21, "encode": 1.5, "engine": 40.25, "total": 43.0}
+    assert server_timing(None) == {} and server_timing("garbage") == {}
+    assert stage_medians([{"engine": 10.0, "total": 12.0}, {"engine": 30.0, "total": 31.0}, {"total": 5.0}]) == \
+        {"engine": 20.0, "total": 12.0}
     assert systemone_url("http://h:1/") == systemone_url("http://h:1/v1/systemone") == "http://h:1/v1/systemone"
     assert unwrap_envelope({"result": {"answers": {}}, "success": True}) == {"answers": {}}
 
@@ -339,6 +345,8 @@ def _check_point(p: dict) -> None:
     lat = p["latency_ms"]
     assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
     assert p["server_ms"]["p50"] <= lat["p50"]  # our server reports Server-Timing; it excludes the network
+    stages = p["server_stages_p50_ms"]           # and says where its time went
+    assert {"parse", "encode", "engine", "total"} <= set(stages) and stages["engine"] <= stages["total"]
     tokens = p["input_tokens"]
     assert tokens["checked"] == p["ok"] and tokens["mismatches"] == 0
     assert tokens["total_reported"] == pytest.approx(p["input_tok_per_s"] * p["duration_s"], rel=1e-3)

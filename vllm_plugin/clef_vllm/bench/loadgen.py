@@ -36,6 +36,7 @@ class Outcome:
     cached_tokens: int | None = None    # usage.cached_state_tokens (tokens read from the state cache)
     server_ms: float | None = None      # Server-Timing total, when the server sends one
     error: str | None = None
+    server_stages: dict[str, float] | None = None   # every Server-Timing metric (ms), ``total`` included
 
     @property
     def ok(self) -> bool:
@@ -87,15 +88,17 @@ def unwrap_envelope(body: Any) -> Any:
     return body
 
 
-_SERVER_TIMING = re.compile(r"(?:^|,)\s*total\s*;[^,]*?dur=([0-9.]+)")
+_SERVER_TIMING = re.compile(r"(?:^|,)\s*([A-Za-z0-9_.-]+)\s*;[^,]*?dur=([0-9.]+)")
+
+
+def server_timing(header: str | None) -> dict[str, float]:
+    """The metrics of a ``Server-Timing`` header (``name;dur=ms``), in ms; empty without one."""
+    return {m.group(1): float(m.group(2)) for m in _SERVER_TIMING.finditer(header or "")}
 
 
 def server_total_ms(header: str | None) -> float | None:
     """The ``total`` metric of a ``Server-Timing`` header, in ms."""
-    if not header:
-        return None
-    m = _SERVER_TIMING.search(header)
-    return float(m.group(1)) if m else None
+    return server_timing(header).get("total")
 
 
 def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
@@ -172,7 +175,8 @@ class HttpSender:
         except aiohttp.ClientError as exc:
             return Outcome(type(exc).__name__, time.perf_counter() - t0, error=str(exc)[:200])
         latency = time.perf_counter() - t0
-        server_ms = server_total_ms(timing)
+        stages = server_timing(timing) or None
+        server_ms = stages.get("total") if stages else None
         if status != 200:
             return Outcome(str(status), latency, server_ms=server_ms, error=raw[:300].decode(errors="replace"))
         try:
@@ -187,7 +191,8 @@ class HttpSender:
                            error=f"{len(answers) if isinstance(answers, dict) else '?'} answers for "
                                  f"{req.questions} questions")
         return Outcome("200", latency, input_tokens=tokens if isinstance(tokens, int) else None,
-                       cached_tokens=cached if isinstance(cached, int) else None, server_ms=server_ms)
+                       cached_tokens=cached if isinstance(cached, int) else None, server_ms=server_ms,
+                       server_stages=stages)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -252,6 +257,8 @@ def summarize_point(variant: str, concurrency: int, requests: Sequence[BenchRequ
         "questions_per_s": round(questions / wall, 4),
         "latency_ms": distribution_ms([o.latency_s for _, o in ok]),
         "server_ms": distribution_ms(server),
+        # where the server's time went (its Server-Timing stages: parse, queue, encode, engine, ...), p50 each
+        "server_stages_p50_ms": stage_medians([o.server_stages for _, o in ok if o.server_stages]),
         "input_tokens": {
             "mean_expected": round(sum(expected) / len(expected), 1) if expected else None,
             "total_reported": reported,
@@ -268,6 +275,12 @@ def summarize_point(variant: str, concurrency: int, requests: Sequence[BenchRequ
         "error_examples": error_examples,
         "client_cpu_s": None if client_cpu_s is None else round(client_cpu_s, 3),
     }
+
+
+def stage_medians(timings: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per Server-Timing stage, the median over the requests that reported it (ms)."""
+    names = sorted({name for t in timings for name in t})
+    return {name: round(percentile([t[name] for t in timings if name in t], 50), 3) for name in names}
 
 
 def dumps(obj: Any) -> str:
