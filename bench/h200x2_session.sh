@@ -37,6 +37,8 @@
 # PLAN=ninth1 (one GPU): why a burst of 64 hits on one 4k state ran at half the rate of 16 at a time:
 #        latency.py bursts of 1/16/64 follow-ups in process (unit vs block matching, profiled), then the 9B
 #        server's shared-state and short sweeps with the Server-Timing stages recorded per point.
+# PLAN=tenth1 (one GPU): a request's timeline through the server (CLEF_VLLM_TRACE: backend call, engine-core
+#        add / scheduled / done): short and shared-state follow-ups at c=1 on the 9B server, cache on.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +70,7 @@ NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fa
 TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
             READY_TIMEOUT=300 BENCH_TIMEOUT=200)
 PLAN=${PLAN:-all}
-B=$(case "$PLAN" in eighth1|ninth1) echo 0 ;; *) echo 1 ;; esac)   # the second queue's GPU (0 on the one-GPU machine)
+B=$(case "$PLAN" in *1) echo 0 ;; *) echo 1 ;; esac)   # the second queue's GPU (0 on the one-GPU machine)
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
 # PLAN=reuse / sixthb / seventh / eighth: the state-cache sweep. One-state variants are measured hot (their warm-up caches
 # the state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
@@ -133,7 +135,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|seventh|eighth|eighth1|ninth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|seventh|eighth|eighth1|ninth1|tenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -209,7 +211,15 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1)
+eighth1_queue1|ninth1_queue1|tenth1_queue1)
+  ;;
+tenth1_queue0)
+  job trace_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
+      CONC_OVERRIDES= TIME_LIMIT=8 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=300 \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
+      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8761
+  touch "$S/all.done"
+  log "all done"
   ;;
 ninth1_queue0)
   job latency_bursts 0 560 python3 bench/latency.py --modes cache,cacheblock --followups-only --ckpt "$NINE" \

@@ -155,3 +155,21 @@ def test_matching_at_whole_blocks_keeps_its_block_boundary(tiny_release):
     assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", prompt, reuse(prompt, 216))])["a"] \
         == [192, 64]
     assert _probe_hit(sched, prompt) == 192
+
+
+def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monkeypatch):
+    """``CLEF_VLLM_TRACE``: the engine core's part of a request's timeline (added, first scheduled, done)."""
+    import json
+
+    from clef_vllm import trace
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(trace, "PATH", str(path))
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128)
+    vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", ids(200))])
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["engine_add", "engine_scheduled", "engine_done"]
+    assert all(e["request"] == "a" for e in events) and events[0]["t"] <= events[1]["t"] <= events[2]["t"]
+    monkeypatch.setattr(trace, "PATH", None)
+    vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", ids(200))])
+    assert len(path.read_text().splitlines()) == 3                 # off: nothing written

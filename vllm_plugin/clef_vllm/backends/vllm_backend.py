@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from clef_vllm import ARCHITECTURE
+from clef_vllm import ARCHITECTURE, trace
 from clef_vllm.backends.base import Backend, BackendDeadError
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
@@ -305,10 +305,12 @@ class VllmBackend(Backend):
             raise BackendDeadError("the vLLM engine is not running")
         # Cancelling this coroutine (server timeout, client gone) aborts the request in the engine
         # core; an engine-core death surfaces as EngineDeadError.
+        trace.event("submit", request_id)
         try:
             final = await self._final_output(engine, TokensPrompt(prompt_token_ids=ids), params, request_id, rank)
         except EngineDeadError as exc:
             raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
+        trace.event("answer", request_id)
         if final is None:
             raise EngineError("engine returned no output")
         if list(final.prompt_token_ids) != ids:

@@ -44,6 +44,7 @@ import logging
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from clef_vllm import trace
 from clef_vllm.contract import PARAMS_KEY
 from clef_vllm.state_keys import KEY_UNIT
 from clef_vllm.worker import state_cache
@@ -117,6 +118,25 @@ class ClefScheduler(Scheduler):
         self._fine = bool(getattr(self, "mamba_partial_cache_hit", False))   # vLLM registers partial tails
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
+
+    def add_request(self, request) -> None:
+        trace.event("engine_add", request.request_id)
+        super().add_request(request)
+
+    def schedule(self):
+        out = super().schedule()
+        if trace.PATH is not None:
+            for new in out.scheduled_new_reqs:
+                trace.event("engine_scheduled", new.req_id)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if trace.PATH is not None:
+            for rid in scheduler_output.num_scheduled_tokens:
+                if rid not in self.requests:
+                    trace.event("engine_done", rid)
+        return outputs
 
     def _cache_up_to_boundary(self, request, num_computed_tokens: int) -> None:
         if clef_spec(request) is None:
