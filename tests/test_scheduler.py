@@ -173,3 +173,23 @@ def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monke
     monkeypatch.setattr(trace, "PATH", None)
     vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", ids(200))])
     assert len(path.read_text().splitlines()) == 3                 # off: nothing written
+
+
+def test_every_override_accepts_what_vllm_passes():
+    """vLLM's engine core calls the scheduler with its own arguments (``schedule(throttle_prefills)``):
+    each method ClefScheduler overrides takes every parameter vLLM's takes, or passes them all on."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from clef_vllm.worker.scheduler import ClefScheduler
+
+    vllm_cpu.setup_env()
+    for name, ours in vars(ClefScheduler).items():
+        theirs = getattr(Scheduler, name, None)
+        if not callable(ours) or theirs is None or name.startswith("__"):
+            continue
+        mine = inspect.signature(ours).parameters
+        if any(p.kind is p.VAR_POSITIONAL for p in mine.values()) and any(p.kind is p.VAR_KEYWORD for p in mine.values()):
+            continue
+        assert list(mine) == list(inspect.signature(theirs).parameters), name

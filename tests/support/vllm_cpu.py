@@ -194,7 +194,7 @@ def run_scheduler(scheduler, requests, max_steps: int = 50) -> dict[str, list[in
     for _ in range(max_steps):
         if not scheduler.requests:
             break
-        out = scheduler.schedule()
+        out = scheduler.schedule(False)            # as vLLM's engine core calls it (throttle_prefills)
         ids = list(out.num_scheduled_tokens)
         for rid in ids:
             chunks[rid].append(out.num_scheduled_tokens[rid])

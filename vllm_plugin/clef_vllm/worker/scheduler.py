@@ -123,8 +123,8 @@ class ClefScheduler(Scheduler):
         trace.event("engine_add", request.request_id)
         super().add_request(request)
 
-    def schedule(self):
-        out = super().schedule()
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
         if trace.PATH is not None:
             for new in out.scheduled_new_reqs:
                 trace.event("engine_scheduled", new.req_id)
