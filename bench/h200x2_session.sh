@@ -24,14 +24,11 @@
 #        on a cached 16k state, profiled); GPU 1: a context-filling 16,384-token request chunked by
 #        --max-num-batched-tokens 4096 (the scheduler's rule 0 on the GPU); both: DP=2 with the cache on
 #        again (the worker now beside the scheduler), then DP=2 short server vs raw (the executor change).
-# PLAN=seventh: the state cache again after the sixth session's fixes (piece cache, one step for
-#        unkeyed requests): GPU 0: 9B BF16 cache-on sweep -> latency.py graphs vs cache; GPU 1: the
-#        cache-off unique-state comparison -> 9B FP8 cache-on shared-state; both: DP=2 with the cache on.
-# PLAN=eighth (next; supersedes seventh): the state cache with hits at the state's end (--state-cache-match
-#        unit, the new default): GPU 0: 9B BF16 cache-on sweep -> latency.py graphs vs cache; GPU 1: tiny
+# PLAN=eighth (two GPUs; not run yet): the state cache with hits at the state's end (--state-cache-match
+#        unit, the default): GPU 0: 9B BF16 cache-on sweep -> latency.py graphs vs cache; GPU 1: tiny
 #        GPU cases (full / partial hit, concurrent, eviction) -> clef-parity cache on vs the reference ->
-#        the cache-off unique-state comparison -> 9B BF16 shared-state with --state-cache-match block;
-#        both: DP=2 with the cache on.
+#        the cache-off unique-state comparison -> 9B BF16 shared-state with --state-cache-match block ->
+#        9B FP8 cache-on shared-state; both: DP=2 with the cache on.
 # PLAN=eighth1: the same on the one-GPU machine (nvidia-h200), one queue, no DP=2: tiny GPU cases -> 9B BF16
 #        cache-on sweep -> cache-off unique-state comparison -> whole-block A/B -> parity receipt -> latency.py.
 # PLAN=ninth1 (one GPU): why a burst of 64 hits on one 4k state ran at half the rate of 16 at a time:
@@ -74,7 +71,7 @@ TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIM
 PLAN=${PLAN:-all}
 B=$(case "$PLAN" in *1) echo 0 ;; *) echo 1 ;; esac)   # the second queue's GPU (0 on the one-GPU machine)
 full=$([ "$PLAN" = bench ] && echo 0 || echo 1)   # 1: every job; 0: the clef-bench jobs only
-# PLAN=reuse / sixthb / seventh / eighth: the state-cache sweep. One-state variants are measured hot (their warm-up caches
+# PLAN=reuse / sixthb / eighth*: the state-cache sweep. One-state variants are measured hot (their warm-up caches
 # the state); the 32-state variant has one point only, so its hits are the follow-ups of that point.
 # The 32-state variant asks three times about each state: under the default --state-cache-admit repeat a
 # state's first request is not cached, its second is, its third hits (until the sixth session: 4096x64x32).
@@ -139,7 +136,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|seventh|eighth|eighth1|ninth1|tenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -177,19 +174,6 @@ sixthb_queue1)
       SERVER_ARGS="--load-format dummy --max-num-batched-tokens 4096" bash bench/gpu_bench.sh "$NINE" 8741
   phase_a_done 1
   ;;
-seventh_queue0)
-  cache_on_9b
-  latency_cache
-  phase_a_done 0
-  cache_on_9b_dp2
-  touch "$S/all.done"
-  log "all done"
-  ;;
-seventh_queue1)
-  cache_off_9b_unique
-  cache_on_9b_fp8
-  phase_a_done 1
-  ;;
 eighth_queue0)
   cache_on_9b
   latency_cache
@@ -203,6 +187,7 @@ eighth_queue1)
   cache_parity_tiny
   cache_off_9b_unique
   cache_on_9b_block
+  cache_on_9b_fp8
   phase_a_done 1
   ;;
 eighth1_queue0)
