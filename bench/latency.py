@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -92,7 +91,6 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     from clef_vllm import register
     from clef_vllm.backends.vllm_backend import pooling_params
     from clef_vllm.features import HeadSpec, synthetic_spec
-    from clef_vllm.state_keys import prefix_keys
 
     register()
     kw = engine_settings(mode, ckpt, quantization)
@@ -114,7 +112,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
         ids = p["prompt_token_ids"]
         spec: HeadSpec = synthetic_spec(len(ids))
         if reuse:       # the first `reuse` tokens are a state the cache may hold (as the front end keys them)
-            spec = replace(spec, reuse_limit=reuse, state_keys=tuple(prefix_keys(ids, reuse)))
+            spec = spec.with_reuse(ids, reuse)
         return pooling_params(spec, reads=bool(reuse))
 
     def once(prompts, reuse: int = 0) -> float:

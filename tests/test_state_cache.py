@@ -373,3 +373,39 @@ def test_a_state_is_kept_from_its_second_request_and_a_burst_has_one_leader(enco
     backend, sent = _front_end(admit_on_repeat=False)                        # --state-cache-admit first
     run(enc(long_b))
     assert [s["keyed"] for s in sent] == [True]
+
+
+def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
+    """The first follow-up a client sends must not compile vLLM's GDN-state copy kernel (seen on the GPU:
+    ``batch_memcpy_kernel`` JIT-compiled after /health said ready): with the cache on the warm-up ends
+    with a keyed state computed, then hit, both running past a block boundary."""
+    import asyncio
+
+    from clef_vllm.backends.options import VllmOptions, engine_args
+    from clef_vllm.backends.vllm_backend import WARMUP_STATE, WARMUP_TAIL, VllmBackend, warmup_state_cache
+
+    def warm(state_cache: bool, max_model_len: int = 16384) -> list:
+        backend = VllmBackend.__new__(VllmBackend)
+        backend.kwargs = {**engine_args(VllmOptions(state_cache=state_cache, max_model_len=max_model_len)),
+                          "max_model_len": max_model_len}
+        backend.files = SimpleNamespace(text_config={"vocab_size": 500})
+        calls = []
+
+        async def encode(ids, spec, rank=None, use_cache=True):
+            calls.append((ids, spec))
+            return torch.zeros(spec.num_options), 0
+
+        backend._encode = encode
+        asyncio.run(backend._warmup())
+        return calls
+
+    calls = warm(True)
+    keyed = [(ids, spec) for ids, spec in calls if spec.state_keys]
+    assert len(keyed) == 2 and calls[-2:] == keyed                 # last: cached, then hit
+    (a, spec_a), (b, spec_b) = keyed
+    assert a[:WARMUP_STATE] == b[:WARMUP_STATE] and a[WARMUP_STATE:] != b[WARMUP_STATE:]
+    assert len(a) == len(b) == WARMUP_STATE + WARMUP_TAIL and WARMUP_TAIL > 528   # past a 9B block boundary
+    assert spec_a.reuse_limit == WARMUP_STATE and spec_a.state_keys == spec_b.state_keys
+    spec_a.validate()
+    assert not any(spec.state_keys for _, spec in warm(False))     # cache off: nothing keyed
+    assert warmup_state_cache({"enable_prefix_caching": True, "max_model_len": 1024}) is None

@@ -48,10 +48,11 @@ class HeadSpec:
             options_per_field=tuple(len(x.option_spans) for x in f),
             lexical_ids=tuple(encoded.lexical_ids),
         )
-        if state_keys:
-            limit = spec.first_span_start
-            spec = replace(spec, reuse_limit=limit, state_keys=tuple(prefix_keys(encoded.input_ids, limit)))
-        return spec
+        return spec.with_reuse(encoded.input_ids, spec.first_span_start) if state_keys else spec
+
+    def with_reuse(self, token_ids, limit: int) -> "HeadSpec":
+        """This spec with its first ``limit`` tokens (``token_ids[:limit]``) keyed as a reusable state."""
+        return replace(self, reuse_limit=limit, state_keys=tuple(prefix_keys(token_ids, limit)))
 
     @property
     def first_span_start(self) -> int:

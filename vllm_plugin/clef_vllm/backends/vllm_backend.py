@@ -95,6 +95,24 @@ def warmup_lengths(kwargs: dict) -> list[int]:
     return sorted({min(n, kwargs["max_model_len"]) for n in wanted})
 
 
+#: The state cache's warm-up round: a keyed state of this many tokens, then tails of WARMUP_TAIL tokens.
+WARMUP_STATE, WARMUP_TAIL = 1040, 600
+
+
+def warmup_state_cache(kwargs: dict) -> tuple[int, int] | None:
+    """``(state, tail)`` token counts of the warm-up's state-cache round, for an engine made with
+    ``kwargs``: two prompts that share a keyed state, so the first is cached (split at the state's end)
+    and the second hits it. Their last steps run past a KV block boundary (blocks are at most
+    ``WARMUP_TAIL`` tokens for the shapes we serve: 528 at 9B), so the GDN state is copied between
+    blocks: vLLM's copy kernel compiles here, not at the first follow-up a client sends. ``None``
+    with the state cache off or a context too short for the round."""
+    if not kwargs.get("enable_prefix_caching"):
+        return None
+    if WARMUP_STATE + WARMUP_TAIL > kwargs["max_model_len"]:
+        return None
+    return WARMUP_STATE, WARMUP_TAIL
+
+
 def warmup_batches(kwargs: dict) -> list[list[int]]:
     """Prompt lengths of the warm-up's concurrent batches, after :func:`warmup_lengths`: a full batch of
     300-token prompts (up to 32) and a mixed one (vLLM's eager path with several sequences)."""
@@ -280,13 +298,23 @@ class VllmBackend(Backend):
         for batch in batches:
             await bounded_warmup_step(f"a batch of {len(batch)} prompts ({sorted(set(batch))} tokens)",
                                       asyncio.gather(*[self._run_ids(ids(n)) for n in batch]))
-        log.info("warm-up done in %.1f s (lengths %s, then batches of %s prompts)", time.perf_counter() - t0,
-                 lengths, [len(b) for b in batches])
+        round_ = warmup_state_cache(self.kwargs)
+        if round_ is not None:
+            state, tail = round_
+            shared = ids(state)
+            for which in ("cached", "hit"):
+                await bounded_warmup_step(f"a {state}-token state with a {tail}-token tail ({which})",
+                                          self._run_ids(shared + ids(tail), reuse=state))
+        log.info("warm-up done in %.1f s (lengths %s, then batches of %s prompts%s)", time.perf_counter() - t0,
+                 lengths, [len(b) for b in batches], ", then a state cached and hit" if round_ else "")
 
-    async def _run_ids(self, ids: list[int]) -> torch.Tensor:
+    async def _run_ids(self, ids: list[int], reuse: int = 0) -> torch.Tensor:
+        """A warm-up prompt with a synthetic spec; ``reuse``: its first tokens are a state to key (state cache)."""
         from clef_vllm.features import synthetic_spec
 
         spec = synthetic_spec(len(ids))
+        if reuse:
+            spec = spec.with_reuse(ids, reuse)
         return (await self._encode(ids, spec))[0]
 
     # ------------------------------------------------------------------ requests
