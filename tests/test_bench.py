@@ -198,6 +198,13 @@ def test_parse_concurrency_and_helpers():
     assert server_timing(None) == {} and server_timing("garbage") == {}
     assert stage_medians([{"engine": 10.0, "total": 12.0}, {"engine": 30.0, "total": 31.0}, {"total": 5.0}]) == \
         {"engine": 20.0, "total": 12.0}
+    from clef_vllm.bench.report import stages_table
+
+    assert stages_table({"points": [{"variant": "short", "concurrency": 1}]}) is None    # no stages: no table
+    text = stages_table({"points": [{"variant": "short", "concurrency": 1,
+                                     "server_stages_p50_ms": {"total": 33.0, "engine": 29.2, "encode": 0.9}}]})
+    assert text.splitlines()[1].split() == ["variant", "c", "encode", "engine", "total"]   # in request order
+    assert text.splitlines()[3].split() == ["short", "1", "0.9", "29.2", "33.0"]
     assert systemone_url("http://h:1/") == systemone_url("http://h:1/v1/systemone") == "http://h:1/v1/systemone"
     assert unwrap_envelope({"result": {"answers": {}}, "success": True}) == {"answers": {}}
 
@@ -374,6 +381,11 @@ def test_bench_short_and_fanout_against_live_server(live_server, tiny_release, t
     assert (tmp_path / "bench.txt").read_text().startswith("clef-bench http")
     table = capsys.readouterr().out
     assert "p99 ms" in table and "fanout-3q" in table and "MISMATCH" not in table
+    # and where the server's time went, per point (the reference backend reports its micro-batch stages too)
+    stages = table[table.index("server time per stage"):].splitlines()
+    assert stages[1].split()[:4] == ["variant", "c", "parse", "queue"] and "engine" in stages[1]
+    assert len(stages) == 3 + len(res["points"]) and stages[3].split()[:2] == ["short", "1"]
+    assert "server time per stage" in (tmp_path / "bench.txt").read_text()
 
 
 def test_bench_tokenizer_demo_is_the_local_demo_checkpoint(live_server, tiny_short_tokens, tmp_path, capsys):

@@ -63,7 +63,27 @@ def bench_table(results: dict) -> str:
     if results.get("complete") is False:
         title += "  (PARTIAL: the run stopped before its last point)"
     rows = [bench_row(p) for p in results.get("points", [])]
-    return title + "\n" + _table(BENCH_HEADER, rows, right=set(range(1, len(BENCH_HEADER) - 1)))
+    text = title + "\n" + _table(BENCH_HEADER, rows, right=set(range(1, len(BENCH_HEADER) - 1)))
+    stages = stages_table(results)
+    return text + ("\n\n" + stages if stages else "")
+
+
+#: Server-Timing stages in the order a request passes them (the reference backend adds its own three).
+STAGE_ORDER = ("parse", "queue", "encode", "batch_wait", "backbone", "head", "engine", "total")
+
+
+def stages_table(results: dict) -> str | None:
+    """Where the server's time went, per point: the median of each Server-Timing stage (ms); ``None``
+    when no point has them (another server, or a run before the bench recorded them)."""
+    points = [p for p in results.get("points", []) if p.get("server_stages_p50_ms")]
+    if not points:
+        return None
+    seen = {name for p in points for name in p["server_stages_p50_ms"]}
+    names = [n for n in STAGE_ORDER if n in seen] + sorted(seen - set(STAGE_ORDER))
+    rows = [[p["variant"], str(p["concurrency"]), *(_num(p["server_stages_p50_ms"].get(n), 1) for n in names)]
+            for p in points]
+    return "server time per stage, p50 ms (Server-Timing)\n" + _table(["variant", "c", *names], rows,
+                                                                       right=set(range(1, len(names) + 2)))
 
 
 def _target_name(results: dict) -> str:
