@@ -193,3 +193,34 @@ def test_every_override_accepts_what_vllm_passes():
         if any(p.kind is p.VAR_POSITIONAL for p in mine.values()) and any(p.kind is p.VAR_KEYWORD for p in mine.values()):
             continue
         assert list(mine) == list(inspect.signature(theirs).parameters), name
+
+
+@pytest.mark.parametrize("budget", [24, 48, 128, MAX_LEN])
+def test_keyed_requests_finish_under_any_token_budget_when_matching_at_the_key_unit(tiny_release, budget):
+    """Unit matching with small step budgets (chunks inside a block, a budget that is not a multiple of
+    16): the first request and two follow-ups that arrive together all finish, and the follow-ups
+    compute only what follows the state's end (208)."""
+    import torch
+
+    from clef_vllm.state_keys import block_keys
+    from clef_vllm.worker import state_cache
+
+    cache = state_cache.SideCache(capacity=32, block=BLOCK, width=3, dtype=torch.float32, device="cpu", tails=True)
+    state_cache.install(cache)
+    try:
+        sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=budget, state_cache=True, unit=16)
+        state = ids(216)
+        first, second, third = (state + ids(40, salt) for salt in (1, 2, 3))
+        spec = reuse(first, 216)
+        chunks = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", first, spec)])["a"]
+        assert sum(chunks) == 256 and -1 not in chunks
+        assert 208 in [sum(chunks[:i]) for i in range(len(chunks) + 1)]      # a step ended at the state's end
+        for key in block_keys(spec["k"], BLOCK):
+            cache.write(key, torch.zeros(BLOCK, 3))
+        cache.write(spec["k"][-1], torch.zeros(16, 3))
+        out = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", second, spec),
+                                             vllm_cpu.pooling_request(sched, "c", third, spec)])
+        assert sum(out["b"]) == sum(out["c"]) == 48 and -1 not in out["b"] + out["c"], out
+        assert _probe_hit(sched, first) == 208
+    finally:
+        state_cache.install(None)
