@@ -207,6 +207,7 @@ tenth1_queue0)
       CONC_OVERRIDES= TIME_LIMIT=5 WARMUP=3 READY_TIMEOUT=200 BENCH_TIMEOUT=150 \
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
       SERVER_ARGS="--load-format dummy --state-cache on --enforce-eager --no-warmup" bash bench/gpu_bench.sh "$NINE" 8761
+  python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
   touch "$S/all.done"
   log "all done"
   ;;

@@ -175,6 +175,32 @@ def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monke
     assert len(path.read_text().splitlines()) == 3                 # off: nothing written
 
 
+def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, capsys):
+    import json
+
+    from clef_vllm import trace
+
+    def ev(t, name, rid):
+        return json.dumps({"t": t, "pid": 1, "event": name, "request": rid})
+
+    lines = [ev(0.000, "submit", "clef-1-aa"), ev(0.002, "engine_add", "clef-1-aa-1234abcd"),
+             ev(0.003, "engine_scheduled", "clef-1-aa-1234abcd"), ev(0.033, "engine_done", "clef-1-aa-1234abcd"),
+             ev(0.036, "answer", "clef-1-aa"),
+             ev(1.000, "submit", "clef-2-bb"), ev(1.004, "engine_add", "clef-2-bb-99999999"),
+             ev(1.005, "engine_scheduled", "clef-2-bb-99999999"), ev(1.045, "engine_done", "clef-2-bb-99999999"),
+             ev(1.050, "answer", "clef-2-bb"),
+             ev(2.000, "engine_add", "warmup-x")]                 # an engine-only request: no pair, ignored
+    rows = trace.summary(lines)
+    assert rows["submit -> engine_add"] == {"what": trace.SEGMENTS[0][2], "requests": 2, "p50_ms": 3.0}
+    assert rows["engine_scheduled -> engine_done"]["p50_ms"] == 35.0
+    assert rows["engine_done -> answer"]["p50_ms"] == 4.0 and rows["submit -> answer"]["p50_ms"] == 43.0
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert trace.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "submit -> engine_add" in out and "3.00 ms" in out and "(2 requests)" in out
+
+
 def test_every_override_accepts_what_vllm_passes():
     """vLLM's engine core calls the scheduler with its own arguments (``schedule(throttle_prefills)``):
     each method ClefScheduler overrides takes every parameter vLLM's takes, or passes them all on."""
