@@ -86,6 +86,11 @@ def test_side_cache_keeps_the_tail_of_a_prefix_that_ends_inside_a_block():
     assert cache.present(units[:6]) == 64                          # a shorter keyed prefix: vLLM has no tail there
     assert torch.equal(cache.read(units, 112), torch.cat([rows(1, block=64), tail]))
     assert torch.equal(cache.read(units, 96), torch.cat([rows(1, block=64), tail[:32]]))   # inside the tail
+    cache.write(b"x", rows(2, block=64))
+    cache.write(b"y", rows(3, block=64))                           # the pool is full
+    cache.read(units, 112)                                         # the block and the tail: now most recent
+    cache.write(b"z", rows(4, block=64))                           # evicts x, not the tail read just now
+    assert b"x" not in cache and units[6] in cache and cache.present(units) == 112
     changed = prefix_keys(list(range(100)) + [7] * 200, 300)       # same first 96 tokens, then different
     assert cache.present(changed) == 64 and cache.read(changed, 112) is None
     assert cache.read(changed, 96) is None                         # keys cannot tell the first 96 tokens agree

@@ -86,15 +86,16 @@ class SideCache:
             n += 1
         return n
 
-    def _tail(self, unit_keys: Sequence[bytes], tokens: int) -> tuple[int, int] | None:
-        """A slot holding the rows from ``tokens``' block start to ``tokens`` (or beyond, same prefix)."""
+    def _tail(self, unit_keys: Sequence[bytes], tokens: int) -> bytes | None:
+        """The key of a slot holding the rows from ``tokens``' block start to ``tokens`` (or beyond, same
+        prefix)."""
         first = tokens // KEY_UNIT - 1                         # the unit ending at ``tokens``
         last = min(len(unit_keys), (tokens // self.block + 1) * (self.block // KEY_UNIT))
         need = tokens % self.block
         for j in range(first, last):                           # a longer tail of the same prefix serves too
             entry = self._slots.get(unit_keys[j])
             if entry is not None and entry[1] >= need:
-                return entry
+                return unit_keys[j]
         return None
 
     def present(self, unit_keys: Sequence[bytes]) -> int:
@@ -120,7 +121,7 @@ class SideCache:
         if len(keys) < full or any(e is None or e[1] != self.block for e in entries) or (rem and tail is None):
             self.stats.missing_reads += 1
             return None
-        for key in keys:
+        for key in keys + ([tail] if rem else []):               # read: now the most recently used
             self._slots.move_to_end(key)
         self.stats.read_blocks += full + bool(rem)
         width = self.pool.shape[-1]
@@ -131,7 +132,7 @@ class SideCache:
                 index = index.pin_memory().to(self.pool.device, non_blocking=True)
             rows = self.pool.index_select(0, index).view(-1, width)
         if rem:
-            rows = torch.cat([rows, self.pool[tail[0], :rem]])
+            rows = torch.cat([rows, self.pool[self._slots[tail][0], :rem]])
         return rows
 
     def write(self, key: bytes, rows: torch.Tensor) -> None:
