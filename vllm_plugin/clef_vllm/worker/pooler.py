@@ -27,7 +27,7 @@ from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
 from clef_vllm.head import JointSchemaHead
-from clef_vllm.state_keys import KEY_UNIT
+from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
 from clef_vllm.worker import state_cache
 
@@ -157,8 +157,9 @@ class ClefPooler(Pooler):
         end = len(keys) * KEY_UNIT                     # the keyed prefix: where a later request can resume
         block = cache.block
         upto = min(acc.filled, end) // block * block
-        for pos in range(acc.stored // block * block, upto, block):
-            cache.write(keys[(pos + block) // KEY_UNIT - 1], acc.memory_rows(pos, pos + block))
+        blocks = block_keys(keys, block)
+        for k in range(acc.stored // block, upto // block):
+            cache.write(blocks[k], acc.memory_rows(k * block, (k + 1) * block))
         acc.stored = max(acc.stored, upto)
         if cache.tails and acc.stored < end <= acc.filled:
             cache.write(keys[-1], acc.memory_rows(upto, end))

@@ -62,7 +62,7 @@ def reuse_info(request) -> tuple[int, list]:
     """``(reuse_limit, unit_keys)`` of a Clef request under the state cache, else ``(0, [])``."""
     spec = clef_spec(request) or {}
     limit = int(spec.get("r", 0) or 0)
-    return (limit, list(spec.get("k") or ())) if limit > 0 else (0, [])
+    return (limit, spec.get("k") or []) if limit > 0 else (0, [])
 
 
 def reuse_boundary(limit: int, unit_keys: list, block: int, fine: bool = False) -> int:
