@@ -1,23 +1,19 @@
 """What vLLM 0.28's prefix-cache hashing costs per prompt at 16-token units (``--state-cache-match unit``)
 against whole 528-token blocks (``block``): the engine core hashes every prompt when a request arrives.
-CPU only (vLLM imported with the test suite's CPU shims).
+CPU only.
 
     python bench/block_hashing.py > bench/results/cpu_block_hashing.txt
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def main() -> int:
-    from support import vllm_cpu
-
-    vllm_cpu.setup_env()
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm import PoolingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
