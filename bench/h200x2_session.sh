@@ -38,6 +38,10 @@
 #        add / scheduled / done): short and shared-state follow-ups at c=1 on the 9B server, cache on, eager
 #        and without the server's warm-up (a fresh machine starts in ~1 min instead of ~2.5: the segments
 #        measured are the front end's and the hops', not the model's).
+# PLAN=eleventh1 (one GPU): the timeline again, now split at AsyncLLM's hand-offs (sent / received), on the server
+#        as it runs (prefill graphs, warm-up, cache on; the server log is checked for JIT compiles after ready),
+#        short and shared-state follow-ups at c=1; then the default server's short sweep vs raw vLLM (both now send
+#        vLLM's rendered token input: no thread-pool hop); then latency.py graphs in process (GPU kernel table).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,7 +140,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1|eleventh1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -200,7 +204,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|tenth1_queue1)
+eighth1_queue1|ninth1_queue1|tenth1_queue1|eleventh1_queue1)
   ;;
 tenth1_queue0)
   job trace_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
@@ -208,6 +212,19 @@ tenth1_queue0)
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
       SERVER_ARGS="--load-format dummy --state-cache on --enforce-eager --no-warmup" bash bench/gpu_bench.sh "$NINE" 8761
   python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
+  touch "$S/all.done"
+  log "all done"
+  ;;
+eleventh1_queue0)
+  job trace_9b_bf16 0 420 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
+      CONC_OVERRIDES= TIME_LIMIT=5 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=150 \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
+      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8771
+  python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
+  grep -n "serving on\|JIT compilation" "$S/trace_9b_bf16/server.log" >"$S/trace_9b_bf16/jit_check.txt" 2>&1
+  job short_9b_bf16 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-rendered SERVER_ARGS="--load-format dummy" \
+      bash bench/gpu_bench.sh "$NINE" 8772
+  job latency_graphs 0 300 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_graphs/latency.json"
   touch "$S/all.done"
   log "all done"
   ;;

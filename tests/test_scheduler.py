@@ -180,25 +180,77 @@ def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, caps
 
     from clef_vllm import trace
 
-    def ev(t, name, rid):
-        return json.dumps({"t": t, "pid": 1, "event": name, "request": rid})
+    def ev(t, name, rid, **fields):
+        return json.dumps({"t": t, "pid": 1, "event": name, "request": rid, **fields})
 
-    lines = [ev(0.000, "submit", "clef-1-aa"), ev(0.002, "engine_add", "clef-1-aa-1234abcd"),
+    lines = [ev(0.000, "submit", "clef-1-aa", tokens=400), ev(0.001, "sent", "clef-1-aa-1234abcd"),
+             ev(0.002, "engine_add", "clef-1-aa-1234abcd"),
              ev(0.003, "engine_scheduled", "clef-1-aa-1234abcd"), ev(0.033, "engine_done", "clef-1-aa-1234abcd"),
-             ev(0.036, "answer", "clef-1-aa"),
-             ev(1.000, "submit", "clef-2-bb"), ev(1.004, "engine_add", "clef-2-bb-99999999"),
+             ev(0.035, "received", "clef-1-aa-1234abcd"), ev(0.036, "answer", "clef-1-aa", cached=0),
+             ev(1.000, "submit", "clef-2-bb", tokens=417), ev(1.003, "sent", "clef-2-bb-99999999"),
+             ev(1.004, "engine_add", "clef-2-bb-99999999"),
              ev(1.005, "engine_scheduled", "clef-2-bb-99999999"), ev(1.045, "engine_done", "clef-2-bb-99999999"),
-             ev(1.050, "answer", "clef-2-bb"),
-             ev(2.000, "engine_add", "warmup-x")]                 # an engine-only request: no pair, ignored
-    rows = trace.summary(lines)
-    assert rows["submit -> engine_add"] == {"what": trace.SEGMENTS[0][2], "requests": 2, "p50_ms": 3.0}
+             ev(1.047, "received", "clef-2-bb-99999999"), ev(1.050, "answer", "clef-2-bb", cached=0),
+             ev(2.000, "submit", "clef-3-cc", tokens=16272), ev(2.050, "answer", "clef-3-cc", cached=15872),
+             ev(3.000, "submit", "clef-0-dd", tokens=64, warmup=True), ev(3.500, "answer", "clef-0-dd", cached=0),
+             ev(4.000, "engine_add", "other-x")]                 # an engine-only request: no pair, ignored
+    groups = trace.summary(lines)
+    assert list(groups) == ["<= 1,024 tokens", "> 8,192 tokens, cache hit", "warm-up"]
+    rows = groups["<= 1,024 tokens"]
+    assert [name for name in rows][:len(trace.SEGMENTS)] == [f"{a} -> {b}" for a, b, _ in trace.SEGMENTS]
+    assert rows["submit -> sent"] == {"what": trace.SEGMENTS[0][2], "requests": 2, "p50_ms": 2.0}
+    assert rows["sent -> engine_add"]["p50_ms"] == 1.0
     assert rows["engine_scheduled -> engine_done"]["p50_ms"] == 35.0
-    assert rows["engine_done -> answer"]["p50_ms"] == 4.0 and rows["submit -> answer"]["p50_ms"] == 43.0
+    assert rows["engine_done -> received"]["p50_ms"] == 2.0 and rows["received -> answer"]["p50_ms"] == 2.0
+    assert rows["submit -> answer"]["p50_ms"] == 43.0
+    assert groups["> 8,192 tokens, cache hit"]["submit -> answer"] == {
+        "what": "the backend's engine call", "requests": 1, "p50_ms": 50.0}
+    assert groups["warm-up"]["submit -> sent"]["requests"] == 0
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(lines) + "\n")
     assert trace.main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "submit -> engine_add" in out and "3.00 ms" in out and "(2 requests)" in out
+    assert "## <= 1,024 tokens" in out and "## warm-up" in out
+    assert "submit -> sent" in out and "2.00 ms" in out and "(2 requests)" in out
+
+
+def test_the_front_ends_hand_offs_are_traced_on_asyncllms_own_objects(tmp_path, monkeypatch):
+    """``sent`` when AsyncLLM handed a request to the engine core's client, ``received`` when its final
+    output reached the output processor; a request still running (not finished) logs nothing yet."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    from clef_vllm import trace
+
+    calls = []
+
+    class Core:
+        async def add_request_async(self, request):
+            calls.append(("add", request.request_id))
+
+    class Outputs:
+        def process_outputs(self, outs, timestamp=None, stats=None):
+            calls.append(("process", [o.request_id for o in outs]))
+            return "processed"
+
+    engine = SimpleNamespace(engine_core=Core(), output_processor=Outputs())
+    monkeypatch.setattr(trace, "PATH", None)
+    trace.instrument(engine)                                        # off: nothing wrapped
+    assert "add_request_async" not in vars(engine.engine_core)
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(trace, "PATH", str(path))
+    trace.instrument(engine)
+    asyncio.run(engine.engine_core.add_request_async(SimpleNamespace(request_id="clef-1-aa-1234abcd")))
+    outs = [EngineCoreOutput(request_id="clef-1-aa-1234abcd", new_token_ids=[], finish_reason=FinishReason.STOP),
+            EngineCoreOutput(request_id="clef-2-bb-99999999", new_token_ids=[])]
+    assert engine.output_processor.process_outputs(outs, 0.0, None) == "processed"
+    assert calls == [("add", "clef-1-aa-1234abcd"), ("process", ["clef-1-aa-1234abcd", "clef-2-bb-99999999"])]
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["event"], e["request"]) for e in events] == [("sent", "clef-1-aa-1234abcd"),
+                                                           ("received", "clef-1-aa-1234abcd")]
 
 
 def test_every_override_accepts_what_vllm_passes():

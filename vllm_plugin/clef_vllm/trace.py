@@ -2,10 +2,19 @@
 call and vLLM's engine core (another process).
 
 Off unless ``CLEF_VLLM_TRACE`` names a file. Then each event appends one JSON line
-``{"t": wall seconds, "pid": ..., "event": ..., "request": ...}``: ``submit`` / ``answer`` around the
-backend's engine call (server process), ``engine_add`` / ``engine_scheduled`` / ``engine_done`` in
-the engine core (``ClefScheduler``). Wall-clock time is comparable across the processes of one machine.
-``python -m clef_vllm.trace FILE`` prints the median of each segment between them.
+``{"t": wall seconds, "pid": ..., "event": ..., "request": ...}``, in the order a request meets them:
+
+- ``submit`` (server process): the backend calls the engine (with the prompt's ``tokens``, and
+  ``warmup`` for the server's warm-up prompts);
+- ``sent``: AsyncLLM processed the input and handed it to the engine core's socket;
+- ``engine_add`` / ``engine_scheduled`` / ``engine_done`` (engine-core process, ``ClefScheduler``):
+  the request reached the scheduler, was first scheduled, and finished;
+- ``received`` (server process): AsyncLLM's output handler got the final output;
+- ``answer``: the backend's call returned (with the ``cached`` tokens it started from).
+
+Wall-clock time is comparable across the processes of one machine.
+``python -m clef_vllm.trace FILE`` prints the median of each segment between them, per group of
+requests (warm-up; prompt length; whether it started from the state cache).
 """
 
 from __future__ import annotations
@@ -17,51 +26,94 @@ import time
 PATH = os.environ.get("CLEF_VLLM_TRACE") or None
 
 
-def event(name: str, request_id: str) -> None:
-    """Append one event (a no-op unless ``CLEF_VLLM_TRACE`` is set)."""
+def event(name: str, request_id: str, **fields) -> None:
+    """Append one event, with any extra ``fields`` (a no-op unless ``CLEF_VLLM_TRACE`` is set)."""
     if PATH is None:
         return
-    line = json.dumps({"t": time.time(), "pid": os.getpid(), "event": name, "request": request_id}) + "\n"
+    line = json.dumps({"t": time.time(), "pid": os.getpid(), "event": name, "request": request_id, **fields}) + "\n"
     with open(PATH, "a", encoding="utf-8") as f:
         f.write(line)
 
 
+def instrument(engine) -> None:
+    """With tracing on, wrap an ``AsyncLLM``'s hand-offs (instance attributes, looked up per call, so
+    this works after the output handler started) to log ``sent`` and ``received``."""
+    if PATH is None:
+        return
+    core, outputs = engine.engine_core, engine.output_processor
+    add, process = core.add_request_async, outputs.process_outputs
+
+    async def add_request_async(request, *args, **kwargs):
+        result = await add(request, *args, **kwargs)
+        event("sent", request.request_id)
+        return result
+
+    def process_outputs(engine_core_outputs, *args, **kwargs):
+        for out in engine_core_outputs:
+            if out.finished:
+                event("received", out.request_id)
+        return process(engine_core_outputs, *args, **kwargs)
+
+    core.add_request_async = add_request_async
+    outputs.process_outputs = process_outputs
+
+
 #: The segments of one request's timeline, between consecutive events.
-SEGMENTS = (("submit", "engine_add", "to the engine core (input processing, IPC, hashing)"),
+SEGMENTS = (("submit", "sent", "AsyncLLM's input processing"),
+            ("sent", "engine_add", "to the engine core's scheduler (IPC, request setup, hashing)"),
             ("engine_add", "engine_scheduled", "waiting for a step"),
             ("engine_scheduled", "engine_done", "its steps"),
-            ("engine_done", "answer", "back to the server (output, IPC)"))
+            ("engine_done", "received", "back to the server process (output, IPC)"),
+            ("received", "answer", "AsyncLLM's output handling, back to the backend"))
 
 
-def timelines(lines) -> dict[str, dict[str, float]]:
-    """Per request (the server's id), the first time of each event. The engine core's ids are the
-    server's plus vLLM's ``-xxxxxxxx`` suffix; they are mapped back by prefix."""
+def timelines(lines) -> dict[str, dict]:
+    """Per request (the server's id), the first time of each event, and the extra fields of its
+    events (``tokens``, ``cached``, ``warmup``). The engine core's ids are the server's plus vLLM's
+    ``-xxxxxxxx`` suffix; they are mapped back by prefix."""
     events = [json.loads(line) for line in lines if line.strip()]
-    ours = {e["request"] for e in events if e["event"] in ("submit", "answer")}
-    out: dict[str, dict[str, float]] = {}
+    ours = {e["request"] for e in events if e["event"] in ("submit", "answer")}       # the backend's ids
+    out: dict[str, dict] = {}
     for e in events:
         rid = e["request"]
         if rid not in ours:
             base = rid.rsplit("-", 1)[0]
             rid = base if base in ours else rid
-        out.setdefault(rid, {}).setdefault(e["event"], e["t"])
+        entry = out.setdefault(rid, {})
+        entry.setdefault(e["event"], e["t"])
+        entry.update((k, v) for k, v in e.items() if k not in ("t", "pid", "event", "request"))
     return out
 
 
-def summary(lines) -> dict:
-    """Median milliseconds of each segment over the requests that have both ends, and how many had."""
+def group_of(timeline: dict) -> str:
+    """The class a traced request is summarised in: the warm-up's, else its prompt length and whether
+    it started from the state cache."""
+    if timeline.get("warmup"):
+        return "warm-up"
+    n = timeline.get("tokens")
+    size = ("?" if n is None else "<= 1,024 tokens" if n <= 1024 else "<= 8,192 tokens" if n <= 8192
+            else "> 8,192 tokens")
+    return f"{size}, cache hit" if timeline.get("cached") else size
+
+
+def summary(lines) -> dict[str, dict]:
+    """Per group (:func:`group_of`), the median milliseconds of each segment over the requests that
+    have both of its ends, and how many had."""
     import statistics
 
-    per = timelines(lines)
-    rows = {}
-    for a, b, what in SEGMENTS:
-        values = [(t[b] - t[a]) * 1000 for t in per.values() if a in t and b in t]
-        rows[f"{a} -> {b}"] = {"what": what, "requests": len(values),
-                               "p50_ms": round(statistics.median(values), 3) if values else None}
-    whole = [(t["answer"] - t["submit"]) * 1000 for t in per.values() if "submit" in t and "answer" in t]
-    rows["submit -> answer"] = {"what": "the backend's engine call", "requests": len(whole),
-                                "p50_ms": round(statistics.median(whole), 3) if whole else None}
-    return rows
+    groups: dict[str, list[dict]] = {}
+    for t in timelines(lines).values():
+        if "submit" in t or "answer" in t:          # ours (an engine-only request has no pair)
+            groups.setdefault(group_of(t), []).append(t)
+    out = {}
+    for name, per in sorted(groups.items()):
+        rows = {}
+        for a, b, what in SEGMENTS + (("submit", "answer", "the backend's engine call"),):
+            values = [(t[b] - t[a]) * 1000 for t in per if a in t and b in t]
+            rows[f"{a} -> {b}"] = {"what": what, "requests": len(values),
+                                   "p50_ms": round(statistics.median(values), 3) if values else None}
+        out[name] = rows
+    return out
 
 
 def main(argv=None) -> int:
@@ -72,10 +124,12 @@ def main(argv=None) -> int:
     ap.add_argument("file", help="a CLEF_VLLM_TRACE file")
     a = ap.parse_args(argv)
     with open(a.file, encoding="utf-8") as f:
-        rows = summary(f)
-    for name, row in rows.items():
-        p50 = "-" if row["p50_ms"] is None else f"{row['p50_ms']:.2f} ms"
-        print(f"{name:36s} {p50:>11s}  ({row['requests']} requests)  {row['what']}")
+        groups = summary(f)
+    for group, rows in groups.items():
+        print(f"## {group}")
+        for name, row in rows.items():
+            p50 = "-" if row["p50_ms"] is None else f"{row['p50_ms']:.2f} ms"
+            print(f"{name:36s} {p50:>11s}  ({row['requests']} requests)  {row['what']}")
     return 0
 
 

@@ -119,6 +119,15 @@ def warmup_batches(kwargs: dict) -> list[list[int]]:
     return [[300] * min(32, kwargs["max_num_seqs"]), [97, 256, 411]]
 
 
+def engine_input(ids: list[int]) -> dict:
+    """A prompt of token ids in vLLM's rendered form (``{"type": "token", ...}``). AsyncLLM processes it
+    in line; a raw ``TokensPrompt`` would take a hop through the renderer's thread pool (and vLLM's
+    deprecated raw-prompt path) for nothing, since there is no text to tokenize."""
+    from vllm.inputs import tokens_input
+
+    return tokens_input(ids)
+
+
 def pooling_params(spec: HeadSpec, reads: bool = False):
     """vLLM's pooling parameters of one Clef request. ``reads``: it may start from vLLM's prefix cache
     (state cache on, reusable prefix keyed); otherwise it skips reading it, as every per-token pooling
@@ -239,6 +248,7 @@ class VllmBackend(Backend):
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         args = AsyncEngineArgs(**self.kwargs)
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+        trace.instrument(self.engine)
         tasks = await self.engine.get_supported_tasks()
         if POOLING_TASK not in tasks:
             raise EngineError(f"engine supports {tasks}, not the {POOLING_TASK!r} pooling task: is the clef plugin "
@@ -315,14 +325,14 @@ class VllmBackend(Backend):
         spec = synthetic_spec(len(ids))
         if reuse:
             spec = spec.with_reuse(ids, reuse)
-        return (await self._encode(ids, spec))[0]
+        return (await self._encode(ids, spec, warmup=True))[0]
 
     # ------------------------------------------------------------------ requests
 
     async def _encode(self, ids: list[int], spec: HeadSpec, rank: int | None = None,
-                      use_cache: bool = True) -> tuple[torch.Tensor, int]:
-        """Per-option probabilities of one prompt, and how many of its tokens came from the state cache."""
-        from vllm import TokensPrompt
+                      use_cache: bool = True, warmup: bool = False) -> tuple[torch.Tensor, int]:
+        """Per-option probabilities of one prompt, and how many of its tokens came from the state cache
+        (``warmup``: a warm-up prompt, so marked in the trace)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         reads = self.state_cache and use_cache and bool(spec.state_keys)
@@ -333,21 +343,21 @@ class VllmBackend(Backend):
             raise BackendDeadError("the vLLM engine is not running")
         # Cancelling this coroutine (server timeout, client gone) aborts the request in the engine
         # core; an engine-core death surfaces as EngineDeadError.
-        trace.event("submit", request_id)
+        trace.event("submit", request_id, tokens=len(ids), **({"warmup": True} if warmup else {}))
         try:
-            final = await self._final_output(engine, TokensPrompt(prompt_token_ids=ids), params, request_id, rank)
+            final = await self._final_output(engine, engine_input(ids), params, request_id, rank)
         except EngineDeadError as exc:
             raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
-        trace.event("answer", request_id)
         if final is None:
             raise EngineError("engine returned no output")
+        cached = int(getattr(final, "num_cached_tokens", 0) or 0)
+        trace.event("answer", request_id, cached=cached)
         if list(final.prompt_token_ids) != ids:
             raise EngineError("vLLM's prompt token ids differ from the encoded request (spans would be wrong)")
         data = final.outputs.data
         if not isinstance(data, torch.Tensor):
             data = torch.as_tensor(data)
         data = data.float().reshape(-1)
-        cached = int(getattr(final, "num_cached_tokens", 0) or 0)
         if data.numel() != spec.num_options or not bool(torch.isfinite(data).all()):
             if cached and reads:
                 log.warning("request %s: no answer from the %d cached tokens (state cache rows missing); "

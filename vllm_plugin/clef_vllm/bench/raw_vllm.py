@@ -1,7 +1,7 @@
 """The raw-backbone baseline: vLLM ``embed`` pooling of the very same token ids, in-process.
 
 No head, no HTTP, no JSON: an ``AsyncLLM`` engine on the same checkpoint receives each request's
-encoded ids (``TokensPrompt``) and returns one pooled vector. It is driven by the same closed
+encoded ids (in vLLM's rendered token form, as the server sends them) and returns one pooled vector. It is driven by the same closed
 loop at the same concurrencies as the server, so ``server tok/s ÷ raw tok/s`` is the fraction of
 the backbone's throughput the whole server delivers.
 
@@ -98,7 +98,9 @@ class RawVllmEngine:
 
     async def start(self) -> None:
         """Build the engine (minutes on a cold GPU machine). Must run inside the event loop."""
-        from vllm import AsyncEngineArgs, PoolingParams, TokensPrompt
+        from vllm import AsyncEngineArgs, PoolingParams
+
+        from clef_vllm.backends.vllm_backend import engine_input
         from vllm.config import PoolerConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -109,7 +111,7 @@ class RawVllmEngine:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.start_s = time.perf_counter() - t0
         self._params = PoolingParams(task="embed")
-        self._prompt = TokensPrompt
+        self._prompt = engine_input         # the same rendered form as the server's
 
     def describe(self) -> dict:
         info: dict[str, Any] = {"engine_kwargs": self.engine_kwargs, "engine_start_s": self.start_s}
@@ -124,7 +126,7 @@ class RawVllmEngine:
     async def send(self, req: BenchRequest) -> Outcome:
         if req.input_ids is None:
             return Outcome("not_encodable", 0.0, error=f"expected HTTP {req.expected_status}; nothing to embed")
-        prompt = self._prompt(prompt_token_ids=req.input_ids.tolist())
+        prompt = self._prompt(req.input_ids.tolist())
         t0 = time.perf_counter()
         final = None
         try:
