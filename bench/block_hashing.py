@@ -1,6 +1,9 @@
-"""What vLLM 0.28's prefix-cache hashing costs per prompt at 16-token units (``--state-cache-match unit``)
-against whole 528-token blocks (``block``): the engine core hashes every prompt when a request arrives.
-CPU only.
+"""What prefix-cache hashing costs per prompt in the engine core when a request arrives: vLLM 0.28's own
+hasher against the plugin's (a Clef request's keyed prefix takes its state keys as block hashes, so
+only the tokens after it are hashed), at 16-token units (``--state-cache-match unit``) and whole
+528-token blocks (``block``); and what the front-end pays to key the same prefix (``prefix_keys``: the
+first time, and for a state keyed lately, from its memo).
+The prompts are a state plus 400 tokens, the state keyed. CPU only.
 
     python bench/block_hashing.py > bench/results/cpu_block_hashing.txt
 """
@@ -11,27 +14,65 @@ import os
 import sys
 import time
 
+NEW_TOKENS = 400
+
+
+def median_ms(fn, runs: int = 9) -> float:
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return sorted(times)[runs // 2]
+
+
+def measure(unit: int, n: int) -> str:
+    """One row: a prompt of ``n`` tokens, its state (all but the last NEW_TOKENS) keyed, hashed at ``unit``."""
+    from vllm import PoolingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from clef_vllm import state_keys
+    from clef_vllm.contract import PARAMS_KEY
+    from clef_vllm.state_keys import prefix_keys
+    from clef_vllm.worker.scheduler import block_hasher
+
+    ids = list(range(1000, 1000 + n))
+    keys = prefix_keys(ids, n - NEW_TOKENS)
+    params = PoolingParams(task="plugin", extra_kwargs={PARAMS_KEY: {"r": n - NEW_TOKENS, "k": keys}})
+    hashers = {"vllm": get_request_block_hasher(unit, sha256),
+               "clef": block_hasher(unit, sha256, get_request_block_hasher)}
+    ms, hashes = {}, {}
+    for name, hasher in hashers.items():
+        def build(hasher=hasher, name=name):
+            r = Request("r", prompt_token_ids=ids, sampling_params=None, pooling_params=params, block_hasher=hasher)
+            hashes[name] = len(r.block_hashes)
+        ms[name] = median_ms(build)
+    assert hashes["vllm"] == hashes["clef"]
+
+    def cold():
+        state_keys._memo.clear()
+        prefix_keys(ids, n - NEW_TOKENS)
+
+    front = median_ms(cold)
+    again = median_ms(lambda: prefix_keys(ids, n - NEW_TOKENS))
+    return (f"{unit:4d}  {n:13d}  {hashes['vllm']:6d}  vllm {ms['vllm']:.2f}  clef {ms['clef']:.2f}  "
+            f"prefix_keys {front:.2f} (a state keyed lately: {again:.2f})")
+
 
 def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm import PoolingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    from vllm.v1.core.kv_cache_utils import init_none_hash
 
     init_none_hash(sha256)
-    print("unit  prompt tokens  hashes  ms per prompt (Request + block hashes, median of 9)")
+    print(f"unit  prompt tokens  hashes  ms per prompt, median of 9: engine core (Request + block hashes) with vLLM's "
+          f"hasher / with the plugin's; front-end prefix_keys of the state (prompt - {NEW_TOKENS} tokens), cold and "
+          "memoised")
     for unit in (16, 528):
-        hasher = get_request_block_hasher(unit, sha256)
         for n in (4490, 16268):
-            ids = list(range(1000, 1000 + n))
-            times = []
-            for _ in range(9):
-                t = time.perf_counter()
-                r = Request("r", prompt_token_ids=ids, sampling_params=None,
-                            pooling_params=PoolingParams(task="plugin"), block_hasher=hasher)
-                times.append((time.perf_counter() - t) * 1000)
-            print(f"{unit:4d}  {n:13d}  {len(r.block_hashes):6d}  {sorted(times)[4]:.2f}")
+            print(measure(unit, n))
     return 0
 
 

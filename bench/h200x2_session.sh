@@ -42,6 +42,10 @@
 #        as it runs (prefill graphs, warm-up, cache on; the server log is checked for JIT compiles after ready),
 #        short and shared-state follow-ups at c=1; then the default server's short sweep vs raw vLLM (both now send
 #        vLLM's rendered token input: no thread-pool hop); then latency.py graphs in process (GPU kernel table).
+# PLAN=twelfth1 (one GPU): a Clef request's state keys as vLLM's block hashes (no re-hashing in the engine core)
+#        and the front-end's key memo: the tiny GPU state-cache cases (hits must stay bit-identical) -> the 9B
+#        shared-state sweep (c=1/16/64) and short c=1 with the trace on -> latency.py graphs (GPU idle
+#        timeline) -> the tiny cache-on parity receipt.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -140,7 +144,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1|eleventh1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1|eleventh1|twelfth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -204,7 +208,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|tenth1_queue1|eleventh1_queue1)
+eighth1_queue1|ninth1_queue1|tenth1_queue1|eleventh1_queue1|twelfth1_queue1)
   ;;
 tenth1_queue0)
   job trace_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
@@ -212,6 +216,18 @@ tenth1_queue0)
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
       SERVER_ARGS="--load-format dummy --state-cache on --enforce-eager --no-warmup" bash bench/gpu_bench.sh "$NINE" 8761
   python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twelfth1_queue0)
+  cache_gpu_cases_tiny
+  job trace_shared_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_shared_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short \
+      CONC=1,16,64 CONC_OVERRIDES=short=1 TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-keyhash \
+      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8781
+  python3 -m clef_vllm.trace "$S/trace_shared_9b_bf16/trace.jsonl" >"$S/trace_shared_9b_bf16/trace_summary.txt" 2>&1
+  job latency_graphs 0 300 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_graphs/latency.json"
+  cache_parity_tiny
   touch "$S/all.done"
   log "all done"
   ;;

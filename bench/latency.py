@@ -63,11 +63,20 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
 
 def profiled(request: Callable[[int], float], n: int = 5) -> dict:
     """torch.profiler over ``n`` calls of ``request(i)`` (one request each): per-request wall, GPU kernel
-    time, CUDA kernel and graph launches, host time, and the ops with the most host time."""
-    from torch.profiler import ProfilerActivity, profile
+    time, CUDA kernel and graph launches, host time, the ops with the most host and GPU time, and
+    where the GPU sat idle in each request's window (``gpu_timeline``: lead / busy / gaps / tail)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    from clef_vllm.bench.gpu_timeline import timeline
+
+    walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        walls = [request(i) for i in range(n)]
+        for i in range(n):
+            with record_function("clef_request"):
+                walls.append(request(i))
+    raw = prof.events()
+    windows = [(e.time_range.start, e.time_range.end) for e in raw if e.name == "clef_request"]
+    kernels = [(e.time_range.start, e.time_range.end) for e in raw if e.device_type.name == "CUDA"]
     events = prof.key_averages()
     cuda = [e for e in events if e.device_type.name == "CUDA"]
     return {
@@ -79,7 +88,8 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
         "most_host_time": [(e.key[:70], round(e.self_cpu_time_total / n / 1000, 2), e.count // n)
                            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]],
         "most_gpu_time": [(e.key[:70], round(e.self_device_time_total / n / 1000, 2), e.count // n)
-                          for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:12]],
+                          for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:40]],
+        "gpu_timeline": timeline(windows, kernels),
     }
 
 

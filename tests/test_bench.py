@@ -642,3 +642,16 @@ def test_bench_and_parity_against_a_hosted_dialect_server(live_server, hosted_se
     assert cmp_["overall"]["top1_agreement"] == 1.0 and cmp_["overall"]["max_abs_dp"] == 0
     assert list(receipt["noise_floor"]) == ["B"]
     _flips_are_near_ties(receipt["noise_floor"]["B"]["comparison"])
+
+
+def test_the_gpu_timeline_splits_each_request_window_into_lead_busy_gaps_and_tail():
+    from clef_vllm.bench.gpu_timeline import split_window, timeline, union_length
+
+    assert union_length([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    kernels = [(3, 5), (4, 8), (10, 12), (13, 14),        # request 1: window 0..20
+               (32, 40)]                                 # request 2: window 30..41
+    assert split_window((0, 20), kernels) == {"lead": 3, "busy": 8, "gaps": 3, "tail": 6, "kernels": 4}
+    assert split_window((30, 41), kernels) == {"lead": 2, "busy": 8, "gaps": 0, "tail": 1, "kernels": 1}
+    assert split_window((50, 60), kernels)["lead"] == 10             # no kernel: all of it is lead
+    assert timeline([(0, 20), (30, 41)], kernels, scale=1.0) == {"lead_ms": 2.5, "busy_ms": 8.0, "gaps_ms": 1.5,
+                                                                 "tail_ms": 3.5, "kernels": 2.5}

@@ -53,6 +53,48 @@ def test_a_context_filling_state_cache_request_stops_at_its_reuse_boundary_and_f
     assert chunks["a"] == [192, MAX_LEN - 192]
 
 
+@pytest.mark.parametrize("unit", [16, None], ids=["unit", "block"])
+def test_a_clef_requests_prefix_cache_hashes_are_its_state_keys_then_vllms_chain(tiny_release, unit):
+    """The engine core's block hasher (installed by ``register``): a Clef request's keyed prefix takes its
+    state keys (a hash block's key is its last unit's), the blocks after it chain vLLM's own hashing
+    from the last key, and any other request gets exactly vLLM's hashes."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    from clef_vllm.state_keys import KEY_UNIT, block_keys
+
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, state_cache=True, unit=unit)
+    assert getattr(core.get_request_block_hasher, "clef", False)       # register() ran (scheduler_for)
+    size = sched.hash_block_size
+    prompt = ids(250)
+    spec = reuse(prompt, 216)                                      # 13 keyed units: tokens [0, 208)
+    req = vllm_cpu.pooling_request(sched, "a", prompt, spec)
+    keyed = spec["k"] if size == KEY_UNIT else block_keys(spec["k"], size)
+    assert len(req.block_hashes) == 250 // size and req.block_hashes[:len(keyed)] == keyed
+    parent = keyed[-1]
+    for b in range(len(keyed), 250 // size):                       # vLLM's chain, from the last key on
+        parent = kv_cache_utils.hash_block_tokens(sha256, parent, prompt[b * size:(b + 1) * size])
+        assert req.block_hashes[b] == parent
+    from clef_vllm.worker.scheduler import View
+
+    vllms = kv_cache_utils.get_request_block_hasher(size, sha256)
+    other = vllm_cpu.pooling_request(sched, "b", prompt)           # no keys: vLLM's hashes, all of them
+    assert other.block_hashes == vllms(View(other, block_hashes=[])) != req.block_hashes
+    assert not set(keyed) & set(other.block_hashes)                # 16-byte keys never equal vLLM's hashes
+
+
+def test_installing_the_block_hasher_twice_wraps_vllms_once():
+    from vllm.v1.engine import core
+
+    from clef_vllm.worker.scheduler import install_block_hasher
+
+    install_block_hasher()
+    first = core.get_request_block_hasher
+    install_block_hasher()
+    assert core.get_request_block_hasher is first and first.clef
+
+
 def test_a_follow_up_on_the_same_state_gets_vllms_hit_capped_by_the_rows_present(tiny_release):
     import torch
 
@@ -101,9 +143,11 @@ def test_a_clef_request_with_nothing_to_reuse_runs_in_one_step(tiny_release):
     assert vllm_cpu.run_scheduler(sched, [other])["other"] == [192, 8]
 
 
-def _probe_hit(sched, token_ids: list[int]) -> int:
-    """What vLLM's own lookup finds cached for ``token_ids`` (both KV groups agreeing), uncapped."""
-    probe = vllm_cpu.pooling_request(sched, "probe", token_ids)
+def _probe_hit(sched, token_ids: list[int], spec: dict) -> int:
+    """What vLLM's own lookup finds cached for ``token_ids`` keyed as ``spec`` (both KV groups agreeing),
+    uncapped. With the same spec as a cached request the probe's block hashes are that request's, past its
+    keyed prefix too (vLLM's chain from its last key), so a block cached beyond the prefix would be found."""
+    probe = vllm_cpu.pooling_request(sched, "probe", token_ids, spec)
     return sched.kv_cache_manager.coordinator.find_longest_cache_hit(probe.block_hashes, len(token_ids) - 1)[1]
 
 
@@ -126,7 +170,7 @@ def test_matching_at_the_key_unit_resumes_a_follow_up_at_the_end_of_the_state(ti
         spec = reuse(first, 216)
         assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", first, spec)])["a"] == [208, 48]
         # vLLM holds the state up to 208 and nothing past it (block 192..224 still holds the state at 208)
-        assert _probe_hit(sched, first) == 208
+        assert _probe_hit(sched, first, spec) == 208
         # no rows yet: no hit
         assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", second, spec)])["b"] == [208, 48]
         for key in block_keys(spec["k"], BLOCK):
@@ -134,14 +178,14 @@ def test_matching_at_the_key_unit_resumes_a_follow_up_at_the_end_of_the_state(ti
         cache.write(spec["k"][-1], torch.zeros(16, 3))     # the tail: rows 192..208
         for name, prompt in (("c", third), ("d", third)):  # a follow-up leaves the cache as it found it
             assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, name, prompt, spec)])[name] == [48]
-        assert _probe_hit(sched, first) == 208
+        assert _probe_hit(sched, first, spec) == 208
         # a longer state that starts with this one resumes at 208 too; before its own end (240) a chunk that
         # starts inside a block ends at the block's end (vLLM's invariant for the blocks it caches)
         longer = state[:208] + ids(40, 9)
         spec2 = reuse(longer, 248)
         chunks = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "e", longer, spec2)])["e"]
         assert chunks == [16, 16, 8]
-        assert _probe_hit(sched, longer) == 240
+        assert _probe_hit(sched, longer, spec2) == 240
     finally:
         state_cache.install(None)
 
@@ -152,9 +196,9 @@ def test_matching_at_whole_blocks_keeps_its_block_boundary(tiny_release):
     sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
     assert not sched._fine
     prompt = ids(216) + ids(40, 1)
-    assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", prompt, reuse(prompt, 216))])["a"] \
-        == [192, 64]
-    assert _probe_hit(sched, prompt) == 192
+    spec = reuse(prompt, 216)
+    assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", prompt, spec)])["a"] == [192, 64]
+    assert _probe_hit(sched, prompt, spec) == 192
 
 
 def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monkeypatch):
@@ -299,6 +343,6 @@ def test_keyed_requests_finish_under_any_token_budget_when_matching_at_the_key_u
         out = vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", second, spec),
                                              vllm_cpu.pooling_request(sched, "c", third, spec)])
         assert sum(out["b"]) == sum(out["c"]) == 48 and -1 not in out["b"] + out["c"], out
-        assert _probe_hit(sched, first) == 208
+        assert _probe_hit(sched, first, spec) == 208
     finally:
         state_cache.install(None)

@@ -33,6 +33,36 @@ def test_prefix_keys_identify_exact_prefixes():
     assert prefix_keys(ids, 15) == [] and prefix_keys(ids, 10_000) == prefix_keys(ids, 96)
 
 
+def test_prefix_keys_are_chained_blake2b_over_little_endian_ids_and_memoised():
+    """The format (pinned against an independent computation), and the memo of recent key lists: a repeat
+    returns equal keys as a fresh list (a caller's change cannot reach the memo), another unit size or
+    other ids never reuse an entry, and the memo stays bounded."""
+    import hashlib
+    import struct
+
+    from clef_vllm import state_keys
+
+    ids = [3, 70000, 2**32 - 1] + list(range(200, 261))             # 64 ids: 4 units
+    h = hashlib.blake2b(digest_size=16, person=b"clef-state-v1")
+    expected = []
+    for j in range(4):
+        h.update(struct.pack("<16I", *ids[16 * j:16 * (j + 1)]))
+        expected.append(h.copy().digest())
+    state_keys._memo.clear()
+    first = prefix_keys(ids, 64)
+    assert first == expected and len(state_keys._memo) == 1
+    first.append(b"x")
+    again = prefix_keys(ids, 64)
+    assert again == expected and again is not first and len(state_keys._memo) == 1
+    assert prefix_keys(ids, 64, unit=32) == [expected[1], expected[3]] and len(state_keys._memo) == 2
+    assert prefix_keys([4] + ids[1:], 64)[0] != expected[0]
+    for n in range(state_keys._MEMO_SIZE + 5):
+        prefix_keys(list(range(n, n + 16)), 16)
+    assert len(state_keys._memo) == state_keys._MEMO_SIZE
+    with pytest.raises(OverflowError):
+        prefix_keys([-1] * 16, 16)
+
+
 def test_block_keys_take_each_blocks_last_unit():
     keys = [bytes([i]) * 16 for i in range(10)]
     assert block_keys(keys, 32) == [keys[1], keys[3], keys[5], keys[7], keys[9]]
@@ -396,7 +426,8 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
         backend.files = SimpleNamespace(text_config={"vocab_size": 500})
         calls = []
 
-        async def encode(ids, spec, rank=None, use_cache=True):
+        async def encode(ids, spec, rank=None, use_cache=True, warmup=False):
+            assert warmup                                        # marked as such in the trace
             calls.append((ids, spec))
             return torch.zeros(spec.num_options), 0
 

@@ -167,11 +167,12 @@ def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: in
 
 
 def pooling_request(scheduler, request_id: str, token_ids: list[int], clef: dict | None = None):
-    """A pooling request as the engine core builds it (block hashes for the prefix cache); ``clef`` is
-    the plugin's wire spec in the pooling params (``r``/``k``: the state cache's reuse information)."""
+    """A pooling request as the engine core builds it (block hashes for the prefix cache, by the hasher
+    the engine core builds: the plugin's, once registered); ``clef`` is the plugin's wire spec in the
+    pooling params (``r``/``k``: the state cache's reuse information)."""
     from vllm import PoolingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.engine.core import get_request_block_hasher
     from vllm.v1.request import Request
 
     from clef_vllm.contract import PARAMS_KEY

@@ -72,18 +72,63 @@ def reuse_boundary(limit: int, unit_keys: list, block: int, fine: bool = False) 
     return end if fine else end // block * block
 
 
-class UpTo:
-    """``request`` as vLLM's cache bookkeeping sees it when its prompt ends at ``num_prompt_tokens``
-    (vLLM registers a partial tail at the prompt's last prefix-match unit; rule 3 moves it)."""
+class View:
+    """``request`` as one of vLLM's helpers should see it: with the attributes in ``overrides`` replaced
+    (rule 3 moves the prompt's end for vLLM's cache bookkeeping; the block hasher sees the hashes so far)."""
 
-    __slots__ = ("_request", "num_prompt_tokens")
+    __slots__ = ("_request", "_overrides")
 
-    def __init__(self, request, num_prompt_tokens: int):
+    def __init__(self, request, **overrides):
         object.__setattr__(self, "_request", request)
-        object.__setattr__(self, "num_prompt_tokens", num_prompt_tokens)
+        object.__setattr__(self, "_overrides", overrides)
 
     def __getattr__(self, name):
-        return getattr(self._request, name)
+        overrides = object.__getattribute__(self, "_overrides")
+        return overrides[name] if name in overrides else getattr(object.__getattribute__(self, "_request"), name)
+
+
+def block_hasher(hash_block_size: int, caching_hash_fn, vllm_hasher_factory):
+    """vLLM's request block hasher, except that a Clef request's keyed prefix takes its state keys as
+    its block hashes (the key of a hash block's last unit) instead of hashing those tokens again.
+
+    Both are chained, collision-resistant fingerprints of exactly the tokens before a block's end
+    (vLLM's: SHA-256 over its parent and the block's ids; ours: BLAKE2b over the ids, 16 bytes, so never
+    equal to a 32-byte vLLM hash), and the blocks after the keyed prefix chain vLLM's hashing from
+    the last key. The front-end already paid for the keys; a 16k-token state is ~1,000 units, which
+    vLLM's hasher otherwise recomputes in the engine core on every request's arrival. Clef requests
+    carry no LoRA, multimodal or salt data (vLLM's extra keys), so the fingerprints cover the same
+    content. Everything else (another request, no keys, a hash block not a multiple of the key unit)
+    gets vLLM's hashes."""
+    base = vllm_hasher_factory(hash_block_size, caching_hash_fn)
+    per = hash_block_size // KEY_UNIT if hash_block_size % KEY_UNIT == 0 else 0
+
+    def request_block_hasher(request) -> list[bytes]:
+        start = len(request.block_hashes)
+        _, unit_keys = reuse_info(request)
+        keyed = len(unit_keys) // per if per else 0
+        if start >= keyed:
+            return base(request)
+        ours = [unit_keys[(b + 1) * per - 1] for b in range(start, keyed)]
+        return ours + base(View(request, block_hashes=request.block_hashes + ours))
+
+    return request_block_hasher
+
+
+def install_block_hasher() -> None:
+    """Make vLLM's engine core build its request block hasher with :func:`block_hasher` (idempotent;
+    called by ``clef_vllm.register``, which vLLM runs in the engine-core process before it builds the
+    hasher). The engine core is the only user of that name in vLLM 0.28."""
+    from vllm.v1.engine import core
+
+    original = core.get_request_block_hasher
+    if getattr(original, "clef", False):
+        return
+
+    def get_request_block_hasher(hash_block_size: int, caching_hash_fn):
+        return block_hasher(hash_block_size, caching_hash_fn, original)
+
+    get_request_block_hasher.clef = True
+    core.get_request_block_hasher = get_request_block_hasher
 
 
 def capped_chunk(start: int, num_new_tokens: int, prompt_len: int, block: int, budget: int, boundary: int,
@@ -144,7 +189,7 @@ class ClefScheduler(Scheduler):
         limit, unit_keys = reuse_info(request)
         boundary = reuse_boundary(limit, unit_keys, self.block_size, self._fine)
         if 0 < num_computed_tokens <= boundary:
-            self._cache_blocks(UpTo(request, boundary), num_computed_tokens)
+            self._cache_blocks(View(request, num_prompt_tokens=boundary), num_computed_tokens)
 
     def _get_local_prefix_cache_hit(self, request):
         limit, unit_keys = reuse_info(request)

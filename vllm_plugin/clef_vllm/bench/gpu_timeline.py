@@ -1,0 +1,49 @@
+"""Where a request's wall time leaves the GPU idle, from a profiler's intervals (pure; no torch).
+
+Given each request's host window (start, end) and the GPU kernels' (start, end), per request:
+
+- ``lead``: from the request's start to its first kernel (the host's preparation before any GPU work);
+- ``busy``: the union of its kernels' intervals (GPU time, overlaps counted once);
+- ``gaps``: idle time between its first and last kernel (the GPU waited for the host mid-step);
+- ``tail``: from its last kernel to the request's end (output handling after the GPU finished).
+
+``lead + busy + gaps + tail`` is the window. A kernel belongs to the window it starts in.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, Sequence
+
+Interval = tuple[float, float]
+
+
+def union_length(intervals: Iterable[Interval]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def split_window(window: Interval, kernels: Sequence[Interval]) -> dict[str, float]:
+    s, e = window
+    mine = [k for k in kernels if s <= k[0] < e]
+    if not mine:
+        return {"lead": e - s, "busy": 0.0, "gaps": 0.0, "tail": 0.0, "kernels": 0}
+    first, last = min(k[0] for k in mine), max(k[1] for k in mine)
+    busy = union_length(mine)
+    return {"lead": first - s, "busy": busy, "gaps": (last - first) - busy, "tail": max(e - last, 0.0),
+            "kernels": len(mine)}
+
+
+def timeline(windows: Sequence[Interval], kernels: Sequence[Interval], scale: float = 1e-3) -> dict[str, float]:
+    """Median of each part over the windows, times ``scale`` (profiler microseconds -> ms by default)."""
+    parts = [split_window(w, kernels) for w in windows]
+    if not parts:
+        return {}
+    out = {f"{k}_ms": round(statistics.median(p[k] for p in parts) * scale, 2) for k in ("lead", "busy", "gaps", "tail")}
+    out["kernels"] = statistics.median(p["kernels"] for p in parts)
+    return out
