@@ -46,6 +46,9 @@
 #        and the front-end's key memo: the tiny GPU state-cache cases (hits must stay bit-identical) -> the 9B
 #        shared-state sweep (c=1/16/64) and short c=1 with the trace on -> latency.py graphs (GPU idle
 #        timeline) -> the tiny cache-on parity receipt.
+# PLAN=thirteenth1 (one GPU): follow-ups at c=1 on the 9B BF16 server with the key hashes (trace on; the 16k
+#        target), latency.py graphs in process for BF16 and online FP8 (the GPU idle timeline per request),
+#        then one short FP8 decision at c=1 through the server vs raw vLLM FP8.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -144,7 +147,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1|eleventh1|twelfth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1|eleventh1|twelfth1|thirteenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -208,7 +211,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|tenth1_queue1|eleventh1_queue1|twelfth1_queue1)
+eighth1_queue1|ninth1_queue1|tenth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1)
   ;;
 tenth1_queue0)
   job trace_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
@@ -216,6 +219,20 @@ tenth1_queue0)
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
       SERVER_ARGS="--load-format dummy --state-cache on --enforce-eager --no-warmup" bash bench/gpu_bench.sh "$NINE" 8761
   python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirteenth1_queue0)
+  job followups_9b_bf16 0 400 env CLEF_VLLM_TRACE="$S/followups_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
+      CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=200 \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-keyhash-c1 \
+      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8791
+  python3 -m clef_vllm.trace "$S/followups_9b_bf16/trace.jsonl" >"$S/followups_9b_bf16/trace_summary.txt" 2>&1
+  job latency_graphs 0 300 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_graphs/latency.json"
+  job latency_graphs_fp8 0 300 python3 bench/latency.py --modes graphs --quantization fp8 --ckpt "$NINE" \
+      --out "$S/latency_graphs_fp8/latency.json"
+  job short_9b_fp8 0 400 env "${SHORT[@]}" CONC=1 LABEL=9b-dummy-fp8-c1 SERVER_ARGS="--load-format dummy --quantization fp8" \
+      RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8792
   touch "$S/all.done"
   log "all done"
   ;;

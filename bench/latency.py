@@ -69,15 +69,16 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
 
     from clef_vllm.bench.gpu_timeline import timeline
 
+    mark = "clef_request"           # each request's window; the profiler also shows it as a GPU-side range
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(n):
-            with record_function("clef_request"):
+            with record_function(mark):
                 walls.append(request(i))
     raw = prof.events()
-    windows = [(e.time_range.start, e.time_range.end) for e in raw if e.name == "clef_request"]
-    kernels = [(e.time_range.start, e.time_range.end) for e in raw if e.device_type.name == "CUDA"]
-    events = prof.key_averages()
+    windows = [(e.time_range.start, e.time_range.end) for e in raw if e.name == mark and e.device_type.name == "CPU"]
+    kernels = [(e.time_range.start, e.time_range.end) for e in raw if e.device_type.name == "CUDA" and e.name != mark]
+    events = [e for e in prof.key_averages() if e.key != mark]
     cuda = [e for e in events if e.device_type.name == "CUDA"]
     return {
         "profiled_wall_ms_per_req": round(sum(walls) / n, 1),
