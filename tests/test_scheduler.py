@@ -250,6 +250,10 @@ def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, caps
     assert groups["> 8,192 tokens, cache hit"]["submit -> answer"] == {
         "what": "the backend's engine call", "requests": 1, "p50_ms": 50.0}
     assert groups["warm-up"]["submit -> sent"]["requests"] == 0
+    overlapping = lines + [ev(2.010, "submit", "clef-4-ee", tokens=16272), ev(2.060, "answer", "clef-4-ee", cached=1)]
+    assert trace.summary(overlapping)["> 8,192 tokens, cache hit"]["submit -> answer"]["requests"] == 2
+    alone = trace.summary(overlapping, alone=True)                  # clef-3 and clef-4 overlapped: both left out
+    assert "> 8,192 tokens, cache hit" not in alone and alone["<= 1,024 tokens"]["submit -> answer"]["requests"] == 2
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(lines) + "\n")
     assert trace.main([str(path)]) == 0

@@ -96,15 +96,19 @@ def group_of(timeline: dict) -> str:
     return f"{size}, cache hit" if timeline.get("cached") else size
 
 
-def summary(lines) -> dict[str, dict]:
+def summary(lines, alone: bool = False) -> dict[str, dict]:
     """Per group (:func:`group_of`), the median milliseconds of each segment over the requests that
-    have both of its ends, and how many had."""
+    have both of its ends, and how many had. ``alone``: only requests that had the server to
+    themselves (no other traced request between their submit and answer: a c=1 point)."""
     import statistics
 
+    ours = [t for t in timelines(lines).values() if "submit" in t and "answer" in t]   # engine-only: no pair
+    if alone:
+        spans = sorted((t["submit"], t["answer"]) for t in ours)
+        ours = [t for t in ours if sum(s < t["answer"] and e > t["submit"] for s, e in spans) == 1]
     groups: dict[str, list[dict]] = {}
-    for t in timelines(lines).values():
-        if "submit" in t or "answer" in t:          # ours (an engine-only request has no pair)
-            groups.setdefault(group_of(t), []).append(t)
+    for t in ours:
+        groups.setdefault(group_of(t), []).append(t)
     out = {}
     for name, per in sorted(groups.items()):
         rows = {}
@@ -122,9 +126,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m clef_vllm.trace", description=main.__doc__)
     ap.add_argument("file", help="a CLEF_VLLM_TRACE file")
+    ap.add_argument("--alone", action="store_true",
+                    help="only requests that had the server to themselves (no other request in flight)")
     a = ap.parse_args(argv)
     with open(a.file, encoding="utf-8") as f:
-        groups = summary(f)
+        groups = summary(f, alone=a.alone)
     for group, rows in groups.items():
         print(f"## {group}")
         for name, row in rows.items():
