@@ -34,10 +34,8 @@
 # PLAN=ninth1 (one GPU): why a burst of 64 hits on one 4k state ran at half the rate of 16 at a time:
 #        latency.py bursts of 1/16/64 follow-ups in process (unit vs block matching, profiled), then the 9B
 #        server's shared-state and short sweeps with the Server-Timing stages recorded per point.
-# PLAN=tenth1 (one GPU): a request's timeline through the server (CLEF_VLLM_TRACE: backend call, engine-core
-#        add / scheduled / done): short and shared-state follow-ups at c=1 on the 9B server, cache on, eager
-#        and without the server's warm-up (a fresh machine starts in ~1 min instead of ~2.5: the segments
-#        measured are the front end's and the hops', not the model's).
+# PLAN=tenth1 ran twice in the seventh session without a result (commands: bench/results/h200_session_2026-12-01e.log);
+#        PLAN=eleventh1 replaced it.
 # PLAN=eleventh1 (one GPU): the timeline again, now split at AsyncLLM's hand-offs (sent / received), on the server
 #        as it runs (prefill graphs, warm-up, cache on; the server log is checked for JIT compiles after ready),
 #        short and shared-state follow-ups at c=1; then the default server's short sweep vs raw vLLM (both now send
@@ -135,6 +133,16 @@ cache_on_9b_block() {  # the shared-state sweep with hits at whole blocks only (
       SERVER_ARGS="--load-format dummy --state-cache on --state-cache-match block" bash bench/gpu_bench.sh "$NINE" 8724
 }
 
+traced_9b() {  # traced_9b NAME LIMIT PORT LABEL CONC [VAR=VALUE...]: the 9B BF16 server with the cache on and
+  # CLEF_VLLM_TRACE, shared-state (4k, 16k) and short at CONC (VAR=VALUE overrides), then the trace's summary
+  local name=$1 limit=$2 port=$3 label=$4 conc=$5; shift 5
+  job "$name" 0 "$limit" env CLEF_VLLM_TRACE="$S/$name/trace.jsonl" WORKLOADS=shared-state,short CONC="$conc" \
+      CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL="$label" \
+      SERVER_ARGS="--load-format dummy --state-cache on" "$@" bash bench/gpu_bench.sh "$NINE" "$port"
+  python3 -m clef_vllm.trace "$S/$name/trace.jsonl" >"$S/$name/trace_summary.txt" 2>&1
+}
+
 phase_a_done() {  # phase_a_done GPU: this queue's first stage is over; wait for the other queue's
   touch "$S/phase_a.$1"
   while [ ! -f "$S/phase_a.0" ] || [ ! -f "$S/phase_a.1" ]; do sleep 2; done
@@ -147,7 +155,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|tenth1|eleventh1|twelfth1|thirteenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -211,23 +219,10 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|tenth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1)
-  ;;
-tenth1_queue0)
-  job trace_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
-      CONC_OVERRIDES= TIME_LIMIT=5 WARMUP=3 READY_TIMEOUT=200 BENCH_TIMEOUT=150 \
-      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
-      SERVER_ARGS="--load-format dummy --state-cache on --enforce-eager --no-warmup" bash bench/gpu_bench.sh "$NINE" 8761
-  python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
-  touch "$S/all.done"
-  log "all done"
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1)
   ;;
 thirteenth1_queue0)
-  job followups_9b_bf16 0 400 env CLEF_VLLM_TRACE="$S/followups_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
-      CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=200 \
-      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-keyhash-c1 \
-      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8791
-  python3 -m clef_vllm.trace "$S/followups_9b_bf16/trace.jsonl" >"$S/followups_9b_bf16/trace_summary.txt" 2>&1
+  traced_9b followups_9b_bf16 400 8791 9b-dummy-bf16-cache-on-keyhash-c1 1
   job latency_graphs 0 300 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_graphs/latency.json"
   job latency_graphs_fp8 0 300 python3 bench/latency.py --modes graphs --quantization fp8 --ckpt "$NINE" \
       --out "$S/latency_graphs_fp8/latency.json"
@@ -238,22 +233,14 @@ thirteenth1_queue0)
   ;;
 twelfth1_queue0)
   cache_gpu_cases_tiny
-  job trace_shared_9b_bf16 0 500 env CLEF_VLLM_TRACE="$S/trace_shared_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short \
-      CONC=1,16,64 CONC_OVERRIDES=short=1 TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
-      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-keyhash \
-      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8781
-  python3 -m clef_vllm.trace "$S/trace_shared_9b_bf16/trace.jsonl" >"$S/trace_shared_9b_bf16/trace_summary.txt" 2>&1
+  traced_9b trace_shared_9b_bf16 500 8781 9b-dummy-bf16-cache-on-keyhash 1,16,64 CONC_OVERRIDES=short=1
   job latency_graphs 0 300 python3 bench/latency.py --modes graphs --ckpt "$NINE" --out "$S/latency_graphs/latency.json"
   cache_parity_tiny
   touch "$S/all.done"
   log "all done"
   ;;
 eleventh1_queue0)
-  job trace_9b_bf16 0 420 env CLEF_VLLM_TRACE="$S/trace_9b_bf16/trace.jsonl" WORKLOADS=shared-state,short CONC=1 \
-      CONC_OVERRIDES= TIME_LIMIT=5 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=150 \
-      "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL=9b-dummy-bf16-cache-on-trace \
-      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8771
-  python3 -m clef_vllm.trace "$S/trace_9b_bf16/trace.jsonl" >"$S/trace_9b_bf16/trace_summary.txt" 2>&1
+  traced_9b trace_9b_bf16 420 8771 9b-dummy-bf16-cache-on-trace 1 TIME_LIMIT=5 BENCH_TIMEOUT=150
   grep -n "serving on\|JIT compilation" "$S/trace_9b_bf16/server.log" >"$S/trace_9b_bf16/jit_check.txt" 2>&1
   job short_9b_bf16 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-rendered SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 8772
