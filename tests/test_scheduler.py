@@ -82,6 +82,8 @@ def test_a_clef_requests_prefix_cache_hashes_are_its_state_keys_then_vllms_chain
     other = vllm_cpu.pooling_request(sched, "b", prompt)           # no keys: vLLM's hashes, all of them
     assert other.block_hashes == vllms(View(other, block_hashes=[])) != req.block_hashes
     assert not set(keyed) & set(other.block_hashes)                # 16-byte keys never equal vLLM's hashes
+    short = vllm_cpu.pooling_request(sched, "c", prompt[:100], spec)    # more keys than the prompt's blocks
+    assert short.block_hashes == keyed[:100 // size]
 
 
 def test_installing_the_block_hasher_twice_wraps_vllms_once():

@@ -1,9 +1,9 @@
 """The raw-backbone baseline: vLLM ``embed`` pooling of the very same token ids, in-process.
 
 No head, no HTTP, no JSON: an ``AsyncLLM`` engine on the same checkpoint receives each request's
-encoded ids (in vLLM's rendered token form, as the server sends them) and returns one pooled vector. It is driven by the same closed
-loop at the same concurrencies as the server, so ``server tok/s ÷ raw tok/s`` is the fraction of
-the backbone's throughput the whole server delivers.
+encoded ids (in vLLM's rendered token form, as the server sends them) and returns one pooled
+vector. It is driven by the same closed loop at the same concurrencies as the server, so
+``server tok/s ÷ raw tok/s`` is the fraction of the backbone's throughput the whole server delivers.
 
 vLLM is imported only inside :meth:`RawVllmEngine.start`, so this module is safe to import on CPU.
 """
@@ -99,10 +99,10 @@ class RawVllmEngine:
     async def start(self) -> None:
         """Build the engine (minutes on a cold GPU machine). Must run inside the event loop."""
         from vllm import AsyncEngineArgs, PoolingParams
-
-        from clef_vllm.backends.vllm_backend import engine_input
         from vllm.config import PoolerConfig
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from clef_vllm.backends.vllm_backend import engine_input
 
         kwargs = dict(self.engine_kwargs)
         if isinstance(kwargs.get("pooler_config"), dict):

@@ -95,9 +95,10 @@ def block_hasher(hash_block_size: int, caching_hash_fn, vllm_hasher_factory):
     (vLLM's: SHA-256 over its parent and the block's ids; ours: BLAKE2b over the ids, 16 bytes, so never
     equal to a 32-byte vLLM hash), and the blocks after the keyed prefix chain vLLM's hashing from
     the last key. The front-end already paid for the keys; a 16k-token state is ~1,000 units, which
-    vLLM's hasher otherwise recomputes in the engine core on every request's arrival. Clef requests
-    carry no LoRA, multimodal or salt data (vLLM's extra keys), so the fingerprints cover the same
-    content. Everything else (another request, no keys, a hash block not a multiple of the key unit)
+    vLLM's hasher otherwise recomputes in the engine core on every request's arrival. The keys are
+    computed by the plugin's own front-end from the very ids it sends (``HeadSpec.with_reuse``); no
+    client supplies them. Clef requests carry no LoRA, multimodal or salt data (vLLM's extra keys), so
+    the fingerprints cover the same content. Everything else (another request, no keys, a hash block not a multiple of the key unit)
     gets vLLM's hashes."""
     base = vllm_hasher_factory(hash_block_size, caching_hash_fn)
     per = hash_block_size // KEY_UNIT if hash_block_size % KEY_UNIT == 0 else 0
@@ -105,7 +106,7 @@ def block_hasher(hash_block_size: int, caching_hash_fn, vllm_hasher_factory):
     def request_block_hasher(request) -> list[bytes]:
         start = len(request.block_hashes)
         _, unit_keys = reuse_info(request)
-        keyed = len(unit_keys) // per if per else 0
+        keyed = min(len(unit_keys) // per, request.num_tokens // hash_block_size) if per else 0
         if start >= keyed:
             return base(request)
         ours = [unit_keys[(b + 1) * per - 1] for b in range(start, keyed)]
