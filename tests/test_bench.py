@@ -655,3 +655,31 @@ def test_the_gpu_timeline_splits_each_request_window_into_lead_busy_gaps_and_tai
     assert split_window((50, 60), kernels)["lead"] == 10             # no kernel: all of it is lead
     assert timeline([(0, 20), (30, 41)], kernels, scale=1.0) == {"lead_ms": 2.5, "busy_ms": 8.0, "gaps_ms": 1.5,
                                                                  "tail_ms": 3.5, "kernels": 2.5}
+
+
+def test_the_gpu_timeline_attributes_busy_and_idle_time_to_marked_phases():
+    from clef_vllm.bench.gpu_timeline import phase_split, phase_timeline
+
+    kernels = [(0, 2), (3, 5), (6, 7), (9, 10), (12, 14)]           # one request, window 0..20
+    phases = {"gdn": [(2, 7.5)], "head": [(11, 14)], "elsewhere": [(40, 50)]}
+    split = phase_split((0, 20), kernels, phases)
+    assert split["gdn"] == {"span": 5.5, "busy": 3, "idle": 2.5}    # 3..5 and 6..7 inside 2..7.5
+    assert split["head"] == {"span": 3, "busy": 2, "idle": 1}
+    assert split["elsewhere"] == {"span": 0, "busy": 0, "idle": 0}  # outside this request
+    assert split["other"] == {"span": 14 - 8.5, "busy": 3, "idle": 14 - 8.5 - 3}
+    assert phase_split((30, 31), kernels, phases) == {}
+    assert phase_timeline([(0, 20)], kernels, phases, scale=1.0)["head"] == {"span_ms": 3, "busy_ms": 2,
+                                                                             "idle_ms": 1}
+
+
+def test_profile_phases_wrap_only_when_switched_on(monkeypatch):
+    from clef_vllm import trace
+
+    def f(x):
+        return x + 1
+
+    monkeypatch.setattr(trace, "PHASES", False)
+    assert trace.phased("clef_head", f) is f
+    monkeypatch.setattr(trace, "PHASES", True)
+    wrapped = trace.phased("clef_head", f)
+    assert wrapped is not f and wrapped(1) == 2 and wrapped.__name__ == "f"

@@ -24,6 +24,27 @@ import os
 import time
 
 PATH = os.environ.get("CLEF_VLLM_TRACE") or None
+#: ``CLEF_VLLM_PROFILE_PHASES=1``: the worker marks its phases as profiler ranges (``clef_gdn_core``: a
+#: GDN layer's core, replayed or not; ``clef_head``: the pooler, i.e. the joint head), so a torch.profiler
+#: run can tell which phase the GPU idles in (``bench/latency.py``). Read once, at import: off, the
+#: functions are left as they are.
+PHASES = os.environ.get("CLEF_VLLM_PROFILE_PHASES") == "1"
+
+
+def phased(name: str, fn):
+    """``fn`` inside a profiler range ``name`` when :data:`PHASES` is on; else ``fn`` itself."""
+    if not PHASES:
+        return fn
+    import functools
+
+    from torch.profiler import record_function
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def event(name: str, request_id: str, **fields) -> None:

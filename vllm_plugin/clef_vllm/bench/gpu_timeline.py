@@ -47,3 +47,41 @@ def timeline(windows: Sequence[Interval], kernels: Sequence[Interval], scale: fl
     out = {f"{k}_ms": round(statistics.median(p[k] for p in parts) * scale, 2) for k in ("lead", "busy", "gaps", "tail")}
     out["kernels"] = statistics.median(p["kernels"] for p in parts)
     return out
+
+
+def _clip(intervals: Iterable[Interval], spans: Sequence[Interval]) -> list[Interval]:
+    return [(max(s, a), min(e, b)) for s, e in intervals for a, b in spans if max(s, a) < min(e, b)]
+
+
+def phase_split(window: Interval, kernels: Sequence[Interval], phases: dict[str, Sequence[Interval]]) -> dict:
+    """Per phase (name -> its GPU-side ranges, e.g. a profiler range's projection onto the GPU): how
+    long the GPU spent inside the phase's ranges within ``window`` (``span``), busy with kernels there
+    (``busy``), and idle there (``idle``); ``other`` is the rest of the request's first-to-last-kernel
+    span. Phases are assumed not to overlap one another."""
+    s, e = window
+    mine = [k for k in kernels if s <= k[0] < e]
+    out: dict[str, dict[str, float]] = {}
+    if not mine:
+        return out
+    first, last = min(k[0] for k in mine), max(k[1] for k in mine)
+    taken_span = taken_busy = 0.0
+    for name, ranges in phases.items():
+        spans = _clip(ranges, [(first, last)])
+        span, busy = union_length(spans), union_length(_clip(mine, spans))
+        out[name] = {"span": span, "busy": busy, "idle": span - busy}
+        taken_span, taken_busy = taken_span + span, taken_busy + busy
+    busy_all = union_length(mine)
+    out["other"] = {"span": (last - first) - taken_span, "busy": busy_all - taken_busy,
+                    "idle": (last - first) - taken_span - (busy_all - taken_busy)}
+    return out
+
+
+def phase_timeline(windows: Sequence[Interval], kernels: Sequence[Interval], phases: dict[str, Sequence[Interval]],
+                   scale: float = 1e-3) -> dict[str, dict[str, float]]:
+    """Median over the windows of each phase's span / busy / idle (ms by default)."""
+    parts = [phase_split(w, kernels, phases) for w in windows]
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    return {name: {f"{k}_ms": round(statistics.median(p[name][k] for p in parts) * scale, 2)
+                   for k in ("span", "busy", "idle")} for name in parts[0]}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 
+from clef_vllm import trace
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
 from clef_vllm.head import JointSchemaHead
@@ -197,3 +198,5 @@ class ClefPooler(Pooler):
                 out[i] = p
                 states[i].clef = None
         return out
+
+    forward = trace.phased("clef_head", forward)

@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from clef_vllm import trace
+
 log = logging.getLogger("clef_vllm")
 
 #: Padded token counts a single-sequence prefill step can replay from a graph. A step with more
@@ -255,7 +257,7 @@ class GdnGraphRunner:
         def forward_core(mixed_qkv, b, a, core_attn_out):
             if not self.run(layer, mixed_qkv, b, a, core_attn_out):
                 original(mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
-        return forward_core
+        return trace.phased("clef_gdn_core", forward_core)
 
     # ------------------------------------------------------------------ one layer call
 
