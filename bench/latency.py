@@ -38,8 +38,6 @@ from typing import Callable
 
 MODES = ("graphs", "nographs", "capsonly", "cache", "cacheblock", "raw")
 CACHE_MODES = {"cache": "unit", "cacheblock": "block"}     # mode -> --state-cache-match
-#: The worker's profiler ranges under CLEF_VLLM_PROFILE_PHASES=1: a GDN layer's core, and the joint head.
-PHASES = ("clef_gdn_core", "clef_head")
 LENGTHS = (100, 400, 1000, 4096)
 STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up requests (a 16k prompt with 400 new tokens)
 BURST_STATE, BURST_NEW = 4096, 330     # mode cache: bursts of follow-ups on one 4k state
@@ -72,9 +70,10 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from clef_vllm.bench.gpu_timeline import phase_timeline, timeline
+    from clef_vllm.trace import PHASE_NAMES      # the worker's ranges under CLEF_VLLM_PROFILE_PHASES=1
 
     mark = "clef_request"           # each request's window; the profiler also shows it as a GPU-side range
-    ranges = {mark, *PHASES}        # profiler ranges, not kernels
+    ranges = {mark, *PHASE_NAMES}   # profiler ranges, not kernels
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(n):
@@ -84,7 +83,7 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
     windows = [(e.time_range.start, e.time_range.end) for e in raw if e.name == mark and e.device_type.name == "CPU"]
     gpu = [e for e in raw if e.device_type.name == "CUDA"]
     kernels = [(e.time_range.start, e.time_range.end) for e in gpu if e.name not in ranges]
-    phases = {name: [(e.time_range.start, e.time_range.end) for e in gpu if e.name == name] for name in PHASES}
+    phases = {name: [(e.time_range.start, e.time_range.end) for e in gpu if e.name == name] for name in PHASE_NAMES}
     events = [e for e in prof.key_averages() if e.key not in ranges]
     cuda = [e for e in events if e.device_type.name == "CUDA"]
     return {
@@ -98,13 +97,13 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
         "most_gpu_time": [(e.key[:70], round(e.self_device_time_total / n / 1000, 2), e.count // n)
                           for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:40]],
         "gpu_timeline": timeline(windows, kernels),
-        "gpu_phases": phase_timeline(windows, kernels, phases),    # the worker's marked PHASES
+        "gpu_phases": phase_timeline(windows, kernels, phases),    # the worker's marked phases
     }
 
 
 def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["CLEF_VLLM_PROFILE_PHASES"] = "1"     # the worker marks PHASES (clef_vllm.trace); ~2 us a layer
+    os.environ["CLEF_VLLM_PROFILE_PHASES"] = "1"     # the worker marks its phases (clef_vllm.trace.PHASE_NAMES)
     import torch
     from vllm import LLM, PoolingParams, TokensPrompt
 

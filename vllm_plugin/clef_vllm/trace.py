@@ -29,6 +29,9 @@ PATH = os.environ.get("CLEF_VLLM_TRACE") or None
 #: run can tell which phase the GPU idles in (``bench/latency.py``). Read once, at import: off, the
 #: functions are left as they are.
 PHASES = os.environ.get("CLEF_VLLM_PROFILE_PHASES") == "1"
+#: The phase ranges' names (the worker's wrappers and bench/latency.py use these).
+PHASE_GDN_CORE, PHASE_HEAD = "clef_gdn_core", "clef_head"
+PHASE_NAMES = (PHASE_GDN_CORE, PHASE_HEAD)
 
 
 def phased(name: str, fn):

@@ -28,12 +28,20 @@ def union_length(intervals: Iterable[Interval]) -> float:
     return total
 
 
-def split_window(window: Interval, kernels: Sequence[Interval]) -> dict[str, float]:
+def _own(window: Interval, kernels: Sequence[Interval]) -> tuple[list[Interval], float, float]:
+    """The kernels that start in ``window``, and the start of the first and the end of the last."""
     s, e = window
     mine = [k for k in kernels if s <= k[0] < e]
     if not mine:
+        return mine, e, e
+    return mine, min(k[0] for k in mine), max(k[1] for k in mine)
+
+
+def split_window(window: Interval, kernels: Sequence[Interval]) -> dict[str, float]:
+    s, e = window
+    mine, first, last = _own(window, kernels)
+    if not mine:
         return {"lead": e - s, "busy": 0.0, "gaps": 0.0, "tail": 0.0, "kernels": 0}
-    first, last = min(k[0] for k in mine), max(k[1] for k in mine)
     busy = union_length(mine)
     return {"lead": first - s, "busy": busy, "gaps": (last - first) - busy, "tail": max(e - last, 0.0),
             "kernels": len(mine)}
@@ -58,12 +66,10 @@ def phase_split(window: Interval, kernels: Sequence[Interval], phases: dict[str,
     long the GPU spent inside the phase's ranges within ``window`` (``span``), busy with kernels there
     (``busy``), and idle there (``idle``); ``other`` is the rest of the request's first-to-last-kernel
     span. Phases are assumed not to overlap one another."""
-    s, e = window
-    mine = [k for k in kernels if s <= k[0] < e]
+    mine, first, last = _own(window, kernels)
     out: dict[str, dict[str, float]] = {}
     if not mine:
         return out
-    first, last = min(k[0] for k in mine), max(k[1] for k in mine)
     taken_span = taken_busy = 0.0
     for name, ranges in phases.items():
         spans = _clip(ranges, [(first, last)])

@@ -199,4 +199,4 @@ class ClefPooler(Pooler):
                 states[i].clef = None
         return out
 
-    forward = trace.phased("clef_head", forward)
+    forward = trace.phased(trace.PHASE_HEAD, forward)

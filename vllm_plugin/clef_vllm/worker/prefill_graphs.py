@@ -257,7 +257,7 @@ class GdnGraphRunner:
         def forward_core(mixed_qkv, b, a, core_attn_out):
             if not self.run(layer, mixed_qkv, b, a, core_attn_out):
                 original(mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
-        return trace.phased("clef_gdn_core", forward_core)
+        return trace.phased(trace.PHASE_GDN_CORE, forward_core)
 
     # ------------------------------------------------------------------ one layer call
 
