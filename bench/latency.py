@@ -4,8 +4,9 @@ Runs the Clef pooling model in-process (``vllm.LLM``, engine core in this proces
 (default: a 9B-shaped config-only folder served with dummy weights) with the server's own engine
 settings (``engine_kwargs``), one request at a time, in each MODE (one subprocess per mode):
 
-    graphs     prefill graphs on (the default server), state cache off
-    nographs   prefill graphs off and vLLM's default CUDA-graph sizes ("before")
+    graphs     prefill graphs and head graphs on (the default server), state cache off
+    eagerhead  the same with the joint head run eagerly (``--head-graphs off``)
+    nographs   prefill and head graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode); also follow-ups
                on one cached 15,872-token state (400 new tokens each): p50 and a profile; and bursts of
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-MODES = ("graphs", "nographs", "capsonly", "cache", "cacheblock", "raw")
+MODES = ("graphs", "eagerhead", "nographs", "capsonly", "cache", "cacheblock", "raw")
 CACHE_MODES = {"cache": "unit", "cacheblock": "block"}     # mode -> --state-cache-match
 LENGTHS = (100, 400, 1000, 4096)
 STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up requests (a 16k prompt with 400 new tokens)
@@ -54,7 +55,8 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
                                max_num_seqs=128, quantization=quantization)
     else:
         cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
-        kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs", **cache, **common)
+        kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
+                           head_graphs=mode not in ("nographs", "eagerhead"), **cache, **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:
@@ -178,6 +180,8 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
             out = {}
             if model.prefill_graphs is not None:
                 out["prefill_graphs"] = model.prefill_graphs.describe()
+            if model.pooler.head_graphs is not None:
+                out["head_graphs"] = model.pooler.head_graphs.describe()
             from clef_vllm.worker import state_cache
 
             if state_cache.current() is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -246,17 +245,6 @@ def encoder(tiny_release):
     return RequestEncoder.from_pretrained(tiny_release)
 
 
-def _metadata(specs, scheduled, seq_lens, states):
-    from vllm import PoolingParams
-    from vllm.v1.pool.metadata import PoolingMetadata
-
-    params = [PoolingParams(task="plugin", extra_kwargs={"clef": s.to_wire()}) for s in specs]
-    md = PoolingMetadata(prompt_lens=torch.tensor([s.num_tokens for s in specs]), prompt_token_ids=None,
-                         prompt_token_ids_cpu=None, pooling_params=params, pooling_states=states)
-    md.build_pooling_cursor(np.array(scheduled), torch.tensor(seq_lens), device=torch.device("cpu"))
-    return md
-
-
 def _request(state, questions):
     from clef_vllm.protocol import parse_request
 
@@ -287,14 +275,14 @@ def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model
     h_b = torch.cat([h_a[:shared], torch.randn(spec_b.num_tokens - shared, width, generator=g).to(torch.bfloat16)])
     try:
         # request A, whole prompt in one step: its reusable blocks are stored
-        out_a = pooler(h_a, _metadata([spec_a], [spec_a.num_tokens], [spec_a.num_tokens], [PoolingStates()]))[0]
+        out_a = pooler(h_a, vllm_cpu.pooling_metadata([spec_a], [spec_a.num_tokens], [spec_a.num_tokens], [PoolingStates()]))[0]
         cache = state_cache.current()
         stored = min(spec_a.first_span_start, len(spec_a.state_keys) * KEY_UNIT) // block
         assert stored >= 3 and cache.stats.stored_blocks == stored and len(cache) == stored
         # request B hits 3 blocks: vLLM schedules only the rest; the pooler reads the rows
         start = 3 * block
         st = PoolingStates()
-        out_b = pooler(h_b[start:], _metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens], [st]))[0]
+        out_b = pooler(h_b[start:], vllm_cpu.pooling_metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens], [st]))[0]
         assert cache.stats.hits == 1 and cache.stats.reused_tokens == start
         full = RecordAccumulator(spec_b)
         accumulate(m.head, h_b, [(full, 0, spec_b.num_tokens, 0)])
@@ -307,7 +295,7 @@ def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model
         # a hit whose rows are gone is answered with NaN (the backend then recomputes it uncached)
         cache._slots.clear()
         cache._free = list(range(cache.capacity))
-        out = pooler(h_b[start:], _metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens],
+        out = pooler(h_b[start:], vllm_cpu.pooling_metadata([spec_b], [spec_b.num_tokens - start], [spec_b.num_tokens],
                                             [PoolingStates()]))[0]
         assert torch.isnan(out).all()
     finally:
@@ -337,11 +325,11 @@ def test_pooler_keeps_the_tail_and_answers_a_hit_at_the_end_of_the_state(release
     g = torch.Generator().manual_seed(1)
     h = torch.randn(spec.num_tokens, m.config.hidden_size, generator=g).to(torch.bfloat16)
     try:
-        pooler(h, _metadata([spec], [spec.num_tokens], [spec.num_tokens], [PoolingStates()]))
+        pooler(h, vllm_cpu.pooling_metadata([spec], [spec.num_tokens], [spec.num_tokens], [PoolingStates()]))
         cache = state_cache.current()
         assert cache.tails and cache.present(spec.state_keys) == end
         assert len(cache) == end // block + 1                   # the whole blocks and one tail
-        out = pooler(h[end:], _metadata([spec], [spec.num_tokens - end], [spec.num_tokens], [PoolingStates()]))[0]
+        out = pooler(h[end:], vllm_cpu.pooling_metadata([spec], [spec.num_tokens - end], [spec.num_tokens], [PoolingStates()]))[0]
         assert cache.stats.hits == 1 and cache.stats.reused_tokens == end and len(cache) == end // block + 1
         full = RecordAccumulator(spec)
         accumulate(m.head, h, [(full, 0, spec.num_tokens, 0)])

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 from importlib.metadata import entry_points
 
-import numpy as np
 import pytest
 import torch
 
@@ -190,18 +189,6 @@ def test_repacked_layout_dequantizes_the_embedding_and_keeps_lm_head_int8(repack
 # --------------------------------------------------------------------------- pooler
 
 
-def _metadata(specs, scheduled, seq_lens, states):
-    from vllm import PoolingParams
-    from vllm.v1.pool.metadata import PoolingMetadata
-
-    params = [PoolingParams(task="plugin", extra_kwargs=None if s is None else {"clef": s.to_wire()}) for s in specs]
-    prompt_lens = torch.tensor([s.num_tokens if s is not None else n for s, n in zip(specs, seq_lens)])
-    md = PoolingMetadata(prompt_lens=prompt_lens, prompt_token_ids=None, prompt_token_ids_cpu=None,
-                         pooling_params=params, pooling_states=states)
-    md.build_pooling_cursor(np.array(scheduled), torch.tensor(seq_lens), device=torch.device("cpu"))
-    return md
-
-
 def _specs_and_hidden(encoder, hidden_size):
     from clef_vllm.features import HeadSpec
 
@@ -242,7 +229,7 @@ def test_pooler_chunked_prefill_matches_single_pass(release_model, encoder):
     results = {}
     for step, (which, ranges) in enumerate(steps):
         x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
-        md = _metadata([specs[i] for i in which], [b - a for a, b in ranges], [b for _, b in ranges],
+        md = vllm_cpu.pooling_metadata([specs[i] for i in which], [b - a for a, b in ranges], [b for _, b in ranges],
                        [states[i] for i in which])
         out = m.pooler(x, md)
         for i, (_, b), o in zip(which, ranges, out):
@@ -265,18 +252,51 @@ def test_pooler_handles_warmup_calls_without_params_and_bad_specs(release_model,
     m = release_model
     # vLLM's dummy run: PoolingParams(task="plugin") only, many short requests
     n = [64, 64, 1, 200]
-    md = _metadata([None] * 4, n, n, [PoolingStates() for _ in n])
+    md = vllm_cpu.pooling_metadata([None] * 4, n, n, [PoolingStates() for _ in n])
     out = m.pooler(torch.randn(sum(n), m.config.hidden_size).to(torch.bfloat16), md)
     assert [o.numel() for o in out] == [9, 9, 1, 9]  # synthetic 3-field spec; 1 value for a 1-token prompt
     # a malformed spec never crashes the worker: that request gets NaN
     spec = HeadSpec.from_encoded(encoder.encode(_requests()[0]))
     bad = HeadSpec(spec.num_tokens, spec.type_ids, ((0, spec.num_tokens + 5),), spec.option_spans,
                    spec.options_per_field, spec.lexical_ids)
-    md = _metadata([bad, spec], [bad.num_tokens, spec.num_tokens], [bad.num_tokens, spec.num_tokens],
+    md = vllm_cpu.pooling_metadata([bad, spec], [bad.num_tokens, spec.num_tokens], [bad.num_tokens, spec.num_tokens],
                    [PoolingStates(), PoolingStates()])
     out = m.pooler(torch.randn(2 * spec.num_tokens, m.config.hidden_size).to(torch.bfloat16), md)
     assert torch.isnan(out[0]).all()
     assert out[1].shape == (spec.num_options,) and torch.isfinite(out[1]).all()
+
+
+@torch.inference_mode()
+def test_pooler_gives_the_head_graphs_a_step_that_finishes_one_client_request(release_model, encoder):
+    """The head-graph runner sees a step that finishes exactly one client request (its answer is the
+    runner's); vLLM's own warm-up requests and a step finishing several requests run the eager head."""
+    from vllm.v1.pool.metadata import PoolingStates
+
+    class Runner:
+        def __init__(self):
+            self.options = []
+
+        def decide(self, batch):
+            self.options.append(len(batch.layout.option_field))
+            return torch.full((len(batch.layout.option_field),), 7.0)
+
+    m = release_model
+    specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
+    runner = Runner()
+    m.pooler.head_graphs = runner
+    try:
+        n = specs[0].num_tokens
+        out = m.pooler(hidden[0], vllm_cpu.pooling_metadata([specs[0]], [n], [n], [PoolingStates()]))[0]
+        assert runner.options == [specs[0].num_options] and torch.equal(out, torch.full_like(out, 7.0))
+        md = vllm_cpu.pooling_metadata([None], [64], [64], [PoolingStates()])
+        out = m.pooler(torch.randn(64, m.config.hidden_size).to(torch.bfloat16), md)[0]
+        assert len(runner.options) == 1 and torch.isfinite(out).all() and (out < 1).all()
+        lens = [s.num_tokens for s in specs[:2]]
+        md = vllm_cpu.pooling_metadata(specs[:2], lens, lens, [PoolingStates(), PoolingStates()])
+        out = m.pooler(torch.cat(hidden[:2]), md)
+        assert len(runner.options) == 1 and all((o < 1).all() for o in out)
+    finally:
+        m.pooler.head_graphs = None
 
 
 @torch.inference_mode()
@@ -287,9 +307,9 @@ def test_pooler_restarts_a_preempted_request(release_model, encoder):
     specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
     spec, h = specs[0], hidden[0]
     st = PoolingStates()
-    assert m.pooler(h[:30], _metadata([spec], [30], [30], [st]))[0] is None
+    assert m.pooler(h[:30], vllm_cpu.pooling_metadata([spec], [30], [30], [st]))[0] is None
     # preempted: the scheduler recomputes the prompt from position 0
-    out = m.pooler(h, _metadata([spec], [spec.num_tokens], [spec.num_tokens], [st]))[0]
+    out = m.pooler(h, vllm_cpu.pooling_metadata([spec], [spec.num_tokens], [spec.num_tokens], [st]))[0]
     torch.testing.assert_close(out, _unchunked(m, [spec], [h])[0], atol=2e-3, rtol=0)
 
 
@@ -305,7 +325,7 @@ def test_pooler_output_equals_reference_head_on_same_hidden_states(release_model
     hidden = [ref.hidden_states([e])[0] for e in encoded]
     want = ref.decide_batch(encoded)
     specs = [HeadSpec.from_encoded(e) for e in encoded]
-    md = _metadata(specs, [s.num_tokens for s in specs], [s.num_tokens for s in specs],
+    md = vllm_cpu.pooling_metadata(specs, [s.num_tokens for s in specs], [s.num_tokens for s in specs],
                    [PoolingStates() for _ in specs])
     got = release_model.pooler(torch.cat(hidden), md)
     for g, w in zip(got, want):

@@ -3,7 +3,7 @@
     python3 tests/gpu/fast_paths.py --out $OUT [--n 120]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
-   chunked), ONE AT A TIME, through an engine with prefill graphs and one without (state cache
+   chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
    off in both): per-option probabilities compared (how many bit-identical, max |dp|, top-answer
    flips), and the worker's graph counters (replays, fallbacks by reason).
 2. **state cache** (graphs on): a hit on a whole state (B after A), a partial hit (D after C,
@@ -63,7 +63,8 @@ def run_engine(config: dict) -> dict:
     register()
     ckpt = Path(config["ckpt"])
     kw = engine_kwargs(ckpt, gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=2048,
-                       max_model_len=4096, prefill_graphs=config["graphs"], state_cache=config["cache"])
+                       max_model_len=4096, prefill_graphs=config["graphs"], head_graphs=config["graphs"],
+                       state_cache=config["cache"])
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
         kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
@@ -91,6 +92,8 @@ def run_engine(config: dict) -> dict:
                "num_gpu_blocks": worker.vllm_config.cache_config.num_gpu_blocks}
         if model.prefill_graphs is not None:
             rep["prefill_graphs"] = model.prefill_graphs.describe()
+        if model.pooler.head_graphs is not None:
+            rep["head_graphs"] = model.pooler.head_graphs.describe()
         return rep
 
     out["worker"] = llm.collective_rpc(report)[0]

@@ -182,6 +182,26 @@ def pooling_request(scheduler, request_id: str, token_ids: list[int], clef: dict
                    block_hasher=get_request_block_hasher(scheduler.hash_block_size, sha256))
 
 
+def pooling_metadata(specs, scheduled, seq_lens, states):
+    """vLLM's ``PoolingMetadata`` for one step of the pooler: per request its head spec (``None``: vLLM's
+    own warm-up request, no Clef params), its scheduled tokens, its computed length after the step and
+    its ``PoolingStates``."""
+    import numpy as np
+    import torch
+    from vllm import PoolingParams
+    from vllm.v1.pool.metadata import PoolingMetadata
+
+    from clef_vllm.contract import PARAMS_KEY
+
+    params = [PoolingParams(task="plugin", extra_kwargs=None if s is None else {PARAMS_KEY: s.to_wire()})
+              for s in specs]
+    prompt_lens = torch.tensor([s.num_tokens if s is not None else n for s, n in zip(specs, seq_lens)])
+    md = PoolingMetadata(prompt_lens=prompt_lens, prompt_token_ids=None, prompt_token_ids_cpu=None,
+                         pooling_params=params, pooling_states=states)
+    md.build_pooling_cursor(np.array(scheduled), torch.tensor(seq_lens), device=torch.device("cpu"))
+    return md
+
+
 def run_scheduler(scheduler, requests, max_steps: int = 50) -> dict[str, list[int]]:
     """Add ``requests``, then schedule steps, answering each with a pooled output once a request's
     prompt is computed (what the model runner does), until all finish or ``max_steps`` steps ran.

@@ -3,7 +3,7 @@
 The front-end (:mod:`clef_vllm.backends.vllm_backend`) sends every request as
 ``PoolingParams(task=POOLING_TASK, extra_kwargs={PARAMS_KEY: HeadSpec.to_wire()})`` and starts the
 engine with ``additional_config={HEAD_DTYPE_KEY: "bfloat16" | "float32", ...}`` (plus the
-prefill-graph and state-cache settings below when they are on); the worker (:mod:`clef_vllm.worker`)
+prefill-graph, head-graph and state-cache settings below when they are on); the worker (:mod:`clef_vllm.worker`)
 reads exactly these names. Both sides import them from here (the engine side through
 :mod:`clef_vllm.backends.options`).
 """
@@ -19,5 +19,7 @@ HEAD_DTYPE_KEY = "clef_head_dtype"
 HEAD_DTYPES = ("bfloat16", "float32")
 #: ``additional_config`` key: ``{"buckets": [...]}`` turns on the GDN prefill graphs (absent: off).
 PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
+#: ``additional_config`` key: present (``{}``) when the joint head's CUDA graphs are on (absent: off).
+HEAD_GRAPHS_KEY = "clef_head_graphs"
 #: ``additional_config`` key: present (a dict) when the state cache is on (prefix caching + side rows).
 STATE_CACHE_KEY = "clef_state_cache"

@@ -155,6 +155,7 @@ class RecordAccumulator:
         self.filled = 0
         self.stored = 0             # leading positions whose rows are in the state cache
         self.cached = 0             # leading positions that came from the state cache
+        self.synthetic = False      # a profiling / warm-up stand-in of vLLM's, not a client's request
 
     @property
     def complete(self) -> bool:
@@ -221,9 +222,12 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
                    last if done else last.clone(), start + n)
 
 
-def decide_records(head: JointSchemaHead, table: LexicalTable,
-                   records: Sequence[RecordAccumulator]) -> list[torch.Tensor]:
+def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
+                   graphs=None) -> list[torch.Tensor]:
     """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
+
+    ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides a single record
+    from a CUDA graph when it can; otherwise, and for several records, the head runs eagerly.
 
     All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
     so the head's kernels queue behind the backbone's instead of stalling the step. Span means,
@@ -275,6 +279,10 @@ def decide_records(head: JointSchemaHead, table: LexicalTable,
                           last_state=torch.stack([r.last_state for r in records]),
                           question_state=questions, option_context=contexts,
                           option_lexical=lexical, layout=layout)
+    if graphs is not None and len(records) == 1:
+        probs = graphs.decide(batch)
+        if probs is not None:
+            return [probs]
     probs = head.probabilities(head.decide(batch), layout)
     return list(probs.split([r.spec.num_options for r in records]))
 

@@ -210,13 +210,17 @@ class DecisionBatch:
     option_context: torch.Tensor           # [N, H] mean over each option span
     option_lexical: torch.Tensor           # [N, H] mean lm_head row of each option's tokens
     layout: FieldLayout
+    field_padding: torch.Tensor | None = None   # [B, max_fields] True on slots no real field holds
+                                                # (default: the slots the layout leaves empty)
 
 
 def _scatter_to_slots(values: torch.Tensor, record: torch.Tensor, slot: torch.Tensor, b: int, n: int):
     out = values.new_zeros(b, n, values.shape[-1])
     out[record, slot] = values
     padding = torch.ones(b, n, dtype=torch.bool, device=values.device)
-    padding[record, slot] = False
+    # A device-side False: assigning the Python scalar copies it from pageable host memory, which
+    # synchronises the host with the GPU stream (and cannot be captured in a CUDA graph).
+    padding.index_put_((record, slot), torch.zeros((), dtype=torch.bool, device=values.device))
     return out, padding
 
 
@@ -296,6 +300,8 @@ class JointSchemaHead(nn.Module):
 
         # Joint field decoder: fields attend to each other (per record) and to the raw memory.
         fields_pad, field_padding = _scatter_to_slots(field_vec, lay.field_record, lay.field_slot, b, lay.max_fields)
+        if batch.field_padding is not None:       # a padded layout (head graphs) marks its spare fields
+            field_padding = batch.field_padding
         for layer in self.layers:
             fields_pad = layer(fields_pad, field_padding, memory, memory_padding)
         final = self.field_norm(fields_pad[lay.field_record, lay.field_slot])    # [Q, D]

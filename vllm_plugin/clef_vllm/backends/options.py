@@ -146,6 +146,14 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
             budget, buckets, kwargs["max_num_seqs"])}
 
 
+def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
+    """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`)."""
+    if opts.head_graphs:
+        from clef_vllm.contract import HEAD_GRAPHS_KEY
+
+        kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = {}
+
+
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
     (:mod:`clef_vllm.worker.state_cache`); the scheduler (always ours) keeps the two consistent."""
@@ -213,6 +221,9 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
+    head_graphs: bool = option(True, "run the joint head of a step that finishes one request from a CUDA graph "
+                               "(default on; docs/latency.md)", flags=("--head-graphs",), engine=_head_graphs,
+                               kind=bool)
     state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
                                "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)

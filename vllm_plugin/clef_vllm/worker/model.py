@@ -27,12 +27,13 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Mo
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY
+from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
+from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
 
@@ -119,7 +120,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self.lm_table = Int8RowTable(torch.zeros(vocab, hidden, dtype=torch.int8), torch.ones(vocab))
         else:
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
-        self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config))
+        self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config),
+                                 self._head_graphs(vllm_config))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
@@ -138,6 +140,20 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         capacity = setting.get("capacity_blocks") if isinstance(setting, dict) else None
         return StateCacheSettings(vllm_config.cache_config, per_token,
                                   vllm_config.cache_config.gpu_memory_utilization, capacity)
+
+    def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
+        """The joint head's graph runner when the backend asked for it (CUDA only)."""
+        if HEAD_GRAPHS_KEY not in (vllm_config.additional_config or {}):
+            return None
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            log.info("clef head graphs: off (no CUDA device)")
+            return None
+        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len)
+        log.info("clef head graphs: a step finishing one request runs the joint head from a CUDA graph "
+                 "(memory buckets up to %d rows)", runner.memory_buckets[-1])
+        return runner
 
     def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
         """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
@@ -169,6 +185,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self._steps += 1
             if self._steps % GRAPH_REPORT_EVERY == 0:
                 log.info("clef prefill graphs: %s", self.prefill_graphs.describe())
+                if self.pooler.head_graphs is not None:
+                    log.info("clef head graphs: %s", self.pooler.head_graphs.describe())
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):

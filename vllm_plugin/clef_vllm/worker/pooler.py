@@ -31,6 +31,7 @@ from clef_vllm.head import JointSchemaHead
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
 from clef_vllm.worker import state_cache
+from clef_vllm.worker.head_graphs import HeadGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
@@ -76,12 +77,14 @@ def make_side_cache(settings: StateCacheSettings, width: int, dtype: torch.dtype
 class ClefPooler(Pooler):
     """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.features`."""
 
-    def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None):
+    def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None,
+                 head_graphs: HeadGraphRunner | None = None):
         super().__init__()
         # Plain references: the head and the table are registered on the model itself.
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_table", table)
         self._cache_settings = state_cache_settings
+        self.head_graphs = head_graphs
 
     def side_cache(self, device) -> state_cache.SideCache | None:
         """This worker's side cache when the state cache is on (made at the first call)."""
@@ -109,7 +112,8 @@ class ClefPooler(Pooler):
             acc = None  # the request was preempted and restarts its prefill
         if acc is None:
             wire = (params.extra_kwargs or {}).get(PARAMS_KEY) if params is not None else None
-            if wire is None:
+            synthetic = wire is None
+            if synthetic:
                 spec = synthetic_spec(prompt_len)
             else:
                 try:
@@ -124,6 +128,7 @@ class ClefPooler(Pooler):
                 states.clef = False
                 return None
             acc = RecordAccumulator(spec)
+            acc.synthetic = synthetic
             if start > 0 and not self._start_from_cache(acc, start, cache):
                 states.clef = False
                 return None
@@ -193,7 +198,10 @@ class ClefPooler(Pooler):
             for acc, *_ in pieces:
                 self._store_blocks(acc, cache)
         if finishing:
-            probs = decide_records(self._head, self._table, [acc for _, acc in finishing])
+            records = [acc for _, acc in finishing]
+            # vLLM's profiling and warm-up runs (synthetic specs) never capture graphs.
+            graphs = None if any(acc.synthetic for acc in records) else self.head_graphs
+            probs = decide_records(self._head, self._table, records, graphs)
             for (i, _), p in zip(finishing, probs):
                 out[i] = p
                 states[i].clef = None

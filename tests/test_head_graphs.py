@@ -1,0 +1,136 @@
+"""Head graphs (clef_vllm/worker/head_graphs.py): the padded graph body against the eager head.
+
+The CUDA capture itself needs a GPU (tests/gpu/head_graphs.py); everything it replays is the
+function tested here on the CPU: the padded batch built from the static buffers, with stale values
+from earlier requests left in every padded row.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from clef_vllm.features import RecordAccumulator, accumulate, decide_records
+from clef_vllm.tables import DenseTable
+from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, HeadGraphRunner, StaticInputs,
+                                          choose_memory, choose_schema, padded_probabilities)
+from support.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
+
+
+class Recorder:
+    """Stands in for the runner: keeps the single-record batch ``decide_records`` built, answers eagerly."""
+
+    def __init__(self):
+        self.batches = []
+
+    def decide(self, batch):
+        self.batches.append(batch)
+        return None
+
+
+def eager_and_batch(head, table, record):
+    acc = RecordAccumulator(spec_of(*record))
+    accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+    recorder = Recorder()
+    probs = decide_records(head, table, [acc], recorder)[0]
+    (batch,) = recorder.batches
+    return probs, batch
+
+
+def test_bucket_choice():
+    assert choose_schema(3, 9) == (4, 16)
+    assert choose_schema(4, 9) == (8, 32)            # a field slot always stays free for the padded options
+    assert choose_schema(3, 17) == (8, 32)
+    assert choose_schema(64, 256) == (65, 256)
+    assert choose_schema(65, 10) is None and choose_schema(2, 257) is None
+    assert choose_memory(400) == 512 and choose_memory(128) == 128 and choose_memory(129) == 256
+    assert choose_memory(MEMORY_BUCKETS[-1] + 1) is None
+    assert all(f > 1 for f, _ in SCHEMA_BUCKETS)
+
+
+def _padded_and_eager(dtype, cases, seed=11):
+    """Per record (alone in its bucket, stale finite values from 'earlier requests' in every padded
+    row and slot): the padded body's probabilities and the eager head's."""
+    head = random_head(SMALL).to(dtype)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype))
+    rng = random.Random(seed)
+    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, 65, 256, 512, dtype, "cpu")
+    for buf in (inputs.memory, inputs.questions, inputs.contexts, inputs.lexical, inputs.last_state):
+        buf.normal_(0, 3)
+    inputs.type_ids.random_(0, 3)
+    inputs.option_field.random_(0, 65)
+    out = []
+    for n_fields, length in cases:
+        record = random_record(rng, n_fields, length, SMALL.hidden_size)
+        want, batch = eager_and_batch(head, table, (record[0].to(dtype), *record[1:]))
+        fields, options = choose_schema(n_fields, len(want))
+        inputs.fill(batch, fields, options)
+        got = padded_probabilities(head, inputs, fields, options, choose_memory(record[0].shape[0]))
+        assert got.shape == (options,) and torch.isfinite(got).all()
+        out.append((got[:len(want)], want))
+    return out
+
+
+CASES = [(1, 20), (3, 75), (2, 41), (4, 120), (7, 300), (9, 200)]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_padded_body_equals_the_eager_head(dtype, atol):
+    """Padding is exact math: in float64 the padded body gives the eager head's probabilities to
+    1e-12, in float32 to rounding."""
+    for got, want in _padded_and_eager(dtype, CASES):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_padded_body_adds_no_error_in_bf16():
+    """In bf16 the padded kernels' shapes round differently: measured against the float64 answer, the
+    padded body stays within twice the eager head's own bf16 error on these records (its noise floor;
+    this random head's logit scale of 100 magnifies it to a few 0.01)."""
+    exact = [want.double() for _, want in _padded_and_eager(torch.float64, CASES)]
+    pairs = _padded_and_eager(torch.bfloat16, CASES)
+    floor = max((want.double() - ref).abs().max().item() for (_, want), ref in zip(pairs, exact))
+    assert 0 < floor < 0.05
+    for (got, _), ref in zip(pairs, exact):
+        assert (got.double() - ref).abs().max().item() <= 2 * floor
+
+
+def test_the_spare_field_is_masked():
+    """Without the field mask the padded field slots would take part in the fields' self-attention:
+    the test above would fail. Checked directly: unmasked padding changes a real field's answer."""
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    record = random_record(random.Random(5), 3, 60, SMALL.hidden_size)
+    want, batch = eager_and_batch(head, table, record)
+    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, 8, 32, 128, torch.float32, "cpu")
+    inputs.questions.normal_(0, 3)
+    inputs.fill(batch, 8, 32)
+    inputs.lengths[1].fill_(8)                      # claim every field slot is real
+    got = padded_probabilities(head, inputs, 8, 32, 128)
+    assert (got[:len(want)] - want).abs().max() > 1e-3
+
+
+def test_runner_falls_back_without_a_graph():
+    """Off CUDA, for several records, or beyond the largest buckets, the runner answers None (the
+    caller runs the eager head) and counts why."""
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    runner = HeadGraphRunner(head, max_memory=1000)
+    assert runner.memory_buckets[-1] == 768
+    rng = random.Random(3)
+    one = random_record(rng, 2, 40, SMALL.hidden_size)
+    accs = []
+    for record in (one, random_record(rng, 2, 50, SMALL.hidden_size)):
+        acc = RecordAccumulator(spec_of(*record))
+        accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+        accs.append(acc)
+    eager = decide_records(head, table, accs[:1])
+    assert torch.equal(decide_records(head, table, accs[:1], runner)[0], eager[0])      # cpu: not_cuda
+    decide_records(head, table, accs, runner)                                            # two records: eager
+    long_ = random_record(rng, 1, 900, SMALL.hidden_size)
+    acc = RecordAccumulator(spec_of(*long_))
+    accumulate(head, long_[0], [(acc, 0, long_[0].shape[0], 0)])
+    decide_records(head, table, [acc], runner)
+    assert runner.describe() == {"graphs": 0, "replays": 0, "captures": 0, "failed": False,
+                                 "fallbacks": {"not_cuda": 1, "memory": 1}}
