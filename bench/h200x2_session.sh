@@ -54,6 +54,9 @@
 #        Its head-graph captures failed (a host-to-device copy inside the head); sixteenth1 re-runs it after the fix
 #        (parity_tiny last, if time allows: left out).
 # PLAN=sixteenth1 (one GPU): fifteenth1's head-graph jobs again, FP8 last.
+# PLAN=seventeenth1 (one GPU; not run yet): the head graphs A/B through the server on one machine (short sweep
+#        with raw, then the same server with --head-graphs off), their GPU check, latency.py graphs vs eagerhead,
+#        and the tiny parity with the head graphs on.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -162,7 +165,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -226,7 +229,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -236,6 +239,18 @@ fifteenth1_queue0)
       --out "$S/latency_headgraphs_fp8/latency.json"
   job short_9b_bf16 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-headgraphs-short SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 8811
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  touch "$S/all.done"
+  log "all done"
+  ;;
+seventeenth1_queue0)
+  job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
+  job short_9b_bf16 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-headgraphs-short SERVER_ARGS="--load-format dummy" \
+      bash bench/gpu_bench.sh "$NINE" 8831
+  job short_9b_bf16_eagerhead 0 420 env "${SHORT[@]}" PHASES=server LABEL=9b-dummy-bf16-eagerhead-short \
+      SERVER_ARGS="--load-format dummy --head-graphs off" bash bench/gpu_bench.sh "$NINE" 8832
+  job latency_headgraphs 0 420 python3 bench/latency.py --modes graphs,eagerhead --ckpt "$NINE" \
+      --out "$S/latency_headgraphs/latency.json"
   job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   touch "$S/all.done"
   log "all done"

@@ -12,7 +12,7 @@ import torch
 from clef_vllm.features import RecordAccumulator, accumulate, decide_records
 from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead, count_parameters
 from clef_vllm.tables import DenseTable
-from support.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
+from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
 from support.release_math import literal_logits
 
 RELEASE = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)

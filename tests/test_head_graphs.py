@@ -11,12 +11,13 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from clef_vllm.features import RecordAccumulator, accumulate, decide_records
 from clef_vllm.tables import DenseTable
 from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, HeadGraphRunner, StaticInputs,
                                           choose_memory, choose_schema, padded_probabilities)
-from support.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
+from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
 
 
 class Recorder:
@@ -134,3 +135,39 @@ def test_runner_falls_back_without_a_graph():
     decide_records(head, table, [acc], runner)
     assert runner.describe() == {"graphs": 0, "replays": 0, "captures": 0, "failed": False,
                                  "fallbacks": {"not_cuda": 1, "memory": 1}}
+
+
+#: Ops that, on a GPU, copy host data to the device or wait for the device: each synchronises the host
+#: with the stream (and cannot be captured in a graph).
+HOST_SYNC_OPS = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero",
+                 "aten.masked_select", "aten._unique", "aten.unique")
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_graph_body_never_touches_host_data():
+    """The class of the bug the first GPU round hit (``padding[...] = False`` copied a host scalar): the
+    padded decision issues no op that creates a tensor from host data or reads a device value back.
+    The op log is taken on the CPU; on a GPU each such op would synchronise (eager) or fail (capture)."""
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    want, batch = eager_and_batch(head, table, random_record(random.Random(2), 3, 50, SMALL.hidden_size))
+    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, 8, 32, 128, torch.float32, "cpu")
+    inputs.fill(batch, 8, 32)
+    with OpLog() as log:
+        padded_probabilities(head, inputs, 8, 32, 128)
+    assert len(log.ops) > 100
+    assert not [op for op in log.ops if op.startswith(HOST_SYNC_OPS)]
+    # and the check sees the old mask: a Python scalar assigned through an index
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    with OpLog() as log:
+        mask[torch.zeros(3, dtype=torch.long), torch.arange(3)] = False
+    assert [op for op in log.ops if op.startswith(HOST_SYNC_OPS)] == ["aten.lift_fresh.default"]

@@ -89,13 +89,14 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["clef_head_dtype"] == "float32"
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
     assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
+    assert cfg.additional_config["clef_head_graphs"] == {}              # on by default
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
-                                          prefill_graphs=False)).create_engine_config()
+                                          prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
     assert off.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"   # rule 0 holds for every request
     # the worker beside the scheduler, with data parallelism too (vLLM's CPU platform swaps in "mp" here)
     assert engine_kwargs(tiny_release, data_parallel_size=2)["distributed_executor_backend"] == "uni"
-    assert "clef_prefill_graphs" not in off.additional_config and "clef_state_cache" not in off.additional_config
+    assert not {"clef_prefill_graphs", "clef_head_graphs", "clef_state_cache"} & set(off.additional_config)
 
 
 def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_release):

@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parents[2] / "vllm_plugin")]
 
 
 def main() -> int:
@@ -40,7 +38,7 @@ def main() -> int:
     from clef_vllm.release import RELEASE_HEAD_CONFIG as CFG
     from clef_vllm.tables import Int8RowTable, quantize_rows
     from clef_vllm.worker.head_graphs import HeadGraphRunner
-    from support.head_cases import random_head, random_record, spec_of
+    from clef_vllm.testing.head_cases import random_head, random_record, spec_of
 
     torch.manual_seed(0)
     dev = torch.device(args.device)

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
+from clef_vllm.worker.prefill_graphs import GraphStats
 
 log = logging.getLogger("clef_vllm")
 
@@ -118,13 +117,6 @@ def padded_probabilities(head: JointSchemaHead, inputs: StaticInputs, fields_: i
     return head.probabilities(head.decide(batch), batch.layout)
 
 
-@dataclass
-class HeadGraphStats:
-    replays: int = 0
-    captures: int = 0
-    fallbacks: Counter = field(default_factory=Counter)
-
-
 class HeadGraphRunner:
     """Owns the head's graphs, one per (schema bucket, memory bucket), captured at the first
     decision of a memory bucket (all schema buckets at once, so a server's warm-up, which runs a
@@ -137,7 +129,7 @@ class HeadGraphRunner:
         self.schema_buckets = tuple(schema_buckets)
         self.memory_buckets = tuple(b for b in memory_buckets if max_memory is None or b <= max_memory
                                     ) or tuple(memory_buckets[:1])
-        self.stats = HeadGraphStats()
+        self.stats = GraphStats()
         self._inputs: StaticInputs | None = None
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._failed = False        # a capture failed: every decision runs the eager head from then on

@@ -39,7 +39,7 @@ from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
-#: Log the prefill-graph counters every this many forward steps.
+#: Log the prefill- and head-graph counters every this many forward steps.
 GRAPH_REPORT_EVERY = 2000
 # fp8 e4m3fn NaN encodings (S.1111.111); the format has no infinities.
 _FP8_NAN = (0x7F, 0xFF)
@@ -181,12 +181,11 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         """Final-norm hidden states of every scheduled token (what the head consumes)."""
-        if self.prefill_graphs is not None:
-            self._steps += 1
-            if self._steps % GRAPH_REPORT_EVERY == 0:
-                log.info("clef prefill graphs: %s", self.prefill_graphs.describe())
-                if self.pooler.head_graphs is not None:
-                    log.info("clef head graphs: %s", self.pooler.head_graphs.describe())
+        self._steps += 1
+        if self._steps % GRAPH_REPORT_EVERY == 0:
+            for name, runner in (("prefill", self.prefill_graphs), ("head", self.pooler.head_graphs)):
+                if runner is not None:
+                    log.info("clef %s graphs: %s", name, runner.describe())
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):

@@ -211,6 +211,8 @@ def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels) -> None:
 
 @dataclass
 class GraphStats:
+    """Counters of a graph runner (this one and :mod:`clef_vllm.worker.head_graphs`)."""
+
     replays: int = 0
     captures: int = 0
     fallbacks: Counter = field(default_factory=Counter)

@@ -1,5 +1,5 @@
-"""Random joint heads and records shaped like encoded requests (shared by the CPU tests and the GPU
-head-graph check; imports no test framework)."""
+"""Random joint heads and records shaped like encoded requests, for the head's tests (the CPU suite
+and the GPU head-graph check, tests/gpu/head_graphs.py)."""
 
 from __future__ import annotations
 
