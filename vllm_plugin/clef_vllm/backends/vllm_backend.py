@@ -86,7 +86,8 @@ class EngineError(RuntimeError):
 
 def warmup_lengths(kwargs: dict) -> list[int]:
     """Prompt lengths the warm-up runs one at a time, for an engine made with ``kwargs``
-    (:func:`engine_kwargs`): every prefill-graph bucket (each captures its graphs), lengths that are
+    (:func:`engine_kwargs`): every prefill-graph bucket (each captures its graphs, and the head graphs
+    of its memory bucket), lengths that are
     and are not multiples of 16 (Triton specialises on that), and one longer than a step's token
     budget (a chunked prefill)."""
     graphs = (kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
@@ -292,7 +293,7 @@ class VllmBackend(Backend):
             log.info("kernels: %s", line)
 
     async def _warmup(self) -> None:
-        """Run the shapes the server will see (Triton JIT, prefill graphs, head paths) before /health
+        """Run the shapes the server will see (Triton JIT, prefill and head graphs, head paths) before /health
         says ready: each length alone, then concurrent batches of mixed lengths."""
         t0 = time.perf_counter()
         vocab = int(self.files.text_config.get("vocab_size", 1024))
