@@ -86,8 +86,8 @@ class EngineError(RuntimeError):
 
 def warmup_lengths(kwargs: dict) -> list[int]:
     """Prompt lengths the warm-up runs one at a time, for an engine made with ``kwargs``
-    (:func:`engine_kwargs`): every prefill-graph bucket (each captures its graphs, and the head graphs
-    of its memory bucket), lengths that are
+    (:func:`engine_kwargs`): every prefill-graph bucket (each captures its graphs; the first prompt
+    captures all head graphs), lengths that are
     and are not multiples of 16 (Triton specialises on that), and one longer than a step's token
     budget (a chunked prefill)."""
     graphs = (kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from typing import Sequence
 
 import torch
@@ -118,9 +119,9 @@ def padded_probabilities(head: JointSchemaHead, inputs: StaticInputs, fields_: i
 
 
 class HeadGraphRunner:
-    """Owns the head's graphs, one per (schema bucket, memory bucket), captured at the first
-    decision of a memory bucket (all schema buckets at once, so a server's warm-up, which runs a
-    prompt per length bucket, captures them before traffic arrives)."""
+    """Owns the head's graphs, one per (schema bucket, memory bucket), all captured at the first
+    decision it is given (in a server: the warm-up's first prompt, before traffic arrives), so the
+    graphs' memory is taken once, up front, and no client request pays for a capture."""
 
     def __init__(self, head: JointSchemaHead, *, max_memory: int | None = None,
                  schema_buckets: Sequence[tuple[int, int]] = SCHEMA_BUCKETS,
@@ -152,12 +153,11 @@ class HeadGraphRunner:
             return self._fallback("capturing")
         if self._failed:
             return self._fallback("capture_failed")
-        key = (*schema, memory)
-        if key not in self._graphs:
-            self._capture_memory_bucket(memory, batch)
+        if not self._graphs:
+            self._capture_all(batch)
             if self._failed:
                 return self._fallback("capture_failed")
-        graph, out = self._graphs[key]
+        graph, out = self._graphs[(*schema, memory)]
         self._inputs.fill(batch, *schema)
         graph.replay()
         self.stats.replays += 1
@@ -167,29 +167,30 @@ class HeadGraphRunner:
         self.stats.fallbacks[reason] += 1
         return None
 
-    def _capture_memory_bucket(self, memory: int, like: DecisionBatch) -> None:
-        if self._inputs is None:
-            cfg = self.head.config
-            self._inputs = StaticInputs(cfg.hidden_size, cfg.width, max(f for f, _ in self.schema_buckets),
-                                        max(n for _, n in self.schema_buckets), self.memory_buckets[-1],
-                                        self.head.dtype, like.memory.device)
-        for fields_, options in self.schema_buckets:
-            key = (fields_, options, memory)
-            if key in self._graphs:
-                continue
-            try:
-                self._graphs[key] = self._capture(fields_, options, memory)
-                self.stats.captures += 1
-            except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
-                # A failed capture leaves its memory pool unusable for later captures (the caching
-                # allocator asserts): give up on head graphs altogether, not just on this bucket.
-                self._failed = True
-                self._graphs.clear()
-                self._pool = None
-                log.warning("clef head graphs: capture for %d fields, %d options, %d memory rows failed (%s: %s); "
-                            "the joint head runs eagerly from now on", fields_, options, memory,
-                            type(exc).__name__, exc)
-                return
+    def _capture_all(self, like: DecisionBatch) -> None:
+        cfg = self.head.config
+        self._inputs = StaticInputs(cfg.hidden_size, cfg.width, max(f for f, _ in self.schema_buckets),
+                                    max(n for _, n in self.schema_buckets), self.memory_buckets[-1],
+                                    self.head.dtype, like.memory.device)
+        t0 = time.perf_counter()
+        for memory in reversed(self.memory_buckets):        # the largest first: it sizes the shared pool
+            for fields_, options in self.schema_buckets:
+                try:
+                    self._graphs[(fields_, options, memory)] = self._capture(fields_, options, memory)
+                    self.stats.captures += 1
+                except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
+                    # A failed capture leaves its memory pool unusable for later captures (the caching
+                    # allocator asserts): give up on head graphs altogether, not just on this bucket.
+                    self._failed = True
+                    self._graphs.clear()
+                    self._pool = self._inputs = None
+                    log.warning("clef head graphs: capture for %d fields, %d options, %d memory rows failed "
+                                "(%s: %s); the joint head runs eagerly from now on", fields_, options, memory,
+                                type(exc).__name__, exc)
+                    return
+        log.info("clef head graphs: %d graphs captured in %.2f s (memory buckets up to %d rows, schema buckets "
+                 "up to %d fields / %d options)", len(self._graphs), time.perf_counter() - t0,
+                 self.memory_buckets[-1], self.schema_buckets[-1][0] - 1, self.schema_buckets[-1][1])
 
     def _capture(self, fields_: int, options: int, memory: int):
         inputs = self._inputs
