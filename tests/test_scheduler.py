@@ -192,6 +192,27 @@ def test_matching_at_the_key_unit_resumes_a_follow_up_at_the_end_of_the_state(ti
         state_cache.install(None)
 
 
+@pytest.mark.parametrize("unit", [16, None])
+def test_the_side_cache_keeps_tails_exactly_when_vllm_registers_them(tiny_release, unit, caplog):
+    """One source for "a prefix may end inside a block": vLLM's scheduler flag. A side cache made
+    with the opposite guess (before the scheduler existed) follows the scheduler, and says so."""
+    import torch
+
+    from clef_vllm.worker import state_cache
+
+    for guess in (True, False):
+        cache = state_cache.SideCache(capacity=4, block=BLOCK, width=3, dtype=torch.float32, device="cpu",
+                                      tails=guess)
+        state_cache.install(cache)
+        try:
+            caplog.clear()
+            sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True, unit=unit)
+            assert sched._fine == bool(unit) and cache.tails == sched._fine
+            assert ("side cache expected the opposite" in caplog.text) == (guess != sched._fine)
+        finally:
+            state_cache.install(None)
+
+
 def test_matching_at_whole_blocks_keeps_its_block_boundary(tiny_release):
     """``--state-cache-match block``: the first request stops at the last block boundary of its keyed
     prefix (192), and nothing past that is cached."""

@@ -162,8 +162,20 @@ class ClefScheduler(Scheduler):
         self._warned_no_pool = False
         coordinator = self.kv_cache_manager.coordinator
         self._fine = bool(getattr(self, "mamba_partial_cache_hit", False))   # vLLM registers partial tails
+        self._align_side_cache_tails()
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
+
+    def _align_side_cache_tails(self) -> None:
+        """vLLM's own flag decides whether a prefix may end inside a block; the side cache keeps tails
+        exactly then. The worker made the cache before this scheduler existed (at vLLM's memory
+        profiling), judging from the cache config alone; from here on it follows vLLM's flag."""
+        cache = state_cache.current()
+        if cache is not None and cache.tails != self._fine:
+            log.warning("clef state cache: vLLM %s prefixes that end inside a block, the side cache expected the "
+                        "opposite; it now %s tails", "registers" if self._fine else "does not register",
+                        "keeps" if self._fine else "keeps no")
+            cache.tails = self._fine
 
     def add_request(self, request) -> None:
         trace.event("engine_add", request.request_id)
