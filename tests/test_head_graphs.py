@@ -7,6 +7,7 @@ from earlier requests left in every padded row.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -171,3 +172,65 @@ def test_the_graph_body_never_touches_host_data():
     with OpLog() as log:
         mask[torch.zeros(3, dtype=torch.long), torch.arange(3)] = False
     assert [op for op in log.ops if op.startswith(HOST_SYNC_OPS)] == ["aten.lift_fresh.default"]
+
+
+class CpuGraphRunner(HeadGraphRunner):
+    """The runner on the CPU: a "graph" re-runs the body into the static output tensor it returned at
+    capture (what a CUDA graph replay does), or, with ``broken``, writes what a graph reading a wrong
+    buffer might (uniform probabilities)."""
+
+    device_type = "cpu"
+
+    def __init__(self, *args, broken: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.broken = broken
+
+    def _capture(self, fields_, options, memory):
+        out = padded_probabilities(self.head, self._inputs, fields_, options, memory)
+        runner = self
+
+        class Graph:
+            def replay(self):
+                if runner.broken:
+                    out.fill_(0.5)
+                else:
+                    out.copy_(padded_probabilities(runner.head, runner._inputs, fields_, options, memory))
+
+        return Graph(), out
+
+
+def test_the_runner_answers_every_decision_like_the_eager_head(caplog):
+    """The whole runner on the CPU (every bucket captured at the first decision, the self-check, the
+    fill, the replay, the slice): answers equal the eager head's, bucket after bucket, whatever ran before."""
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    runner = CpuGraphRunner(head, max_memory=512, schema_buckets=SCHEMA_BUCKETS[:3])
+    rng = random.Random(4)
+    cases = [random_record(rng, n, length, SMALL.hidden_size) for n, length in [(2, 40), (5, 300), (1, 20), (7, 130),
+                                                                               (3, 500), (2, 40)]]
+    for record in cases:
+        acc = RecordAccumulator(spec_of(*record))
+        accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+        want = decide_records(head, table, [acc])[0]
+        got = decide_records(head, table, [acc], runner)[0]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    info = runner.describe()
+    assert info["graphs"] == info["captures"] == 3 * 4 and not info["failed"]      # 3 schema x 4 memory buckets
+    assert info["replays"] == len(cases) + 1                                     # + the self-check
+    assert "agrees with the eager head" in caplog.text
+
+
+def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    runner = CpuGraphRunner(head, max_memory=512, schema_buckets=SCHEMA_BUCKETS[:2], broken=True)
+    record = random_record(random.Random(6), 3, 60, SMALL.hidden_size)
+    acc = RecordAccumulator(spec_of(*record))
+    accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+    want = decide_records(head, table, [acc])[0]
+    for _ in range(2):
+        torch.testing.assert_close(decide_records(head, table, [acc], runner)[0], want, atol=0, rtol=0)
+    info = runner.describe()
+    assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
+    assert "differs from the eager head" in caplog.text

@@ -118,10 +118,21 @@ def padded_probabilities(head: JointSchemaHead, inputs: StaticInputs, fields_: i
     return head.probabilities(head.decide(batch), batch.layout)
 
 
+#: The captured graphs must answer the first decision within this of the eager head (max |dp|), or
+#: they are dropped. Rounding between the two is far smaller (bf16 shapes: a few 0.01 on a random
+#: head with logit scale 100); a graph reading a wrong buffer is not.
+SELF_CHECK_TOLERANCE = 0.2
+
+
 class HeadGraphRunner:
     """Owns the head's graphs, one per (schema bucket, memory bucket), all captured at the first
     decision it is given (in a server: the warm-up's first prompt, before traffic arrives), so the
-    graphs' memory is taken once, up front, and no client request pays for a capture."""
+    graphs' memory is taken once, up front, and no client request pays for a capture. That first
+    decision is also answered eagerly and compared (:data:`SELF_CHECK_TOLERANCE`): graphs that
+    disagree are never used."""
+
+    #: The device type whose decisions use graphs (tests drive the runner on the CPU with a stand-in graph).
+    device_type = "cuda"
 
     def __init__(self, head: JointSchemaHead, *, max_memory: int | None = None,
                  schema_buckets: Sequence[tuple[int, int]] = SCHEMA_BUCKETS,
@@ -147,9 +158,9 @@ class HeadGraphRunner:
         memory = choose_memory(batch.memory.shape[1], self.memory_buckets)
         if memory is None:
             return self._fallback("memory")
-        if batch.memory.device.type != "cuda":
+        if batch.memory.device.type != self.device_type:
             return self._fallback("not_cuda")
-        if torch.cuda.is_current_stream_capturing():
+        if batch.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._fallback("capturing")
         if self._failed:
             return self._fallback("capture_failed")
@@ -157,11 +168,14 @@ class HeadGraphRunner:
             self._capture_all(batch)
             if self._failed:
                 return self._fallback("capture_failed")
+        return self._replay(batch, schema, memory)
+
+    def _replay(self, batch: DecisionBatch, schema: tuple[int, int], memory: int) -> torch.Tensor:
         graph, out = self._graphs[(*schema, memory)]
         self._inputs.fill(batch, *schema)
         graph.replay()
         self.stats.replays += 1
-        return out[:len(lay.option_field)].clone()
+        return out[:len(batch.layout.option_field)].clone()
 
     def _fallback(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
@@ -181,16 +195,29 @@ class HeadGraphRunner:
                 except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
                     # A failed capture leaves its memory pool unusable for later captures (the caching
                     # allocator asserts): give up on head graphs altogether, not just on this bucket.
-                    self._failed = True
-                    self._graphs.clear()
-                    self._pool = self._inputs = None
-                    log.warning("clef head graphs: capture for %d fields, %d options, %d memory rows failed "
-                                "(%s: %s); the joint head runs eagerly from now on", fields_, options, memory,
-                                type(exc).__name__, exc)
+                    self._give_up("capture for %d fields, %d options, %d memory rows failed (%s: %s)",
+                                  fields_, options, memory, type(exc).__name__, exc)
                     return
+        seconds = time.perf_counter() - t0
+        lay = like.layout
+        schema = choose_schema(len(lay.type_ids), len(lay.option_field), self.schema_buckets)
+        eager = self.head.probabilities(self.head.decide(like), lay)
+        graph = self._replay(like, schema, choose_memory(like.memory.shape[1], self.memory_buckets))
+        diff = float((graph - eager).abs().max()) if bool(torch.isfinite(graph).all()) else float("inf")
+        if not diff <= SELF_CHECK_TOLERANCE:
+            self._give_up("the first decision from a graph differs from the eager head by %.3g (allowed %g)",
+                          diff, SELF_CHECK_TOLERANCE)
+            return
         log.info("clef head graphs: %d graphs captured in %.2f s (memory buckets up to %d rows, schema buckets "
-                 "up to %d fields / %d options)", len(self._graphs), time.perf_counter() - t0,
-                 self.memory_buckets[-1], self.schema_buckets[-1][0] - 1, self.schema_buckets[-1][1])
+                 "up to %d fields / %d options); the first decision agrees with the eager head to %.2g",
+                 len(self._graphs), seconds, self.memory_buckets[-1], self.schema_buckets[-1][0] - 1,
+                 self.schema_buckets[-1][1], diff)
+
+    def _give_up(self, why: str, *args) -> None:
+        self._failed = True
+        self._graphs.clear()
+        self._pool = self._inputs = None
+        log.warning("clef head graphs: " + why + "; the joint head runs eagerly from now on", *args)
 
     def _capture(self, fields_: int, options: int, memory: int):
         inputs = self._inputs
