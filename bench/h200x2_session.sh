@@ -56,7 +56,7 @@
 # PLAN=sixteenth1 (one GPU): fifteenth1's head-graph jobs again, FP8 last.
 # PLAN=seventeenth1 (one GPU; not run yet): the head graphs A/B through the server on one machine (short sweep
 #        with raw, then the same server with --head-graphs off), their GPU check, latency.py graphs vs eagerhead,
-#        and the tiny parity with the head graphs on.
+#        the tiny parity with the head graphs on, and FP8 short c=1 server vs raw (the 20 ms target through HTTP).
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -252,6 +252,8 @@ seventeenth1_queue0)
   job latency_headgraphs 0 420 python3 bench/latency.py --modes graphs,eagerhead --ckpt "$NINE" \
       --out "$S/latency_headgraphs/latency.json"
   job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  job short_9b_fp8 0 400 env "${SHORT[@]}" CONC=1 LABEL=9b-dummy-fp8-headgraphs-c1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8" RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8833
   touch "$S/all.done"
   log "all done"
   ;;
