@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
-from clef_vllm.worker.prefill_graphs import GraphStats
+from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph
 
 log = logging.getLogger("clef_vllm")
 
@@ -165,7 +165,7 @@ class HeadGraphRunner:
         if self._failed:
             return self._fallback("capture_failed")
         if not self._graphs:
-            self._capture_all(batch)
+            self._capture_all(batch, schema, memory)
             if self._failed:
                 return self._fallback("capture_failed")
         return self._replay(batch, schema, memory)
@@ -181,28 +181,27 @@ class HeadGraphRunner:
         self.stats.fallbacks[reason] += 1
         return None
 
-    def _capture_all(self, like: DecisionBatch) -> None:
+    def _capture_all(self, like: DecisionBatch, schema: tuple[int, int], memory: int) -> None:
+        """Capture every bucket's graph, then check the graph of ``like``'s bucket against the eager head."""
         cfg = self.head.config
         self._inputs = StaticInputs(cfg.hidden_size, cfg.width, max(f for f, _ in self.schema_buckets),
                                     max(n for _, n in self.schema_buckets), self.memory_buckets[-1],
                                     self.head.dtype, like.memory.device)
         t0 = time.perf_counter()
-        for memory in reversed(self.memory_buckets):        # the largest first: it sizes the shared pool
+        for rows in reversed(self.memory_buckets):          # the largest first: it sizes the shared pool
             for fields_, options in self.schema_buckets:
                 try:
-                    self._graphs[(fields_, options, memory)] = self._capture(fields_, options, memory)
+                    self._graphs[(fields_, options, rows)] = self._capture(fields_, options, rows)
                     self.stats.captures += 1
                 except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
                     # A failed capture leaves its memory pool unusable for later captures (the caching
                     # allocator asserts): give up on head graphs altogether, not just on this bucket.
                     self._give_up("capture for %d fields, %d options, %d memory rows failed (%s: %s)",
-                                  fields_, options, memory, type(exc).__name__, exc)
+                                  fields_, options, rows, type(exc).__name__, exc)
                     return
         seconds = time.perf_counter() - t0
-        lay = like.layout
-        schema = choose_schema(len(lay.type_ids), len(lay.option_field), self.schema_buckets)
-        eager = self.head.probabilities(self.head.decide(like), lay)
-        graph = self._replay(like, schema, choose_memory(like.memory.shape[1], self.memory_buckets))
+        eager = self.head.probabilities(self.head.decide(like), like.layout)
+        graph = self._replay(like, schema, memory)
         diff = float((graph - eager).abs().max()) if bool(torch.isfinite(graph).all()) else float("inf")
         if not diff <= SELF_CHECK_TOLERANCE:
             self._give_up("the first decision from a graph differs from the eager head by %.3g (allowed %g)",
@@ -224,18 +223,9 @@ class HeadGraphRunner:
         inputs.lengths[0].fill_(memory)
         inputs.lengths[1].fill_(fields_ - 1)
         inputs.option_field[:options].fill_(fields_ - 1)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                 # library handles and workspaces outside the capture
-            padded_probabilities(self.head, inputs, fields_, options, memory)
-            padded_probabilities(self.head, inputs, fields_, options, memory)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = padded_probabilities(self.head, inputs, fields_, options, memory)
-        return graph, out
+        return capture_graph(lambda: padded_probabilities(self.head, inputs, fields_, options, memory), self._pool)
 
     def describe(self) -> dict:
         return {"graphs": len(self._graphs), "replays": self.stats.replays, "captures": self.stats.captures,

@@ -209,6 +209,23 @@ def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels) -> None:
 # --------------------------------------------------------------------------- runner
 
 
+def capture_graph(body: Callable[[], Any], pool) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """Capture ``body()`` into a CUDA graph in the memory pool ``pool`` (graphs of one runner share it:
+    they replay one after another), after running it twice on a side stream so that autotuning, JIT
+    compiles and library workspaces happen outside the capture. Returns the graph and what the
+    captured call returned (its static output). Used by this runner and the head graphs'."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = body()
+    return graph, out
+
+
 @dataclass
 class GraphStats:
     """Counters of a graph runner (this one and :mod:`clef_vllm.worker.head_graphs`)."""
@@ -341,17 +358,9 @@ class GdnGraphRunner:
             bucket.lines.fill_(SCRATCH_LINE)
             bucket.has_init.fill_(False)
             bucket.set_length(bucket.size)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):                   # autotune / JIT outside the capture
-                body()
-                body()
-            torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                body()
+            graph, _ = capture_graph(body, self._pool)
         except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
             self._broken.add(key)
             log.warning("clef prefill graphs: capture for %s at %d tokens failed (%s: %s); that bucket uses "
