@@ -89,7 +89,7 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["clef_head_dtype"] == "float32"
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
     assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
-    assert cfg.additional_config["clef_head_graphs"] == {}              # on by default
+    assert cfg.additional_config["clef_head_graphs"] is True           # on by default
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
                                           prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
@@ -97,6 +97,28 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # the worker beside the scheduler, with data parallelism too (vLLM's CPU platform swaps in "mp" here)
     assert engine_kwargs(tiny_release, data_parallel_size=2)["distributed_executor_backend"] == "uni"
     assert not {"clef_prefill_graphs", "clef_head_graphs", "clef_state_cache"} & set(off.additional_config)
+
+
+def test_the_plugins_graphs_need_the_backends_setting_and_a_cuda_device(monkeypatch, caplog):
+    """One rule for both graph runners: off unless the backend set their key, and off (logged) on a
+    machine without CUDA, where nothing could be captured."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY
+    from clef_vllm.worker.model import ClefFlashForDecision
+
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    setting = ClefFlashForDecision._graph_setting
+    config = SimpleNamespace(additional_config={PREFILL_GRAPHS_KEY: {"buckets": [64]}, HEAD_GRAPHS_KEY: True})
+    assert setting(SimpleNamespace(additional_config=None), HEAD_GRAPHS_KEY, "head") is None
+    assert setting(config, HEAD_GRAPHS_KEY, "head") is None and "clef head graphs: off (no CUDA device)" in caplog.text
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert setting(config, HEAD_GRAPHS_KEY, "head") is True
+    assert setting(config, PREFILL_GRAPHS_KEY, "prefill") == {"buckets": [64]}
+    assert setting(SimpleNamespace(additional_config={}), PREFILL_GRAPHS_KEY, "prefill") is None
 
 
 def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_release):

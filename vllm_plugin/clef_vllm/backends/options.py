@@ -151,7 +151,7 @@ def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     if opts.head_graphs:
         from clef_vllm.contract import HEAD_GRAPHS_KEY
 
-        kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = {}
+        kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = True
 
 
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:

@@ -141,14 +141,23 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         return StateCacheSettings(vllm_config.cache_config, per_token,
                                   vllm_config.cache_config.gpu_memory_utilization, capacity)
 
-    def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
-        """The joint head's graph runner when the backend asked for it (CUDA only)."""
-        if HEAD_GRAPHS_KEY not in (vllm_config.additional_config or {}):
+    @staticmethod
+    def _graph_setting(vllm_config: VllmConfig, key: str, name: str):
+        """The backend's setting for one of the plugin's graph runners (``None``: not asked for, or no
+        CUDA device to capture on)."""
+        setting = (vllm_config.additional_config or {}).get(key)
+        if not setting:
             return None
         from vllm.platforms import current_platform
 
         if not current_platform.is_cuda():
-            log.info("clef head graphs: off (no CUDA device)")
+            log.info("clef %s graphs: off (no CUDA device)", name)
+            return None
+        return setting
+
+    def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
+        """The joint head's graph runner when the backend asked for it (CUDA only)."""
+        if self._graph_setting(vllm_config, HEAD_GRAPHS_KEY, "head") is None:
             return None
         runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len)
         log.info("clef head graphs: a step finishing one request runs the joint head from a CUDA graph "
@@ -157,13 +166,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
         """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
-        setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
-        if not setting:
-            return None
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cuda():
-            log.info("clef prefill graphs: off (no CUDA device)")
+        setting = self._graph_setting(vllm_config, PREFILL_GRAPHS_KEY, "prefill")
+        if setting is None:
             return None
         buckets = setting.get("buckets") if isinstance(setting, dict) else None
         runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS,
