@@ -57,6 +57,9 @@
 # PLAN=seventeenth1 (one GPU; not run yet): the head graphs A/B through the server on one machine (short sweep
 #        with raw, then the same server with --head-graphs off), their GPU check, latency.py graphs vs eagerhead,
 #        the tiny parity with the head graphs on, and FP8 short c=1 server vs raw (the 20 ms target through HTTP).
+# PLAN=eighteenth1 (one GPU): with the head graphs, the state cache's follow-ups at c=1 (4k and 16k states, plus
+#        short, --state-cache on) in BF16 and FP8, FP8 short c=1 with the cache off, and the tiny server's
+#        short req/s at c=16/64.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -165,7 +168,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -229,7 +232,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -254,6 +257,20 @@ seventeenth1_queue0)
   job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   job short_9b_fp8 0 400 env "${SHORT[@]}" CONC=1 LABEL=9b-dummy-fp8-headgraphs-c1 \
       SERVER_ARGS="--load-format dummy --quantization fp8" RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8833
+  touch "$S/all.done"
+  log "all done"
+  ;;
+eighteenth1_queue0)
+  FOLLOW=(WORKLOADS=shared-state,short CONC=1 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=360
+          BENCH_TIMEOUT=300 "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server)
+  job follow_9b_bf16 0 360 env "${FOLLOW[@]}" LABEL=9b-dummy-bf16-cache-on-c1 \
+      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8841
+  job follow_9b_fp8 0 360 env "${FOLLOW[@]}" LABEL=9b-dummy-fp8-cache-on-c1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on" bash bench/gpu_bench.sh "$NINE" 8842
+  job short_9b_fp8 0 300 env "${SHORT[@]}" CONC=1 PHASES=server LABEL=9b-dummy-fp8-headgraphs-c1b \
+      SERVER_ARGS="--load-format dummy --quantization fp8" bash bench/gpu_bench.sh "$NINE" 8843
+  job short_tiny 0 240 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-short \
+      bash bench/gpu_bench.sh "$TINY" 8844
   touch "$S/all.done"
   log "all done"
   ;;
