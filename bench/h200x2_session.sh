@@ -60,6 +60,9 @@
 # PLAN=eighteenth1 (one GPU): with the head graphs, the state cache's follow-ups at c=1 (4k and 16k states, plus
 #        short, --state-cache on) in BF16 and FP8, FP8 short c=1 with the cache off, and the tiny server's
 #        short req/s at c=16/64.
+# PLAN=nineteenth1 (one GPU; not run yet): why online FP8 is faster than BF16 in process but slower through the
+#        server and raw AsyncLLM: latency.py FP8 (ours and raw) with the engine core in process, then in its own
+#        process as the server runs it, and BF16 in its own process.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -168,7 +171,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -232,7 +235,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -271,6 +274,16 @@ eighteenth1_queue0)
       SERVER_ARGS="--load-format dummy --quantization fp8" bash bench/gpu_bench.sh "$NINE" 8843
   job short_tiny 0 240 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-short \
       bash bench/gpu_bench.sh "$TINY" 8844
+  touch "$S/all.done"
+  log "all done"
+  ;;
+nineteenth1_queue0)
+  job latency_fp8 0 420 python3 bench/latency.py --modes graphs,raw --quantization fp8 --ckpt "$NINE" \
+      --out "$S/latency_fp8/latency.json"
+  job latency_fp8_process 0 360 python3 bench/latency.py --modes graphs,raw --quantization fp8 --engine-process \
+      --ckpt "$NINE" --out "$S/latency_fp8_process/latency.json"
+  job latency_bf16_process 0 300 python3 bench/latency.py --modes graphs,raw --engine-process --ckpt "$NINE" \
+      --out "$S/latency_bf16_process/latency.json"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -21,7 +21,11 @@ launches, the ops with the most host and GPU time, where the GPU idles per reque
 that idle time falls inside the worker's GDN cores and the joint head: ``gpu_phases``). Output: one
 JSON object per mode (and --out FILE).
 
-    python3 bench/latency.py [--modes graphs,nographs] [--quantization fp8] [--ckpt DIR] [--out FILE]
+``--engine-process`` runs vLLM's engine core in a process of its own, as the server and raw vLLM's
+AsyncLLM do (the profiler cannot see into it: no profile, timings only). It separates what the
+process split costs from what the engine costs.
+
+    python3 bench/latency.py [--modes graphs,nographs] [--quantization fp8] [--engine-process] [--ckpt DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -103,8 +107,9 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
     }
 
 
-def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False) -> dict:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False,
+             engine_process: bool = False) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     os.environ["CLEF_VLLM_PROFILE_PHASES"] = "1"     # the worker marks its phases (clef_vllm.trace.PHASE_NAMES)
     import torch
     from vllm import LLM, PoolingParams, TokensPrompt
@@ -145,7 +150,9 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     for n in (64, 300, 400, 417, 1000, 1024, 4096):          # every kernel specialisation and graph bucket
         once([prompt(n, n)])
         once([prompt(n, n + 1)])
-    res = {"mode": mode, "quantization": quantization, "engine_start_s": round(start_s, 1)}
+    res = {"mode": mode, "quantization": quantization, "engine_process": engine_process,
+           "engine_start_s": round(start_s, 1)}
+    profile = (lambda request, n=5: {}) if engine_process else profiled    # the profiler sees this process only
     if not followups_only:
         for n in LENGTHS:
             walls = [once([prompt(n, 1000 + i)]) for i in range(20)]
@@ -153,7 +160,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
         batch = [prompt(400, 9000 + i) for i in range(256)]
         once(batch[:64])
         res["batch256x400_tok_s"] = round(256 * 400 / once(batch) * 1000)
-        res.update(profiled(lambda i: once([prompt(400, 7000 + i)])))
+        res.update(profile(lambda i: once([prompt(400, 7000 + i)])))
     if mode in CACHE_MODES:     # follow-ups on one cached state: STATE_TOKENS shared, 400 new tokens each
         state = prompt(STATE_TOKENS, 4242)["prompt_token_ids"]
 
@@ -163,7 +170,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
 
         res["followup_first_ms"] = round(follow_up(0), 1)
         res["followup_p50_ms"] = round(statistics.median(follow_up(i) for i in range(1, 21)), 1)
-        res["followup"] = profiled(lambda i: follow_up(100 + i))
+        res["followup"] = profile(lambda i: follow_up(100 + i))
         small = prompt(BURST_STATE, 4343)["prompt_token_ids"]
 
         def burst(n: int, seed: int) -> float:     # n follow-ups on the 4k state, submitted together
@@ -173,7 +180,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
         burst(2, 60000)                             # the state is cached from its second request on
         res["burst_ms"] = {n: round(statistics.median(burst(n, 61000 + 1000 * k) for k in range(3)), 1)
                            for n in (1, 16, 64)}
-        res["burst64"] = profiled(lambda i: burst(64, 70000 + 1000 * i), n=2)
+        res["burst64"] = profile(lambda i: burst(64, 70000 + 1000 * i), n=2)
     if mode != "raw":
         def report(worker):
             model = worker.model_runner.model
@@ -203,13 +210,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--followups-only", action="store_true",
                     help="cache modes: only the follow-ups and bursts (no single lengths, batch or 400-token profile)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine core in its own process, as in the server (timings only, no profile)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON
     a = ap.parse_args()
     unknown = sorted(set(a.modes.split(",")) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
     if a.one:
-        print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization, a.followups_only)), flush=True)
+        print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization, a.followups_only,
+                                                        a.engine_process)), flush=True)
         return 0
     ckpt = a.ckpt
     if ckpt is None:
@@ -224,6 +234,8 @@ def main() -> int:
             cmd += ["--quantization", a.quantization]
         if a.followups_only:
             cmd.append("--followups-only")
+        if a.engine_process:
+            cmd.append("--engine-process")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         res = json.loads(lines[-1]) if lines else {"mode": mode, "error": proc.returncode,
