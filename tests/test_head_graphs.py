@@ -2,7 +2,7 @@
 
 The CUDA capture itself needs a GPU (tests/gpu/head_graphs.py); everything it replays is the
 function tested here on the CPU: the padded batch built from the static buffers, with stale values
-from earlier requests left in every padded row.
+from earlier requests left in every padded row, slot and record.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from clef_vllm.features import RecordAccumulator, accumulate, decide_records
 from clef_vllm.tables import DenseTable
-from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, HeadGraphRunner, StaticInputs,
-                                          choose_memory, choose_schema, padded_probabilities)
+from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
+                                          StaticInputs, choose_memory, choose_schema, graph_buckets,
+                                          padded_probabilities, record_buckets)
 from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
 
 
 class Recorder:
-    """Stands in for the runner: keeps the single-record batch ``decide_records`` built, answers eagerly."""
+    """Stands in for the runner: keeps the batch ``decide_records`` built, answers eagerly."""
 
     def __init__(self):
         self.batches = []
@@ -32,11 +33,20 @@ class Recorder:
         return None
 
 
-def eager_and_batch(head, table, record):
-    acc = RecordAccumulator(spec_of(*record))
-    accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+def finished(head, records):
+    """Accumulators of ``records`` finishing in one step (their hidden states in one tensor)."""
+    accs = [RecordAccumulator(spec_of(*r)) for r in records]
+    offsets = [sum(r[0].shape[0] for r in records[:i]) for i in range(len(records))]
+    accumulate(head, torch.cat([r[0] for r in records]),
+               [(a, o, r[0].shape[0], 0) for a, o, r in zip(accs, offsets, records)])
+    return accs
+
+
+def eager_and_batch(head, table, *records):
+    """The eager head's probabilities of ``records`` finishing together (options concatenated) and the
+    batch ``decide_records`` built for them."""
     recorder = Recorder()
-    probs = decide_records(head, table, [acc], recorder)[0]
+    probs = torch.cat(decide_records(head, table, finished(head, records), recorder))
     (batch,) = recorder.batches
     return probs, batch
 
@@ -50,28 +60,48 @@ def test_bucket_choice():
     assert choose_memory(400) == 512 and choose_memory(128) == 128 and choose_memory(129) == 256
     assert choose_memory(MEMORY_BUCKETS[-1] + 1) is None
     assert all(f > 1 for f, _ in SCHEMA_BUCKETS)
+    assert record_buckets(1) == (1,) and record_buckets(16) == (1, 2, 4, 8, 16) and record_buckets(5) == (1, 2, 4)
+    # one record: every schema and memory bucket; several: the short decisions' buckets only
+    memories = tuple(m for m in MEMORY_BUCKETS if m <= 16384)
+    assert len(graph_buckets((1,), SCHEMA_BUCKETS, memories)) == 5 * 14
+    several = graph_buckets((1, 2, 4, 8, 16), SCHEMA_BUCKETS, memories)
+    assert len(several) == 5 * 14 + 4 * 3 * 8
+    assert max(r * m for r, _, _, m in several) == 16 * SEVERAL_MEMORY_LIMIT
 
 
-def _padded_and_eager(dtype, cases, seed=11):
-    """Per record (alone in its bucket, stale finite values from 'earlier requests' in every padded
-    row and slot): the padded body's probabilities and the eager head's."""
-    head = random_head(SMALL).to(dtype)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype))
-    rng = random.Random(seed)
-    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, 65, 256, 512, dtype, "cpu")
+def _stale_inputs(buckets, dtype):
+    """Static buffers full of finite values from 'earlier requests'."""
+    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, buckets, dtype, "cpu")
     for buf in (inputs.memory, inputs.questions, inputs.contexts, inputs.lexical, inputs.last_state):
         buf.normal_(0, 3)
     inputs.type_ids.random_(0, 3)
     inputs.option_field.random_(0, 65)
+    inputs.memory_lengths.random_(1, 500)
+    inputs.field_lengths.random_(1, 60)
+    return inputs
+
+
+def _padded_and_eager(dtype, cases, seed=11, records=1):
+    """Per group of ``records`` records finishing together (padded to a record bucket, stale finite
+    values in every padded row, slot and record): the padded body's probabilities and the eager head's."""
+    head = random_head(SMALL).to(dtype)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype))
+    rng = random.Random(seed)
+    inputs = _stale_inputs([(1, 65, 256, 512), (8, 16, 64, 512)], dtype)
     out = []
-    for n_fields, length in cases:
-        record = random_record(rng, n_fields, length, SMALL.hidden_size)
-        want, batch = eager_and_batch(head, table, (record[0].to(dtype), *record[1:]))
-        fields, options = choose_schema(n_fields, len(want))
-        inputs.fill(batch, fields, options)
-        got = padded_probabilities(head, inputs, fields, options, choose_memory(record[0].shape[0]))
-        assert got.shape == (options,) and torch.isfinite(got).all()
-        out.append((got[:len(want)], want))
+    for k in range(0, len(cases), records):
+        group = [random_record(rng, n_fields, length, SMALL.hidden_size) for n_fields, length in cases[k:k + records]]
+        want, batch = eager_and_batch(head, table, *[(r[0].to(dtype), *r[1:]) for r in group])
+        lay = batch.layout
+        bucket = (record_buckets(8)[[r >= lay.num_records for r in record_buckets(8)].index(True)],
+                  *choose_schema(lay.max_fields, lay.max_options), choose_memory(batch.memory.shape[1]))
+        real = inputs.fill(batch, *bucket)
+        padded = inputs.batch(*bucket)
+        # no attention over an empty key set, also in padded records (some kernels answer NaN there)
+        assert not padded.memory_padding.all(1).any() and not padded.field_padding.all(1).any()
+        got = padded_probabilities(head, inputs, *bucket)
+        assert got.shape == (bucket[0] * bucket[2],) and torch.isfinite(got).all()
+        out.append((got.index_select(0, real), want))
     return out
 
 
@@ -84,6 +114,16 @@ def test_padded_body_equals_the_eager_head(dtype, atol):
     1e-12, in float32 to rounding."""
     for got, want in _padded_and_eager(dtype, CASES):
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("records", [2, 3, 5])
+def test_padded_body_of_several_records_equals_the_eager_head(records):
+    """Several records finishing in one step, padded to a record bucket (2, 4, 8: a padded record's
+    one unmasked row and field are stale values) and each to the bucket's fields, options and memory:
+    float64 equals the eager head to 1e-12."""
+    cases = [(1, 20), (3, 75), (2, 41), (4, 120), (7, 300), (9, 200), (2, 33), (5, 90), (1, 17), (6, 250)]
+    for got, want in _padded_and_eager(torch.float64, cases, seed=records, records=records):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
 def test_padded_body_adds_no_error_in_bf16():
@@ -105,17 +145,19 @@ def test_the_spare_field_is_masked():
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
     record = random_record(random.Random(5), 3, 60, SMALL.hidden_size)
     want, batch = eager_and_batch(head, table, record)
-    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, 8, 32, 128, torch.float32, "cpu")
+    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, [(1, 8, 32, 128)], torch.float32, "cpu")
     inputs.questions.normal_(0, 3)
-    inputs.fill(batch, 8, 32)
-    inputs.lengths[1].fill_(8)                      # claim every field slot is real
-    got = padded_probabilities(head, inputs, 8, 32, 128)
-    assert (got[:len(want)] - want).abs().max() > 1e-3
+    real = inputs.fill(batch, 1, 8, 32, 128)
+    torch.testing.assert_close(padded_probabilities(head, inputs, 1, 8, 32, 128).index_select(0, real), want,
+                               atol=2e-5, rtol=0)
+    inputs.field_lengths[0].fill_(8)                # claim every field slot is real
+    got = padded_probabilities(head, inputs, 1, 8, 32, 128)
+    assert (got.index_select(0, real) - want).abs().max() > 1e-3
 
 
 def test_runner_falls_back_without_a_graph():
-    """Off CUDA, for several records, or beyond the largest buckets, the runner answers None (the
-    caller runs the eager head) and counts why."""
+    """Off CUDA, for more records than its largest record bucket, or beyond the largest buckets, the
+    runner answers None (the caller runs the eager head) and counts why."""
     head = random_head(SMALL)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
     runner = HeadGraphRunner(head, max_memory=1000)
@@ -135,7 +177,16 @@ def test_runner_falls_back_without_a_graph():
     accumulate(head, long_[0], [(acc, 0, long_[0].shape[0], 0)])
     decide_records(head, table, [acc], runner)
     assert runner.describe() == {"graphs": 0, "replays": 0, "captures": 0, "failed": False,
-                                 "fallbacks": {"not_cuda": 1, "memory": 1}}
+                                 "fallbacks": {"not_cuda": 1, "records": 1, "memory": 1}}
+    several = HeadGraphRunner(head, max_records=4)
+    short, long_ = (random_record(rng, 2, n, SMALL.hidden_size) for n in (40, SEVERAL_MEMORY_LIMIT + 1))
+    assert several.choose(eager_and_batch(head, table, short, short)[1]) == (2, 4, 16, 128)
+    assert several.choose(eager_and_batch(head, table, *[short] * 5)[1]) == "records"
+    assert several.choose(eager_and_batch(head, table, short, long_)[1]) == "memory"     # short decisions only
+    assert several.choose(eager_and_batch(head, table, long_)[1]) == (1, 4, 16, 3072)
+    many = random_record(rng, 16, 60, SMALL.hidden_size)                                 # 16 fields
+    assert several.choose(eager_and_batch(head, table, many, short)[1]) == "schema"
+    assert several.choose(eager_and_batch(head, table, many)[1])[:3] == (1, 32, 128)
 
 
 #: Ops that, on a GPU, copy host data to the device or wait for the device: each synchronises the host
@@ -160,13 +211,19 @@ def test_the_graph_body_never_touches_host_data():
     The op log is taken on the CPU; on a GPU each such op would synchronise (eager) or fail (capture)."""
     head = random_head(SMALL)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
-    want, batch = eager_and_batch(head, table, random_record(random.Random(2), 3, 50, SMALL.hidden_size))
-    inputs = StaticInputs(SMALL.hidden_size, SMALL.width, 8, 32, 128, torch.float32, "cpu")
-    inputs.fill(batch, 8, 32)
-    with OpLog() as log:
-        padded_probabilities(head, inputs, 8, 32, 128)
-    assert len(log.ops) > 100
-    assert not [op for op in log.ops if op.startswith(HOST_SYNC_OPS)]
+    rng = random.Random(2)
+    for group, bucket in (([random_record(rng, 3, 50, SMALL.hidden_size)], (1, 8, 32, 128)),
+                          ([random_record(rng, n, 50 + 9 * n, SMALL.hidden_size) for n in (3, 1, 2)], (4, 8, 32, 128))):
+        want, batch = eager_and_batch(head, table, *group)
+        inputs = StaticInputs(SMALL.hidden_size, SMALL.width, [bucket], torch.float32, "cpu")
+        with OpLog() as log:
+            real = inputs.fill(batch, *bucket)          # between steps, outside the graph: no host sync either
+        assert not [op for op in log.ops if op.startswith(HOST_SYNC_OPS)]
+        with OpLog() as log:
+            got = padded_probabilities(head, inputs, *bucket)
+        assert len(log.ops) > 100
+        assert not [op for op in log.ops if op.startswith(HOST_SYNC_OPS)]
+        torch.testing.assert_close(got.index_select(0, real), want, atol=2e-5, rtol=0)
     # and the check sees the old mask: a Python scalar assigned through an index
     mask = torch.ones(1, 8, dtype=torch.bool)
     with OpLog() as log:
@@ -176,25 +233,25 @@ def test_the_graph_body_never_touches_host_data():
 
 class CpuGraphRunner(HeadGraphRunner):
     """The runner on the CPU: a "graph" re-runs the body into the static output tensor it returned at
-    capture (what a CUDA graph replay does), or, with ``broken``, writes what a graph reading a wrong
-    buffer might (uniform probabilities)."""
+    capture (what a CUDA graph replay does), or, when ``broken`` (True, or a record bucket), writes what
+    a graph reading a wrong buffer might (uniform probabilities)."""
 
     device_type = "cpu"
 
-    def __init__(self, *args, broken: bool = False, **kwargs):
+    def __init__(self, *args, broken: bool | int = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.broken = broken
 
-    def _capture(self, fields_, options, memory):
-        out = padded_probabilities(self.head, self._inputs, fields_, options, memory)
+    def _capture(self, *bucket):
+        out = padded_probabilities(self.head, self._inputs, *bucket)
         runner = self
 
         class Graph:
             def replay(self):
-                if runner.broken:
+                if runner.broken is True or runner.broken == bucket[0]:
                     out.fill_(0.5)
                 else:
-                    out.copy_(padded_probabilities(runner.head, runner._inputs, fields_, options, memory))
+                    out.copy_(padded_probabilities(runner.head, runner._inputs, *bucket))
 
         return Graph(), out
 
@@ -234,3 +291,44 @@ def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
     info = runner.describe()
     assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
     assert "differs from the eager head" in caplog.text
+
+
+def test_the_runner_answers_steps_of_several_requests_like_the_eager_head(caplog):
+    """Steps finishing 1-4 requests through one runner (record buckets 1, 2, 4): every answer equals the
+    eager head's, each record bucket is checked once against the eager head at its first decision, and
+    a fifth request at once takes the eager head."""
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    runner = CpuGraphRunner(head, max_memory=512, max_records=4, schema_buckets=SCHEMA_BUCKETS[:3])
+    rng = random.Random(8)
+    steps = [[(2, 40)], [(5, 300), (1, 20)], [(3, 75), (2, 41), (7, 130)], [(1, 20), (4, 200), (2, 60), (3, 90)],
+             [(2, 40)] * 5, [(6, 110), (2, 500)]]
+    for step in steps:
+        accs = finished(head, [random_record(rng, n, length, SMALL.hidden_size) for n, length in step])
+        want = decide_records(head, table, accs)
+        got = decide_records(head, table, accs, runner)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+    info = runner.describe()
+    assert info["graphs"] == info["captures"] == 3 * 4 + 2 * 3 * 4 and not info["failed"]
+    assert info["replays"] == 5 + 3                # five graphed steps + one self-check per record bucket
+    assert info["fallbacks"] == {"records": 1}
+    assert caplog.text.count("agrees with the eager head") == 3
+
+
+def test_a_record_bucket_whose_graphs_disagree_drops_every_graph(caplog):
+    """One record's graphs agree; the two-record graphs read a wrong buffer: at the first two-record step
+    the runner drops every graph and answers from the eager head from then on, one record too."""
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    runner = CpuGraphRunner(head, max_memory=256, max_records=2, schema_buckets=SCHEMA_BUCKETS[:1], broken=2)
+    rng = random.Random(9)
+    one, two = finished(head, [random_record(rng, 2, 40, SMALL.hidden_size)]), finished(
+        head, [random_record(rng, 2, 40, SMALL.hidden_size) for _ in range(2)])
+    for accs in (one, two, one):
+        for g, w in zip(decide_records(head, table, accs, runner), decide_records(head, table, accs), strict=True):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+    info = runner.describe()
+    assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
+    assert "the first decision of 2 record(s) from a graph differs" in caplog.text

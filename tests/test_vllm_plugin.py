@@ -89,7 +89,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["clef_head_dtype"] == "float32"
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
     assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
-    assert cfg.additional_config["clef_head_graphs"] is True           # on by default
+    assert cfg.additional_config["clef_head_graphs"] == {"records": 1}     # on by default, one request per step
+    more = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=16))
+    assert more.additional_config["clef_head_graphs"] == {"records": 16}
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
                                           prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
@@ -112,11 +114,11 @@ def test_the_plugins_graphs_need_the_backends_setting_and_a_cuda_device(monkeypa
 
     caplog.set_level(logging.INFO, logger="clef_vllm")
     setting = ClefFlashForDecision._graph_setting
-    config = SimpleNamespace(additional_config={PREFILL_GRAPHS_KEY: {"buckets": [64]}, HEAD_GRAPHS_KEY: True})
+    config = SimpleNamespace(additional_config={PREFILL_GRAPHS_KEY: {"buckets": [64]}, HEAD_GRAPHS_KEY: {"records": 4}})
     assert setting(SimpleNamespace(additional_config=None), HEAD_GRAPHS_KEY, "head") is None
     assert setting(config, HEAD_GRAPHS_KEY, "head") is None and "clef head graphs: off (no CUDA device)" in caplog.text
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    assert setting(config, HEAD_GRAPHS_KEY, "head") is True
+    assert setting(config, HEAD_GRAPHS_KEY, "head") == {"records": 4}
     assert setting(config, PREFILL_GRAPHS_KEY, "prefill") == {"buckets": [64]}
     assert setting(SimpleNamespace(additional_config={}), PREFILL_GRAPHS_KEY, "prefill") is None
 
@@ -143,7 +145,8 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"max_num_seq": 4}, "unknown option 'max_num_seq'"),
                        ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be <= 1.0"),
                        ({"max_num_seqs": "8"}, "'max_num_seqs' must be int"),
-                       ({"dtype": "float32"}, "head_dtype")):
+                       ({"dtype": "float32"}, "head_dtype"),
+                       ({"head_graph_records": 3}, "'head_graph_records' must be one of")):
         with pytest.raises(OptionError, match=match):
             engine_kwargs(tiny_release, **bad)
 
@@ -290,9 +293,9 @@ def test_pooler_handles_warmup_calls_without_params_and_bad_specs(release_model,
 
 
 @torch.inference_mode()
-def test_pooler_gives_the_head_graphs_a_step_that_finishes_one_client_request(release_model, encoder):
-    """The head-graph runner sees a step that finishes exactly one client request (its answer is the
-    runner's); vLLM's own warm-up requests and a step finishing several requests run the eager head."""
+def test_pooler_gives_the_head_graphs_every_step_that_finishes_client_requests(release_model, encoder):
+    """The head-graph runner sees every step that finishes client requests (its answer is theirs; it
+    picks the steps it can graph); a step with vLLM's own warm-up requests runs the eager head."""
     from vllm.v1.pool.metadata import PoolingStates
 
     class Runner:
@@ -317,7 +320,12 @@ def test_pooler_gives_the_head_graphs_a_step_that_finishes_one_client_request(re
         lens = [s.num_tokens for s in specs[:2]]
         md = vllm_cpu.pooling_metadata(specs[:2], lens, lens, [PoolingStates(), PoolingStates()])
         out = m.pooler(torch.cat(hidden[:2]), md)
-        assert len(runner.options) == 1 and all((o < 1).all() for o in out)
+        assert runner.options[1:] == [specs[0].num_options + specs[1].num_options]
+        assert [len(o) for o in out] == [specs[0].num_options, specs[1].num_options]
+        assert all(torch.equal(o, torch.full_like(o, 7.0)) for o in out)
+        md = vllm_cpu.pooling_metadata([specs[0], None], [n, 64], [n, 64], [PoolingStates(), PoolingStates()])
+        out = m.pooler(torch.cat([hidden[0], torch.randn(64, m.config.hidden_size).to(torch.bfloat16)]), md)
+        assert len(runner.options) == 2 and all((o < 1).all() for o in out)      # with a warm-up request: eager
     finally:
         m.pooler.head_graphs = None
 

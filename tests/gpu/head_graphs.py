@@ -7,8 +7,12 @@
    at the first decision, which is timed): max |dp|, how many bit-identical, top-answer flips;
    every case replayed a second time and decided eagerly a second time (how reproducible each
    path is by itself). Exit 1 on a failed capture, no replay, a non-finite answer or a flip.
-2. **time** for one 400-token, 3-field decision (the latency case): host time to issue the head's
-   work and wall time to its result, eager vs graph, median of 50.
+2. **several**: with ``--records R`` (default 16), ``--n`` / 4 random steps finishing 2-R requests at
+   once (1-8 fields, 30-2,000 memory rows each), eager vs graph, the same measures (steps beyond the
+   several-record buckets fall back; their count is reported).
+3. **time** for one 400-token, 3-field decision (the latency case), and for a step finishing 16 of
+   them when R is 16: host time to issue the head's work and wall time to its result, eager vs
+   graph, median of 50.
 
 Results: ``$OUT/head_graphs.json``.
 """
@@ -30,6 +34,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--records", type=int, default=16, help="the runner's largest record bucket (1-16)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no graphs there)")
     args = ap.parse_args()
     import torch
@@ -46,7 +51,7 @@ def main() -> int:
     vocab = 4096
     table = Int8RowTable(*quantize_rows(torch.randn(vocab, CFG.hidden_size) * 0.02))
     table.weight, table.scale = table.weight.to(dev), table.scale.to(dev)
-    runner = HeadGraphRunner(head, max_memory=8192)
+    runner = HeadGraphRunner(head, max_memory=8192, max_records=args.records)
     rng = random.Random(1)
 
     def record(n_fields: int, length: int):
@@ -54,11 +59,28 @@ def main() -> int:
         ids = [i % vocab for i in ids]
         return X.to(dev, torch.bfloat16), ids, fields
 
+    def decide_step(recs, graphs):
+        """One step in which ``recs`` all finish: their options' probabilities, concatenated."""
+        accs = [RecordAccumulator(spec_of(*r)) for r in recs]
+        offsets = [sum(r[0].shape[0] for r in recs[:i]) for i in range(len(recs))]
+        accumulate(head, torch.cat([r[0] for r in recs]), [(a, o, r[0].shape[0], 0) for a, o, r in zip(accs, offsets, recs)])
+        return torch.cat(decide_records(head, table, accs, graphs))
+
     def decide(rec, graphs):
-        X = rec[0]
-        acc = RecordAccumulator(spec_of(*rec))
-        accumulate(head, X, [(acc, 0, X.shape[0], 0)])
-        return decide_records(head, table, [acc], graphs)[0]
+        return decide_step([rec], graphs)
+
+    def compare(graph, eager, again, eager_again):
+        diffs = [(g - e).abs().max().item() for g, e in zip(graph, eager)]
+        return {
+            "cases": len(graph), "max_abs_dp": max(diffs), "median_abs_dp": statistics.median(diffs),
+            "bit_identical": sum(torch.equal(g, e) for g, e in zip(graph, eager)),
+            "replay_again_identical": sum(torch.equal(g, a) for g, a in zip(graph, again)),
+            # the head's segment sums use atomic adds: the eager head is not bit-reproducible either
+            "eager_again_identical": sum(torch.equal(e, a) for e, a in zip(eager, eager_again)),
+            "eager_again_max_abs_dp": max((e - a).abs().max().item() for e, a in zip(eager, eager_again)),
+            "top_flips": sum(int(g.argmax() != e.argmax()) for g, e in zip(graph, eager)),
+            "finite": all(bool(torch.isfinite(g).all()) for g in graph),
+        }
 
     res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "head": CFG.to_dict()}
     with torch.inference_mode():
@@ -70,42 +92,50 @@ def main() -> int:
         graph += [decide(c, runner) for c in cases[1:]]
         again = [decide(c, runner) for c in reversed(cases)][::-1]
         eager_again = [decide(c, None) for c in cases]
-        diffs = [(g - e).abs().max().item() for g, e in zip(graph, eager)]
-        res["parity"] = {
-            "cases": len(cases), "max_abs_dp": max(diffs), "median_abs_dp": statistics.median(diffs),
-            "bit_identical": sum(torch.equal(g, e) for g, e in zip(graph, eager)),
-            "replay_again_identical": sum(torch.equal(g, a) for g, a in zip(graph, again)),
-            # the head's segment sums use atomic adds: the eager head is not bit-reproducible either
-            "eager_again_identical": sum(torch.equal(e, a) for e, a in zip(eager, eager_again)),
-            "eager_again_max_abs_dp": max((e - a).abs().max().item() for e, a in zip(eager, eager_again)),
-            "top_flips": sum(int(g.argmax() != e.argmax()) for g, e in zip(graph, eager)),
-            "finite": all(bool(torch.isfinite(g).all()) for g in graph),
-            "runner": runner.describe(),
-        }
+        res["parity"] = {**compare(graph, eager, again, eager_again), "runner": runner.describe()}
+        if args.records > 1:
+            steps = [[record(rng.randint(1, 8), rng.choice([30, 120, 400, 417, 1000, 2000]))
+                      for _ in range(rng.randint(2, args.records))] for _ in range(max(1, args.n // 4))]
+            before = runner.describe()
+            eager = [decide_step(s, None) for s in steps]
+            graph = [decide_step(s, runner) for s in steps]
+            again = [decide_step(s, runner) for s in reversed(steps)][::-1]
+            eager_again = [decide_step(s, None) for s in steps]
+            after = runner.describe()
+            res["parity_several"] = {**compare(graph, eager, again, eager_again),
+                                     "records": [len(s) for s in steps],
+                                     "replays": after["replays"] - before["replays"],
+                                     "fallbacks": after["fallbacks"], "runner": after}
 
         one = record(3, 400)
 
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-        def timed(graphs):
+        def timed(recs, graphs):
             sync()
             t0 = time.perf_counter()
-            p = decide(one, graphs)
+            p = decide_step(recs, graphs)
             t1 = time.perf_counter()
             sync()
             return (t1 - t0) * 1000, (time.perf_counter() - t0) * 1000, p
 
-        for graphs in (None, runner) * 5:
-            timed(graphs)
-        for name, graphs in (("eager", None), ("graph", runner)):
-            runs = [timed(graphs) for _ in range(50)]
-            res[f"time_{name}"] = {"host_ms_p50": round(statistics.median(r[0] for r in runs), 3),
-                                   "wall_ms_p50": round(statistics.median(r[1] for r in runs), 3)}
+        shapes = [("", [one])] + ([("_16", [one] * 16)] if args.records >= 16 else [])
+        for suffix, recs in shapes:
+            for graphs in (None, runner) * 5:
+                timed(recs, graphs)
+            for name, graphs in (("eager", None), ("graph", runner)):
+                runs = [timed(recs, graphs) for _ in range(50)]
+                res[f"time{suffix}_{name}"] = {"host_ms_p50": round(statistics.median(r[0] for r in runs), 3),
+                                               "wall_ms_p50": round(statistics.median(r[1] for r in runs), 3)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "head_graphs.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
     graphs = res["parity"]["runner"]
     ok = res["parity"]["finite"] and res["parity"]["top_flips"] == 0 and not graphs["failed"] and graphs["replays"] > 0
+    if "parity_several" in res:
+        several = res["parity_several"]
+        ok = ok and several["finite"] and several["top_flips"] == 0 and several["replays"] > 0 \
+            and not several["runner"]["failed"]
     return 0 if ok else 1
 
 

@@ -226,8 +226,9 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
                    graphs=None) -> list[torch.Tensor]:
     """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
 
-    ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides a single record
-    from a CUDA graph when it can; otherwise, and for several records, the head runs eagerly.
+    ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides the records from a
+    CUDA graph when it can (one record, or up to its largest record bucket); otherwise the head runs
+    eagerly.
 
     All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
     so the head's kernels queue behind the backbone's instead of stalling the step. Span means,
@@ -279,11 +280,9 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
                           last_state=torch.stack([r.last_state for r in records]),
                           question_state=questions, option_context=contexts,
                           option_lexical=lexical, layout=layout)
-    if graphs is not None and len(records) == 1:
-        probs = graphs.decide(batch)
-        if probs is not None:
-            return [probs]
-    probs = head.probabilities(head.decide(batch), layout)
+    probs = graphs.decide(batch) if graphs is not None else None
+    if probs is None:
+        probs = head.probabilities(head.decide(batch), layout)
     return list(probs.split([r.spec.num_options for r in records]))
 
 

@@ -147,11 +147,12 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
-    """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`)."""
+    """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
+    ``head_graph_records`` requests."""
     if opts.head_graphs:
         from clef_vllm.contract import HEAD_GRAPHS_KEY
 
-        kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = True
+        kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = {"records": opts.head_graph_records}
 
 
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
@@ -224,6 +225,10 @@ class VllmOptions(_Validated):
     head_graphs: bool = option(True, "run the joint head of a step that finishes one request from a CUDA graph "
                                "(default on; docs/latency.md)", flags=("--head-graphs",), engine=_head_graphs,
                                kind=bool)
+    head_graph_records: int = option(1, "with the head graphs on, graph steps that finish up to this many requests "
+                                     "(1, 2, 4, 8 or 16; default 1: several records are not measured yet; "
+                                     "docs/latency.md)", flags=("--head-graph-records",), kind=int,
+                                     choices=(1, 2, 4, 8, 16))
     state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
                                "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)

@@ -1,4 +1,4 @@
-"""Plugin-owned CUDA graphs for the joint head of a step that finishes ONE request.
+"""Plugin-owned CUDA graphs for the joint head of a step that finishes one request, or a few.
 
 Why: the head's decision (:meth:`JointSchemaHead.decide`: 2 evidence layers, 4 decoder layers,
 the scorers; ~200 small kernels) runs after the backbone, when the GPU has nothing else queued.
@@ -6,20 +6,25 @@ Launched one by one from Python its kernels leave the GPU idle most of the time:
 for one 400-token request on the H200 the head's kernels kept the GPU busy 0.8 ms of an 11.7 ms
 (profiled) stretch. Replaying them from a graph costs one launch.
 
-What: a step that finishes exactly one request (an interactive decision; every step at c=1)
-copies that request's decision inputs into static buffers padded to a *bucket* (fields, options,
-memory rows), replays the graph captured for the bucket and takes the first ``N`` probabilities.
-Everything before (span means, lexical rows, the index upload) stays as it is; a step finishing
-several requests and a schema or a memory longer than the largest bucket run the eager head, and
-after a capture fails every step does (logged once).
+What: a step that finishes ``R`` requests (``R`` up to the largest *record bucket*: 1 by default,
+``--head-graph-records`` up to 16) copies their decision inputs into static buffers padded to a
+*bucket* (records, field and option slots per record, memory rows per record), replays the graph
+captured for the bucket and gathers the real options' probabilities. Everything before (span means,
+lexical rows, the index upload) stays as it is. A step finishing more requests than the largest
+record bucket, a schema or a memory longer than the largest bucket (for several records: the short
+decisions' buckets only, :data:`SEVERAL_SCHEMA_LIMIT`, :data:`SEVERAL_MEMORY_LIMIT`) runs the eager
+head, and after a capture fails or a self-check disagrees every step does (logged once).
 
 Padding is exact in the math (and, in floating point, at the level of the kernels' shapes):
 
-* padded option rows sit in a field of their own (the bucket's last field slot, never a real one),
-  so no real field's softmax or option pooling sees them; option queries attend to the memory
-  only, so padded options change no real option's routing;
+* each record's padded option slots sit in a field of their own (the record's last field slot,
+  never a real one), so no real field's softmax or option pooling sees them; option queries attend
+  to their record's memory only, so padded options change no real option's routing;
 * padded field slots are masked as keys of the fields' self-attention (``field_padding``); the
-  memory rows past the request's length are masked as keys of every memory attention;
+  memory rows past a record's length are masked as keys of every memory attention;
+* a padded record (a slot past the step's last request) keeps one unmasked memory row and one
+  unmasked field slot, so none of its attentions is over an empty key set; nothing of it reaches a
+  real record (every attention is within one record) or the answer (only real options are gathered);
 * padded rows hold zeros or an earlier request's finite values, never NaN.
 
 See docs/latency.md ("Head graphs").
@@ -44,6 +49,13 @@ log = logging.getLogger("clef_vllm")
 SCHEMA_BUCKETS = ((4, 16), (8, 32), (16, 64), (32, 128), (65, 256))
 #: Memory rows (the request's prompt length) a decision can be padded to.
 MEMORY_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
+#: Finishing requests a step can be padded to (``--head-graph-records`` picks the largest in use).
+RECORD_BUCKETS = (1, 2, 4, 8, 16)
+#: With several records per graph only short decisions are graphed: schema buckets up to this one and
+#: memory buckets up to this many rows per record (a 16-record graph then holds 32,768 memory rows,
+#: as many as the largest single-record one at a 32k context).
+SEVERAL_SCHEMA_LIMIT = (16, 64)
+SEVERAL_MEMORY_LIMIT = 2048
 
 
 def choose_schema(num_fields: int, num_options: int,
@@ -62,59 +74,96 @@ def choose_memory(length: int, buckets: Sequence[int] = MEMORY_BUCKETS) -> int |
     return buckets[i] if i < len(buckets) else None
 
 
+def record_buckets(max_records: int) -> tuple[int, ...]:
+    """The record buckets in use when steps finishing up to ``max_records`` requests are graphed."""
+    return tuple(r for r in RECORD_BUCKETS if r <= max_records) or (1,)
+
+
+def graph_buckets(records: Sequence[int], schemas: Sequence[tuple[int, int]],
+                  memories: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Every (records, fields, options, memory rows) bucket a runner captures: all schema and memory
+    buckets for one record, the short decisions' ones for several."""
+    out = []
+    for r in records:
+        for fields_, options in schemas:
+            if r > 1 and (fields_, options) > SEVERAL_SCHEMA_LIMIT:
+                continue
+            out.extend((r, fields_, options, m) for m in memories if r == 1 or m <= SEVERAL_MEMORY_LIMIT)
+    return out
+
+
 class StaticInputs:
-    """The static input buffers of every head graph, at the largest bucket; a bucket's graph reads
-    leading views of them. Inputs start as zeros (finite padding from the first replay on)."""
+    """The static input buffers of every head graph, sized for the largest bucket of each kind; a
+    bucket's graph reads leading views of them (record ``r``'s field slots are ``r*F ... r*F+F-1``,
+    its option slots ``r*O ...``, its memory rows ``r*L ...`` of the flat memory). Inputs start as
+    zeros (finite padding from the first replay on)."""
 
-    def __init__(self, hidden: int, width: int, max_fields: int, max_options: int, max_memory: int,
+    def __init__(self, hidden: int, width: int, buckets: Sequence[tuple[int, int, int, int]],
                  dtype: torch.dtype, device):
+        records = max(b[0] for b in buckets)
+        field_slots = max(r * f for r, f, _, _ in buckets)
+        option_slots = max(r * o for r, _, o, _ in buckets)
+        rows = max(r * m for r, _, _, m in buckets)
         kw = dict(dtype=dtype, device=device)
-        self.memory = torch.zeros(max_memory, width, **kw)
-        self.last_state = torch.zeros(1, hidden, **kw)
-        self.questions = torch.zeros(max_fields, hidden, **kw)
-        self.contexts = torch.zeros(max_options, hidden, **kw)
-        self.lexical = torch.zeros(max_options, hidden, **kw)
+        self.memory = torch.zeros(rows, width, **kw)
+        self.last_state = torch.zeros(records, hidden, **kw)
+        self.questions = torch.zeros(field_slots, hidden, **kw)
+        self.contexts = torch.zeros(option_slots, hidden, **kw)
+        self.lexical = torch.zeros(option_slots, hidden, **kw)
         ints = dict(dtype=torch.long, device=device)
-        self.type_ids = torch.zeros(max_fields, **ints)
-        self.option_field = torch.zeros(max_options, **ints)
-        self.lengths = torch.zeros(2, **ints)                       # [memory rows, fields] of the request
-        self.positions = torch.arange(max(max_fields, max_options, max_memory), **ints)
-        self.zeros = torch.zeros(max(max_fields, max_options), **ints)
+        self.type_ids = torch.zeros(field_slots, **ints)
+        self.option_field = torch.zeros(option_slots, **ints)
+        self.memory_lengths = torch.ones(records, **ints)           # per record: memory rows
+        self.field_lengths = torch.ones(records, **ints)            # per record: fields
+        self.positions = torch.arange(max(field_slots, option_slots, max(b[3] for b in buckets)), **ints)
 
-    def batch(self, fields_: int, options: int, memory: int) -> DecisionBatch:
-        """The padded decision batch of one bucket, as views of the buffers (masks computed from
-        ``lengths`` on the device, so a graph recomputes them at every replay)."""
-        layout = FieldLayout(type_ids=self.type_ids[:fields_], field_record=self.zeros[:fields_],
-                             field_slot=self.positions[:fields_], option_field=self.option_field[:options],
-                             option_record=self.zeros[:options], option_slot=self.positions[:options],
-                             num_records=1, max_fields=fields_, max_options=options)
-        return DecisionBatch(memory=self.memory[:memory].unsqueeze(0),
-                             memory_padding=(self.positions[:memory] >= self.lengths[0]).unsqueeze(0),
-                             last_state=self.last_state, question_state=self.questions[:fields_],
-                             option_context=self.contexts[:options], option_lexical=self.lexical[:options],
-                             layout=layout, field_padding=(self.positions[:fields_] >= self.lengths[1]).unsqueeze(0))
+    def batch(self, records: int, fields_: int, options: int, memory: int) -> DecisionBatch:
+        """The padded decision batch of one bucket, as views of the buffers (slot indices and masks
+        computed on the device from ``positions`` and the lengths, so a graph recomputes them at every
+        replay)."""
+        field_slots, option_slots = self.positions[:records * fields_], self.positions[:records * options]
+        layout = FieldLayout(type_ids=self.type_ids[:records * fields_], field_record=field_slots // fields_,
+                             field_slot=field_slots % fields_, option_field=self.option_field[:records * options],
+                             option_record=option_slots // options, option_slot=option_slots % options,
+                             num_records=records, max_fields=fields_, max_options=options)
+        rows = self.positions[:memory][None, :]
+        return DecisionBatch(memory=self.memory[:records * memory].view(records, memory, -1),
+                             memory_padding=rows >= self.memory_lengths[:records, None],
+                             last_state=self.last_state[:records], question_state=self.questions[:records * fields_],
+                             option_context=self.contexts[:records * options],
+                             option_lexical=self.lexical[:records * options], layout=layout,
+                             field_padding=self.positions[:fields_][None, :] >= self.field_lengths[:records, None])
 
-    def fill(self, batch: DecisionBatch, fields_: int, options: int) -> None:
-        """Copy one real single-record ``batch`` into the buffers (no host synchronisation)."""
+    def fill(self, batch: DecisionBatch, records: int, fields_: int, options: int, memory: int) -> torch.Tensor:
+        """Copy a real ``batch`` (its records first, the rest padding) into the buffers of a bucket, without
+        host synchronisation; returns the real options' slots (gather the answer's probabilities with it)."""
         lay = batch.layout
-        q, n = len(lay.type_ids), len(lay.option_field)
-        length = batch.memory.shape[1]
-        self.memory[:length].copy_(batch.memory[0])
-        self.last_state.copy_(batch.last_state)
-        self.questions[:q].copy_(batch.question_state)
-        self.contexts[:n].copy_(batch.option_context)
-        self.lexical[:n].copy_(batch.option_lexical)
-        self.type_ids[:q].copy_(lay.type_ids)
-        self.option_field[:n].copy_(lay.option_field)
-        self.option_field[n:options].fill_(fields_ - 1)             # padded options: the spare field
-        self.lengths[0].fill_(length)
-        self.lengths[1].fill_(q)
+        real, length = lay.num_records, batch.memory.shape[1]
+        field_pos = lay.field_record * fields_ + lay.field_slot
+        option_pos = lay.option_record * options + lay.option_slot
+        self.type_ids.index_copy_(0, field_pos, lay.type_ids)
+        self.questions.index_copy_(0, field_pos, batch.question_state)
+        self.contexts.index_copy_(0, option_pos, batch.option_context)
+        self.lexical.index_copy_(0, option_pos, batch.option_lexical)
+        spare = self.positions[:records * options] // options * fields_ + (fields_ - 1)   # each record's spare field
+        self.option_field[:records * options].copy_(spare)
+        self.option_field.index_copy_(0, option_pos, field_pos[lay.option_field])
+        self.memory[:records * memory].view(records, memory, -1)[:real, :length].copy_(batch.memory)
+        self.last_state[:real].copy_(batch.last_state)
+        self.memory_lengths[:records].fill_(1)          # a padded record: one (stale, finite) row, one field
+        if batch.memory_padding is None:
+            self.memory_lengths[:real].fill_(length)
+        else:
+            self.memory_lengths[:real].copy_((~batch.memory_padding).sum(1))
+        self.field_lengths[:records].fill_(1)
+        self.field_lengths[:real].zero_().index_add_(0, lay.field_record, torch.ones_like(lay.field_record))
+        return option_pos
 
 
-def padded_probabilities(head: JointSchemaHead, inputs: StaticInputs, fields_: int, options: int,
+def padded_probabilities(head: JointSchemaHead, inputs: StaticInputs, records: int, fields_: int, options: int,
                          memory: int) -> torch.Tensor:
-    """The graph body: per-option probabilities ``[options]`` of the padded batch of one bucket."""
-    batch = inputs.batch(fields_, options, memory)
+    """The graph body: per-option-slot probabilities ``[records * options]`` of one bucket's padded batch."""
+    batch = inputs.batch(records, fields_, options, memory)
     return head.probabilities(head.decide(batch), batch.layout)
 
 
@@ -125,39 +174,52 @@ SELF_CHECK_TOLERANCE = 0.2
 
 
 class HeadGraphRunner:
-    """Owns the head's graphs, one per (schema bucket, memory bucket), all captured at the first
-    decision it is given (in a server: the warm-up's first prompt, before traffic arrives), so the
-    graphs' memory is taken once, up front, and no client request pays for a capture. That first
-    decision is also answered eagerly and compared (:data:`SELF_CHECK_TOLERANCE`): graphs that
-    disagree are never used."""
+    """Owns the head's graphs, one per bucket (:func:`graph_buckets`), all captured at the first decision
+    it is given (in a server: the warm-up's first prompt, before traffic arrives), so the graphs' memory
+    is taken once, up front, and no client request pays for a capture. The first decision of each
+    record bucket is also answered eagerly and compared (:data:`SELF_CHECK_TOLERANCE`): graphs that
+    disagree are never used again."""
 
     #: The device type whose decisions use graphs (tests drive the runner on the CPU with a stand-in graph).
     device_type = "cuda"
 
-    def __init__(self, head: JointSchemaHead, *, max_memory: int | None = None,
+    def __init__(self, head: JointSchemaHead, *, max_memory: int | None = None, max_records: int = 1,
                  schema_buckets: Sequence[tuple[int, int]] = SCHEMA_BUCKETS,
                  memory_buckets: Sequence[int] = MEMORY_BUCKETS):
         self.head = head
         self.schema_buckets = tuple(schema_buckets)
         self.memory_buckets = tuple(b for b in memory_buckets if max_memory is None or b <= max_memory
                                     ) or tuple(memory_buckets[:1])
+        self.record_buckets = record_buckets(max_records)
+        self.buckets = graph_buckets(self.record_buckets, self.schema_buckets, self.memory_buckets)
         self.stats = GraphStats()
         self._inputs: StaticInputs | None = None
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._failed = False        # a capture failed: every decision runs the eager head from then on
+        self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._checked: set[int] = set()     # record buckets whose first decision matched the eager head
+        self._failed = False        # a capture failed or a check disagreed: the eager head from then on
         self._pool = None
 
-    def decide(self, batch: DecisionBatch) -> torch.Tensor | None:
-        """Probabilities ``[N]`` of a single-record ``batch`` from a graph; ``None``: run the eager head."""
+    def choose(self, batch: DecisionBatch) -> tuple[int, int, int, int] | str:
+        """The bucket of ``batch``, or why it has none."""
         lay = batch.layout
-        if lay.num_records != 1:
-            return self._fallback("batch")
-        schema = choose_schema(len(lay.type_ids), len(lay.option_field), self.schema_buckets)
-        if schema is None:
-            return self._fallback("schema")
+        i = bisect.bisect_left(self.record_buckets, lay.num_records)
+        if i == len(self.record_buckets):
+            return "records"
+        records = self.record_buckets[i]
+        schema = choose_schema(lay.max_fields, lay.max_options, self.schema_buckets)
+        if schema is None or (records > 1 and schema > SEVERAL_SCHEMA_LIMIT):
+            return "schema"
         memory = choose_memory(batch.memory.shape[1], self.memory_buckets)
-        if memory is None:
-            return self._fallback("memory")
+        if memory is None or (records > 1 and memory > SEVERAL_MEMORY_LIMIT):
+            return "memory"
+        return (records, *schema, memory)
+
+    def decide(self, batch: DecisionBatch) -> torch.Tensor | None:
+        """Probabilities ``[N]`` of ``batch``'s options (records concatenated) from a graph; ``None``: run
+        the eager head."""
+        bucket = self.choose(batch)
+        if isinstance(bucket, str):
+            return self._fallback(bucket)
         if batch.memory.device.type != self.device_type:
             return self._fallback("not_cuda")
         if batch.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -165,52 +227,58 @@ class HeadGraphRunner:
         if self._failed:
             return self._fallback("capture_failed")
         if not self._graphs:
-            self._capture_all(batch, schema, memory)
+            self._capture_all(batch.memory.device)
             if self._failed:
                 return self._fallback("capture_failed")
-        return self._replay(batch, schema, memory)
+        if bucket[0] not in self._checked:
+            self._self_check(batch, bucket)
+            if self._failed:
+                return self._fallback("capture_failed")
+        return self._replay(batch, bucket)
 
-    def _replay(self, batch: DecisionBatch, schema: tuple[int, int], memory: int) -> torch.Tensor:
-        graph, out = self._graphs[(*schema, memory)]
-        self._inputs.fill(batch, *schema)
+    def _replay(self, batch: DecisionBatch, bucket: tuple[int, int, int, int]) -> torch.Tensor:
+        graph, out = self._graphs[bucket]
+        real = self._inputs.fill(batch, *bucket)
         graph.replay()
         self.stats.replays += 1
-        return out[:len(batch.layout.option_field)].clone()
+        return out.index_select(0, real)
 
     def _fallback(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
         return None
 
-    def _capture_all(self, like: DecisionBatch, schema: tuple[int, int], memory: int) -> None:
-        """Capture every bucket's graph, then check the graph of ``like``'s bucket against the eager head."""
+    def _capture_all(self, device) -> None:
+        """Capture every bucket's graph, the largest memories first (they size the shared pool)."""
         cfg = self.head.config
-        self._inputs = StaticInputs(cfg.hidden_size, cfg.width, max(f for f, _ in self.schema_buckets),
-                                    max(n for _, n in self.schema_buckets), self.memory_buckets[-1],
-                                    self.head.dtype, like.memory.device)
+        self._inputs = StaticInputs(cfg.hidden_size, cfg.width, self.buckets, self.head.dtype, device)
         t0 = time.perf_counter()
-        for rows in reversed(self.memory_buckets):          # the largest first: it sizes the shared pool
-            for fields_, options in self.schema_buckets:
-                try:
-                    self._graphs[(fields_, options, rows)] = self._capture(fields_, options, rows)
-                    self.stats.captures += 1
-                except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
-                    # A failed capture leaves its memory pool unusable for later captures (the caching
-                    # allocator asserts): give up on head graphs altogether, not just on this bucket.
-                    self._give_up("capture for %d fields, %d options, %d memory rows failed (%s: %s)",
-                                  fields_, options, rows, type(exc).__name__, exc)
-                    return
-        seconds = time.perf_counter() - t0
-        eager = self.head.probabilities(self.head.decide(like), like.layout)
-        graph = self._replay(like, schema, memory)
+        for bucket in sorted(self.buckets, key=lambda b: (b[0] * b[3], b), reverse=True):
+            try:
+                self._graphs[bucket] = self._capture(*bucket)
+                self.stats.captures += 1
+            except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
+                # A failed capture leaves its memory pool unusable for later captures (the caching
+                # allocator asserts): give up on head graphs altogether, not just on this bucket.
+                self._give_up("capture for %d record(s), %d fields, %d options, %d memory rows failed (%s: %s)",
+                              *bucket, type(exc).__name__, exc)
+                return
+        log.info("clef head graphs: %d graphs captured in %.2f s (steps finishing up to %d request(s); memory "
+                 "buckets up to %d rows, schema buckets up to %d fields / %d options)", len(self._graphs),
+                 time.perf_counter() - t0, self.record_buckets[-1], self.memory_buckets[-1],
+                 self.schema_buckets[-1][0] - 1, self.schema_buckets[-1][1])
+
+    def _self_check(self, batch: DecisionBatch, bucket: tuple[int, int, int, int]) -> None:
+        """Answer the first decision of a record bucket eagerly too; drop every graph if they differ."""
+        eager = self.head.probabilities(self.head.decide(batch), batch.layout)
+        graph = self._replay(batch, bucket)
         diff = float((graph - eager).abs().max()) if bool(torch.isfinite(graph).all()) else float("inf")
         if not diff <= SELF_CHECK_TOLERANCE:
-            self._give_up("the first decision from a graph differs from the eager head by %.3g (allowed %g)",
-                          diff, SELF_CHECK_TOLERANCE)
+            self._give_up("the first decision of %d record(s) from a graph differs from the eager head by %.3g "
+                          "(allowed %g)", bucket[0], diff, SELF_CHECK_TOLERANCE)
             return
-        log.info("clef head graphs: %d graphs captured in %.2f s (memory buckets up to %d rows, schema buckets "
-                 "up to %d fields / %d options); the first decision agrees with the eager head to %.2g",
-                 len(self._graphs), seconds, self.memory_buckets[-1], self.schema_buckets[-1][0] - 1,
-                 self.schema_buckets[-1][1], diff)
+        self._checked.add(bucket[0])
+        log.info("clef head graphs: the first decision of %d record(s) agrees with the eager head to %.2g",
+                 batch.layout.num_records, diff)
 
     def _give_up(self, why: str, *args) -> None:
         self._failed = True
@@ -218,14 +286,16 @@ class HeadGraphRunner:
         self._pool = self._inputs = None
         log.warning("clef head graphs: " + why + "; the joint head runs eagerly from now on", *args)
 
-    def _capture(self, fields_: int, options: int, memory: int):
+    def _capture(self, records: int, fields_: int, options: int, memory: int):
         inputs = self._inputs
-        inputs.lengths[0].fill_(memory)
-        inputs.lengths[1].fill_(fields_ - 1)
-        inputs.option_field[:options].fill_(fields_ - 1)
+        inputs.memory_lengths[:records].fill_(memory)
+        inputs.field_lengths[:records].fill_(fields_ - 1)
+        inputs.option_field[:records * options].copy_(
+            inputs.positions[:records * options] // options * fields_ + (fields_ - 1))
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return capture_graph(lambda: padded_probabilities(self.head, inputs, fields_, options, memory), self._pool)
+        return capture_graph(lambda: padded_probabilities(self.head, inputs, records, fields_, options, memory),
+                             self._pool)
 
     def describe(self) -> dict:
         return {"graphs": len(self._graphs), "replays": self.stats.replays, "captures": self.stats.captures,

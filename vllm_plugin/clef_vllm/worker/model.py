@@ -157,11 +157,14 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
         """The joint head's graph runner when the backend asked for it (CUDA only)."""
-        if self._graph_setting(vllm_config, HEAD_GRAPHS_KEY, "head") is None:
+        setting = self._graph_setting(vllm_config, HEAD_GRAPHS_KEY, "head")
+        if setting is None:
             return None
-        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len)
-        log.info("clef head graphs: a step finishing one request runs the joint head from a CUDA graph "
-                 "(memory buckets up to %d rows)", runner.memory_buckets[-1])
+        records = setting.get("records", 1) if isinstance(setting, dict) else 1
+        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len, max_records=records)
+        log.info("clef head graphs: a step finishing up to %d request(s) runs the joint head from a CUDA graph "
+                 "(%d buckets; memory up to %d rows)", runner.record_buckets[-1], len(runner.buckets),
+                 runner.memory_buckets[-1])
         return runner
 
     def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
