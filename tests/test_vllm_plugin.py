@@ -146,9 +146,23 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be <= 1.0"),
                        ({"max_num_seqs": "8"}, "'max_num_seqs' must be int"),
                        ({"dtype": "float32"}, "head_dtype"),
-                       ({"head_graph_records": 3}, "'head_graph_records' must be one of")):
+                       ({"head_graph_records": 3}, "'head_graph_records' must be one of"),
+                       # a sub-option whose switch is off would be silently ignored: refused instead
+                       ({"head_graphs": False, "head_graph_records": 4}, "no effect with 'head_graphs' off"),
+                       ({"state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
+                       ({"state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off")):
         with pytest.raises(OptionError, match=match):
             engine_kwargs(tiny_release, **bad)
+
+
+def test_a_sub_option_without_its_switch_is_a_cli_error_naming_the_flag(tiny_release, capsys):
+    from clef_vllm.server.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tiny_release), "--backend", "vllm", "--head-graphs", "off", "--head-graph-records", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--head-graph-records:" in err and "no effect with 'head_graphs' off" in err
 
 
 def test_repacked_checkpoint_names_its_own_architecture(tiny_repacked):

@@ -244,6 +244,19 @@ class VllmOptions(_Validated):
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 
+    #: Options that only mean something while a switch is on: a value other than the default with the
+    #: switch off is an error, not silently ignored.
+    NEEDS_SWITCH = {"head_graph_records": "head_graphs", "state_cache_admit": "state_cache",
+                    "state_cache_match": "state_cache"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, switch in self.NEEDS_SWITCH.items():
+            if getattr(self, name) != defaults[name] and not getattr(self, switch):
+                raise OptionError(f"vllm backend option {name!r} ({getattr(self, name)!r}) has no effect with "
+                                  f"{switch!r} off: turn {switch} on or leave {name} out", name)
+
     @property
     def resolved_head_dtype(self) -> str:
         return self.head_dtype or self.dtype
