@@ -2,8 +2,9 @@
 hasher against the plugin's (a Clef request's keyed prefix takes its state keys as block hashes, so
 only the tokens after it are hashed), at 16-token units (``--state-cache-match unit``) and whole
 528-token blocks (``block``); and what the front-end pays to key the same prefix (``prefix_keys``: the
-first time, and for a state keyed lately, from its memo).
-The prompts are a state plus 400 tokens, the state keyed. CPU only.
+first time, and for a state keyed lately, from its memo). The prompts are a state plus 400 tokens, the
+state keyed; a last column sends the same prompt unkeyed (a state's first sighting under
+``--state-cache-admit repeat``), which the plugin's hasher does not hash at all. CPU only.
 
     python bench/block_hashing.py > bench/results/cpu_block_hashing.txt
 """
@@ -43,13 +44,15 @@ def measure(unit: int, n: int) -> str:
     params = PoolingParams(task="plugin", extra_kwargs={PARAMS_KEY: {"r": n - NEW_TOKENS, "k": keys}})
     hashers = {"vllm": get_request_block_hasher(unit, sha256),
                "clef": block_hasher(unit, sha256, get_request_block_hasher)}
+    unkeyed = PoolingParams(task="plugin", extra_kwargs={PARAMS_KEY: {}})
     ms, hashes = {}, {}
     for name, hasher in hashers.items():
-        def build(hasher=hasher, name=name):
-            r = Request("r", prompt_token_ids=ids, sampling_params=None, pooling_params=params, block_hasher=hasher)
-            hashes[name] = len(r.block_hashes)
-        ms[name] = median_ms(build)
-    assert hashes["vllm"] == hashes["clef"]
+        for kind, p in (("", params), ("unkeyed ", unkeyed)):
+            def build(hasher=hasher, key=kind + name, p=p):
+                r = Request("r", prompt_token_ids=ids, sampling_params=None, pooling_params=p, block_hasher=hasher)
+                hashes[key] = len(r.block_hashes)
+            ms[kind + name] = median_ms(build)
+    assert hashes["vllm"] == hashes["clef"] == hashes["unkeyed vllm"] and hashes["unkeyed clef"] == 0
 
     def cold():
         state_keys._memo.clear()
@@ -58,7 +61,8 @@ def measure(unit: int, n: int) -> str:
     front = median_ms(cold)
     again = median_ms(lambda: prefix_keys(ids, n - NEW_TOKENS))
     return (f"{unit:4d}  {n:13d}  {hashes['vllm']:6d}  vllm {ms['vllm']:.2f}  clef {ms['clef']:.2f}  "
-            f"prefix_keys {front:.2f} (a state keyed lately: {again:.2f})")
+            f"prefix_keys {front:.2f} (a state keyed lately: {again:.2f})  "
+            f"unkeyed: vllm {ms['unkeyed vllm']:.2f}  clef {ms['unkeyed clef']:.2f}")
 
 
 def main() -> int:
@@ -69,7 +73,7 @@ def main() -> int:
     init_none_hash(sha256)
     print(f"unit  prompt tokens  hashes  ms per prompt, median of 9: engine core (Request + block hashes) with vLLM's "
           f"hasher / with the plugin's; front-end prefix_keys of the state (prompt - {NEW_TOKENS} tokens), cold and "
-          "memoised")
+          "memoised; the same prompt unkeyed, vLLM's hasher / the plugin's")
     for unit in (16, 528):
         for n in (4490, 16268):
             print(measure(unit, n))

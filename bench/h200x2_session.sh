@@ -60,7 +60,8 @@
 # PLAN=eighteenth1 (one GPU): with the head graphs, the state cache's follow-ups at c=1 (4k and 16k states, plus
 #        short, --state-cache on) in BF16 and FP8, FP8 short c=1 with the cache off, and the tiny server's
 #        short req/s at c=16/64.
-# PLAN=nineteenth1 (one GPU; not run yet): head graphs for steps finishing several requests (their GPU check, then
+# PLAN=nineteenth1 (one GPU; not run yet): head graphs for steps finishing several requests (their GPU check, the
+#        state cache's tiny GPU cases since unkeyed requests are no longer hashed, then
 #        short c=1/16/64 with --head-graph-records 16 next to the default server and raw vLLM, and the tiny
 #        server's short req/s with it); then why online FP8 is faster than BF16 in process but slower through the
 #        server and raw AsyncLLM: latency.py FP8 (ours and raw) with the engine core in process, then in its own
@@ -281,6 +282,7 @@ eighteenth1_queue0)
   ;;
 nineteenth1_queue0)
   job head_graphs_several 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs_several" --n 200 --records 16
+  cache_gpu_cases_tiny          # unkeyed first sightings get no block hashes now: the cache's GPU cases again
   job short_9b_bf16_r16 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-headgraphs-r16-short \
       SERVER_ARGS="--load-format dummy --head-graph-records 16" bash bench/gpu_bench.sh "$NINE" 8851
   job short_9b_bf16_r1 0 300 env "${SHORT[@]}" PHASES=server LABEL=9b-dummy-bf16-headgraphs-r1-short \

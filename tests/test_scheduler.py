@@ -86,6 +86,24 @@ def test_a_clef_requests_prefix_cache_hashes_are_its_state_keys_then_vllms_chain
     assert short.block_hashes == keyed[:100 // size]
 
 
+def test_a_clef_request_with_nothing_to_reuse_is_not_hashed_and_runs_uncached(tiny_release):
+    """A Clef request without keys (a state's first sighting, a state too short to key) neither reads nor
+    writes the prefix cache, so the engine core does not hash its prompt; it still runs to the end, and
+    the same prompt again is computed again (nothing was cached under any hash)."""
+    from clef_vllm.features import synthetic_spec
+
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
+    prompt = ids(200)
+    wire = synthetic_spec(len(prompt)).to_wire()
+    assert not wire.get("r") and not wire.get("k")
+    first, again = (vllm_cpu.pooling_request(sched, name, prompt, wire) for name in "ab")
+    assert first.block_hashes == [] == again.block_hashes
+    assert vllm_cpu.run_scheduler(sched, [first])["a"] == [200]
+    assert vllm_cpu.run_scheduler(sched, [again])["b"] == [200]
+    keyed = vllm_cpu.pooling_request(sched, "c", prompt, reuse(prompt, 192))     # the same ids, keyed: hashed
+    assert len(keyed.block_hashes) == 200 // sched.hash_block_size
+
+
 def test_installing_the_block_hasher_twice_wraps_vllms_once():
     from vllm.v1.engine import core
 

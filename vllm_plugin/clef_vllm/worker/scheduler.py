@@ -98,14 +98,21 @@ def block_hasher(hash_block_size: int, caching_hash_fn, vllm_hasher_factory):
     vLLM's hasher otherwise recomputes in the engine core on every request's arrival. The keys are
     computed by the plugin's own front-end from the very ids it sends (``HeadSpec.with_reuse``); no
     client supplies them. Clef requests carry no LoRA, multimodal or salt data (vLLM's extra keys), so
-    the fingerprints cover the same content. Everything else (another request, no keys, a hash block not a multiple of the key unit)
-    gets vLLM's hashes."""
+    the fingerprints cover the same content.
+
+    A Clef request with nothing to reuse (no keys: a state's first sighting under ``--state-cache-admit
+    repeat``, or a state too short to key) gets no hashes at all: it never reads the prefix cache (its
+    pooling parameters skip the lookup) and never writes to it (rule 3), so hashing its prompt, 1,016
+    SHA-256 units for a 16k-token prompt, would only hold up the engine core. Any other request (vLLM's
+    own, or a hash block not a multiple of the key unit) gets vLLM's hashes."""
     base = vllm_hasher_factory(hash_block_size, caching_hash_fn)
     per = hash_block_size // KEY_UNIT if hash_block_size % KEY_UNIT == 0 else 0
 
     def request_block_hasher(request) -> list[bytes]:
         start = len(request.block_hashes)
-        _, unit_keys = reuse_info(request)
+        limit, unit_keys = reuse_info(request)
+        if not limit and clef_spec(request) is not None:
+            return []
         keyed = min(len(unit_keys) // per, request.num_tokens // hash_block_size) if per else 0
         if start >= keyed:
             return base(request)
