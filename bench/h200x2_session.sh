@@ -54,10 +54,10 @@
 #        Its head-graph captures failed (a host-to-device copy inside the head); sixteenth1 re-runs it after the fix
 #        (parity_tiny last, if time allows: left out).
 # PLAN=sixteenth1 (one GPU): fifteenth1's head-graph jobs again, FP8 last.
-# PLAN=seventeenth1 (one GPU; not run yet): the head graphs A/B through the server on one machine (short sweep
+# PLAN=seventeenth1 (one GPU; tenth session, round 1): the head graphs A/B through the server on one machine (short sweep
 #        with raw, then the same server with --head-graphs off), their GPU check, latency.py graphs vs eagerhead,
 #        the tiny parity with the head graphs on, and FP8 short c=1 server vs raw (the 20 ms target through HTTP).
-# PLAN=eighteenth1 (one GPU): with the head graphs, the state cache's follow-ups at c=1 (4k and 16k states, plus
+# PLAN=eighteenth1 (one GPU; tenth session, round 2): with the head graphs, the state cache's follow-ups at c=1 (4k and 16k states, plus
 #        short, --state-cache on) in BF16 and FP8, FP8 short c=1 with the cache off, and the tiny server's
 #        short req/s at c=16/64.
 # PLAN=nineteenth1 (one GPU; not run yet): head graphs for steps finishing several requests (their GPU check, the
