@@ -20,6 +20,7 @@ from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERA
                                           StaticInputs, choose_memory, choose_schema, graph_buckets,
                                           padded_probabilities, record_buckets)
 from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
+from support.graph_runner import CpuGraphRunner
 
 
 class Recorder:
@@ -229,31 +230,6 @@ def test_the_graph_body_never_touches_host_data():
     with OpLog() as log:
         mask[torch.zeros(3, dtype=torch.long), torch.arange(3)] = False
     assert [op for op in log.ops if op.startswith(HOST_SYNC_OPS)] == ["aten.lift_fresh.default"]
-
-
-class CpuGraphRunner(HeadGraphRunner):
-    """The runner on the CPU: a "graph" re-runs the body into the static output tensor it returned at
-    capture (what a CUDA graph replay does), or, when ``broken`` (True, or a record bucket), writes what
-    a graph reading a wrong buffer might (uniform probabilities)."""
-
-    device_type = "cpu"
-
-    def __init__(self, *args, broken: bool | int = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.broken = broken
-
-    def _capture(self, *bucket):
-        out = padded_probabilities(self.head, self._inputs, *bucket)
-        runner = self
-
-        class Graph:
-            def replay(self):
-                if runner.broken is True or runner.broken == bucket[0]:
-                    out.fill_(0.5)
-                else:
-                    out.copy_(padded_probabilities(runner.head, runner._inputs, *bucket))
-
-        return Graph(), out
 
 
 def test_the_runner_answers_every_decision_like_the_eager_head(caplog):

@@ -284,6 +284,49 @@ def test_pooler_chunked_prefill_matches_single_pass(release_model, encoder):
 
 
 @torch.inference_mode()
+def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_the_eager_head(release_model,
+                                                                                            encoder):
+    """The real pooler, real encoded requests, chunked: step 2 finishes two requests, step 3 one. With a
+    head-graph runner for up to 4 requests per step (a CPU stand-in for the CUDA graphs) every answer is
+    the eager pooler's, and the runner graphed both finishing steps after one self-check per bucket. The
+    head runs in float32 here, so padding must be exact up to float32 rounding (in bf16 the padded shapes
+    round differently: tests/test_head_graphs.py bounds that)."""
+    from vllm.v1.pool.metadata import PoolingStates
+
+    from support.graph_runner import CpuGraphRunner
+
+    m = release_model
+    specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
+    la, lb, lc = (s.num_tokens for s in specs)
+    steps = [([0, 1], [(0, 40), (0, 100)]), ([0, 1, 2], [(40, la), (100, 150), (0, lc)]), ([1], [(150, lb)])]
+
+    def run():
+        states, results = [PoolingStates() for _ in specs], {}
+        for which, ranges in steps:
+            x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
+            md = vllm_cpu.pooling_metadata([specs[i] for i in which], [b - a for a, b in ranges],
+                                           [b for _, b in ranges], [states[i] for i in which])
+            results.update((i, o) for i, o in zip(which, m.pooler(x, md)) if o is not None)
+        return results
+
+    dtype = m.head.dtype
+    m.head.float()
+    try:
+        eager = run()
+        runner = CpuGraphRunner(m.head, max_memory=2048, max_records=4)
+        m.pooler.head_graphs = runner
+        graphed = run()
+    finally:
+        m.pooler.head_graphs = None
+        m.head.to(dtype)
+    assert sorted(graphed) == [0, 1, 2]
+    for i in range(3):
+        torch.testing.assert_close(graphed[i], eager[i], atol=1e-5, rtol=0)
+    info = runner.describe()
+    assert info["replays"] == 2 + 2 and not info["failed"] and not info["fallbacks"]   # 2 steps + 2 self-checks
+
+
+@torch.inference_mode()
 def test_pooler_handles_warmup_calls_without_params_and_bad_specs(release_model, encoder):
     from vllm.v1.pool.metadata import PoolingStates
 
