@@ -62,8 +62,8 @@
 #        short req/s at c=16/64.
 # PLAN=nineteenth1 (one GPU; not run yet): head graphs for steps finishing several requests (their GPU check, the
 #        state cache's tiny GPU cases since unkeyed requests are no longer hashed, then
-#        short c=1/16/64 with --head-graph-records 16 next to the default server and raw vLLM, and the tiny
-#        server's short req/s with it); then why online FP8 is faster than BF16 in process but slower through the
+#        short c=1/16/64 with --head-graph-records 16 next to the default server and raw vLLM, the tiny
+#        parity with it, and the tiny server's short req/s with it); then why online FP8 is faster than BF16 in process but slower through the
 #        server and raw AsyncLLM: latency.py FP8 (ours and raw) with the engine core in process, then in its own
 #        process as the server runs it, and BF16 in its own process.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -287,6 +287,8 @@ nineteenth1_queue0)
       SERVER_ARGS="--load-format dummy --head-graph-records 16" bash bench/gpu_bench.sh "$NINE" 8851
   job short_9b_bf16_r1 0 300 env "${SHORT[@]}" PHASES=server LABEL=9b-dummy-bf16-headgraphs-r1-short \
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8852
+  job parity_tiny_r16 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_r16" --n 240 --skip-server \
+      --head-graph-records 16
   job short_tiny_r16 0 240 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-r16-short \
       SERVER_ARGS="--head-graph-records 16" bash bench/gpu_bench.sh "$TINY" 8853
   job latency_fp8 0 420 python3 bench/latency.py --modes graphs,raw --quantization fp8 --ckpt "$NINE" \

@@ -11,7 +11,10 @@ Then the HTTP server (vLLM backend, DP=``--dp``) is loaded with concurrent reque
 response is checked against the offline vLLM answer of the same request.
 
 Usage (GPU machine, vLLM on PYTHONPATH):
-    python tests/gpu/vllm_parity.py --out $OUT --n 240 [--dp 2] [--skip-parity]
+    python tests/gpu/vllm_parity.py --out $OUT --n 240 [--dp 2] [--skip-parity] [--head-graph-records 16]
+
+``--head-graph-records``: the vLLM engines graph the joint head of steps finishing up to that many
+requests (its batches finish many per step, so this checks the several-record graphs on every layout).
 """
 
 from __future__ import annotations
@@ -175,10 +178,12 @@ def main() -> int:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--head-graph-records", type=int, default=1, choices=(1, 2, 4, 8, 16))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = dict(gpu_memory_utilization=0.35, max_num_batched_tokens=512, max_num_seqs=32)
+    engine = dict(gpu_memory_utilization=0.35, max_num_batched_tokens=512, max_num_seqs=32,
+                  head_graph_records=args.head_graph_records)
     workdir = Path(tempfile.mkdtemp(prefix="clef-gpu-"))
     results = {}
     if not args.skip_parity:
@@ -188,7 +193,9 @@ def main() -> int:
     if not args.skip_server:
         results[f"server_dp{args.dp}"] = server_load(workdir, args.dp, 256, engine, out)
         print(json.dumps(results[f"server_dp{args.dp}"]), flush=True)
-    (out / f"vllm_parity_dp{args.dp}.json").write_text(json.dumps(results, indent=2) + "\n")
+    suffix = f"_r{args.head_graph_records}" if args.head_graph_records > 1 else ""
+    results["head_graph_records"] = args.head_graph_records
+    (out / f"vllm_parity_dp{args.dp}{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
