@@ -88,14 +88,13 @@ def _padded_and_eager(dtype, cases, seed=11, records=1):
     head = random_head(SMALL).to(dtype)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype))
     rng = random.Random(seed)
-    inputs = _stale_inputs([(1, 65, 256, 512), (8, 16, 64, 512)], dtype)
+    runner = HeadGraphRunner(head, max_memory=512, max_records=8)      # its bucket choice, no graphs
+    inputs = _stale_inputs(runner.buckets, dtype)
     out = []
     for k in range(0, len(cases), records):
         group = [random_record(rng, n_fields, length, SMALL.hidden_size) for n_fields, length in cases[k:k + records]]
         want, batch = eager_and_batch(head, table, *[(r[0].to(dtype), *r[1:]) for r in group])
-        lay = batch.layout
-        bucket = (record_buckets(8)[[r >= lay.num_records for r in record_buckets(8)].index(True)],
-                  *choose_schema(lay.max_fields, lay.max_options), choose_memory(batch.memory.shape[1]))
+        bucket = runner.choose(batch)
         real = inputs.fill(batch, *bucket)
         padded = inputs.batch(*bucket)
         # no attention over an empty key set, also in padded records (some kernels answer NaN there)
@@ -124,6 +123,9 @@ def test_padded_body_of_several_records_equals_the_eager_head(records):
     float64 equals the eager head to 1e-12."""
     cases = [(1, 20), (3, 75), (2, 41), (4, 120), (7, 300), (9, 200), (2, 33), (5, 90), (1, 17), (6, 250)]
     for got, want in _padded_and_eager(torch.float64, cases, seed=records, records=records):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # records of one length: the eager batch has no memory padding at all (memory_padding is None)
+    for got, want in _padded_and_eager(torch.float64, [(2, 300)] * records, seed=records, records=records):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
