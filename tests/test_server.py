@@ -937,6 +937,15 @@ def test_api_keys_come_from_flags_or_the_environment():
         parse(["--max-in-flight", "0"])
 
 
+def test_a_slow_body_rate_without_a_body_timeout_is_an_error_not_ignored(capsys):
+    """--body-timeout 0 turns the pause and the rate rule off; an explicit rate with it would be ignored."""
+    from clef_vllm.server.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "demo", "--body-timeout", "0", "--min-body-rate", "1000"])
+    assert exit_.value.code == 2 and "--min-body-rate:" in capsys.readouterr().err
+
+
 def test_hosted_dialect_envelope_for_routing_errors(hosted):
     resp = httpx.get(hosted.url + "/nope")
     assert resp.status_code == 404 and resp.json()["errors"][0]["code"] == 7000

@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                           f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     net.add_argument("--min-body-rate", type=_non_negative_float, default=DEFAULT_MIN_BODY_RATE,
                      help=f"bytes/s a request body must average once the first --body-timeout seconds are used up "
-                          f"(408 below it); 0 = none (default {DEFAULT_MIN_BODY_RATE})")
+                          f"(408 below it); 0 = none; --body-timeout 0 turns it off too "
+                          f"(default {DEFAULT_MIN_BODY_RATE})")
     net.add_argument("--keep-alive-timeout", type=_non_negative_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                      help=f"seconds an idle kept-alive connection stays open (default {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})")
     net.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     from clef_vllm.server.faults import wrap_load
     from clef_vllm.server.settings import ServerSettings
 
+    if not args.body_timeout and args.min_body_rate not in (0, DEFAULT_MIN_BODY_RATE):
+        parser.error("--min-body-rate: the rate applies once the first --body-timeout seconds are used up, and "
+                     "--body-timeout 0 turns both off; give --body-timeout > 0 or leave --min-body-rate out")
     options = given_options(args)
     backend = resolve_backend(args.backend)
     try:
