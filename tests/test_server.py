@@ -937,13 +937,17 @@ def test_api_keys_come_from_flags_or_the_environment():
         parse(["--max-in-flight", "0"])
 
 
-def test_a_slow_body_rate_without_a_body_timeout_is_an_error_not_ignored(capsys):
-    """--body-timeout 0 turns the pause and the rate rule off; an explicit rate with it would be ignored."""
-    from clef_vllm.server.cli import main
+@pytest.mark.parametrize("argv,flag", [(["--body-timeout", "0", "--min-body-rate", "1000"], "--min-body-rate:"),
+                                       (["--auth-health-metrics"], "--auth-health-metrics:")])
+def test_a_flag_that_would_have_no_effect_is_a_start_up_error_not_ignored(argv, flag, capsys, monkeypatch):
+    """--body-timeout 0 turns the pause and the rate rule off, so a rate given with it would be ignored;
+    --auth-health-metrics without any API key would protect nothing (and the operator meant it to)."""
+    from clef_vllm.server.cli import API_KEY_ENV, main
 
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(SystemExit) as exit_:
-        main(["--model", "demo", "--body-timeout", "0", "--min-body-rate", "1000"])
-    assert exit_.value.code == 2 and "--min-body-rate:" in capsys.readouterr().err
+        main(["--model", "demo", *argv])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_hosted_dialect_envelope_for_routing_errors(hosted):

@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     keys = api_keys(args)
+    if args.auth_health_metrics and not keys:
+        parser.error(f"--auth-health-metrics: no API key is set (--api-key or ${API_KEY_ENV}), so nothing would be "
+                     "protected; set a key or leave the flag out")
     settings = ServerSettings(
         dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_models=_served_models(args),
         max_in_flight=args.max_in_flight, max_queue=args.max_queue,
