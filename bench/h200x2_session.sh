@@ -280,21 +280,21 @@ eighteenth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-nineteenth1_queue0)
+nineteenth1_queue0)   # ~1,600 s of jobs in priority order: the last ones may not fit a session's device time
   job head_graphs_several 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs_several" --n 200 --records 16
-  cache_gpu_cases_tiny          # unkeyed first sightings get no block hashes now: the cache's GPU cases again
   job short_9b_bf16_r16 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-headgraphs-r16-short \
       SERVER_ARGS="--load-format dummy --head-graph-records 16" bash bench/gpu_bench.sh "$NINE" 8851
   job short_9b_bf16_r1 0 300 env "${SHORT[@]}" PHASES=server LABEL=9b-dummy-bf16-headgraphs-r1-short \
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8852
   job parity_tiny_r16 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_r16" --n 240 --skip-server \
       --head-graph-records 16
-  job short_tiny_r16 0 240 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-r16-short \
-      SERVER_ARGS="--head-graph-records 16" bash bench/gpu_bench.sh "$TINY" 8853
+  cache_gpu_cases_tiny          # unkeyed first sightings get no block hashes now: the cache's GPU cases again
   job latency_fp8 0 420 python3 bench/latency.py --modes graphs,raw --quantization fp8 --ckpt "$NINE" \
       --out "$S/latency_fp8/latency.json"
   job latency_fp8_process 0 360 python3 bench/latency.py --modes graphs,raw --quantization fp8 --engine-process \
       --ckpt "$NINE" --out "$S/latency_fp8_process/latency.json"
+  job short_tiny_r16 0 240 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-r16-short \
+      SERVER_ARGS="--head-graph-records 16" bash bench/gpu_bench.sh "$TINY" 8853
   job latency_bf16_process 0 300 python3 bench/latency.py --modes graphs,raw --engine-process --ckpt "$NINE" \
       --out "$S/latency_bf16_process/latency.json"
   touch "$S/all.done"
