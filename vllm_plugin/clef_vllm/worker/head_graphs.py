@@ -224,16 +224,12 @@ class HeadGraphRunner:
             return self._fallback("not_cuda")
         if batch.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self._fallback("capturing")
+        if not self._failed and not self._graphs:
+            self._capture_all(batch.memory.device)
+        if not self._failed and bucket[0] not in self._checked:
+            self._self_check(batch, bucket)
         if self._failed:
             return self._fallback("capture_failed")
-        if not self._graphs:
-            self._capture_all(batch.memory.device)
-            if self._failed:
-                return self._fallback("capture_failed")
-        if bucket[0] not in self._checked:
-            self._self_check(batch, bucket)
-            if self._failed:
-                return self._fallback("capture_failed")
         return self._replay(batch, bucket)
 
     def _replay(self, batch: DecisionBatch, bucket: tuple[int, int, int, int]) -> torch.Tensor:
