@@ -19,7 +19,8 @@ HEAD_DTYPE_KEY = "clef_head_dtype"
 HEAD_DTYPES = ("bfloat16", "float32")
 #: ``additional_config`` key: ``{"buckets": [...]}`` turns on the GDN prefill graphs (absent: off).
 PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
-#: ``additional_config`` key: ``True`` turns on the joint head's CUDA graphs (absent: off).
+#: ``additional_config`` key: ``{"records": N}`` turns on the joint head's CUDA graphs for steps finishing up
+#: to N requests (absent: off).
 HEAD_GRAPHS_KEY = "clef_head_graphs"
 #: ``additional_config`` key: present (a dict) when the state cache is on (prefix caching + side rows).
 STATE_CACHE_KEY = "clef_state_cache"

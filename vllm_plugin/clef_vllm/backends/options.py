@@ -222,8 +222,8 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
-    head_graphs: bool = option(True, "run the joint head of a step that finishes one request from a CUDA graph "
-                               "(default on; docs/latency.md)", flags=("--head-graphs",), engine=_head_graphs,
+    head_graphs: bool = option(True, "run the joint head of a step that finishes one request (or up to "
+                               "--head-graph-records) from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",), engine=_head_graphs,
                                kind=bool)
     head_graph_records: int = option(1, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8 or 16; default 1: several records are not measured yet; "
