@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clef_vllm.features import RecordAccumulator, accumulate, decide_records
+from clef_vllm.features import decide_records
 from clef_vllm.tables import DenseTable
 from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
                                           StaticInputs, choose_memory, choose_schema, graph_buckets,
                                           padded_probabilities, record_buckets)
-from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
+from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
 from support.graph_runner import CpuGraphRunner
 
 
@@ -32,15 +32,6 @@ class Recorder:
     def decide(self, batch):
         self.batches.append(batch)
         return None
-
-
-def finished(head, records):
-    """Accumulators of ``records`` finishing in one step (their hidden states in one tensor)."""
-    accs = [RecordAccumulator(spec_of(*r)) for r in records]
-    offsets = [sum(r[0].shape[0] for r in records[:i]) for i in range(len(records))]
-    accumulate(head, torch.cat([r[0] for r in records]),
-               [(a, o, r[0].shape[0], 0) for a, o, r in zip(accs, offsets, records)])
-    return accs
 
 
 def eager_and_batch(head, table, *records):
@@ -169,15 +160,13 @@ def test_runner_falls_back_without_a_graph():
     one = random_record(rng, 2, 40, SMALL.hidden_size)
     accs = []
     for record in (one, random_record(rng, 2, 50, SMALL.hidden_size)):
-        acc = RecordAccumulator(spec_of(*record))
-        accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+        (acc,) = finished(head, [record])
         accs.append(acc)
     eager = decide_records(head, table, accs[:1])
     assert torch.equal(decide_records(head, table, accs[:1], runner)[0], eager[0])      # cpu: not_cuda
     decide_records(head, table, accs, runner)                                            # two records: eager
     long_ = random_record(rng, 1, 900, SMALL.hidden_size)
-    acc = RecordAccumulator(spec_of(*long_))
-    accumulate(head, long_[0], [(acc, 0, long_[0].shape[0], 0)])
+    (acc,) = finished(head, [long_])
     decide_records(head, table, [acc], runner)
     assert runner.describe() == {"graphs": 0, "replays": 0, "captures": 0, "failed": False,
                                  "fallbacks": {"not_cuda": 1, "records": 1, "memory": 1}}
@@ -245,8 +234,7 @@ def test_the_runner_answers_every_decision_like_the_eager_head(caplog):
     cases = [random_record(rng, n, length, SMALL.hidden_size) for n, length in [(2, 40), (5, 300), (1, 20), (7, 130),
                                                                                (3, 500), (2, 40)]]
     for record in cases:
-        acc = RecordAccumulator(spec_of(*record))
-        accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+        (acc,) = finished(head, [record])
         want = decide_records(head, table, [acc])[0]
         got = decide_records(head, table, [acc], runner)[0]
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
@@ -261,8 +249,7 @@ def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
     runner = CpuGraphRunner(head, max_memory=512, schema_buckets=SCHEMA_BUCKETS[:2], broken=True)
     record = random_record(random.Random(6), 3, 60, SMALL.hidden_size)
-    acc = RecordAccumulator(spec_of(*record))
-    accumulate(head, record[0], [(acc, 0, record[0].shape[0], 0)])
+    (acc,) = finished(head, [record])
     want = decide_records(head, table, [acc])[0]
     for _ in range(2):
         torch.testing.assert_close(decide_records(head, table, [acc], runner)[0], want, atol=0, rtol=0)

@@ -39,11 +39,11 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from clef_vllm.features import RecordAccumulator, accumulate, decide_records
+    from clef_vllm.features import decide_records
     from clef_vllm.release import RELEASE_HEAD_CONFIG as CFG
     from clef_vllm.tables import Int8RowTable, quantize_rows
     from clef_vllm.worker.head_graphs import HeadGraphRunner
-    from clef_vllm.testing.head_cases import random_head, random_record, spec_of
+    from clef_vllm.testing.head_cases import finished, random_head, random_record
 
     torch.manual_seed(0)
     dev = torch.device(args.device)
@@ -61,10 +61,7 @@ def main() -> int:
 
     def decide_step(recs, graphs):
         """One step in which ``recs`` all finish: their options' probabilities, concatenated."""
-        accs = [RecordAccumulator(spec_of(*r)) for r in recs]
-        offsets = [sum(r[0].shape[0] for r in recs[:i]) for i in range(len(recs))]
-        accumulate(head, torch.cat([r[0] for r in recs]), [(a, o, r[0].shape[0], 0) for a, o, r in zip(accs, offsets, recs)])
-        return torch.cat(decide_records(head, table, accs, graphs))
+        return torch.cat(decide_records(head, table, finished(head, recs), graphs))
 
     def decide(rec, graphs):
         return decide_step([rec], graphs)

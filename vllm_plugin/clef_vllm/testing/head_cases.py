@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from clef_vllm.features import HeadSpec
+from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate
 from clef_vllm.head import HeadConfig, JointSchemaHead
 
 VOCAB = 97
@@ -63,3 +63,13 @@ def spec_of(X, ids, fields) -> HeadSpec:
                     question_spans=tuple(tuple(s) for _, s, _ in fields), option_spans=opt_spans,
                     options_per_field=tuple(len(o) for _, _, o in fields),
                     lexical_ids=tuple(ids[i] for c, d in opt_spans for i in range(c, d)))
+
+
+def finished(head: JointSchemaHead, records) -> list[RecordAccumulator]:
+    """Accumulators of ``records`` (:func:`random_record`) finishing in one step, their hidden states
+    in one tensor as vLLM hands a step's rows to the pooler."""
+    accs = [RecordAccumulator(spec_of(*r)) for r in records]
+    offsets = [sum(r[0].shape[0] for r in records[:i]) for i in range(len(records))]
+    accumulate(head, torch.cat([r[0] for r in records]),
+               [(a, o, r[0].shape[0], 0) for a, o, r in zip(accs, offsets, records)])
+    return accs
