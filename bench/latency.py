@@ -57,6 +57,9 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
     if mode == "raw":
         kw = raw_engine_kwargs(ckpt, load_format="dummy", max_model_len=16384, gpu_memory_utilization=0.85,
                                max_num_seqs=128, quantization=quantization)
+        # vLLM's offline LLM builds its pooling input processors from the tokenizer, so it needs one even
+        # for token-id prompts (AsyncLLM, which clef-bench's raw phase uses, does not)
+        kw["skip_tokenizer_init"] = False
     else:
         cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
@@ -110,6 +113,8 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
 def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False,
              engine_process: bool = False) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+    if engine_process:      # the worker report below sends a function to the engine core's process
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ["CLEF_VLLM_PROFILE_PHASES"] = "1"     # the worker marks its phases (clef_vllm.trace.PHASE_NAMES)
     import torch
     from vllm import LLM, PoolingParams, TokensPrompt
