@@ -18,7 +18,7 @@ from clef_vllm.features import decide_records
 from clef_vllm.tables import DenseTable
 from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
                                           StaticInputs, choose_memory, choose_schema, graph_buckets,
-                                          padded_probabilities, record_buckets)
+                                          padded_probabilities, record_buckets, repeat_first_record)
 from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
 from support.graph_runner import CpuGraphRunner
 
@@ -241,7 +241,7 @@ def test_the_runner_answers_every_decision_like_the_eager_head(caplog):
     info = runner.describe()
     assert info["graphs"] == info["captures"] == 3 * 4 and not info["failed"]      # 3 schema x 4 memory buckets
     assert info["replays"] == len(cases) + 1                                     # + the self-check
-    assert "agrees with the eager head" in caplog.text
+    assert "graphs of 1 record(s) agree with the eager head" in caplog.text
 
 
 def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
@@ -260,8 +260,8 @@ def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
 
 def test_the_runner_answers_steps_of_several_requests_like_the_eager_head(caplog):
     """Steps finishing 1-4 requests through one runner (record buckets 1, 2, 4): every answer equals the
-    eager head's, each record bucket is checked once against the eager head at its first decision, and
-    a fifth request at once takes the eager head."""
+    eager head's, every record bucket is checked once against the eager head at the first decision (a
+    one-request step: on copies of its record), and a fifth request at once takes the eager head."""
     caplog.set_level(logging.INFO, logger="clef_vllm")
     head = random_head(SMALL)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
@@ -269,22 +269,59 @@ def test_the_runner_answers_steps_of_several_requests_like_the_eager_head(caplog
     rng = random.Random(8)
     steps = [[(2, 40)], [(5, 300), (1, 20)], [(3, 75), (2, 41), (7, 130)], [(1, 20), (4, 200), (2, 60), (3, 90)],
              [(2, 40)] * 5, [(6, 110), (2, 500)]]
-    for step in steps:
+    for i, step in enumerate(steps):
         accs = finished(head, [random_record(rng, n, length, SMALL.hidden_size) for n, length in step])
         want = decide_records(head, table, accs)
         got = decide_records(head, table, accs, runner)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+        if i == 0:      # the first step checked every record bucket: 1, 2 and 3 copies of its record
+            assert runner.describe()["replays"] == 3 + 1 and runner._checked == {1, 2, 4}
     info = runner.describe()
     assert info["graphs"] == info["captures"] == 3 * 4 + 2 * 3 * 4 and not info["failed"]
     assert info["replays"] == 5 + 3                # five graphed steps + one self-check per record bucket
     assert info["fallbacks"] == {"records": 1}
-    assert caplog.text.count("agrees with the eager head") == 3
+    assert "graphs of 1, 2, 4 record(s) agree with the eager head" in caplog.text
+    assert "the first decision of" not in caplog.text          # no request after the first was checked
+
+
+def test_record_buckets_the_first_decision_cannot_fill_are_checked_at_their_own_first_decision(caplog):
+    """A first decision too long for several-record graphs (memory past SEVERAL_MEMORY_LIMIT) checks the
+    one-record graphs only; the two-record graphs are checked at the first two-request step."""
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    runner = CpuGraphRunner(head, max_memory=3072, max_records=2, schema_buckets=SCHEMA_BUCKETS[:1])
+    rng = random.Random(10)
+    for step in ([(2, SEVERAL_MEMORY_LIMIT + 1)], [(2, 40), (3, 50)]):
+        accs = finished(head, [random_record(rng, n, length, SMALL.hidden_size) for n, length in step])
+        for g, w in zip(decide_records(head, table, accs, runner), decide_records(head, table, accs), strict=True):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+    assert runner._checked == {1, 2} and runner.describe()["replays"] == 2 + 2
+    assert "graphs of 1 record(s) agree" in caplog.text
+    assert "the first decision of 2 record(s) agrees with the eager head" in caplog.text
+
+
+def test_copies_of_the_first_record_are_that_record_decided_again():
+    """``repeat_first_record``: whatever the batch's padding and record count, each copy is answered as
+    its first record alone."""
+    head = random_head(SMALL).to(torch.float64)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size, dtype=torch.float64))
+    rng = random.Random(11)
+    records = [(x.double(), *rest) for x, *rest in
+               (random_record(rng, n, length, SMALL.hidden_size) for n, length in [(3, 40), (5, 90)])]
+    alone, _ = eager_and_batch(head, table, records[0])
+    _, batch = eager_and_batch(head, table, *records)
+    assert batch.memory_padding is not None            # the first record is the shorter: padded rows
+    copies = repeat_first_record(batch, 3)
+    assert copies.layout.num_records == 3 and copies.memory.shape[:2] == (3, records[0][0].shape[0])
+    torch.testing.assert_close(head.probabilities(head.decide(copies), copies.layout), alone.repeat(3),
+                               atol=1e-12, rtol=0)
 
 
 def test_a_record_bucket_whose_graphs_disagree_drops_every_graph(caplog):
-    """One record's graphs agree; the two-record graphs read a wrong buffer: at the first two-record step
-    the runner drops every graph and answers from the eager head from then on, one record too."""
+    """One record's graphs agree; the two-record graphs read a wrong buffer: their check at the first
+    decision drops every graph, and the eager head answers from then on (that first decision included)."""
     head = random_head(SMALL)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
     runner = CpuGraphRunner(head, max_memory=256, max_records=2, schema_buckets=SCHEMA_BUCKETS[:1], broken=2)
@@ -295,5 +332,5 @@ def test_a_record_bucket_whose_graphs_disagree_drops_every_graph(caplog):
         for g, w in zip(decide_records(head, table, accs, runner), decide_records(head, table, accs), strict=True):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
     info = runner.describe()
-    assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
-    assert "the first decision of 2 record(s) from a graph differs" in caplog.text
+    assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 3}
+    assert "a decision of 2 record(s) from a graph differs" in caplog.text
