@@ -66,6 +66,8 @@
 #        parity with it, and the tiny server's short req/s with it); then why online FP8 is faster than BF16 in process but slower through the
 #        server and raw AsyncLLM: latency.py FP8 (ours and raw) with the engine core in process, then in its own
 #        process as the server runs it, and BF16 in its own process.
+# PLAN=twentieth1 (one GPU): the head graphs' new defaults (steps finishing up to 16 requests; every record bucket
+#        checked during the warm-up): the tiny server's short c=16/64, then 9B BF16 short c=1/16/64 vs raw vLLM.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -174,7 +176,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -238,7 +240,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -297,6 +299,15 @@ nineteenth1_queue0)   # ~1,600 s of jobs in priority order: the last ones may no
       SERVER_ARGS="--head-graph-records 16" bash bench/gpu_bench.sh "$TINY" 8853
   job latency_bf16_process 0 300 python3 bench/latency.py --modes graphs,raw --engine-process --ckpt "$NINE" \
       --out "$S/latency_bf16_process/latency.json"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentieth1_queue0)   # the new defaults (head graphs for up to 16 requests a step, every record bucket checked in
+                     # the warm-up): the tiny server (its first several-request step held it 0.5 s), then 9B vs raw
+  job short_tiny 0 200 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-default16-short \
+      bash bench/gpu_bench.sh "$TINY" 8861
+  job short_9b_bf16 0 400 env "${SHORT[@]}" LABEL=9b-dummy-bf16-headgraphs-default16-short \
+      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8862
   touch "$S/all.done"
   log "all done"
   ;;

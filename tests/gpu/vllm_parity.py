@@ -11,10 +11,12 @@ Then the HTTP server (vLLM backend, DP=``--dp``) is loaded with concurrent reque
 response is checked against the offline vLLM answer of the same request.
 
 Usage (GPU machine, vLLM on PYTHONPATH):
-    python tests/gpu/vllm_parity.py --out $OUT --n 240 [--dp 2] [--skip-parity] [--head-graph-records 16]
+    python tests/gpu/vllm_parity.py --out $OUT --n 240 [--dp 2] [--skip-parity] [--head-graph-records 1]
 
-``--head-graph-records``: the vLLM engines graph the joint head of steps finishing up to that many
-requests (its batches finish many per step, so this checks the several-record graphs on every layout).
+``--head-graph-records`` (default: the server's, 16): the vLLM engines graph the joint head of steps
+finishing up to that many requests (its batches finish many per step, so the default checks the
+several-record graphs on every layout; 1 graphs one-request steps only). Other than the default it
+names the result file ``..._rN.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from clef_vllm.backends.options import VllmOptions
 from clef_vllm.bench.loadgen import distribution_ms
 from clef_vllm.testing.server import LiveServer
 
@@ -178,7 +181,8 @@ def main() -> int:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
-    ap.add_argument("--head-graph-records", type=int, default=1, choices=(1, 2, 4, 8, 16))
+    records_default = VllmOptions().head_graph_records
+    ap.add_argument("--head-graph-records", type=int, default=records_default, choices=(1, 2, 4, 8, 16))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +197,7 @@ def main() -> int:
     if not args.skip_server:
         results[f"server_dp{args.dp}"] = server_load(workdir, args.dp, 256, engine, out)
         print(json.dumps(results[f"server_dp{args.dp}"]), flush=True)
-    suffix = f"_r{args.head_graph_records}" if args.head_graph_records > 1 else ""
+    suffix = f"_r{args.head_graph_records}" if args.head_graph_records != records_default else ""
     results["head_graph_records"] = args.head_graph_records
     (out / f"vllm_parity_dp{args.dp}{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -222,13 +222,12 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
-    head_graphs: bool = option(True, "run the joint head of a step that finishes one request (or up to "
-                               "--head-graph-records) from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",), engine=_head_graphs,
-                               kind=bool)
-    head_graph_records: int = option(1, "with the head graphs on, graph steps that finish up to this many requests "
-                                     "(1, 2, 4, 8 or 16; default 1: several records are not measured yet; "
-                                     "docs/latency.md)", flags=("--head-graph-records",), kind=int,
-                                     choices=(1, 2, 4, 8, 16))
+    head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
+                               "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
+                               engine=_head_graphs, kind=bool)
+    head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
+                                     "(1, 2, 4, 8 or 16; default 16; docs/latency.md)",
+                                     flags=("--head-graph-records",), kind=int, choices=(1, 2, 4, 8, 16))
     state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
                                "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)
