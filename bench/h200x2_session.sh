@@ -68,6 +68,11 @@
 #        process as the server runs it, and BF16 in its own process.
 # PLAN=twentieth1 (one GPU): the head graphs' new defaults (steps finishing up to 16 requests; every record bucket
 #        checked during the warm-up): the tiny server's short c=16/64, then 9B BF16 short c=1/16/64 vs raw vLLM.
+# PLAN=twentyfirst1 (one GPU; not run yet): long/fan-out c=1/8 vs raw with the current defaults, FP8 and BF16 short
+#        c=1 traced (where FP8 loses its in-process lead through the server), short+long c=1 with the cache on and
+#        off (the unique-state cost), raw FP8 in process.
+# PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
+#        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -176,7 +181,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -240,7 +245,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -299,6 +304,33 @@ nineteenth1_queue0)   # ~1,600 s of jobs in priority order: the last ones may no
       SERVER_ARGS="--head-graph-records 16" bash bench/gpu_bench.sh "$TINY" 8853
   job latency_bf16_process 0 300 python3 bench/latency.py --modes graphs,raw --engine-process --ckpt "$NINE" \
       --out "$S/latency_bf16_process/latency.json"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentyfirst1_queue0)   # ~1,500 s in priority order: issue 12's "no regression elsewhere" with the current defaults,
+                       # where FP8's time goes through the server (traced, BF16 beside it), the unique-state cost of
+                       # the cache at c=1 (issue 13's 3 %), then raw FP8 in process (latency.py's raw mode works now)
+  job longfan_9b_bf16 0 480 env "${NINE_SWEEP[@]}" WORKLOADS=long,fanout CONC=1,8 LABEL=9b-dummy-bf16-longfan-default16 \
+      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8871
+  traced_9b trace_9b_fp8 300 8872 9b-dummy-fp8-trace-c1 1 WORKLOADS=short \
+      "SERVER_ARGS=--load-format dummy --quantization fp8"
+  traced_9b trace_9b_bf16 300 8873 9b-dummy-bf16-trace-c1 1 WORKLOADS=short "SERVER_ARGS=--load-format dummy"
+  UNIQUE_C1=(WORKLOADS=short,long CONC=1 "CONC_OVERRIDES=long=1" TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360
+             BENCH_TIMEOUT=240 BENCH_ARGS=--unique-per-point PHASES=server)
+  job unique_c1_cache_on 0 300 env "${UNIQUE_C1[@]}" LABEL=9b-dummy-bf16-unique-c1-cache-on \
+      SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8874
+  job unique_c1_cache_off 0 300 env "${UNIQUE_C1[@]}" LABEL=9b-dummy-bf16-unique-c1-cache-off \
+      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8875
+  job latency_fp8_raw 0 420 python3 bench/latency.py --modes graphs,raw --quantization fp8 --ckpt "$NINE" \
+      --out "$S/latency_fp8_raw/latency.json"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentyfirst_queue0)    # two GPUs: issue 13's DP=2 hits with unit matching (state affinity), then short DP=2 vs raw
+  cache_on_9b_dp2
+  job short_9b_bf16_dp2 0,1 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-dp2-default16 \
+      SERVER_ARGS="--load-format dummy --data-parallel-size 2" RAW_ARGS="--raw-engine-arg data_parallel_size=2" \
+      bash bench/gpu_bench.sh "$NINE" 8876
   touch "$S/all.done"
   log "all done"
   ;;
