@@ -58,6 +58,10 @@ def test_bucket_choice():
     assert len(graph_buckets((1,), SCHEMA_BUCKETS, memories)) == 5 * 14
     several = graph_buckets((1, 2, 4, 8, 16), SCHEMA_BUCKETS, memories)
     assert len(several) == 5 * 14 + 4 * 3 * 8
+    # 32 and 64 records: 1,024 and 512 rows per record at most, never more rows than 16 x 2,048 in all
+    most = graph_buckets(record_buckets(64), SCHEMA_BUCKETS, memories)
+    assert record_buckets(64) == (1, 2, 4, 8, 16, 32, 64) and len(most) == len(several) + 3 * 6 + 3 * 4
+    assert max(m for r, _, _, m in most if r == 32) == 1024 and max(m for r, _, _, m in most if r == 64) == 512
     assert max(r * m for r, _, _, m in several) == 16 * SEVERAL_MEMORY_LIMIT
 
 
@@ -79,7 +83,7 @@ def _padded_and_eager(dtype, cases, seed=11, records=1):
     head = random_head(SMALL).to(dtype)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype))
     rng = random.Random(seed)
-    runner = HeadGraphRunner(head, max_memory=512, max_records=8)      # its bucket choice, no graphs
+    runner = HeadGraphRunner(head, max_memory=512, max_records=64)     # its bucket choice, no graphs
     inputs = _stale_inputs(runner.buckets, dtype)
     out = []
     for k in range(0, len(cases), records):
@@ -107,12 +111,13 @@ def test_padded_body_equals_the_eager_head(dtype, atol):
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("records", [2, 3, 5])
+@pytest.mark.parametrize("records", [2, 3, 5, 20, 40])
 def test_padded_body_of_several_records_equals_the_eager_head(records):
-    """Several records finishing in one step, padded to a record bucket (2, 4, 8: a padded record's
-    one unmasked row and field are stale values) and each to the bucket's fields, options and memory:
-    float64 equals the eager head to 1e-12."""
+    """Several records finishing in one step, padded to a record bucket (2, 4, 8, 32, 64: a padded
+    record's one unmasked row and field are stale values) and each to the bucket's fields, options and
+    memory: float64 equals the eager head to 1e-12."""
     cases = [(1, 20), (3, 75), (2, 41), (4, 120), (7, 300), (9, 200), (2, 33), (5, 90), (1, 17), (6, 250)]
+    cases = cases * -(-records // len(cases))
     for got, want in _padded_and_eager(torch.float64, cases, seed=records, records=records):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     # records of one length: the eager batch has no memory padding at all (memory_padding is None)
@@ -176,6 +181,11 @@ def test_runner_falls_back_without_a_graph():
     assert several.choose(eager_and_batch(head, table, *[short] * 5)[1]) == "records"
     assert several.choose(eager_and_batch(head, table, short, long_)[1]) == "memory"     # short decisions only
     assert several.choose(eager_and_batch(head, table, long_)[1]) == (1, 4, 16, 3072)
+    most = HeadGraphRunner(head, max_records=64)
+    assert most.choose(eager_and_batch(head, table, *[short] * 40)[1]) == (64, 4, 16, 128)
+    mid = random_record(rng, 2, 1500, SMALL.hidden_size)
+    assert most.choose(eager_and_batch(head, table, *[short] * 10, mid)[1]) == (16, 4, 16, 1536)
+    assert most.choose(eager_and_batch(head, table, *[short] * 20, mid)[1]) == "memory"       # 1,024 rows at 32
     many = random_record(rng, 16, 60, SMALL.hidden_size)                                 # 16 fields
     assert several.choose(eager_and_batch(head, table, many, short)[1]) == "schema"
     assert several.choose(eager_and_batch(head, table, many)[1])[:3] == (1, 32, 128)

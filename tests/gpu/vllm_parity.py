@@ -32,6 +32,7 @@ from pathlib import Path
 
 from clef_vllm.backends.options import VllmOptions
 from clef_vllm.bench.loadgen import distribution_ms
+from clef_vllm.contract import HEAD_GRAPH_RECORDS
 from clef_vllm.testing.server import LiveServer
 
 
@@ -182,7 +183,7 @@ def main() -> int:
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     records_default = VllmOptions().head_graph_records
-    ap.add_argument("--head-graph-records", type=int, default=records_default, choices=(1, 2, 4, 8, 16))
+    ap.add_argument("--head-graph-records", type=int, default=records_default, choices=HEAD_GRAPH_RECORDS)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,5 +22,7 @@ PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
 #: ``additional_config`` key: ``{"records": N}`` turns on the joint head's CUDA graphs for steps finishing up
 #: to N requests (absent: off).
 HEAD_GRAPHS_KEY = "clef_head_graphs"
+#: The values N may take: the record buckets (a step finishing R requests is padded to the smallest >= R).
+HEAD_GRAPH_RECORDS = (1, 2, 4, 8, 16, 32, 64)
 #: ``additional_config`` key: present (a dict) when the state cache is on (prefix caching + side rows).
 STATE_CACHE_KEY = "clef_state_cache"

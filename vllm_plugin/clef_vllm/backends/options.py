@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from clef_vllm.contract import (HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY,
+                                STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -125,8 +127,6 @@ def _max_num_batched_tokens(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
-    from clef_vllm.contract import HEAD_DTYPE_KEY
-
     kwargs.setdefault("additional_config", {})[HEAD_DTYPE_KEY] = opts.resolved_head_dtype
 
 
@@ -135,7 +135,6 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     the step's token budget, and vLLM's piecewise CUDA graphs captured up to the same token counts."""
     if not opts.prefill_graphs:
         return
-    from clef_vllm.contract import PREFILL_GRAPHS_KEY
     from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
 
     budget = kwargs["max_num_batched_tokens"]
@@ -150,8 +149,6 @@ def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
     if opts.head_graphs:
-        from clef_vllm.contract import HEAD_GRAPHS_KEY
-
         kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = {"records": opts.head_graph_records}
 
 
@@ -160,8 +157,6 @@ def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     (:mod:`clef_vllm.worker.state_cache`); the scheduler (always ours) keeps the two consistent."""
     if not opts.state_cache:
         return
-    from clef_vllm.contract import STATE_CACHE_KEY
-
     kwargs.update(enable_prefix_caching=True)
     if opts.state_cache_match == "unit":
         from clef_vllm.state_keys import KEY_UNIT
@@ -226,8 +221,8 @@ class VllmOptions(_Validated):
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
-                                     "(1, 2, 4, 8 or 16; default 16; docs/latency.md)",
-                                     flags=("--head-graph-records",), kind=int, choices=(1, 2, 4, 8, 16))
+                                     "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
+                                     flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
     state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
                                "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)

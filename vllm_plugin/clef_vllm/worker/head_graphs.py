@@ -7,12 +7,12 @@ for one 400-token request on the H200 the head's kernels kept the GPU busy 0.8 m
 (profiled) stretch. Replaying them from a graph costs one launch.
 
 What: a step that finishes ``R`` requests (``R`` up to the largest *record bucket*: 1 by default,
-``--head-graph-records`` up to 16) copies their decision inputs into static buffers padded to a
+``--head-graph-records``, 16 by default, up to 64) copies their decision inputs into static buffers padded to a
 *bucket* (records, field and option slots per record, memory rows per record), replays the graph
 captured for the bucket and gathers the real options' probabilities. Everything before (span means,
 lexical rows, the index upload) stays as it is. A step finishing more requests than the largest
 record bucket, a schema or a memory longer than the largest bucket (for several records: the short
-decisions' buckets only, :data:`SEVERAL_SCHEMA_LIMIT`, :data:`SEVERAL_MEMORY_LIMIT`) runs the eager
+decisions' buckets only, :data:`SEVERAL_SCHEMA_LIMIT`, :func:`several_memory_limit`) runs the eager
 head, and after a capture fails or a self-check disagrees every step does (logged once).
 
 Padding is exact in the math (and, in floating point, at the level of the kernels' shapes):
@@ -39,6 +39,7 @@ from typing import Sequence
 
 import torch
 
+from clef_vllm.contract import HEAD_GRAPH_RECORDS
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
 from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph
 
@@ -50,12 +51,19 @@ SCHEMA_BUCKETS = ((4, 16), (8, 32), (16, 64), (32, 128), (65, 256))
 #: Memory rows (the request's prompt length) a decision can be padded to.
 MEMORY_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 #: Finishing requests a step can be padded to (``--head-graph-records`` picks the largest in use).
-RECORD_BUCKETS = (1, 2, 4, 8, 16)
+RECORD_BUCKETS = HEAD_GRAPH_RECORDS
 #: With several records per graph only short decisions are graphed: schema buckets up to this one and
-#: memory buckets up to this many rows per record (a 16-record graph then holds 32,768 memory rows,
-#: as many as the largest single-record one at a 32k context).
+#: memory buckets up to this many rows per record, and at most :data:`SEVERAL_ROWS` rows in all (as
+#: many as the largest single-record graph at a 32k context): 2,048 rows per record up to 16 records,
+#: 1,024 at 32, 512 at 64.
 SEVERAL_SCHEMA_LIMIT = (16, 64)
 SEVERAL_MEMORY_LIMIT = 2048
+SEVERAL_ROWS = 32768
+
+
+def several_memory_limit(records: int) -> int:
+    """Memory rows per record a graph of ``records`` (> 1) records holds at most."""
+    return min(SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS // records)
 
 
 def choose_schema(num_fields: int, num_options: int,
@@ -88,7 +96,7 @@ def graph_buckets(records: Sequence[int], schemas: Sequence[tuple[int, int]],
         for fields_, options in schemas:
             if r > 1 and (fields_, options) > SEVERAL_SCHEMA_LIMIT:
                 continue
-            out.extend((r, fields_, options, m) for m in memories if r == 1 or m <= SEVERAL_MEMORY_LIMIT)
+            out.extend((r, fields_, options, m) for m in memories if r == 1 or m <= several_memory_limit(r))
     return out
 
 
@@ -231,7 +239,7 @@ class HeadGraphRunner:
         if schema is None or (records > 1 and schema > SEVERAL_SCHEMA_LIMIT):
             return "schema"
         memory = choose_memory(batch.memory.shape[1], self.memory_buckets)
-        if memory is None or (records > 1 and memory > SEVERAL_MEMORY_LIMIT):
+        if memory is None or (records > 1 and memory > several_memory_limit(records)):
             return "memory"
         return (records, *schema, memory)
 
