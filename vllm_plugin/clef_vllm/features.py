@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead, segment_sum
+from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead, ranks_within, segment_sum, span_positions
 from clef_vllm.state_keys import KEY_UNIT, prefix_keys
 from clef_vllm.tables import LexicalTable
 
@@ -93,7 +93,7 @@ class HeadSpec:
         """[L] segment index of every token; tokens outside any span map to the overflow row ``num_segments``."""
         spans = np.asarray(self.spans(), dtype=np.int64).reshape(-1, 2)
         seg = np.full(self.num_tokens, self.num_segments, dtype=np.int64)
-        seg[_span_positions(spans)] = np.repeat(np.arange(len(spans)), spans[:, 1] - spans[:, 0])
+        seg[span_positions(spans)] = np.repeat(np.arange(len(spans)), spans[:, 1] - spans[:, 0])
         return seg
 
     def validate(self) -> None:
@@ -114,13 +114,6 @@ class HeadSpec:
             raise ValueError("head spec: lexical ids do not match the option spans")
         if self.reuse_limit > self.first_span_start or len(self.state_keys) * KEY_UNIT > self.reuse_limit:
             raise ValueError("head spec: the reusable prefix overlaps a span")
-
-
-def _span_positions(spans: np.ndarray) -> np.ndarray:
-    """Every position covered by ``spans`` ([S, 2] half-open), span by span, without a Python loop."""
-    lengths = spans[:, 1] - spans[:, 0]
-    firsts = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(spans[:, 0] - firsts, lengths)
 
 
 def upload(tensors: Sequence[torch.Tensor | np.ndarray], device) -> list[torch.Tensor]:
@@ -211,7 +204,7 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
     whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == hidden.shape[0]
     index = [np.concatenate(seg)]
     if not whole:
-        index.append(_span_positions(np.array([(off, off + n) for _, off, n, _ in pieces], dtype=np.int64)))
+        index.append(span_positions(np.array([(off, off + n) for _, off, n, _ in pieces], dtype=np.int64)))
     moved = upload(index, hidden.device)
     picked = states if whole else states.index_select(0, moved[1])
     sums = segment_sum(picked, moved[0], base)
@@ -220,6 +213,29 @@ def accumulate(head: JointSchemaHead, hidden: torch.Tensor,
         mem, last = memory[off:off + n], states[off + n - 1]
         acc.absorb(sums[b:b + acc.spec.num_segments + 1], mem if done else mem.clone(),
                    last if done else last.clone(), start + n)
+
+
+def step_indices(specs: Sequence[HeadSpec]) -> tuple[FieldLayout, list[np.ndarray]]:
+    """The host index data of one step's finishing records: their field layout, and the lexical token
+    ids, each lexical token's option, tokens per option span, the span-sum rows of the questions and of
+    the options (each record's rows start after the previous record's overflow row) and tokens per
+    question span. A few numpy operations whatever the numbers of records, fields, options and tokens:
+    it runs in vLLM's engine core once per step, before any head kernel can be issued
+    (``bench/pooler_host.py`` times it)."""
+    layout = FieldLayout.from_records([(spec.type_ids, spec.options_per_field) for spec in specs])
+    spans = lambda attr: np.array([ab for spec in specs for ab in getattr(spec, attr)],  # noqa: E731
+                                  dtype=np.int64).reshape(-1, 2)
+    option_spans, question_spans = spans("option_spans"), spans("question_spans")
+    option_counts = option_spans[:, 1] - option_spans[:, 0]
+    num_fields = np.array([spec.num_fields for spec in specs], dtype=np.int64)
+    num_options = np.array([spec.num_options for spec in specs], dtype=np.int64)
+    row_base = np.cumsum(num_fields + num_options + 1) - (num_fields + num_options + 1)
+    lex_ids = np.array([i for spec in specs for i in spec.lexical_ids], dtype=np.int64)
+    lex_seg = np.repeat(np.arange(option_counts.size, dtype=np.int64), option_counts)
+    q_rows = np.repeat(row_base, num_fields) + ranks_within(num_fields)
+    c_rows = np.repeat(row_base + num_fields, num_options) + ranks_within(num_options)
+    q_len = question_spans[:, 1] - question_spans[:, 0]
+    return layout, [lex_ids, lex_seg, option_counts, q_rows, c_rows, q_len]
 
 
 def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
@@ -237,37 +253,21 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
     """
     dtype = head.dtype
     device = records[0].sums.device
-    cpu_layout = FieldLayout.from_records([(r.spec.type_ids, r.spec.options_per_field) for r in records])
-    lex_ids, lex_seg, option_counts = [], [], []
-    q_rows, c_rows, q_len, row_base = [], [], [], 0
-    lengths = []
-    for r in records:
-        spec = r.spec
-        counts = [b - a for a, b in spec.option_spans]
-        lex_ids.extend(spec.lexical_ids)
-        lex_seg.extend(len(option_counts) + j for j, n in enumerate(counts) for _ in range(n))
-        option_counts.extend(counts)
-        q_rows.extend(range(row_base, row_base + spec.num_fields))
-        c_rows.extend(range(row_base + spec.num_fields, row_base + spec.num_segments))
-        q_len.extend(b - a for a, b in spec.question_spans)
-        row_base += spec.num_segments + 1          # + the overflow row
-        lengths.append(sum(m.shape[0] for m in r.memory))
-    longest = max(lengths)
-    padded = len(set(lengths)) > 1
-    slots = _span_positions(np.array([(b * longest, b * longest + n) for b, n in enumerate(lengths)] if padded
-                                     else np.zeros((0, 2)), dtype=np.int64))
+    cpu_layout, indices = step_indices([r.spec for r in records])
+    lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
+    longest = int(lengths.max())
+    padded = bool((lengths != longest).any())
+    slots = span_positions(np.stack([np.arange(len(records)) * longest, np.arange(len(records)) * longest + lengths],
+                                    axis=1) if padded else np.zeros((0, 2), dtype=np.int64))
     names = ("type_ids", "field_record", "field_slot", "option_field", "option_record", "option_slot")
-    moved = upload([getattr(cpu_layout, n) for n in names]
-                   + [torch.tensor(v, dtype=torch.long) for v in (lex_ids, lex_seg, option_counts, q_rows, c_rows,
-                                                                   q_len, lengths)] + [slots], device)
+    moved = upload([getattr(cpu_layout, n) for n in names] + indices + [lengths, slots], device)
     layout = replace(cpu_layout, **dict(zip(names, moved[:6])))
     ids, seg, counts, q_rows, c_rows, q_len, mem_len, slots = moved[6:]   # counts: option span lengths
 
     sums = torch.cat([r.sums for r in records])                                  # [sum(S_r + 1), H] fp32
     questions = (sums.index_select(0, q_rows) / q_len[:, None].float()).to(dtype)
     contexts = (sums.index_select(0, c_rows) / counts[:, None].float()).to(dtype)
-    num_options = len(option_counts)
-    lexical = (segment_sum(table.rows(ids, dtype), seg, num_options) / counts[:, None].float()).to(dtype)
+    lexical = (segment_sum(table.rows(ids, dtype), seg, counts.shape[0]) / counts[:, None].float()).to(dtype)
 
     flat = torch.cat([m for r in records for m in r.memory])                     # [sum L, D]
     if padded:
