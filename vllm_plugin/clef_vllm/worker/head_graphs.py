@@ -76,10 +76,15 @@ def choose_schema(num_fields: int, num_options: int,
     return None
 
 
+def smallest_bucket(value: int, buckets: Sequence[int]) -> int | None:
+    """The smallest of the sorted ``buckets`` holding ``value``, or ``None``."""
+    i = bisect.bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else None
+
+
 def choose_memory(length: int, buckets: Sequence[int] = MEMORY_BUCKETS) -> int | None:
     """The smallest memory bucket holding ``length`` rows, or ``None``."""
-    i = bisect.bisect_left(buckets, length)
-    return buckets[i] if i < len(buckets) else None
+    return smallest_bucket(length, buckets)
 
 
 def record_buckets(max_records: int) -> tuple[int, ...]:
@@ -231,10 +236,9 @@ class HeadGraphRunner:
     def choose(self, batch: DecisionBatch) -> tuple[int, int, int, int] | str:
         """The bucket of ``batch``, or why it has none."""
         lay = batch.layout
-        i = bisect.bisect_left(self.record_buckets, lay.num_records)
-        if i == len(self.record_buckets):
+        records = smallest_bucket(lay.num_records, self.record_buckets)
+        if records is None:
             return "records"
-        records = self.record_buckets[i]
         schema = choose_schema(lay.max_fields, lay.max_options, self.schema_buckets)
         if schema is None or (records > 1 and schema > SEVERAL_SCHEMA_LIMIT):
             return "schema"
