@@ -6,9 +6,9 @@ Launched one by one from Python its kernels leave the GPU idle most of the time:
 for one 400-token request on the H200 the head's kernels kept the GPU busy 0.8 ms of an 11.7 ms
 (profiled) stretch. Replaying them from a graph costs one launch.
 
-What: a step that finishes ``R`` requests (``R`` up to the largest *record bucket*: 1 by default,
-``--head-graph-records``, 16 by default, up to 64) copies their decision inputs into static buffers padded to a
-*bucket* (records, field and option slots per record, memory rows per record), replays the graph
+What: a step that finishes ``R`` requests (``R`` up to the largest *record bucket*:
+``--head-graph-records``, 16 by default, up to 64) copies their decision inputs into static buffers
+padded to a *bucket* (records, field and option slots per record, memory rows per record), replays the graph
 captured for the bucket and gathers the real options' probabilities. Everything before (span means,
 lexical rows, the index upload) stays as it is. A step finishing more requests than the largest
 record bucket, a schema or a memory longer than the largest bucket (for several records: the short

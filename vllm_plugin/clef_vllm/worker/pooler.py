@@ -7,8 +7,8 @@ kept on the request's ``PoolingStates`` absorbs each chunk (memory projection, s
 state); when the prompt is complete the head runs for every request finishing in this step at
 once, and the pooler returns that request's fp32 per-option probabilities — a few floats, never
 a [L, 4096] tensor. Unfinished requests get ``None`` (vLLM finishes a pooling request on its
-first non-None output). With the head graphs on, a step that finishes client requests only (one, by
-default; up to ``--head-graph-records``) runs the head's decision from a CUDA graph
+first non-None output). With the head graphs on, a step that finishes client requests only (up to
+``--head-graph-records``, 16 by default) runs the head's decision from a CUDA graph
 (:mod:`clef_vllm.worker.head_graphs`).
 
 Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]``
