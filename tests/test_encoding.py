@@ -687,6 +687,29 @@ def test_a_repeated_state_is_tokenized_once_per_piece_with_the_same_ids(hf_tok):
     assert len(plain.pieces) == 0 and plain.pieces.hits == 0
 
 
+def test_a_repeated_schema_is_tokenized_once_per_segment_with_the_same_ids(hf_tok):
+    """The schema segment cache: the same questions about other states, then with one instruction
+    changed, give exactly the ids and spans of an encoder without caches; only new segments are
+    tokenized."""
+    plain = RequestEncoder(hf_tok, piece_cache=0, segment_cache=0)
+    cached = RequestEncoder(hf_tok)
+    questions = {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
+                 "team": {"type": "choice", "instructions": "Which team?",
+                          "criteria": {"billing": "Payments and refunds", "technical": {"area": "outages"}}},
+                 "sev": {"type": "score", "criteria": ["none", "minor", "major"]}}
+    changed = dict(questions, urgent={"type": "noul", "instructions": "Is this urgent now?"})
+    seen = []
+    for qs, state in ((questions, "Checkout is down."), (questions, {"ticket": 7}), (changed, "Checkout is down.")):
+        first, second = encode(plain, req(state, **qs)), encode(cached, req(state, **qs))
+        assert second.input_ids == first.input_ids and second.fields == first.fields
+        seen.append((cached.segments.misses, cached.segments.hits))
+    (m, h0), (m1, h1), (m2, h2) = seen
+    assert m > 0 and h0 == 0                     # every segment of the first schema tokenized
+    assert m1 == m and h1 == m                   # the same schema again: all from the cache
+    assert m2 == m + 1 and h2 == h1 + m - 1      # one instruction changed: one segment tokenized
+    assert len(plain.segments) == 0 and plain.segments.hits == 0
+
+
 def test_the_piece_cache_drops_the_least_recently_used_pieces():
     from clef_vllm.encoding import PieceCache
 

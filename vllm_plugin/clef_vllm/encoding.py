@@ -56,6 +56,10 @@ STATE_PIECE_CHARS = 4096
 #: one starting the same way, is tokenized only where its pieces differ (its last piece, cut where
 #: this request's budget ends). Memory stays bounded whatever the states are made of.
 STATE_PIECE_CACHE = 8_000_000
+#: Token ids of schema segments (a field's header, its instruction, an option) kept by content, at most
+#: this many ids in all or ``SCHEMA_SEGMENT_CACHE // 16`` segments, least recently used dropped:
+#: clients ask the same questions about many states, so a schema seen before is not tokenized again.
+SCHEMA_SEGMENT_CACHE = 1_000_000
 #: Schema segments are tokenized in batches of about this many characters; a schema that already
 #: cannot fit is refused before the rest is tokenized.
 SCHEMA_BATCH_CHARS = 65536
@@ -131,9 +135,10 @@ def state_pieces(text: str, size: int = STATE_PIECE_CHARS, added: Sequence[str] 
 
 
 class PieceCache:
-    """Token ids of state pieces by content (a 16-byte BLAKE2b digest of the piece), least recently used
-    dropped past ``capacity`` ids in all or ``capacity // 64`` pieces. Thread-safe; tokenizing a piece
-    is a pure function of its text."""
+    """Token ids of texts tokenized on their own (state pieces, schema segments) by content (a 16-byte
+    BLAKE2b digest of the text), least recently used dropped past ``capacity`` ids in all or
+    ``max_pieces`` texts (default ``capacity // 64``). Thread-safe; tokenizing such a text is a pure
+    function of the text."""
 
     def __init__(self, capacity: int = STATE_PIECE_CACHE, max_pieces: int | None = None):
         self.capacity = capacity
@@ -376,7 +381,7 @@ class RequestEncoder:
     """Encodes validated requests with one tokenizer; constant segments are tokenized once."""
 
     def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, max_state_tokens: int | None = None,
-                 piece_cache: int = STATE_PIECE_CACHE):
+                 piece_cache: int = STATE_PIECE_CACHE, segment_cache: int = SCHEMA_SEGMENT_CACHE):
         # A transformers fast tokenizer or a bare ``tokenizers.Tokenizer``; we call the Rust
         # tokenizer directly (batched, no padding/truncation state, so it is thread-safe).
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
@@ -394,6 +399,7 @@ class RequestEncoder:
         self._added = tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
         self.max_token_bytes = self._longest_token_bytes()
         self.pieces = PieceCache(piece_cache)
+        self.segments = PieceCache(segment_cache, max_pieces=segment_cache // 16)
 
     def _check_tokenizer(self) -> None:
         """Refuse a tokenizer that cannot encode the prompt (e.g. an empty one, which recent
@@ -488,7 +494,7 @@ class RequestEncoder:
                 size += len(texts[end])
                 end += 1
             check()
-            batch = self._tokenize_many(texts[start:end])
+            batch = self._tokenize_cached(texts[start:end], self.segments)
             tokenized.extend(batch)
             fixed += sum(map(len, batch))
             start = end
@@ -573,14 +579,19 @@ class RequestEncoder:
         pieces = state_pieces(text, added=self._added) if self.split_state and text else [text]
         if len(pieces) == 1:
             return self.tokenize(pieces[0])
-        keys = [PieceCache.key(p) for p in pieces]
-        found: list[Sequence[int] | None] = [self.pieces.get(k) for k in keys]
+        return list(chain.from_iterable(self._tokenize_cached(pieces, self.pieces)))
+
+    def _tokenize_cached(self, texts: Sequence[str], cache: PieceCache) -> list[Sequence[int]]:
+        """Token ids of each of ``texts`` (segment-wise), from ``cache`` where it holds them; the rest are
+        tokenized in one batch and kept."""
+        keys = [PieceCache.key(t) for t in texts]
+        found: list[Sequence[int] | None] = [cache.get(k) for k in keys]
         missing = [i for i, ids in enumerate(found) if ids is None]
         if missing:
-            for i, ids in zip(missing, self._tokenize_many([pieces[i] for i in missing])):
+            for i, ids in zip(missing, self._tokenize_many([texts[i] for i in missing])):
                 found[i] = ids
-                self.pieces.put(keys[i], ids)
-        return list(chain.from_iterable(found))
+                cache.put(keys[i], ids)
+        return found
 
 
 def _no_check() -> None:
