@@ -32,7 +32,6 @@ See docs/latency.md ("Head graphs").
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from typing import Sequence
@@ -41,7 +40,7 @@ import torch
 
 from clef_vllm.contract import HEAD_GRAPH_RECORDS
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
-from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph
+from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph, choose_bucket
 
 log = logging.getLogger("clef_vllm")
 
@@ -76,15 +75,9 @@ def choose_schema(num_fields: int, num_options: int,
     return None
 
 
-def smallest_bucket(value: int, buckets: Sequence[int]) -> int | None:
-    """The smallest of the sorted ``buckets`` holding ``value``, or ``None``."""
-    i = bisect.bisect_left(buckets, value)
-    return buckets[i] if i < len(buckets) else None
-
-
 def choose_memory(length: int, buckets: Sequence[int] = MEMORY_BUCKETS) -> int | None:
     """The smallest memory bucket holding ``length`` rows, or ``None``."""
-    return smallest_bucket(length, buckets)
+    return choose_bucket(length, buckets)
 
 
 def record_buckets(max_records: int) -> tuple[int, ...]:
@@ -236,7 +229,7 @@ class HeadGraphRunner:
     def choose(self, batch: DecisionBatch) -> tuple[int, int, int, int] | str:
         """The bucket of ``batch``, or why it has none."""
         lay = batch.layout
-        records = smallest_bucket(lay.num_records, self.record_buckets)
+        records = choose_bucket(lay.num_records, self.record_buckets)
         if records is None:
             return "records"
         schema = choose_schema(lay.max_fields, lay.max_options, self.schema_buckets)

@@ -51,9 +51,10 @@ CHUNK_SIZE = 64
 SCRATCH_LINE = 0
 
 
-def choose_bucket(num_tokens: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket holding ``num_tokens`` tokens, or ``None`` when none does."""
-    i = bisect.bisect_left(buckets, num_tokens)
+def choose_bucket(value: int, buckets: Sequence[int]) -> int | None:
+    """The smallest of the sorted ``buckets`` holding ``value`` (here tokens; the head graphs' memory
+    rows and records too), or ``None`` when none does."""
+    i = bisect.bisect_left(buckets, value)
     return buckets[i] if i < len(buckets) else None
 
 
