@@ -34,6 +34,12 @@ class Recorder:
         return None
 
 
+def small_head_and_table():
+    """A random small head (seeded) and a random lexical table drawn right after it."""
+    head = random_head(SMALL)
+    return head, DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+
+
 def eager_and_batch(head, table, *records):
     """The eager head's probabilities of ``records`` finishing together (options concatenated) and the
     batch ``decide_records`` built for them."""
@@ -140,8 +146,7 @@ def test_padded_body_adds_no_error_in_bf16():
 def test_the_spare_field_is_masked():
     """Without the field mask the padded field slots would take part in the fields' self-attention:
     the test above would fail. Checked directly: unmasked padding changes a real field's answer."""
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     record = random_record(random.Random(5), 3, 60, SMALL.hidden_size)
     want, batch = eager_and_batch(head, table, record)
     inputs = StaticInputs(SMALL.hidden_size, SMALL.width, [(1, 8, 32, 128)], torch.float32, "cpu")
@@ -157,8 +162,7 @@ def test_the_spare_field_is_masked():
 def test_runner_falls_back_without_a_graph():
     """Off CUDA, for more records than its largest record bucket, or beyond the largest buckets, the
     runner answers None (the caller runs the eager head) and counts why."""
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     runner = HeadGraphRunner(head, max_memory=1000)
     assert runner.memory_buckets[-1] == 768
     rng = random.Random(3)
@@ -211,8 +215,7 @@ def test_the_graph_body_never_touches_host_data():
     """The class of the bug the first GPU round hit (``padding[...] = False`` copied a host scalar): the
     padded decision issues no op that creates a tensor from host data or reads a device value back.
     The op log is taken on the CPU; on a GPU each such op would synchronise (eager) or fail (capture)."""
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     rng = random.Random(2)
     for group, bucket in (([random_record(rng, 3, 50, SMALL.hidden_size)], (1, 8, 32, 128)),
                           ([random_record(rng, n, 50 + 9 * n, SMALL.hidden_size) for n in (3, 1, 2)], (4, 8, 32, 128))):
@@ -237,8 +240,7 @@ def test_the_runner_answers_every_decision_like_the_eager_head(caplog):
     """The whole runner on the CPU (every bucket captured at the first decision, the self-check, the
     fill, the replay, the slice): answers equal the eager head's, bucket after bucket, whatever ran before."""
     caplog.set_level(logging.INFO, logger="clef_vllm")
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     runner = CpuGraphRunner(head, max_memory=512, schema_buckets=SCHEMA_BUCKETS[:3])
     rng = random.Random(4)
     cases = [random_record(rng, n, length, SMALL.hidden_size) for n, length in [(2, 40), (5, 300), (1, 20), (7, 130),
@@ -255,8 +257,7 @@ def test_the_runner_answers_every_decision_like_the_eager_head(caplog):
 
 
 def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     runner = CpuGraphRunner(head, max_memory=512, schema_buckets=SCHEMA_BUCKETS[:2], broken=True)
     record = random_record(random.Random(6), 3, 60, SMALL.hidden_size)
     (acc,) = finished(head, [record])
@@ -273,8 +274,7 @@ def test_the_runner_answers_steps_of_several_requests_like_the_eager_head(caplog
     eager head's, every record bucket is checked once against the eager head at the first decision (a
     one-request step: on copies of its record), and a fifth request at once takes the eager head."""
     caplog.set_level(logging.INFO, logger="clef_vllm")
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     runner = CpuGraphRunner(head, max_memory=512, max_records=4, schema_buckets=SCHEMA_BUCKETS[:3])
     rng = random.Random(8)
     steps = [[(2, 40)], [(5, 300), (1, 20)], [(3, 75), (2, 41), (7, 130)], [(1, 20), (4, 200), (2, 60), (3, 90)],
@@ -299,8 +299,7 @@ def test_record_buckets_the_first_decision_cannot_fill_are_checked_at_their_own_
     """A first decision too long for several-record graphs (memory past SEVERAL_MEMORY_LIMIT) checks the
     one-record graphs only; the two-record graphs are checked at the first two-request step."""
     caplog.set_level(logging.INFO, logger="clef_vllm")
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     runner = CpuGraphRunner(head, max_memory=3072, max_records=2, schema_buckets=SCHEMA_BUCKETS[:1])
     rng = random.Random(10)
     for step in ([(2, SEVERAL_MEMORY_LIMIT + 1)], [(2, 40), (3, 50)]):
@@ -332,8 +331,7 @@ def test_copies_of_the_first_record_are_that_record_decided_again():
 def test_a_record_bucket_whose_graphs_disagree_drops_every_graph(caplog):
     """One record's graphs agree; the two-record graphs read a wrong buffer: their check at the first
     decision drops every graph, and the eager head answers from then on (that first decision included)."""
-    head = random_head(SMALL)
-    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    head, table = small_head_and_table()
     runner = CpuGraphRunner(head, max_memory=256, max_records=2, schema_buckets=SCHEMA_BUCKETS[:1], broken=2)
     rng = random.Random(9)
     one, two = finished(head, [random_record(rng, 2, 40, SMALL.hidden_size)]), finished(
