@@ -68,10 +68,10 @@
 #        process as the server runs it, and BF16 in its own process.
 # PLAN=twentieth1 (one GPU): the head graphs' new defaults (steps finishing up to 16 requests; every record bucket
 #        checked during the warm-up): the tiny server's short c=16/64, then 9B BF16 short c=1/16/64 vs raw vLLM.
-# PLAN=twentyfirst1 (one GPU; not run yet): head graphs for up to 64 requests a step (the head alone, 9B short
-#        c=16/64 with 64 and with the default 16, the tiny parity and server with 64), long/fan-out c=1/8 vs raw with
-#        the current defaults, FP8 and BF16 short c=1 traced (where FP8 loses its in-process lead through the
-#        server), short+long c=1 with the cache on and off (the unique-state cost), raw FP8 in process.
+# PLAN=twentyfirst1 (one GPU; twelfth session, round 1): FP8 and BF16 short c=1 traced with the cache on (where FP8
+#        loses its in-process lead through the server; the 4k/16k follow-ups beside it), head graphs for up to 64
+#        requests a step (the head alone, 9B short c=16/64 with 64 and with the default 16), short+long c=1 with the
+#        cache on and off (the unique-state cost).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -308,33 +308,23 @@ nineteenth1_queue0)   # ~1,600 s of jobs in priority order: the last ones may no
   touch "$S/all.done"
   log "all done"
   ;;
-twentyfirst1_queue0)   # ~2,400 s in priority order (the last jobs will not fit one session): head graphs for up to 64
-                       # requests a step (the head alone; 9B short c=16/64 with 64, then the default 16; the tiny
-                       # parity and server with 64), issue 12's "no regression elsewhere" with the current defaults,
-                       # where FP8's time goes through the server (traced, BF16 beside it), the unique-state cost of
-                       # the cache at c=1 (issue 13's 3 %), then raw FP8 in process (latency.py's raw mode works now)
+twentyfirst1_queue0)   # twelfth session, round 1 (~800 s): where FP8 loses its in-process lead through the server (FP8
+                       # and BF16 short c=1 traced, with the 4k/16k follow-ups), head graphs for up to 64 requests a
+                       # step (the head alone; 9B short c=16/64 with 64, then the default 16 on the same machine),
+                       # then the unique-state cost of the cache at c=1 (issue 13's 3 %)
+  traced_9b trace_9b_fp8 300 8872 9b-dummy-fp8-trace-c1 1 "SERVER_ARGS=--load-format dummy --quantization fp8 --state-cache on"
+  traced_9b trace_9b_bf16 300 8873 9b-dummy-bf16-trace-c1 1
   job head_graphs_64 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs_64" --n 200 --records 64
   job short_9b_bf16_r64 0 300 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=9b-dummy-bf16-headgraphs-r64-short \
       SERVER_ARGS="--load-format dummy --head-graph-records 64" bash bench/gpu_bench.sh "$NINE" 8877
   job short_9b_bf16_r16 0 300 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=9b-dummy-bf16-headgraphs-r16b-short \
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8878
-  job parity_tiny_r64 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_r64" --n 240 --skip-server \
-      --head-graph-records 64
-  job short_tiny_r64 0 200 env "${SHORT[@]}" CONC=16,64 PHASES=server LABEL=tiny-headgraphs-r64-short \
-      SERVER_ARGS="--head-graph-records 64" bash bench/gpu_bench.sh "$TINY" 8879
-  job longfan_9b_bf16 0 480 env "${NINE_SWEEP[@]}" WORKLOADS=long,fanout CONC=1,8 LABEL=9b-dummy-bf16-longfan-default16 \
-      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8871
-  traced_9b trace_9b_fp8 300 8872 9b-dummy-fp8-trace-c1 1 WORKLOADS=short \
-      "SERVER_ARGS=--load-format dummy --quantization fp8"
-  traced_9b trace_9b_bf16 300 8873 9b-dummy-bf16-trace-c1 1 WORKLOADS=short "SERVER_ARGS=--load-format dummy"
   UNIQUE_C1=(WORKLOADS=short,long CONC=1 "CONC_OVERRIDES=long=1" TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360
              BENCH_TIMEOUT=240 BENCH_ARGS=--unique-per-point PHASES=server)
   job unique_c1_cache_on 0 300 env "${UNIQUE_C1[@]}" LABEL=9b-dummy-bf16-unique-c1-cache-on \
       SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8874
   job unique_c1_cache_off 0 300 env "${UNIQUE_C1[@]}" LABEL=9b-dummy-bf16-unique-c1-cache-off \
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8875
-  job latency_fp8_raw 0 420 python3 bench/latency.py --modes graphs,raw --quantization fp8 --ckpt "$NINE" \
-      --out "$S/latency_fp8_raw/latency.json"
   touch "$S/all.done"
   log "all done"
   ;;
