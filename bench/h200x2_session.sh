@@ -72,6 +72,8 @@
 #        loses its in-process lead through the server; the 4k/16k follow-ups beside it), head graphs for up to 64
 #        requests a step (the head alone, 9B short c=16/64 with 64 and with the default 16), short+long c=1 with the
 #        cache on and off (the unique-state cost).
+# PLAN=twentysecond1 (one GPU; twelfth session, round 2): unique-state traffic, all workloads: the default server vs raw
+#        vLLM, then --state-cache on, then the default server again.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -182,7 +184,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -246,7 +248,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -325,6 +327,18 @@ twentyfirst1_queue0)   # twelfth session, round 1 (~800 s): where FP8 loses its 
       SERVER_ARGS="--load-format dummy --state-cache on" bash bench/gpu_bench.sh "$NINE" 8874
   job unique_c1_cache_off 0 300 env "${UNIQUE_C1[@]}" LABEL=9b-dummy-bf16-unique-c1-cache-off \
       SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8875
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentysecond1_queue0)  # twelfth session, round 2 (~700 s): unique-state traffic (every point its own states) on the
+                       # default server vs raw vLLM (issue 12's long/fan-out "no regression"), the same with --state-cache on
+                       # (issue 13's 3 %), then the default server again (the run-to-run spread between the two)
+  job unique_off_vs_raw 0 560 env "${NINE_SWEEP[@]}" LABEL=9b-dummy-bf16-unique-off-vs-raw \
+      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8881
+  job unique_on 0 400 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-unique-cache-on \
+      SERVER_ARGS="--load-format dummy --state-cache on" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8882
+  job unique_off_again 0 400 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-unique-off-again \
+      SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8883
   touch "$S/all.done"
   log "all done"
   ;;
