@@ -74,6 +74,8 @@
 #        cache on and off (the unique-state cost).
 # PLAN=twentysecond1 (one GPU; twelfth session, round 2): unique-state traffic, all workloads: the default server vs raw
 #        vLLM, then --state-cache on, then the default server again.
+# PLAN=twentythird1 (one GPU; twelfth session, round 3): unique short requests traced (graph counters per request) with
+#        the cache on (short first, then shared-state) and off.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -184,7 +186,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -248,7 +250,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -339,6 +341,16 @@ twentysecond1_queue0)  # twelfth session, round 2 (~700 s): unique-state traffic
       SERVER_ARGS="--load-format dummy --state-cache on" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8882
   job unique_off_again 0 400 env "${NINE_SWEEP[@]}" PHASES=server LABEL=9b-dummy-bf16-unique-off-again \
       SERVER_ARGS="--load-format dummy" BENCH_ARGS=--unique-per-point bash bench/gpu_bench.sh "$NINE" 8883
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentythird1_queue0)   # twelfth session, round 3 (~200 s): why a unique short request took ~6 ms longer with --state-cache
+                       # on when short ran first (rounds 1 and 2) but not after shared-state (round 1's trace): traced, with
+                       # the worker's graph counters on every engine_done, cache on (short first) then cache off
+  traced_9b trace_unique_on 300 8891 9b-dummy-bf16-trace-unique-on 1 WORKLOADS=short,shared-state \
+      "BENCH_ARGS=--shared-states 4096x64,15872x33 --unique-per-point"
+  traced_9b trace_unique_off 240 8892 9b-dummy-bf16-trace-unique-off 1 WORKLOADS=short "BENCH_ARGS=--unique-per-point" \
+      "SERVER_ARGS=--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -255,9 +255,15 @@ def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monke
     events = [json.loads(line) for line in path.read_text().splitlines()]
     assert [e["event"] for e in events] == ["engine_add", "engine_scheduled", "engine_done"]
     assert all(e["request"] == "a" for e in events) and events[0]["t"] <= events[1]["t"] <= events[2]["t"]
+    assert events[2]["graphs"] == {}                                # no worker runners registered here
+    monkeypatch.setitem(trace.REPORTERS, "prefill", lambda: {"replays": 3, "fallbacks": {"batch": 1}})
+    vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "c", ids(200))])
+    done = json.loads(path.read_text().splitlines()[-1])
+    assert done["event"] == "engine_done" and done["graphs"] == {"prefill": {"replays": 3, "fallbacks": {"batch": 1}}}
+    assert trace.summary(path.read_text().splitlines()) == {}     # engine-only events: no request to summarise
     monkeypatch.setattr(trace, "PATH", None)
     vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "b", ids(200))])
-    assert len(path.read_text().splitlines()) == 3                 # off: nothing written
+    assert len(path.read_text().splitlines()) == 6                 # off: nothing written
 
 
 def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, capsys):

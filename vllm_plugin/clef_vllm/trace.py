@@ -8,7 +8,9 @@ Off unless ``CLEF_VLLM_TRACE`` names a file. Then each event appends one JSON li
   ``warmup`` for the server's warm-up prompts);
 - ``sent``: AsyncLLM processed the input and handed it to the engine core's socket;
 - ``engine_add`` / ``engine_scheduled`` / ``engine_done`` (engine-core process, ``ClefScheduler``):
-  the request reached the scheduler, was first scheduled, and finished;
+  the request reached the scheduler, was first scheduled, and finished; ``engine_done`` carries the
+  worker's graph counters (``graphs``: :data:`REPORTERS`, cumulative), so the difference between two
+  requests at c=1 says whether a request's step replayed the prefill and head graphs or fell back, and why;
 - ``received`` (server process): AsyncLLM's output handler got the final output;
 - ``answer``: the backend's call returned (with the ``cached`` tokens it started from).
 
@@ -32,6 +34,14 @@ PHASES = os.environ.get("CLEF_VLLM_PROFILE_PHASES") == "1"
 #: The phase ranges' names (the worker's wrappers and bench/latency.py use these).
 PHASE_GDN_CORE, PHASE_HEAD = "clef_gdn_core", "clef_head"
 PHASE_NAMES = (PHASE_GDN_CORE, PHASE_HEAD)
+#: With tracing on, the worker registers its graph runners' ``describe`` here (it runs in the engine core's
+#: process, beside the scheduler); :func:`report` reads them for ``engine_done``.
+REPORTERS: dict = {}
+
+
+def report() -> dict:
+    """The registered runners' counters (replays, captures, fallbacks by reason), by name."""
+    return {name: describe() for name, describe in REPORTERS.items()}
 
 
 def phased(name: str, fn):

@@ -26,6 +26,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, Suppo
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
+from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY
 from clef_vllm.head import JointSchemaHead
@@ -126,6 +127,10 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
         self._steps = 0
+        if trace.PATH is not None:
+            for name, runner in (("prefill", self.prefill_graphs), ("head", self.pooler.head_graphs)):
+                if runner is not None:
+                    trace.REPORTERS[name] = runner.describe
 
     def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
         """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""

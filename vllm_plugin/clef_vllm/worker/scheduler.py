@@ -200,7 +200,7 @@ class ClefScheduler(Scheduler):
         if trace.PATH is not None:
             for rid in scheduler_output.num_scheduled_tokens:
                 if rid not in self.requests:
-                    trace.event("engine_done", rid)
+                    trace.event("engine_done", rid, graphs=trace.report())
         return outputs
 
     def _cache_up_to_boundary(self, request, num_computed_tokens: int) -> None:
