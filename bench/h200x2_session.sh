@@ -6,6 +6,8 @@
 #
 #   run 1..3: stage vLLM onto the GPU machine (its staging instructions; the last call then:)
 #             bash bench/h200x2_session.sh launch && bash bench/h200x2_session.sh wait 480
+#             (that call's own time limit must exceed staging + ~30 s of checkpoint building + the wait:
+#             a call cut before `wait` packs the results returns nothing)
 #   run 4..:  bash bench/h200x2_session.sh wait 560     (until it prints "all done")
 #
 # GPU 0: tiny vLLM-vs-reference parity (240 requests) -> 9B-shaped BF16 clef-bench server vs raw
@@ -74,7 +76,7 @@
 #        cache on and off (the unique-state cost).
 # PLAN=twentysecond1 (one GPU; twelfth session, round 2): unique-state traffic, all workloads: the default server vs raw
 #        vLLM, then --state-cache on, then the default server again.
-# PLAN=twentythird1 (one GPU; twelfth session, round 3): unique short requests traced (graph counters per request) with
+# PLAN=twentythird1 (one GPU; not run yet: its one call was cut before `wait` packed anything): unique short requests traced (graph counters per request) with
 #        the cache on (short first, then shared-state) and off.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
