@@ -309,6 +309,46 @@ def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, caps
     assert "submit -> sent" in out and "2.00 ms" in out and "(2 requests)" in out
 
 
+def test_the_trace_summary_says_which_graphs_each_request_replayed(tmp_path, capsys):
+    """``engine_done`` carries the worker's cumulative graph counters; a request's share is the change
+    since the previous ``engine_done`` (its own steps when it ran alone)."""
+    import json
+
+    from clef_vllm import trace
+
+    def ev(t, name, rid, **fields):
+        return json.dumps({"t": t, "pid": 1, "event": name, "request": rid, **fields})
+
+    def counters(prefill, head, batch=0):
+        return {"prefill": {"replays": prefill, "fallbacks": {"batch": batch} if batch else {}},
+                "head": {"replays": head, "fallbacks": {}}}
+
+    lines = [ev(0.0, "submit", "clef-0-ww", tokens=64, warmup=True),
+             ev(0.1, "engine_done", "clef-0-ww-00000000", graphs=counters(24, 1, batch=48)),
+             ev(0.2, "answer", "clef-0-ww", cached=0),
+             ev(1.0, "submit", "clef-1-aa", tokens=400),
+             ev(1.03, "engine_done", "clef-1-aa-1234abcd", graphs=counters(48, 2, batch=48)),
+             ev(1.04, "answer", "clef-1-aa", cached=0),
+             ev(2.0, "submit", "clef-2-bb", tokens=400),            # its step fell back: 24 layers, 'batch'
+             ev(2.05, "engine_done", "clef-2-bb-99999999", graphs=counters(48, 3, batch=72)),
+             ev(2.06, "answer", "clef-2-bb", cached=0),
+             ev(3.0, "submit", "clef-3-cc", tokens=400),
+             ev(3.03, "engine_done", "clef-3-cc-abababab", graphs=counters(72, 4, batch=72)),
+             ev(3.04, "answer", "clef-3-cc", cached=0)]
+    got = trace.graph_summary(lines)
+    assert got["warm-up"]["prefill"] == {"requests": 1, "fallbacks": {"batch": 48}, "replays_p50": 24}
+    assert got["<= 1,024 tokens"]["prefill"] == {"requests": 3, "fallbacks": {"batch": 24}, "replays_p50": 24}
+    assert got["<= 1,024 tokens"]["head"] == {"requests": 3, "fallbacks": {}, "replays_p50": 1}
+    assert "graphs" not in trace.timelines(lines)["clef-2-bb"]         # the cumulative counters stay in the file
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert trace.main([str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "prefill graphs" in printed and "24 replays per request (median of 3); fallbacks: batch 24" in printed
+    assert trace.graph_summary(lines[:3] + [ev(9.0, "submit", "clef-9-zz", tokens=9), ev(9.1, "answer", "clef-9-zz")]) \
+        == {"warm-up": got["warm-up"]}                             # a request without counters: no graph row
+
+
 def test_the_front_ends_hand_offs_are_traced_on_asyncllms_own_objects(tmp_path, monkeypatch):
     """``sent`` when AsyncLLM handed a request to the engine core's client, ``received`` when its final
     output reached the output processor; a request still running (not finished) logs nothing yet."""

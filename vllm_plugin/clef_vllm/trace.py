@@ -101,13 +101,26 @@ SEGMENTS = (("submit", "sent", "AsyncLLM's input processing"),
             ("received", "answer", "AsyncLLM's output handling, back to the backend"))
 
 
+def graph_delta(before: dict, now: dict) -> dict:
+    """What each graph runner did between two :func:`report` snapshots: replays, and fallbacks by reason."""
+    out = {}
+    for name, cur in now.items():
+        prev = before.get(name, {})
+        fell, fell_before = cur.get("fallbacks", {}), prev.get("fallbacks", {})
+        out[name] = {"replays": cur.get("replays", 0) - prev.get("replays", 0),
+                     "fallbacks": {r: n - fell_before.get(r, 0) for r, n in fell.items() if n != fell_before.get(r, 0)}}
+    return out
+
+
 def timelines(lines) -> dict[str, dict]:
     """Per request (the server's id), the first time of each event, and the extra fields of its
-    events (``tokens``, ``cached``, ``warmup``). The engine core's ids are the server's plus vLLM's
-    ``-xxxxxxxx`` suffix; they are mapped back by prefix."""
+    events (``tokens``, ``cached``, ``warmup``; ``graph_delta``: what the worker's graph runners did
+    since the previous ``engine_done``, i.e. in this request's steps when it ran alone). The engine
+    core's ids are the server's plus vLLM's ``-xxxxxxxx`` suffix; they are mapped back by prefix."""
     events = [json.loads(line) for line in lines if line.strip()]
     ours = {e["request"] for e in events if e["event"] in ("submit", "answer")}       # the backend's ids
     out: dict[str, dict] = {}
+    graphs: dict = {}
     for e in events:
         rid = e["request"]
         if rid not in ours:
@@ -115,7 +128,10 @@ def timelines(lines) -> dict[str, dict]:
             rid = base if base in ours else rid
         entry = out.setdefault(rid, {})
         entry.setdefault(e["event"], e["t"])
-        entry.update((k, v) for k, v in e.items() if k not in ("t", "pid", "event", "request"))
+        entry.update((k, v) for k, v in e.items() if k not in ("t", "pid", "event", "request", "graphs"))
+        if e["event"] == "engine_done" and "graphs" in e:
+            entry["graph_delta"] = graph_delta(graphs, e["graphs"])
+            graphs = e["graphs"]
     return out
 
 
@@ -130,12 +146,9 @@ def group_of(timeline: dict) -> str:
     return f"{size}, cache hit" if timeline.get("cached") else size
 
 
-def summary(lines, alone: bool = False) -> dict[str, dict]:
-    """Per group (:func:`group_of`), the median milliseconds of each segment over the requests that
-    have both of its ends, and how many had. ``alone``: only requests that had the server to
-    themselves (no other traced request between their submit and answer: a c=1 point)."""
-    import statistics
-
+def grouped(lines, alone: bool = False) -> dict[str, list[dict]]:
+    """The traced requests' timelines by :func:`group_of`. ``alone``: only requests that had the server
+    to themselves (no other traced request between their submit and answer: a c=1 point)."""
     ours = [t for t in timelines(lines).values() if "submit" in t and "answer" in t]   # engine-only: no pair
     if alone:
         spans = sorted((t["submit"], t["answer"]) for t in ours)
@@ -143,8 +156,37 @@ def summary(lines, alone: bool = False) -> dict[str, dict]:
     groups: dict[str, list[dict]] = {}
     for t in ours:
         groups.setdefault(group_of(t), []).append(t)
+    return dict(sorted(groups.items()))
+
+
+def graph_summary(lines, alone: bool = False) -> dict[str, dict]:
+    """Per group, per graph runner: the median replays per request and the fallbacks by reason, summed
+    (from ``graph_delta``: exact for requests that ran alone, as at c=1)."""
+    import statistics
+
     out = {}
-    for name, per in sorted(groups.items()):
+    for name, per in grouped(lines, alone).items():
+        deltas = [t["graph_delta"] for t in per if "graph_delta" in t]
+        runners = {}
+        for runner in sorted({r for d in deltas for r in d}):
+            fell: dict[str, int] = {}
+            for d in deltas:
+                for reason, n in d.get(runner, {}).get("fallbacks", {}).items():
+                    fell[reason] = fell.get(reason, 0) + n
+            runners[runner] = {"requests": len(deltas), "fallbacks": fell,
+                               "replays_p50": statistics.median(d.get(runner, {}).get("replays", 0) for d in deltas)}
+        if runners:
+            out[name] = runners
+    return out
+
+
+def summary(lines, alone: bool = False) -> dict[str, dict]:
+    """Per group (:func:`group_of`), the median milliseconds of each segment over the requests that
+    have both of its ends, and how many had. ``alone``: see :func:`grouped`."""
+    import statistics
+
+    out = {}
+    for name, per in grouped(lines, alone).items():
         rows = {}
         for a, b, what in SEGMENTS + (("submit", "answer", "the backend's engine call"),):
             values = [(t[b] - t[a]) * 1000 for t in per if a in t and b in t]
@@ -164,12 +206,17 @@ def main(argv=None) -> int:
                     help="only requests that had the server to themselves (no other request in flight)")
     a = ap.parse_args(argv)
     with open(a.file, encoding="utf-8") as f:
-        groups = summary(f, alone=a.alone)
-    for group, rows in groups.items():
+        lines = f.readlines()
+    graphs = graph_summary(lines, alone=a.alone)
+    for group, rows in summary(lines, alone=a.alone).items():
         print(f"## {group}")
         for name, row in rows.items():
             p50 = "-" if row["p50_ms"] is None else f"{row['p50_ms']:.2f} ms"
             print(f"{name:36s} {p50:>11s}  ({row['requests']} requests)  {row['what']}")
+        for runner, g in graphs.get(group, {}).items():
+            fell = ", ".join(f"{r} {n}" for r, n in sorted(g["fallbacks"].items())) or "none"
+            print(f"{runner + ' graphs':36s} {g['replays_p50']:>8g} replays per request (median of {g['requests']}); "
+                  f"fallbacks: {fell}")
     return 0
 
 
