@@ -127,10 +127,13 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
         self._steps = 0
-        if trace.PATH is not None:
-            for name, runner in (("prefill", self.prefill_graphs), ("head", self.pooler.head_graphs)):
-                if runner is not None:
-                    trace.REPORTERS[name] = runner.describe
+        if trace.PATH is not None:          # engine_done events carry their counters
+            trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
+
+    def graph_runners(self) -> dict:
+        """The prefill- and head-graph runners that are on, by name (their counters: ``describe()``)."""
+        runners = (("prefill", self.prefill_graphs), ("head", self.pooler.head_graphs))
+        return {name: runner for name, runner in runners if runner is not None}
 
     def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
         """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""
@@ -195,9 +198,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         """Final-norm hidden states of every scheduled token (what the head consumes)."""
         self._steps += 1
         if self._steps % GRAPH_REPORT_EVERY == 0:
-            for name, runner in (("prefill", self.prefill_graphs), ("head", self.pooler.head_graphs)):
-                if runner is not None:
-                    log.info("clef %s graphs: %s", name, runner.describe())
+            for name, runner in self.graph_runners().items():
+                log.info("clef %s graphs: %s", name, runner.describe())
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):
