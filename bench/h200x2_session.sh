@@ -77,7 +77,8 @@
 # PLAN=twentysecond1 (one GPU; twelfth session, round 2): unique-state traffic, all workloads: the default server vs raw
 #        vLLM, then --state-cache on, then the default server again.
 # PLAN=twentythird1 (one GPU; not run yet: its one call was cut before `wait` packed anything): unique short requests traced (graph counters per request) with
-#        the cache on (short first, then shared-state) and off.
+#        the cache on (short first, then shared-state) and off; then the FP8 and BF16 servers' engine cores
+#        torch-profiled over five short decisions at c=1 (CLEF_VLLM_PROFILE).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -174,6 +175,16 @@ traced_9b() {  # traced_9b NAME LIMIT PORT LABEL CONC [VAR=VALUE...]: the 9B BF1
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL="$label" \
       SERVER_ARGS="--load-format dummy --state-cache on" "$@" bash bench/gpu_bench.sh "$NINE" "$port"
   python3 -m clef_vllm.trace "$S/$name/trace.jsonl" >"$S/$name/trace_summary.txt" 2>&1
+}
+
+profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS: the 9B server, short at c=1, its engine core torch-profiled
+  # over client decisions 8-12 (CLEF_VLLM_PROFILE: vLLM's per-op table profiler_out_0.txt and traces; traces over
+  # 20 MB are dropped so the session's results stay small)
+  local name=$1 port=$2 label=$3 args=$4
+  job "$name" 0 240 env CLEF_VLLM_PROFILE="$S/$name/profile,8,5" WORKLOADS=short CONC=1 CONC_OVERRIDES= TIME_LIMIT=6 \
+      WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES=server LABEL="$label" SERVER_ARGS="$args" \
+      bash bench/gpu_bench.sh "$NINE" "$port"
+  find "$S/$name/profile" -type f -size +20M -delete 2>/dev/null
 }
 
 phase_a_done() {  # phase_a_done GPU: this queue's first stage is over; wait for the other queue's
@@ -346,13 +357,15 @@ twentysecond1_queue0)  # twelfth session, round 2 (~700 s): unique-state traffic
   touch "$S/all.done"
   log "all done"
   ;;
-twentythird1_queue0)   # twelfth session, round 3 (~200 s): why a unique short request took ~6 ms longer with --state-cache
+twentythird1_queue0)   # twelfth session, round 3 (~200 s, ~350 s with the profiles): why a unique short request took ~6 ms longer with --state-cache
                        # on when short ran first (rounds 1 and 2) but not after shared-state (round 1's trace): traced, with
                        # the worker's graph counters on every engine_done, cache on (short first) then cache off
   traced_9b trace_unique_on 300 8891 9b-dummy-bf16-trace-unique-on 1 WORKLOADS=short,shared-state \
       "BENCH_ARGS=--shared-states 4096x64,15872x33 --unique-per-point"
   traced_9b trace_unique_off 240 8892 9b-dummy-bf16-trace-unique-off 1 WORKLOADS=short "BENCH_ARGS=--unique-per-point" \
       "SERVER_ARGS=--load-format dummy"
+  profiled_9b profile_fp8 8893 9b-dummy-fp8-profile-c1 "--load-format dummy --quantization fp8"
+  profiled_9b profile_bf16 8894 9b-dummy-bf16-profile-c1 "--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;

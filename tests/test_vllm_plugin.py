@@ -4,6 +4,7 @@ refusals. A full backbone forward needs a GPU (tests/gpu/, bench/)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -656,3 +657,53 @@ def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
         layers[0]._forward_core(torch.zeros(4, 8), torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(4, 1, 1))
     assert calls == ["core"]
     assert runner.describe()["fallbacks"] == {"no_metadata": 1} and runner.stats.replays == 0
+
+
+def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path):
+    """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and
+    stops after decision START+COUNT-1; warm-up prompts do not count; a bad value names the variable."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.config import ProfilerConfig
+
+    from clef_vllm import trace
+    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.features import synthetic_spec
+
+    assert trace.ProfileWindow.from_env("") is None
+    window = trace.ProfileWindow.from_env(str(tmp_path))
+    assert (window.directory, window.start, window.count) == (str(tmp_path), 8, 10)
+    config = ProfilerConfig(**window.profiler_config())             # what the backend hands vLLM
+    assert config.profiler == "torch" and config.torch_profiler_dir == str(tmp_path) and config.ignore_frontend
+    for bad in ("d,x", "d,-1", "d,0,0", ",3"):
+        with pytest.raises(ValueError, match="CLEF_VLLM_PROFILE"):
+            trace.ProfileWindow.from_env(bad)
+
+    calls = []
+
+    class StandIn:                                                   # AsyncLLM's encode and profiler switches
+        async def start_profile(self):
+            calls.append("start")
+
+        async def stop_profile(self):
+            calls.append("stop")
+
+        async def encode(self, prompt, params, request_id):
+            calls.append(request_id.split("-")[1])
+            n = len(prompt["prompt_token_ids"])
+            yield SimpleNamespace(num_cached_tokens=0, prompt_token_ids=list(range(n)), finished=True,
+                                  outputs=SimpleNamespace(data=torch.zeros(synthetic_spec(n).num_options)))
+
+    backend = VllmBackend.__new__(VllmBackend)
+    backend.state_cache, backend.engine, backend._ids = False, StandIn(), itertools.count()
+    backend._profile = trace.ProfileWindow.from_env(f"{tmp_path},1,2")
+
+    async def run():
+        ids = list(range(20))
+        await backend._encode(ids, synthetic_spec(20), warmup=True)       # request 0: the warm-up's
+        for _ in range(4):                                                # requests 1-4: client decisions 0-3
+            await backend._encode(ids, synthetic_spec(20))
+
+    asyncio.run(run())
+    assert calls == ["0", "1", "start", "2", "3", "stop", "4"]

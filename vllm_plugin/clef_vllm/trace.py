@@ -44,6 +44,48 @@ def report() -> dict:
     return {name: describe() for name, describe in REPORTERS.items()}
 
 
+class ProfileWindow:
+    """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: torch-profile vLLM's engine core (vLLM's own profiler: its
+    traces and a per-op table, ``profiler_out_0.txt``, sorted by GPU time with each op's host time, in DIR)
+    over client decisions ``START .. START+COUNT-1`` after the warm-up (default 8 and 10), so the engine
+    core of a running server can be compared with ``bench/latency.py``'s in-process profile."""
+
+    def __init__(self, directory: str, start: int = 8, count: int = 10):
+        if not directory or start < 0 or count < 1:
+            raise ValueError(f"need DIR[,START>=0[,COUNT>=1]], got {directory!r}, {start}, {count}")
+        self.directory, self.start, self.count = directory, start, count
+        self._seen = 0
+
+    @classmethod
+    def from_env(cls, value: str | None = None) -> "ProfileWindow | None":
+        value = os.environ.get("CLEF_VLLM_PROFILE") if value is None else value
+        if not value:
+            return None
+        directory, *numbers = value.split(",")
+        try:
+            return cls(directory, *(int(n) for n in numbers[:2]))
+        except ValueError as exc:
+            raise ValueError(f"CLEF_VLLM_PROFILE={value!r}: {exc}") from None
+
+    def profiler_config(self) -> dict:
+        """vLLM's ``ProfilerConfig`` fields: the engine core only (not AsyncLLM's front end, which would
+        add its own overhead to the server process), and no Python stacks (they would dominate host times)."""
+        return {"profiler": "torch", "torch_profiler_dir": self.directory, "torch_profiler_with_stack": False,
+                "ignore_frontend": True}
+
+    async def begin(self, engine) -> int:
+        """Before a client decision: its index; the first of the window starts the profiler."""
+        index, self._seen = self._seen, self._seen + 1
+        if index == self.start:
+            await engine.start_profile()
+        return index
+
+    async def end(self, engine, index: int) -> None:
+        """After a client decision: the last of the window stops the profiler (vLLM writes the files)."""
+        if index == self.start + self.count - 1:
+            await engine.stop_profile()
+
+
 def phased(name: str, fn):
     """``fn`` inside a profiler range ``name`` when :data:`PHASES` is on; else ``fn`` itself."""
     if not PHASES:

@@ -226,6 +226,7 @@ class VllmBackend(Backend):
         self._recent_states: OrderedDict[bytes, None] = OrderedDict()   # states computed with their keys lately
         self._sightings: OrderedDict[bytes, None] = OrderedDict()       # states seen once, not cached
         self._ids = itertools.count()
+        self._profile = trace.ProfileWindow.from_env()     # CLEF_VLLM_PROFILE (diagnosis; off by default)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="clef-vllm-engine", daemon=True)
         self._thread.start()
@@ -247,7 +248,12 @@ class VllmBackend(Backend):
         if torch.cuda.is_initialized() and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             # Engine processes cannot be forked from a process that already holds a CUDA context.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        args = AsyncEngineArgs(**self.kwargs)
+        kwargs = dict(self.kwargs)
+        if self._profile is not None:
+            from vllm.config import ProfilerConfig
+
+            kwargs["profiler_config"] = ProfilerConfig(**self._profile.profiler_config())
+        args = AsyncEngineArgs(**kwargs)
         self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
         trace.instrument(self.engine)
         tasks = await self.engine.get_supported_tasks()
@@ -345,10 +351,14 @@ class VllmBackend(Backend):
         # Cancelling this coroutine (server timeout, client gone) aborts the request in the engine
         # core; an engine-core death surfaces as EngineDeadError.
         trace.event("submit", request_id, tokens=len(ids), **({"warmup": True} if warmup else {}))
+        profiled = None if warmup or self._profile is None else await self._profile.begin(engine)
         try:
             final = await self._final_output(engine, engine_input(ids), params, request_id, rank)
         except EngineDeadError as exc:
             raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
+        finally:
+            if profiled is not None:
+                await self._profile.end(engine, profiled)
         if final is None:
             raise EngineError("engine returned no output")
         cached = int(getattr(final, "num_cached_tokens", 0) or 0)
