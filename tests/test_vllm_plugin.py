@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import shutil
 from pathlib import Path
 from importlib.metadata import entry_points
@@ -659,7 +660,7 @@ def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
     assert runner.describe()["fallbacks"] == {"no_metadata": 1} and runner.stats.replays == 0
 
 
-def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path):
+def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):
     """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and
     stops after decision START+COUNT-1; warm-up prompts do not count; a bad value names the variable."""
     import asyncio
@@ -705,5 +706,18 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path)
         for _ in range(4):                                                # requests 1-4: client decisions 0-3
             await backend._encode(ids, synthetic_spec(20))
 
-    asyncio.run(run())
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        asyncio.run(run())
     assert calls == ["0", "1", "start", "2", "3", "stop", "4"]
+    assert "vLLM's profiler started (client decisions 1..2" in caplog.text and "profiler stopped" in caplog.text
+
+    async def broken():
+        raise RuntimeError("Profiler is not enabled")
+
+    backend.engine.start_profile = broken                             # a profiler that fails costs no decision
+    backend._profile = trace.ProfileWindow.from_env(f"{tmp_path},0,1")
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="clef_vllm"):
+        probs, cached = asyncio.run(backend._encode(list(range(20)), synthetic_spec(20)))
+    assert probs.numel() == synthetic_spec(20).num_options and calls == ["5"]          # nothing to stop
+    assert "CLEF_VLLM_PROFILE: could not start vLLM's profiler (RuntimeError: Profiler is not enabled)" in caplog.text

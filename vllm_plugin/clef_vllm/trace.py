@@ -22,6 +22,7 @@ requests (warm-up; prompt length; whether it started from the state cache).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -55,6 +56,7 @@ class ProfileWindow:
             raise ValueError(f"need DIR[,START>=0[,COUNT>=1]], got {directory!r}, {start}, {count}")
         self.directory, self.start, self.count = directory, start, count
         self._seen = 0
+        self._running = False
 
     @classmethod
     def from_env(cls, value: str | None = None) -> "ProfileWindow | None":
@@ -77,13 +79,26 @@ class ProfileWindow:
         """Before a client decision: its index; the first of the window starts the profiler."""
         index, self._seen = self._seen, self._seen + 1
         if index == self.start:
-            await engine.start_profile()
+            self._running = await self._switch(engine.start_profile, "start")
         return index
 
     async def end(self, engine, index: int) -> None:
         """After a client decision: the last of the window stops the profiler (vLLM writes the files)."""
-        if index == self.start + self.count - 1:
-            await engine.stop_profile()
+        if index == self.start + self.count - 1 and self._running:
+            self._running = False
+            await self._switch(engine.stop_profile, "stop")
+
+    async def _switch(self, call, what: str) -> bool:
+        """A profiler that fails is logged, never a failed decision (this is a diagnosis aid)."""
+        log = logging.getLogger("clef_vllm")
+        try:
+            await call()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("CLEF_VLLM_PROFILE: could not %s vLLM's profiler (%s: %s)", what, type(exc).__name__, exc)
+            return False
+        log.info("CLEF_VLLM_PROFILE: vLLM's profiler %s (client decisions %d..%d; files in %s)",
+                 {"start": "started", "stop": "stopped"}[what], self.start, self.start + self.count - 1, self.directory)
+        return True
 
 
 def phased(name: str, fn):
