@@ -203,6 +203,8 @@ class VllmBackend(Backend):
     """AsyncLLM + ClefPooler. Use ``decide`` from asyncio or ``decide_batch`` from plain code."""
 
     name = "vllm"
+    #: CLEF_VLLM_PROFILE's window (set in ``__init__``; off for instances made without it, as tests make them)
+    _profile: trace.ProfileWindow | None = None
 
     def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
                  encoder: RequestEncoder | None = None, **kwargs: Any):
