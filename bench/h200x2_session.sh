@@ -181,6 +181,7 @@ profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS: the 9B server, short
   # over client decisions 8-12 (CLEF_VLLM_PROFILE: vLLM's per-op table profiler_out_0.txt and traces; traces over
   # 20 MB are dropped so the session's results stay small)
   local name=$1 port=$2 label=$3 args=$4
+  mkdir -p "$S/$name/profile"
   job "$name" 0 240 env CLEF_VLLM_PROFILE="$S/$name/profile,8,5" WORKLOADS=short CONC=1 CONC_OVERRIDES= TIME_LIMIT=6 \
       WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES=server LABEL="$label" SERVER_ARGS="$args" \
       bash bench/gpu_bench.sh "$NINE" "$port"
