@@ -242,6 +242,43 @@ def test_matching_at_whole_blocks_keeps_its_block_boundary(tiny_release):
     assert _probe_hit(sched, prompt, spec) == 192
 
 
+def test_an_unkeyed_request_is_scheduled_as_with_the_cache_off(tiny_release):
+    """A short state is not keyed: with the state cache on, after a state was cached and hit, its request
+    gets the same single step, the same number of new blocks and the same blocks to zero as with the cache
+    off (the twelfth session's short c=1 cost is not in the scheduler's hands)."""
+    import torch
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    def steps(sched, requests):
+        seen = []
+        for r in requests:
+            sched.add_request(r)
+            while sched.requests:
+                out = sched.schedule(False)
+                rids = list(out.num_scheduled_tokens)
+                seen.append((r.request_id, dict(out.num_scheduled_tokens),
+                             {n.req_id: [len(b) for b in n.block_ids] for n in out.scheduled_new_reqs},
+                             len(out.new_block_ids_to_zero or [])))
+                done = [sched.requests[i].num_computed_tokens >= sched.requests[i].num_prompt_tokens for i in rids]
+                sched.update_from_output(out, ModelRunnerOutput(
+                    req_ids=rids, req_id_to_index={i: k for k, i in enumerate(rids)},
+                    pooler_output=[torch.zeros(1) if d else None for d in done]))
+        return seen
+
+    def shorts(sched):
+        return [vllm_cpu.pooling_request(sched, f"s{i}", ids(60, 100 + i), {"r": 0, "k": []}) for i in range(3)]
+
+    on = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True, unit=16)
+    state = ids(200, 5)
+    warm = [vllm_cpu.pooling_request(on, f"w{i}", state + ids(40, 6 + i), reuse(state + ids(40, 6 + i), 200))
+            for i in range(2)]
+    for w in warm:                                                   # keyed: split at the state's end
+        assert vllm_cpu.run_scheduler(on, [w])[w.request_id] == [192, 48]
+    off = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN)
+    cached_on, plain = steps(on, shorts(on)), steps(off, shorts(off))
+    assert cached_on == plain and [s[1] for s in plain] == [{"s0": 60}, {"s1": 60}, {"s2": 60}]
+
+
 def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monkeypatch):
     """``CLEF_VLLM_TRACE``: the engine core's part of a request's timeline (added, first scheduled, done)."""
     import json
