@@ -257,8 +257,8 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
     lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
     longest = int(lengths.max())
     padded = bool((lengths != longest).any())
-    slots = span_positions(np.stack([np.arange(len(records)) * longest, np.arange(len(records)) * longest + lengths],
-                                    axis=1) if padded else np.zeros((0, 2), dtype=np.int64))
+    starts = np.arange(len(records), dtype=np.int64) * longest                   # each record's padded rows
+    slots = span_positions(np.stack([starts, starts + lengths], axis=1) if padded else np.zeros((0, 2), np.int64))
     names = ("type_ids", "field_record", "field_slot", "option_field", "option_record", "option_slot")
     moved = upload([getattr(cpu_layout, n) for n in names] + indices + [lengths, slots], device)
     layout = replace(cpu_layout, **dict(zip(names, moved[:6])))

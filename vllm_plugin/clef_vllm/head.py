@@ -155,16 +155,15 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------- batch layout
 
 
-def span_positions(spans: np.ndarray) -> np.ndarray:
-    """Every position covered by ``spans`` ([S, 2] half-open), span by span, without a Python loop."""
-    lengths = spans[:, 1] - spans[:, 0]
-    firsts = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(spans[:, 0] - firsts, lengths)
-
-
 def ranks_within(sizes: np.ndarray) -> np.ndarray:
     """``0 … n-1`` for each group of ``sizes`` (groups laid end to end): each item's place in its group."""
     return np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
+def span_positions(spans: np.ndarray) -> np.ndarray:
+    """Every position covered by ``spans`` ([S, 2] half-open), span by span, without a Python loop."""
+    lengths = spans[:, 1] - spans[:, 0]
+    return ranks_within(lengths) + np.repeat(spans[:, 0], lengths)
 
 
 @dataclass
