@@ -198,9 +198,10 @@ class ClefScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if trace.PATH is not None:
-            for rid in scheduler_output.num_scheduled_tokens:
-                if rid not in self.requests:
-                    trace.event("engine_done", rid, graphs=trace.report())
+            done = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in self.requests]
+            graphs = trace.report() if done else None      # the worker's counters, once per step
+            for rid in done:
+                trace.event("engine_done", rid, graphs=graphs)
         return outputs
 
     def _cache_up_to_boundary(self, request, num_computed_tokens: int) -> None:
