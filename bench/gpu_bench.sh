@@ -23,6 +23,9 @@
 #   LABEL             stored in the results [basename of CKPT]
 #   READY_TIMEOUT     seconds for the server to load [420];  BENCH_TIMEOUT per bench run [300]
 #   PYTHON            interpreter [python3];  SERVER_BACKEND clef-systemone --backend [vllm]
+#   SERVER_WRAP       a command the server runs under (e.g. "taskset -c 0-3": its CPUs) []
+#   THREADS           1: sample the busiest threads (CPU each ran on, %CPU) every second of the server's
+#                     bench into threads.txt [0]
 # The server runs with --gdn-prefill-backend triton (Hopper). Exit status is
 # non-zero if any phase failed; each phase's rc is in $OUT/run.json.
 set -uo pipefail
@@ -50,6 +53,8 @@ RAW_FALLBACK_ARGS=${RAW_FALLBACK_ARGS-"--raw-arch Qwen3_5ForCausalLM --raw-load-
 PARITY_ARGS=${PARITY_ARGS:-"--synthetic 64 -c 8 --device cuda"}
 LABEL=${LABEL:-$(basename "$CKPT")}
 READY_TIMEOUT=${READY_TIMEOUT:-420}
+SERVER_WRAP=${SERVER_WRAP:-}
+THREADS=${THREADS:-0}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 URL="http://127.0.0.1:$PORT"
 
@@ -127,6 +132,7 @@ bench_cmd() {  # the sweep both runs share
   echo "checkpoint: $CKPT"; echo "port: $PORT"; echo "phases: $PHASES"
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) changed files"
   nvidia-smi 2>/dev/null || echo "no nvidia-smi"
+  lscpu 2>/dev/null
 } >"$OUT/environment.txt"
 START=$(date +%s)
 
@@ -135,7 +141,7 @@ if has_phase server || has_phase parity; then
   log "starting clef-systemone on $URL"
   set -m
   # shellcheck disable=SC2086
-  "$PY" -m clef_vllm.server.cli --model "$CKPT" --backend "$SERVER_BACKEND" --host 127.0.0.1 --port "$PORT" \
+  $SERVER_WRAP "$PY" -m clef_vllm.server.cli --model "$CKPT" --backend "$SERVER_BACKEND" --host 127.0.0.1 --port "$PORT" \
       --gdn-prefill-backend triton $SERVER_ARGS >"$OUT/server.log" 2>&1 &
   SERVER_PID=$!
   set +m
@@ -151,9 +157,16 @@ if has_phase server || has_phase parity; then
     log "server ready after ${i}s"
     RC[server_start]=0
     if has_phase server; then
+      sampler=""
+      if [ "$THREADS" = 1 ]; then
+        (while sleep 1; do date +%T.%N; ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -12; done) \
+            >"$OUT/threads.txt" 2>&1 &
+        sampler=$!
+      fi
       # shellcheck disable=SC2046
       run_phase bench_server "$BENCH_TIMEOUT" "$PY" -m clef_vllm.bench.bench_cli "$URL" --tokenizer "$CKPT" \
           $(bench_cmd) --label "$LABEL server" -o "$OUT/bench_server.json"
+      [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
     fi
     if has_phase parity; then
       # shellcheck disable=SC2086

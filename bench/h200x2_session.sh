@@ -79,6 +79,10 @@
 # PLAN=twentythird1 (one GPU; not run yet: its one call was cut before `wait` packed anything): unique short requests traced (graph counters per request) with
 #        the cache on (short first, then shared-state) and off; then the FP8 and BF16 servers' engine cores
 #        torch-profiled over five short decisions at c=1 (CLEF_VLLM_PROFILE).
+# PLAN=twentyfourth1 (one GPU): whether the CPU sets one short decision's latency (25.9-40 ms p50 across server starts
+#        with identical graph replays): bench/host_speed.py times Python and CUDA launches on every CPU, then
+#        bench/placement.sh starts the 9B BF16 server three times and runs short c=1 as started, pinned to the eight
+#        fastest CPUs, to the eight slowest, and unpinned again.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -200,7 +204,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -367,6 +371,19 @@ twentythird1_queue0)   # twelfth session, round 3 (~200 s, ~350 s with the profi
       "SERVER_ARGS=--load-format dummy"
   profiled_9b profile_fp8 8893 9b-dummy-fp8-profile-c1 "--load-format dummy --quantization fp8"
   profiled_9b profile_bf16 8894 9b-dummy-bf16-profile-c1 "--load-format dummy"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentyfourth1_queue0)   # thirteenth session: the CPU's share of the spread at c=1 (~300 s)
+  job host_speed 0 120 python3 bench/host_speed.py --out "$S/host_speed/host_speed.json"
+  picks=$(python3 -c "
+import json, sys
+rows = sorted(json.load(open(sys.argv[1]))['per_cpu'], key=lambda r: r['launch_us'])
+print(','.join(str(r['cpu']) for r in rows[:8]), ','.join(str(r['cpu']) for r in rows[-8:]))" \
+      "$S/host_speed/host_speed.json" 2>/dev/null || echo "0-7 8-15")
+  log "fastest and slowest CPUs: $picks"
+  # shellcheck disable=SC2086
+  job placement 0 420 bash bench/placement.sh "$NINE" $picks 3 8895
   touch "$S/all.done"
   log "all done"
   ;;
