@@ -683,3 +683,76 @@ def test_profile_phases_wrap_only_when_switched_on(monkeypatch):
     monkeypatch.setattr(trace, "PHASES", True)
     wrapped = trace.phased("clef_head", f)
     assert wrapped is not f and wrapped(1) == 2 and wrapped.__name__ == "f"
+
+
+# --------------------------------------------------------------------------- paired A/B (--versus)
+
+
+def test_paired_summary_compares_p50s_per_block_and_counts_unpaired():
+    from clef_vllm.bench.paired import paired_summary
+
+    a = [0.030] * 45 + [None, 0.030]
+    b = [0.033] * 20 + [0.027] * 25 + [0.040, None]
+    s = paired_summary(a, b, block=20)
+    assert s["pairs"] == 45 and s["unpaired"] == 2          # a pair counts only if both servers answered
+    assert s["a_p50_ms"] == 30.0 and s["ratio"] == pytest.approx(0.9)
+    # 45 pairs in blocks of 20: the 5 left over join the second block; the first block has B slower
+    assert s["block_ratios"] == [pytest.approx(1.1), pytest.approx(0.9)] and s["b_slower_blocks"] == 1
+    assert paired_summary([None], [0.1])["ratio"] is None
+    with pytest.raises(ValueError):
+        paired_summary(a, b, block=0)
+
+
+def test_pairs_alternate_which_server_goes_first_and_stop_at_the_time_limit():
+    import asyncio
+
+    from clef_vllm.bench.loadgen import Outcome
+    from clef_vllm.bench.paired import run_pairs
+
+    calls = []
+
+    def sender(name, delay=0.0):
+        async def send(req):
+            calls.append((name, req))
+            await asyncio.sleep(delay)
+            return Outcome("200", 0.01)
+        return send
+
+    a, b = asyncio.run(run_pairs([0, 1, 2, 3], sender("A"), sender("B")))
+    assert calls == [("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2), ("B", 3), ("A", 3)]
+    assert len(a) == len(b) == 4
+    calls.clear()   # each pair takes ~0.1 s: after 0.15 s no new pair starts, the one running finishes
+    a, b = asyncio.run(run_pairs(list(range(20)), sender("A", 0.05), sender("B", 0.05), time_limit=0.15))
+    assert 2 <= len(a) == len(b) <= 4 and len(calls) == 2 * len(a)
+
+
+def test_bench_versus_runs_the_same_requests_on_two_live_servers(live_server, hosted_server, tiny_release,
+                                                                tiny_short_tokens, tmp_path):
+    rc, res = _bench([live_server.url, "--versus", hosted_server.url, "--tokenizer", str(tiny_release),
+                      "--short-tokens", str(tiny_short_tokens), "-n", "6", "--warmup", "1", "--fail-on-error",
+                      "--label", "a-vs-b"], tmp_path / "paired.json")
+    assert rc == 0
+    assert res["schema"] == "clef-bench-paired/1" and res["mode"] == "paired" and res["complete"] is True
+    assert res["target"] == {"a": live_server.url + "/v1/systemone", "b": hosted_server.url + "/v1/systemone"}
+    [v] = res["variants"]
+    assert v["variant"] == "short" and v["requests"] == v["pairs"] == 6 and v["unpaired"] == 0
+    assert v["a"]["statuses"] == {"200": 6} and v["b"]["statuses"] == {"200": 6}
+    assert v["ratio"] == pytest.approx(v["b_p50_ms"] / v["a_p50_ms"], rel=1e-3) and len(v["block_ratios"]) == 1
+    assert v["a"]["server_stages_p50_ms"]["engine"] > 0
+    table = (tmp_path / "paired.txt").read_text()
+    assert table.startswith("clef-bench paired, c=1") and "\nshort " in table and "B/A" in table
+
+
+def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, tiny_release, tmp_path, capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    rc, res = _bench([live_server.url, "--versus", dead, "--tokenizer", str(tiny_release), "--short-tokens", "600",
+                      "-n", "2", "--warmup", "0", "--timeout", "5", "--fail-on-error"], tmp_path / "dead.json")
+    assert rc == 1
+    [v] = res["variants"]
+    assert v["pairs"] == 0 and v["unpaired"] == 2 and v["ratio"] is None
+    assert v["b"]["statuses"] == {"connect_error": 2} and v["a"]["statuses"] == {"200": 2}
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["--raw-vllm", str(tiny_release), "--versus", dead])
+    assert exit_.value.code == 2 and "--versus needs a server URL" in capsys.readouterr().err

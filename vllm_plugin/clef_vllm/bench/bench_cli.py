@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_argument_group("modes (instead of URL)")
     mode.add_argument("--raw-vllm", metavar="MODEL_DIR",
                       help="baseline: vLLM embed pooling of the same token ids on MODEL_DIR, in-process (GPU)")
+    mode.add_argument("--versus", metavar="URL_B",
+                      help="paired A/B at c=1: every request goes to URL (A) and URL_B (B), one at a time, in "
+                           "alternating order (-n pairs per variant, default 200); reports B's p50 over A's")
     mode.add_argument("--compare", nargs=2, metavar=("BASELINE.json", "RESULT.json"),
                       help="print RESULT next to BASELINE (e.g. raw-vLLM vs server) and exit; with -o, JSON + .txt")
 
@@ -337,6 +340,56 @@ def _compare(args) -> int:
     return 0 if rows else 1
 
 
+def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callable[[str], None]) -> int:
+    """``--versus``: the same requests on two servers, interleaved (clef_vllm.bench.paired)."""
+    from tqdm import tqdm
+
+    from clef_vllm.bench.paired import paired_table, run_pairs, summarize_variant
+
+    if args.wait_ready > 0:
+        for url in (args.url, args.versus):
+            try:
+                log(f"waiting for {url}: {wait_ready(url, args.wait_ready, headers)}")
+            except TimeoutError as exc:
+                raise SystemExit(f"clef-bench: {exc}") from None
+    args.concurrency = ["1"]
+    args.num_requests = args.num_requests or 200
+    plan = make_plan(args, factory, log)
+    results.update(mode="paired", variants=[],
+                   target={"a": systemone_url(args.url), "b": systemone_url(args.versus)},
+                   server={"a": server_info(args.url, headers), "b": server_info(args.versus, headers)})
+    results["schema"] = f"clef-bench-paired/{RESULT_SCHEMA_VERSION}"
+
+    async def go():
+        senders = [HttpSender(u, concurrency=1, timeout=args.timeout, headers=headers)
+                   for u in (args.url, args.versus)]
+        try:
+            for item in plan:
+                for sender in senders:
+                    await closed_loop(item.warm, 1, sender.send)
+                reqs = item.point_requests(1)
+                bar = tqdm(total=len(reqs), desc=f"{item.name} pairs", leave=False, disable=not args.progress,
+                           file=sys.stderr, dynamic_ncols=True)
+                a, b = await run_pairs(reqs, senders[0].send, senders[1].send, time_limit=args.time_limit,
+                                       on_done=bar.update)
+                bar.close()
+                results["variants"].append(summarize_variant(item.name, a, b))
+                out.write_text(dumps(results) + "\n")
+        finally:
+            for sender in senders:
+                await sender.aclose()
+
+    asyncio.run(go())
+    results["complete"] = True
+    table = paired_table(results)
+    out.write_text(dumps(results) + "\n")
+    out.with_suffix(".txt").write_text(table + "\n")
+    print(table)
+    log(f"results: {out} (table: {out.with_suffix('.txt')})")
+    bad = [v for v in results["variants"] if v["unpaired"]]
+    return 1 if (bad and args.fail_on_error) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -393,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(dumps(results) + "\n")
         out.with_suffix(".txt").write_text(bench_table(results) + "\n")
 
+    if args.versus:
+        if raw or not args.url:
+            build_parser().error("--versus needs a server URL (A) and compares it with URL_B")
+        return _paired(args, factory, headers, results, out, log)
     plan = make_plan(args, factory, log)
     if raw:  # requests the server would refuse (e.g. 413) have nothing to embed
         for item in plan:

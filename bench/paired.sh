@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Paired A/B on one GPU: several clef-systemone servers side by side, compared two at a time with
+# `clef-bench A --versus B` (the same requests, one at a time, alternating which server goes first),
+# so that both sides of a comparison sample the same minutes of the machine's host-speed lottery
+# (docs/latency.md, "The host's speed varies").
+#
+#   COMPARE="off:on:short,long off:fp8:short" bash bench/paired.sh CKPT "off=ARGS" "on=ARGS" "fp8=ARGS"
+#
+# Each NAME=ARGS starts one server (ARGS: its clef-systemone flags beyond --model/--port), one after
+# the other (each waits for the one before to be ready: vLLM sizes its KV cache from the free memory
+# it sees). COMPARE: A:B:WORKLOADS entries. Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
+# server's --gpu-memory-utilization), SERVER_FLAGS [--gdn-prefill-backend triton --gpu-memory-utilization
+# GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
+# BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt,
+# $OUT/server_<NAME>.log, $OUT/paired.log.
+set -uo pipefail
+CKPT=${1:?usage: COMPARE="a:b:short" bash bench/paired.sh CKPT NAME=ARGS...}
+shift
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/bench-out}
+mkdir -p "$OUT"
+if [ -d /root/site ] && [ -f tests/gpu/env.sh ]; then
+  # shellcheck disable=SC1091
+  source tests/gpu/env.sh
+fi
+export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+COMPARE=${COMPARE:?COMPARE="A:B:WORKLOADS ..."}
+GPU_SHARE=${GPU_SHARE:-0.28}
+SERVER_FLAGS=${SERVER_FLAGS-"--gdn-prefill-backend triton --gpu-memory-utilization $GPU_SHARE"}
+PAIRS=${PAIRS:-300}
+TIME_LIMIT=${TIME_LIMIT:-25}
+BENCH_ARGS=${BENCH_ARGS:-}
+PORT0=${PORT0:-8900}
+log() { echo "[paired $(date +%H:%M:%S)] $*" | tee -a "$OUT/paired.log" >&2; }
+
+declare -A URL=()
+PGIDS=()
+cleanup() {
+  local g
+  for g in "${PGIDS[@]}"; do kill -TERM -- "-$g" 2>/dev/null; done
+  sleep 5
+  for g in "${PGIDS[@]}"; do kill -KILL -- "-$g" 2>/dev/null; done
+}
+trap cleanup EXIT
+
+port=$PORT0
+for spec in "$@"; do
+  name=${spec%%=*}
+  args=${spec#*=}
+  port=$((port + 1))
+  set -m
+  # shellcheck disable=SC2086
+  python3 -m clef_vllm.server.cli --model "$CKPT" --host 127.0.0.1 --port "$port" $SERVER_FLAGS $args \
+      >"$OUT/server_$name.log" 2>&1 &
+  PGIDS+=($!)
+  set +m
+  URL[$name]="http://127.0.0.1:$port"
+  t0=$SECONDS
+  until python3 -c "import sys, urllib.request as u; sys.exit(0 if u.urlopen('${URL[$name]}/health', timeout=2).status == 200 else 1)" 2>/dev/null; do
+    if ! kill -0 "${PGIDS[-1]}" 2>/dev/null || (( SECONDS - t0 > 400 )); then
+      log "server $name did not start:"; tail -20 "$OUT/server_$name.log" >&2; exit 1
+    fi
+    sleep 1
+  done
+  log "server $name ready on ${URL[$name]} after $((SECONDS - t0))s ($args)"
+done
+
+for entry in $COMPARE; do
+  IFS=: read -r a b workloads <<<"$entry"
+  log "$a vs $b: $workloads"
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m clef_vllm.bench.bench_cli "${URL[$a]}" --versus "${URL[$b]}" --tokenizer "$CKPT" \
+      --workload "$workloads" -n "$PAIRS" --time-limit "$TIME_LIMIT" --warmup 4 --no-progress \
+      --label "$a vs $b" -o "$OUT/${a}_vs_${b}.json" $BENCH_ARGS >"$OUT/${a}_vs_${b}.log" 2>&1
+  log "$a vs $b: rc $?"
+  cat "$OUT/${a}_vs_${b}.txt" 2>/dev/null | tee -a "$OUT/paired.log"
+done
+log "done"
