@@ -739,6 +739,7 @@ def test_bench_versus_runs_the_same_requests_on_two_live_servers(live_server, ho
     assert v["a"]["statuses"] == {"200": 6} and v["b"]["statuses"] == {"200": 6}
     assert v["ratio"] == pytest.approx(v["b_p50_ms"] / v["a_p50_ms"], rel=1e-3) and len(v["block_ratios"]) == 1
     assert v["a"]["server_stages_p50_ms"]["engine"] > 0
+    assert len(v["latency_ms"]["a"]) == len(v["latency_ms"]["b"]) == 6 and None not in v["latency_ms"]["b"]
     table = (tmp_path / "paired.txt").read_text()
     assert table.startswith("clef-bench paired, c=1") and "\nshort " in table and "B/A" in table
 
@@ -753,6 +754,7 @@ def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, t
     [v] = res["variants"]
     assert v["pairs"] == 0 and v["unpaired"] == 2 and v["ratio"] is None
     assert v["b"]["statuses"] == {"connect_error": 2} and v["a"]["statuses"] == {"200": 2}
+    assert v["latency_ms"]["b"] == [None, None] and all(x > 0 for x in v["latency_ms"]["a"])
     with pytest.raises(SystemExit) as exit_:
         bench_main(["--raw-vllm", str(tiny_release), "--versus", dead])
     assert exit_.value.code == 2 and "--versus needs a server URL" in capsys.readouterr().err

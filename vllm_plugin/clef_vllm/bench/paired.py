@@ -95,8 +95,12 @@ def summarize_variant(name: str, a: Sequence[Outcome], b: Sequence[Outcome], blo
         return {"statuses": statuses,
                 "server_stages_p50_ms": stage_medians([o.server_stages for o in outs if o.ok and o.server_stages])}
 
-    return {"variant": name, "requests": len(a), **paired_summary(lat(a), lat(b), block),
-            "a": side(a), "b": side(b)}
+    la, lb = lat(a), lat(b)
+    return {"variant": name, "requests": len(a), **paired_summary(la, lb, block),
+            "a": side(a), "b": side(b),
+            # every pair in order (ms; null: not answered), for other statistics than the blocks'
+            "latency_ms": {"a": [None if x is None else round(x * 1000, 3) for x in la],
+                           "b": [None if x is None else round(x * 1000, 3) for x in lb]}}
 
 
 def paired_table(results: dict) -> str:
