@@ -85,6 +85,9 @@
 #        fastest CPUs, to the eight slowest, and unpinned again.
 # PLAN=twentyfifth1 (one GPU): paired A/B (bench/paired.sh: three 9B servers side by side, clef-bench --versus):
 #        BF16 cache off vs on (short, long-4k) and BF16 vs online FP8 (short), at c=1.
+# PLAN=twentysixth1 (one GPU; not run yet): the restored --prefill-graph-scope layer: its graphs against vLLM's path on
+#        the tiny checkpoint (fast_paths --scope layer), then paired at c=1 (bench/paired.sh, four 9B servers side by
+#        side): BF16 core vs layer (short, long-4k), FP8 core vs layer (short); then cache off vs on again (600 pairs).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -206,7 +209,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -270,7 +273,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -373,6 +376,17 @@ twentythird1_queue0)   # twelfth session, round 3 (~200 s, ~350 s with the profi
       "SERVER_ARGS=--load-format dummy"
   profiled_9b profile_fp8 8893 9b-dummy-fp8-profile-c1 "--load-format dummy --quantization fp8"
   profiled_9b profile_bf16 8894 9b-dummy-bf16-profile-c1 "--load-format dummy"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentysixth1_queue0)   # ~750 s: launch with `wait 520` in a 600 s call, then `wait 300`
+  job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
+  job paired_scope 0 560 env COMPARE="core:layer:short,long fp8core:fp8layer:short" PAIRS=300 TIME_LIMIT=20 \
+      GPU_SHARE=0.22 "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" "core=--load-format dummy" \
+      "layer=--load-format dummy --prefill-graph-scope layer" "fp8core=--load-format dummy --quantization fp8" \
+      "fp8layer=--load-format dummy --quantization fp8 --prefill-graph-scope layer"
+  job paired_cache 0 420 env COMPARE="off:on:short" PAIRS=600 TIME_LIMIT=40 PORT0=8910 \
+      bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --state-cache on"
   touch "$S/all.done"
   log "all done"
   ;;

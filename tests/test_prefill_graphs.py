@@ -13,12 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, Bucket, GdnDims, choose_bucket,
-                                             cudagraph_capture_sizes, fallback_reason, single_sequence_core)
+from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, Bucket, GdnDims, GdnGraphRunner, choose_bucket,
+                                             cudagraph_capture_sizes, fallback_reason, single_sequence_core,
+                                             single_sequence_layer)
 from support.gdn_reference import KERNELS
 
 HK, HV, DK, DV, WIDTH, LINES = 2, 4, 8, 8, 4, 3
 CONV_DIM = 2 * HK * DK + HV * DV
+QKVZ_DIM = CONV_DIM + HV * DV          # the packed projection: [q k v | z]
 
 
 @pytest.fixture(autouse=True)
@@ -79,29 +81,34 @@ def make_layer(dim_first: bool, seed: int = 0):
         conv_weight=torch.randn(CONV_DIM, WIDTH, generator=g) * 0.5, conv_bias=None, activation="silu",
         conv_state_raw=raw, conv_state=raw if dim_first else raw.transpose(-1, -2), conv_dim_first=dim_first,
         ssm_state=torch.zeros(LINES, HV, DV, DK), A_log=torch.randn(HV, generator=g) * 0.3,
-        dt_bias=torch.randn(HV, generator=g) * 0.3, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV)
+        dt_bias=torch.randn(HV, generator=g) * 0.3, num_k_heads=HK, head_k_dim=DK, head_v_dim=DV,
+        qkv_size=CONV_DIM, value_size=HV * DV, norm_weight=1 + 0.1 * torch.randn(DV, generator=g))
 
 
 def make_bucket(size: int) -> Bucket:
     return Bucket(size, GdnDims(CONV_DIM, HV, DV, WIDTH), "cpu", torch.float32, None, None, None)
 
 
-def run_chunk(layer, size, qkv, b, a, line, has_init, garbage=None):
-    """What the runner does around a replay: copy the real rows in, run the body, read the real rows."""
-    n = qkv.shape[0]
+def run_bucket(layer, size, rows, line, has_init, garbage=None, body=single_sequence_core):
+    """What the runner does around a replay: copy the real rows in (over stale ``garbage`` rows of earlier
+    requests, if given), run ``body`` on the bucket, read the real rows. ``rows``: buffer name -> tensor."""
+    n = next(iter(rows.values())).shape[0]
     bucket = make_bucket(size)
-    if garbage is not None:                   # stale rows from earlier requests sit in the padding
-        bucket.qkv.copy_(garbage[0][:size])
-        bucket.b.copy_(garbage[1][:size])
-        bucket.a.copy_(garbage[2][:size])
+    if body is single_sequence_layer:
+        bucket.packed(QKVZ_DIM, 2 * HV)
+    for (name, given), stale in zip(rows.items(), garbage or [None] * len(rows)):
+        if stale is not None:
+            getattr(bucket, name).copy_(stale[:size])
+        getattr(bucket, name)[:n] = given
     bucket.set_length(n)
     bucket.lines.fill_(line)
     bucket.has_init.fill_(has_init)
-    bucket.qkv[:n] = qkv
-    bucket.b[:n] = b
-    bucket.a[:n] = a
-    single_sequence_core(layer, bucket, KERNELS)
+    body(layer, bucket, KERNELS)
     return bucket.out[:n].clone()
+
+
+def run_chunk(layer, size, qkv, b, a, line, has_init, garbage=None):
+    return run_bucket(layer, size, {"qkv": qkv, "b": b, "a": a}, line, has_init, garbage)
 
 
 def inputs(n, seed):
@@ -172,3 +179,54 @@ def test_bucket_length_mask_and_tail():
     bucket.set_length(10)
     assert bucket.valid.tolist() == [1.0] * 10 + [0.0] * 6
     assert bucket.tail.tolist() == [7, 8, 9]
+
+
+# --------------------------------------------------------------------------- scope "layer"
+
+
+def run_layer_chunk(layer, size, qkvz, ba, line, has_init, garbage=None):
+    """Scope "layer": the packed rows in, split + core + norm on the bucket."""
+    return run_bucket(layer, size, {"qkvz": qkvz, "ba": ba}, line, has_init, garbage, body=single_sequence_layer)
+
+
+def packed_inputs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, QKVZ_DIM, generator=g), torch.randn(n, 2 * HV, generator=g)
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+@pytest.mark.parametrize("n, size", [(13, 64), (64, 64)])
+def test_layer_scope_equals_split_core_norm_unpadded(dim_first, n, size):
+    """Scope "layer" (the packed op in one graph) on a padded bucket gives what vLLM's packed op gives on
+    the real rows: split, the core, the gated norm; the stored states are the real tokens' states."""
+    qkvz, ba = packed_inputs(n, seed=n)
+    exact = make_layer(dim_first)
+    mixed, gate, b, a = KERNELS.split(qkvz, ba, exact)
+    core = run_chunk(exact, n, mixed, b, a, line=2, has_init=False)
+    want = torch.empty_like(core)
+    KERNELS.norm(core, gate, want, exact)
+    padded = make_layer(dim_first)
+    garbage = tuple(t * 50 for t in packed_inputs(size, seed=77))
+    got = run_layer_chunk(padded, size, qkvz, ba, line=2, has_init=False, garbage=garbage)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded.ssm_state, exact.ssm_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(padded.conv_state_raw, exact.conv_state_raw)
+
+
+def test_layer_scope_second_chunk_reads_the_first_chunks_states():
+    """Two padded "layer" chunks (the second with an initial state) equal one unpadded pass."""
+    qkvz, ba = packed_inputs(40, seed=5)
+    whole = make_layer(False)
+    want = run_layer_chunk(whole, 40, qkvz, ba, line=1, has_init=False)
+    split = make_layer(False)
+    first = run_layer_chunk(split, 64, qkvz[:23], ba[:23], line=1, has_init=False, garbage=packed_inputs(64, 6))
+    second = run_layer_chunk(split, 64, qkvz[23:], ba[23:], line=1, has_init=True, garbage=packed_inputs(64, 7))
+    torch.testing.assert_close(torch.cat([first, second]), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.ssm_state, whole.ssm_state, rtol=1e-5, atol=1e-5)
+
+
+def test_runner_scope_is_checked():
+    assert GdnGraphRunner(scope="layer").scope == "layer"
+    assert GdnGraphRunner().describe()["scope"] == "core"
+    with pytest.raises(ValueError, match="choose from core, layer"):
+        GdnGraphRunner(scope="model")

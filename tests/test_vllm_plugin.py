@@ -155,6 +155,9 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"max_num_seqs": "8"}, "'max_num_seqs' must be int"),
                        ({"dtype": "float32"}, "head_dtype"),
                        ({"head_graph_records": 3}, "'head_graph_records' must be one of"),
+                       ({"prefill_graph_scope": "model"}, "'prefill_graph_scope' must be one of"),
+                       ({"prefill_graphs": False, "prefill_graph_scope": "layer"},
+                        "'prefill_graph_scope' .* no effect with 'prefill_graphs' off"),
                        # a sub-option whose switch is off would be silently ignored: refused instead
                        ({"head_graphs": False, "head_graph_records": 4}, "no effect with 'head_graphs' off"),
                        ({"state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
@@ -624,7 +627,9 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
     assert any(n % 16 for n in lengths) and any(n % 16 == 0 for n in lengths)
     from clef_vllm.contract import PREFILL_GRAPHS_KEY
 
-    assert list(engine_kwargs(tiny_release)["additional_config"][PREFILL_GRAPHS_KEY]) == ["buckets"]
+    assert engine_kwargs(tiny_release)["additional_config"][PREFILL_GRAPHS_KEY]["scope"] == "core"
+    layer = engine_kwargs(tiny_release, prefill_graph_scope="layer")["additional_config"][PREFILL_GRAPHS_KEY]
+    assert layer["scope"] == "layer" and layer["buckets"]
     capped = warmup_lengths(engine_kwargs(tiny_release, max_model_len=1000, prefill_graphs=False))
     assert capped == [17, 64, 300, 1000]                                   # no buckets without prefill graphs
     from clef_vllm.backends.vllm_backend import warmup_batches
@@ -634,9 +639,10 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
 
 
 def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
-    """The graph runner wraps vLLM 0.28's real GDN layer: ``_forward_core`` exists, the conv width the
-    buckets are sized from matches the layer's conv1d, and a step without metadata (vLLM's warm-up) still
-    reaches vLLM's own method through the wrapper."""
+    """Both graph scopes wrap vLLM 0.28's real GDN layer: the methods and attributes they rely on exist
+    (``_forward_core``, ``_forward_core_fused_norm_packed``, the split sizes, ``split_ba``, the gated norm),
+    the split sizes match the layer's conv width, and a step without metadata (vLLM's warm-up) still
+    reaches vLLM's own methods through both wrappers."""
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
     from clef_vllm.worker.prefill_graphs import GdnGraphRunner
@@ -646,17 +652,20 @@ def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
     assert layers
     for layer in layers:
         assert (layer.key_dim * 2 + layer.value_dim) // layer.tp_size == layer.conv1d.weight.shape[0]
+        assert callable(layer.split_ba) and callable(layer._rms_norm_gated_cuda)
     calls = []
-    for layer in layers:                                    # stand-ins for vLLM's method, to see who runs
+    for layer in layers:                                    # stand-ins for vLLM's methods, to see who runs
         layer._forward_core = lambda **kw: calls.append("core")
-    runner = GdnGraphRunner()
+        layer._forward_core_fused_norm_packed = lambda **kw: calls.append("packed")
+    runner = GdnGraphRunner(scope="layer")
     assert runner.install(model) == len(layers) and runner.install(model) == 0   # idempotent
     import torch
     from vllm.forward_context import set_forward_context
 
     with set_forward_context(None, vllm_cpu.vllm_config_for(tiny_release)):
+        layers[0]._forward_core_fused_norm_packed(torch.zeros(4, 8), torch.zeros(4, 2), torch.zeros(4, 1, 1))
         layers[0]._forward_core(torch.zeros(4, 8), torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(4, 1, 1))
-    assert calls == ["core"]
+    assert calls == ["packed", "core"]
     assert runner.describe()["fallbacks"] == {"no_metadata": 1} and runner.stats.replays == 0
 
 

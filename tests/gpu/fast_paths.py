@@ -1,11 +1,12 @@
 """GPU checks of the two engine features on a tiny checkpoint: prefill graphs and the state cache.
 
-    python3 tests/gpu/fast_paths.py --out $OUT [--n 120]
+    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope layer]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
    off in both): per-option probabilities compared (how many bit-identical, max |dp|, top-answer
-   flips), and the worker's graph counters (replays, fallbacks by reason).
+   flips), and the worker's graph counters (replays, fallbacks by reason). ``--scope layer``: the
+   prefill graphs hold vLLM's whole packed GDN op (``--prefill-graph-scope layer``).
 2. **state cache** (graphs on): a hit on a whole state (B after A), a partial hit (D after C,
    which share the first 60 % of A's state and diverge), concurrent same-state requests (8 cold
    together, then 8 that hit), and eviction (a side pool of 4 blocks and a small KV cache while
@@ -64,7 +65,8 @@ def run_engine(config: dict) -> dict:
     ckpt = Path(config["ckpt"])
     kw = engine_kwargs(ckpt, gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=2048,
                        max_model_len=4096, prefill_graphs=config["graphs"], head_graphs=config["graphs"],
-                       state_cache=config["cache"])
+                       state_cache=config["cache"],
+                       prefill_graph_scope=config.get("scope", "core") if config["graphs"] else "core")
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
         kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
@@ -150,6 +152,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
+    ap.add_argument("--scope", default="core", choices=("core", "layer"),
+                    help="part 1: the prefill graph scope compared with vLLM's path (--prefill-graph-scope)")
     args = ap.parse_args()
     if args.child:
         config = json.loads(Path(args.child).read_text())
@@ -176,7 +180,8 @@ def main() -> int:
         args.n = 0
     bodies = synthetic_parity_set(args.n, seed=11, max_words=1500)
     program = [{"name": f"r{i}", "bodies": [b]} for i, b in enumerate(bodies)]
-    runs = {g: child({"ckpt": str(ckpt), "graphs": g, "cache": False, "program": program}, work, f"graphs_{g}")
+    runs = {g: child({"ckpt": str(ckpt), "graphs": g, "cache": False, "scope": args.scope, "program": program},
+                     work, f"graphs_{g}")
             for g in (True, False)} if program else {}
     if runs and all("steps" in r for r in runs.values()):
         probs = {g: [s["results"][0]["probs"] for s in r["steps"]] for g, r in runs.items()}

@@ -58,4 +58,18 @@ def rule(q, k, v, g, beta, h0, cu_seqlens, chunk_indices, chunk_offsets, *, laye
     return torch.stack(outs)[None].to(q.dtype), s[None]
 
 
-KERNELS = GdnKernels(conv=conv, prep=prep, rule=rule)
+def split(qkvz, ba, layer):
+    """vLLM's packed op: [q k v | z] and [b | a] into (mixed_qkv, gate [T, heads, dv], b, a)."""
+    mixed_qkv, gate = qkvz.split([layer.qkv_size, layer.value_size], dim=-1)
+    b, a = ba.chunk(2, dim=-1)
+    return mixed_qkv, gate.reshape(gate.shape[0], -1, layer.head_v_dim), b.contiguous(), a.contiguous()
+
+
+def norm(x, gate, out, layer):
+    """Gated RMS norm per head: rmsnorm(x) * weight * silu(gate)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.norm_weight.float() * F.silu(gate.float())
+    out.copy_(y.to(out.dtype))
+
+
+KERNELS = GdnKernels(conv=conv, prep=prep, rule=rule, split=split, norm=norm)

@@ -139,7 +139,8 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
     budget = kwargs["max_num_batched_tokens"]
     buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
-    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets}
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets,
+                                                                      "scope": opts.prefill_graph_scope}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"])}
@@ -217,6 +218,10 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
+    prefill_graph_scope: str = option("core", "what a prefill graph holds: 'core' (the GDN core) or 'layer' (also "
+                                      "vLLM's split of the projections and the gated norm: fewer host operations "
+                                      "per step; experimental, docs/latency.md)", flags=("--prefill-graph-scope",),
+                                      kind=str, choices=("core", "layer"))
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
@@ -240,7 +245,8 @@ class VllmOptions(_Validated):
 
     #: Options that only mean something while a switch is on: a value other than the default with the
     #: switch off is an error, not silently ignored.
-    NEEDS_SWITCH = {"head_graph_records": "head_graphs", "state_cache_admit": "state_cache",
+    NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "head_graph_records": "head_graphs",
+                    "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
 
     def __post_init__(self) -> None:

@@ -181,11 +181,13 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if setting is None:
             return None
         buckets = setting.get("buckets") if isinstance(setting, dict) else None
+        scope = setting.get("scope", "core") if isinstance(setting, dict) else "core"
         runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS,
-                                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens, scope=scope)
         count = runner.install(self.model)
         log.info("clef prefill graphs: %d GDN layers, single-sequence steps of up to %d tokens replay from CUDA "
-                 "graphs (buckets %s)", count, runner.buckets[-1] if runner.buckets else 0, list(runner.buckets))
+                 "graphs (buckets %s, scope %s)", count, runner.buckets[-1] if runner.buckets else 0,
+                 list(runner.buckets), scope)
         return runner
 
     # ------------------------------------------------------------------ vLLM model interface

@@ -25,6 +25,12 @@ So the states written for the sequence are those of the real tokens and may be r
 layers of a bucket (layers run one after another on one stream); graphs share one memory pool.
 Capture uses the null block's state line (line 0) as scratch, so it never touches a request's
 state. See docs/latency.md.
+
+Two scopes (``--prefill-graph-scope``): ``core`` wraps the GDN core (conv, prep, delta rule, state
+writes); ``layer`` wraps vLLM's packed GDN op one level higher, so the split of the projections, the
+``b``/``a`` copies and the gated RMS norm replay inside the graph too (two input copies instead of
+three, and no Triton launch through Python for the norm). Steps ``layer`` cannot take fall back to
+``core``, then to vLLM's path.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ DEFAULT_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 
 CHUNK_SIZE = 64
 #: The null block's state line: scratch for warm-up and capture (vLLM pads with it too).
 SCRATCH_LINE = 0
+#: What a graph holds: the GDN core, or the whole packed GDN op (split + core + gated norm).
+SCOPES = ("core", "layer")
 
 
 def choose_bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -96,11 +104,15 @@ class GdnKernels:
     ``x`` [dim, T] (channel-last view), reading and updating ``layer.conv_state`` lines.
     ``prep(y, a, b, layer)``: (q, k, v, g, beta) from the conv output [T, dim] (g: log decay).
     ``rule(q, k, v, g, beta, h0, cu_seqlens, chunk_indices, chunk_offsets)``: (o, final_state).
+    ``split(qkvz, ba, layer)`` (scope ``layer``): (mixed_qkv, gate [T, heads, dv], b, a) of the packed
+    projections. ``norm(x, gate, out, layer)`` (scope ``layer``): the gated RMS norm; ``out`` may be ``x``.
     """
 
     conv: Callable
     prep: Callable
     rule: Callable
+    split: Callable | None = None
+    norm: Callable | None = None
 
 
 def vllm_kernels() -> GdnKernels:
@@ -123,7 +135,15 @@ def vllm_kernels() -> GdnKernels:
                                 cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
                                 use_qk_l2norm_in_kernel=False)
 
-    return GdnKernels(conv=conv, prep=prep, rule=rule)
+    def split(qkvz, ba, layer):   # as vLLM's _forward_core_fused_norm_packed and _forward_core_fused_norm
+        mixed_qkv, gate_flat = qkvz.split([layer.qkv_size, layer.value_size], dim=-1)
+        b, a = layer.split_ba(ba)
+        return mixed_qkv, gate_flat.reshape(gate_flat.size(0), -1, layer.head_v_dim), b.contiguous(), a.contiguous()
+
+    def norm(x, gate, out, layer):
+        layer.rms_norm_gated(x, gate, out)
+
+    return GdnKernels(conv=conv, prep=prep, rule=rule, split=split, norm=norm)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -151,6 +171,15 @@ class Bucket:
         self.chunk_indices = chunk_indices
         self.chunk_offsets = chunk_offsets
         self.length: int | None = None
+        self.qkvz: torch.Tensor | None = None      # scope "layer": the packed projections
+        self.ba: torch.Tensor | None = None
+
+    def packed(self, qkvz_dim: int, ba_dim: int) -> "Bucket":
+        """Allocate the packed-input buffers of scope ``layer`` (once; zeros, like the others)."""
+        if self.qkvz is None:
+            self.qkvz = torch.zeros(self.size, qkvz_dim, dtype=self.qkv.dtype, device=self.qkv.device)
+            self.ba = torch.zeros(self.size, ba_dim, dtype=self.qkv.dtype, device=self.qkv.device)
+        return self
 
     def set_length(self, n: int) -> None:
         """Point the padding mask and the conv-tail rows at ``n`` real tokens (3 small kernels)."""
@@ -181,21 +210,27 @@ def layer_view(layer) -> SimpleNamespace:
         conv_state=raw if dim_first else raw.transpose(-1, -2), conv_state_raw=raw, conv_dim_first=dim_first,
         ssm_state=layer.kv_cache[1], A_log=layer.A_log, dt_bias=layer.dt_bias,
         num_k_heads=layer.num_k_heads // layer.tp_size, head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim,
-        chunk_rule=layer.chunk_gated_delta_rule)
+        chunk_rule=layer.chunk_gated_delta_rule,
+        # scope "layer": how vLLM's packed op splits its inputs and normalises its output
+        qkv_size=(layer.key_dim * 2 + layer.value_dim) // layer.tp_size, value_size=layer.value_dim // layer.tp_size,
+        split_ba=layer.split_ba, rms_norm_gated=layer._rms_norm_gated_cuda)
 
 
-def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels) -> None:
-    """One GDN layer's core for one padded sequence: reads ``bucket.qkv/a/b``, writes ``bucket.out``
-    and the sequence's conv / SSM state lines. Graph-capturable: no host synchronisation, every
-    tensor it reads or writes has a fixed address."""
-    x = bucket.qkv
+def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels, x: torch.Tensor | None = None,
+                         b: torch.Tensor | None = None, a: torch.Tensor | None = None) -> None:
+    """One GDN layer's core for one padded sequence: reads ``bucket.qkv/a/b`` (or the given views of a
+    bucket's packed buffers), writes ``bucket.out`` and the sequence's conv / SSM state lines.
+    Graph-capturable: no host synchronisation, every tensor it reads or writes has a fixed address."""
+    x = bucket.qkv if x is None else x
+    b = bucket.b if b is None else b
+    a = bucket.a if a is None else a
     y = kernels.conv(x.transpose(0, 1), view, bucket.has_init, bucket.lines, bucket.query_start_loc,
                      bucket.conv_meta).transpose(0, 1)
     # The kernel stored the last width-1 inputs of the PADDED sequence; store the real ones.
     tail = x.index_select(0, bucket.tail)                                 # [width-1, dim]
     view.conv_state_raw[bucket.lines] = (tail.transpose(0, 1) if view.conv_dim_first else tail).unsqueeze(0).to(
         view.conv_state_raw.dtype)
-    q, k, v, g, beta = kernels.prep(y, bucket.a, bucket.b, view)
+    q, k, v, g, beta = kernels.prep(y, a, b, view)
     keep = bucket.valid[:, None]
     g.mul_(keep)                 # log decay 0: the state passes padded rows unchanged
     beta.mul_(keep)              # no write from padded rows
@@ -205,6 +240,15 @@ def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels) -> None:
                             bucket.query_start_loc, bucket.chunk_indices, bucket.chunk_offsets, layer=view)
     view.ssm_state[bucket.lines] = final.to(view.ssm_state.dtype)
     bucket.out.copy_(o.reshape(bucket.out.shape))
+
+
+def single_sequence_layer(view, bucket: Bucket, kernels: GdnKernels) -> None:
+    """Scope ``layer``: vLLM's packed GDN op for one padded sequence, reading ``bucket.qkvz/ba`` and
+    writing the gated-norm output to ``bucket.out``. The split and the norm are row-wise, so padded
+    rows stay out of the real ones as in :func:`single_sequence_core`."""
+    mixed_qkv, gate, b, a = kernels.split(bucket.qkvz, bucket.ba, view)
+    single_sequence_core(view, bucket, kernels, mixed_qkv, b, a)
+    kernels.norm(bucket.out, gate, bucket.out, view)
 
 
 # --------------------------------------------------------------------------- runner
@@ -232,6 +276,7 @@ class GraphStats:
     """Counters of a graph runner (this one and :mod:`clef_vllm.worker.head_graphs`)."""
 
     replays: int = 0
+    layer_replays: int = 0          # prefill graphs: of which scope "layer"
     captures: int = 0
     fallbacks: Counter = field(default_factory=Counter)
 
@@ -245,14 +290,17 @@ class GdnGraphRunner:
     """
 
     def __init__(self, buckets: Sequence[int] = DEFAULT_BUCKETS, *, max_tokens: int | None = None,
-                 kernels: GdnKernels | None = None):
+                 kernels: GdnKernels | None = None, scope: str = "core"):
+        if scope not in SCOPES:
+            raise ValueError(f"prefill graph scope {scope!r}: choose from {', '.join(SCOPES)}")
         buckets = sorted({int(b) for b in buckets if b > 0 and (max_tokens is None or b <= max_tokens)})
         self.buckets = tuple(buckets)
+        self.scope = scope
         self.kernels = kernels
         self.stats = GraphStats()
         self._buckets: dict[int, Bucket] = {}
-        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self._broken: set[tuple[str, int]] = set()
+        self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
+        self._broken: set[tuple[str, int, str]] = set()
         self._views: dict[str, SimpleNamespace] = {}
         self._pool = None
         self.min_tokens = 4
@@ -268,6 +316,9 @@ class GdnGraphRunner:
             if isinstance(module, QwenGatedDeltaNetAttention) and not getattr(module, "_clef_graphs", False):
                 original = module._forward_core
                 module._forward_core = self._wrap(module, original)
+                if self.scope == "layer":
+                    module._forward_core_fused_norm_packed = self._wrap_packed(
+                        module, module._forward_core_fused_norm_packed)
                 module._clef_graphs = True
                 self.min_tokens = max(self.min_tokens, module.conv_kernel_size)
                 count += 1
@@ -277,13 +328,20 @@ class GdnGraphRunner:
         def forward_core(mixed_qkv, b, a, core_attn_out):
             if not self.run(layer, mixed_qkv, b, a, core_attn_out):
                 original(mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
-        return trace.phased(trace.PHASE_GDN_CORE, forward_core)
+        # scope "layer" marks the packed op instead (profile phases must not nest)
+        return trace.phased(trace.PHASE_GDN_CORE, forward_core) if self.scope == "core" else forward_core
+
+    def _wrap_packed(self, layer, original):
+        def forward_core_fused_norm_packed(mixed_qkvz, ba, core_attn_out):
+            if not self.run_layer(layer, mixed_qkvz, ba, core_attn_out):
+                original(mixed_qkvz=mixed_qkvz, ba=ba, core_attn_out=core_attn_out)  # its core may still replay
+        return trace.phased(trace.PHASE_GDN_CORE, forward_core_fused_norm_packed)
 
     # ------------------------------------------------------------------ one layer call
 
-    def run(self, layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-            core_attn_out: torch.Tensor) -> bool:
-        """Replay this layer's core graph for the current step; ``False``: the caller runs vLLM's path."""
+    def _eligible(self, layer, scope: str, like: torch.Tensor, ba_dim: int = 0):
+        """``(metadata, bucket, graph)`` when this step replays ``scope``'s graph of ``layer``, else ``None``
+        (the reason is counted; scope ``layer`` does not count the fallbacks its ``core`` call counts)."""
         from vllm.forward_context import get_forward_context
 
         md_all = get_forward_context().attn_metadata
@@ -294,30 +352,57 @@ class GdnGraphRunner:
         if reason is None and torch.cuda.is_current_stream_capturing():
             reason = "capturing"
         if reason is not None:
-            self.stats.fallbacks[reason] += 1
-            return False
-        n = md.num_actual_tokens
-        size = choose_bucket(n, self.buckets)
-        key = (layer.prefix, size)
+            if scope == "core":
+                self.stats.fallbacks[reason] += 1
+            return None
+        size = choose_bucket(md.num_actual_tokens, self.buckets)
+        key = (layer.prefix, size, scope)
         if key in self._broken:
-            self.stats.fallbacks["capture_failed"] += 1
-            return False
-        bucket = self._bucket(size, layer, mixed_qkv)
+            self.stats.fallbacks[f"capture_failed_{scope}"] += 1
+            return None
+        bucket = self._bucket(size, layer, like)
+        if scope == "layer":
+            bucket.packed(like.shape[-1], ba_dim)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(layer, bucket, key)
             if graph is None:
-                self.stats.fallbacks["capture_failed"] += 1
-                return False
+                self.stats.fallbacks[f"capture_failed_{scope}"] += 1
+                return None
+        return md, bucket, graph
+
+    def _replay(self, found, inputs: Sequence[tuple[str, torch.Tensor]], core_attn_out: torch.Tensor) -> None:
+        """Point the bucket at this step (length, state line, initial-state flag), copy the real rows of
+        ``inputs`` (pairs of the bucket's buffer name, step tensor) in, replay, copy the real output rows out."""
+        md, bucket, graph = found
+        n = md.num_actual_tokens
         bucket.set_length(n)
         bucket.lines.copy_(md.prefill_state_indices[:1])
         bucket.has_init.copy_(md.prefill_has_initial_state[:1])
-        bucket.qkv[:n].copy_(mixed_qkv[:n])
-        bucket.b[:n].copy_(b[:n])
-        bucket.a[:n].copy_(a[:n])
+        for name, given in inputs:
+            getattr(bucket, name)[:n].copy_(given[:n])
         graph.replay()
         core_attn_out[:n].copy_(bucket.out[:n])
         self.stats.replays += 1
+
+    def run(self, layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+            core_attn_out: torch.Tensor) -> bool:
+        """Replay this layer's core graph for the current step; ``False``: the caller runs vLLM's path."""
+        found = self._eligible(layer, "core", mixed_qkv)
+        if found is None:
+            return False
+        self._replay(found, (("qkv", mixed_qkv), ("b", b), ("a", a)), core_attn_out)
+        return True
+
+    def run_layer(self, layer, mixed_qkvz: torch.Tensor, ba: torch.Tensor, core_attn_out: torch.Tensor) -> bool:
+        """Scope ``layer``: replay the packed op's graph (split + core + gated norm); ``False``: the caller
+        runs vLLM's packed op (whose core call may still replay the ``core`` graph). Installed only for
+        scope ``layer``."""
+        found = self._eligible(layer, "layer", mixed_qkvz, ba.shape[-1])
+        if found is None:
+            return False
+        self._replay(found, (("qkvz", mixed_qkvz), ("ba", ba)), core_attn_out)
+        self.stats.layer_replays += 1
         return True
 
     # ------------------------------------------------------------------ buckets and capture
@@ -352,8 +437,10 @@ class GdnGraphRunner:
         kernels = self.kernels or vllm_kernels()
         self.kernels = kernels
 
+        body_of = single_sequence_layer if key[2] == "layer" else single_sequence_core
+
         def body():
-            single_sequence_core(view, bucket, kernels)
+            body_of(view, bucket, kernels)
 
         try:
             bucket.lines.fill_(SCRATCH_LINE)
@@ -364,8 +451,9 @@ class GdnGraphRunner:
             graph, _ = capture_graph(body, self._pool)
         except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
             self._broken.add(key)
-            log.warning("clef prefill graphs: capture for %s at %d tokens failed (%s: %s); that bucket uses "
-                        "vLLM's path", key[0], key[1], type(exc).__name__, exc)
+            log.warning("clef prefill graphs: %s capture for %s at %d tokens failed (%s: %s); that bucket uses "
+                        "%s", key[2], key[0], key[1], type(exc).__name__, exc,
+                        "the core graph" if key[2] == "layer" else "vLLM's path")
             return None
         finally:
             bucket.length = None            # set_length() runs again for the real step
@@ -374,7 +462,8 @@ class GdnGraphRunner:
         return graph
 
     def describe(self) -> dict:
-        return {"buckets": list(self.buckets), "graphs": len(self._graphs), "replays": self.stats.replays,
+        return {"scope": self.scope, "buckets": list(self.buckets), "graphs": len(self._graphs),
+                "replays": self.stats.replays, "layer_replays": self.stats.layer_replays,
                 "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
 
 
