@@ -230,3 +230,80 @@ def test_runner_scope_is_checked():
     assert GdnGraphRunner().describe()["scope"] == "core"
     with pytest.raises(ValueError, match="choose from core, layer"):
         GdnGraphRunner(scope="model")
+
+
+# --------------------------------------------------------------------------- the runner around a replay
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph on CPU: a replay runs the body and records the state line and
+    initial-state flag the bucket held at that moment."""
+
+    def __init__(self, body, bucket, log):
+        self.body, self.bucket, self.log = body, bucket, log
+
+    def replay(self):
+        self.log.append((int(self.bucket.lines[0]), bool(self.bucket.has_init[0])))
+        self.body()
+
+
+def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_group(monkeypatch):
+    """The state line and initial-state flag are copied into the bucket once per (step, KV-cache group),
+    not per layer; a new step, another group's metadata, a metadata object vLLM reused in a later step,
+    and a capture in mid-step (it overwrites them with the scratch line) all copy them again."""
+    import vllm.forward_context
+
+    from clef_vllm.worker import prefill_graphs
+
+    runner = GdnGraphRunner(buckets=(16,), kernels=KERNELS)
+    runner._pool = object()                      # no CUDA pool on CPU; capture_graph is replaced below
+    bucket = runner._buckets[16] = make_bucket(16)
+    used: list[tuple[int, bool]] = []
+    captured_on = []                             # the state line a capture ran on
+
+    def capture(body, pool):
+        captured_on.append(int(bucket.lines[0]))
+        return FakeGraph(body, bucket, used), body()
+
+    monkeypatch.setattr(prefill_graphs, "capture_graph", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    copies = []
+    real_copy = bucket.lines.copy_
+    bucket.lines.copy_ = lambda src: (copies.append(int(src[0])), real_copy(src))[1]
+    layers = {}
+    for i in range(3):
+        prefix = f"model.layers.{i}.linear_attn"
+        runner._views[prefix] = make_layer(False, seed=i)
+        layers[prefix] = SimpleNamespace(prefix=prefix, gdn_prefill_backend="triton")
+        if i < 2:                                 # layer 2 has no graph yet: it is captured mid-step
+            runner._graphs[(prefix, 16, "core")] = FakeGraph(
+                lambda v=runner._views[prefix]: single_sequence_core(v, bucket, KERNELS), bucket, used)
+
+    def md(line, has_init):
+        return SimpleNamespace(num_prefills=1, num_decodes=0, num_spec_decodes=0, spec_sequence_masks=None,
+                               num_prefill_tokens=9, num_actual_tokens=9,
+                               prefill_state_indices=torch.tensor([line], dtype=torch.int32),
+                               prefill_has_initial_state=torch.tensor([has_init]))
+
+    def step(metadata, names):
+        ctx = SimpleNamespace(attn_metadata=metadata)      # vLLM makes a new forward context every forward
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx)
+        for name in names:
+            qkv, b, a = inputs(9, seed=len(used))
+            assert runner.run(layers[name], qkv, b, a, torch.zeros(9, HV, DV))
+
+    l0, l1, l2 = layers
+    one = md(2, False)
+    step({l0: one, l1: one}, [l0, l1])                      # one group: copied once for both layers
+    assert used == [(2, False), (2, False)] and copies == [2]
+    other = md(1, True)
+    step({l0: one, l1: other}, [l0, l1])                    # a new step, two groups: copied for each
+    assert used[2:] == [(2, False), (1, True)] and copies == [2, 2, 1]
+    other.prefill_state_indices.fill_(2)                    # vLLM reused a metadata object in a later step
+    step({l0: other}, [l0])
+    assert used[4:] == [(2, True)] and copies[3:] == [2]
+    step({l0: one, l2: one}, [l0, l2])                      # layer 2 is captured between the two replays
+    assert (l2, 16, "core") in runner._graphs and runner.stats.captures == 1
+    assert captured_on == [prefill_graphs.SCRATCH_LINE]     # the capture ran on the scratch line...
+    assert used[5:] == [(2, False), (2, False)] and copies[4:] == [2, 2]   # ...and the replay after it did not
+    assert runner.stats.replays == 7

@@ -171,6 +171,9 @@ class Bucket:
         self.chunk_indices = chunk_indices
         self.chunk_offsets = chunk_offsets
         self.length: int | None = None
+        # The (forward context, GDN metadata) whose state line and initial-state flag ``lines`` and
+        # ``has_init`` hold: copied once per step and KV-cache group, not once per layer.
+        self.fed: tuple[Any, Any] | None = None
         self.qkvz: torch.Tensor | None = None      # scope "layer": the packed projections
         self.ba: torch.Tensor | None = None
 
@@ -344,7 +347,8 @@ class GdnGraphRunner:
         (the reason is counted; scope ``layer`` does not count the fallbacks its ``core`` call counts)."""
         from vllm.forward_context import get_forward_context
 
-        md_all = get_forward_context().attn_metadata
+        step = get_forward_context()
+        md_all = step.attn_metadata
         md = md_all.get(layer.prefix) if isinstance(md_all, dict) else None
         reason = fallback_reason(md, self.buckets, self.min_tokens)
         if reason is None and layer.gdn_prefill_backend != "triton":
@@ -369,16 +373,22 @@ class GdnGraphRunner:
             if graph is None:
                 self.stats.fallbacks[f"capture_failed_{scope}"] += 1
                 return None
-        return md, bucket, graph
+        return step, md, bucket, graph
 
     def _replay(self, found, inputs: Sequence[tuple[str, torch.Tensor]], core_attn_out: torch.Tensor) -> None:
         """Point the bucket at this step (length, state line, initial-state flag), copy the real rows of
-        ``inputs`` (pairs of the bucket's buffer name, step tensor) in, replay, copy the real output rows out."""
-        md, bucket, graph = found
+        ``inputs`` (pairs of the bucket's buffer name, step tensor) in, replay, copy the real output rows out.
+
+        The state line and the flag are the same for every layer of a KV-cache group in one step, so
+        they are copied when the step (vLLM's forward context, new for every forward) or the group's
+        metadata changes, not for each of the 24 layers."""
+        step, md, bucket, graph = found
         n = md.num_actual_tokens
         bucket.set_length(n)
-        bucket.lines.copy_(md.prefill_state_indices[:1])
-        bucket.has_init.copy_(md.prefill_has_initial_state[:1])
+        if bucket.fed is None or bucket.fed[0] is not step or bucket.fed[1] is not md:
+            bucket.lines.copy_(md.prefill_state_indices[:1])
+            bucket.has_init.copy_(md.prefill_has_initial_state[:1])
+            bucket.fed = (step, md)
         for name, given in inputs:
             getattr(bucket, name)[:n].copy_(given[:n])
         graph.replay()
@@ -457,6 +467,7 @@ class GdnGraphRunner:
             return None
         finally:
             bucket.length = None            # set_length() runs again for the real step
+            bucket.fed = None               # and so do the state line and flag the capture overwrote
         self._graphs[key] = graph
         self.stats.captures += 1
         return graph
