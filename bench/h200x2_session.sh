@@ -85,7 +85,9 @@
 #        fastest CPUs, to the eight slowest, and unpinned again.
 # PLAN=twentyfifth1 (one GPU): paired A/B (bench/paired.sh: three 9B servers side by side, clef-bench --versus):
 #        BF16 cache off vs on (short, long-4k) and BF16 vs online FP8 (short), at c=1.
-# PLAN=twentysixth1 (one GPU; not run yet): the restored --prefill-graph-scope layer: its graphs against vLLM's path on
+# PLAN=twentysixth1 (one GPU; not run yet): bench/step_graph_probe.py (which inputs of a single-sequence prefill
+#        step stay at fixed addresses; can one graph hold the whole backbone step, and what does a replay save), then
+#        the restored --prefill-graph-scope layer: its graphs against vLLM's path on
 #        the tiny checkpoint (fast_paths --scope layer), then paired at c=1 (bench/paired.sh, four 9B servers side by
 #        side): BF16 core vs layer (short, long-4k), FP8 core vs layer (short); then cache off vs on again (600 pairs).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
@@ -379,7 +381,8 @@ twentythird1_queue0)   # twelfth session, round 3 (~200 s, ~350 s with the profi
   touch "$S/all.done"
   log "all done"
   ;;
-twentysixth1_queue0)   # ~750 s: launch with `wait 520` in a 600 s call, then `wait 300`
+twentysixth1_queue0)   # ~950 s: launch with `wait 520` in a 600 s call, then `wait 500`
+  job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job paired_scope 0 560 env COMPARE="core:layer:short,long fp8core:fp8layer:short" PAIRS=300 TIME_LIMIT=20 \
       GPU_SHARE=0.22 "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" "core=--load-format dummy" \

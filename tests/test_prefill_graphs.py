@@ -307,3 +307,17 @@ def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_grou
     assert captured_on == [prefill_graphs.SCRATCH_LINE]     # the capture ran on the scratch line...
     assert used[5:] == [(2, False), (2, False)] and copies[4:] == [2, 2]   # ...and the replay after it did not
     assert runner.stats.replays == 7
+
+    # Inline (inside a graph that encloses whole steps): the captured body runs instead of a replay, and
+    # a capturing stream is no reason to fall back; a layer captured without a body falls back.
+    runner.inline = True
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    view = runner._views[l2]
+    view.ssm_state.zero_()
+    before = len(used)
+    step({l2: md(1, False), l0: md(1, False)}, [l2])
+    assert len(used) == before and runner.stats.replays == 8          # no graph replayed; the body ran
+    assert view.ssm_state[1].abs().sum() > 0 and view.ssm_state[0].abs().sum() == 0
+    qkv, b, a = inputs(9, seed=1)
+    assert not runner.run(layers[l0], qkv, b, a, torch.zeros(9, HV, DV))
+    assert runner.stats.fallbacks["inline_uncaptured"] == 1

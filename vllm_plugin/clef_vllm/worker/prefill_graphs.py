@@ -305,8 +305,13 @@ class GdnGraphRunner:
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._broken: set[tuple[str, int, str]] = set()
         self._views: dict[str, SimpleNamespace] = {}
+        self._bodies: dict[tuple[str, int, str], SimpleNamespace] = {}   # key -> .replay() runs the body
         self._pool = None
         self.min_tokens = 4
+        #: Run a captured bucket's body instead of replaying its graph, and do not fall back while a
+        #: stream is capturing: for a graph that encloses whole steps (bench/step_graph_probe.py).
+        #: Steps whose (layer, bucket) has no graph yet still fall back.
+        self.inline = False
 
     # ------------------------------------------------------------------ installation
 
@@ -353,7 +358,7 @@ class GdnGraphRunner:
         reason = fallback_reason(md, self.buckets, self.min_tokens)
         if reason is None and layer.gdn_prefill_backend != "triton":
             reason = "gdn_backend"
-        if reason is None and torch.cuda.is_current_stream_capturing():
+        if reason is None and not self.inline and torch.cuda.is_current_stream_capturing():
             reason = "capturing"
         if reason is not None:
             if scope == "core":
@@ -367,6 +372,11 @@ class GdnGraphRunner:
         bucket = self._bucket(size, layer, like)
         if scope == "layer":
             bucket.packed(like.shape[-1], ba_dim)
+        if self.inline:
+            graph = self._bodies.get(key)
+            if graph is None:
+                self.stats.fallbacks["inline_uncaptured"] += 1
+            return None if graph is None else (step, md, bucket, graph)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(layer, bucket, key)
@@ -469,6 +479,7 @@ class GdnGraphRunner:
             bucket.length = None            # set_length() runs again for the real step
             bucket.fed = None               # and so do the state line and flag the capture overwrote
         self._graphs[key] = graph
+        self._bodies[key] = SimpleNamespace(replay=body)
         self.stats.captures += 1
         return graph
 

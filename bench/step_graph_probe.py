@@ -1,0 +1,271 @@
+"""GPU probe: can one CUDA graph hold the whole backbone of a single-sequence prefill step?
+
+The step's host work is what bounds one short decision (docs/latency.md), and the host's speed is a
+lottery on the shared machines. A graph per bucket for the whole backbone would leave one launch per
+step. vLLM 0.28 gives a pooling model no full graphs, so the plugin would own it, like the GDN graphs.
+This probe answers the questions that decide the design, in process (``vllm.LLM``, the server's
+engine settings, one request at a time), before any of it is built:
+
+1. **survey**: for several single-sequence prefill steps padded to the same token count, the address
+   of every tensor the backbone reads from outside the model (token ids, positions, each layer
+   group's attention metadata and slot mapping) and the scalars (lengths). A tensor whose address is
+   the same in every step can be read by a graph as it is; one that moves has to be copied into a
+   static buffer before each replay; a scalar that varies with the length has to be baked per bucket.
+2. **capture** (skipped with ``--survey-only``): at the first eligible step of bucket N, capture the
+   backbone's forward (vLLM's piecewise wrappers passing through, the GDN layers running their bucket
+   bodies inline: ``GdnGraphRunner.inline``); then for later steps of that bucket run the normal
+   forward AND the replay, and compare the real rows' hidden states (max |diff|, exact or not) and
+   the time each takes (host time to return, wall time to the result).
+
+A failed or wrong replay is an answer too: the survey says which inputs moved. Results:
+``$OUT/step_graph_probe.json`` (written after the survey, again after the capture part).
+
+    python3 bench/step_graph_probe.py --out $OUT [--ckpt DIR] [--quantization fp8] [--survey-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LENGTHS = (400, 410, 431, 400, 445, 392, 420, 400)     # one bucket (448), varied real lengths
+OTHER = (300, 310)                                      # another bucket (320)
+
+
+def scalars_and_tensors(obj, prefix: str = "") -> tuple[dict, dict]:
+    """Tensor fields (name -> data_ptr, shape) and scalar fields (name -> value) of a metadata object,
+    one level into dicts and plain objects."""
+    import torch
+
+    tensors, scalars = {}, {}
+    items = vars(obj).items() if hasattr(obj, "__dict__") else (
+        [(f, getattr(obj, f)) for f in getattr(obj, "__dataclass_fields__", {})])
+    for name, value in items:
+        key = prefix + name
+        if isinstance(value, torch.Tensor):
+            tensors[key] = (value.data_ptr(), list(value.shape))
+        elif isinstance(value, (int, float, bool)) or value is None:
+            scalars[key] = value
+        elif isinstance(value, dict) and not prefix:
+            for k, v in value.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{key}.{k}"] = (v.data_ptr(), list(v.shape))
+                elif isinstance(v, (int, float, bool)):
+                    scalars[f"{key}.{k}"] = v
+        elif hasattr(value, "__dict__") and not prefix and not callable(value):
+            t, s = scalars_and_tensors(value, key + ".")
+            tensors.update(t)
+            scalars.update(s)
+    return tensors, scalars
+
+
+def survey_step(ctx, input_ids, positions) -> dict:
+    """One step's outside inputs: per metadata object (a layer group), its tensors and scalars."""
+    groups, seen = [], {}
+    md_all = ctx.attn_metadata if isinstance(ctx.attn_metadata, dict) else {}
+    for layer, md in md_all.items():
+        if id(md) in seen:
+            groups[seen[id(md)]]["layers"] += 1
+            continue
+        seen[id(md)] = len(groups)
+        tensors, scalars = scalars_and_tensors(md)
+        groups.append({"kind": type(md).__name__, "first_layer": layer, "layers": 1,
+                       "tensors": tensors, "scalars": scalars})
+    slots = ctx.slot_mapping if isinstance(getattr(ctx, "slot_mapping", None), dict) else {}
+    return {"tokens": int(input_ids.shape[0]) if input_ids is not None else None,
+            "input_ids": input_ids.data_ptr() if input_ids is not None else None,
+            "positions": (positions.data_ptr(), list(positions.shape)),
+            "slot_mapping": sorted({(t.data_ptr(), tuple(t.shape)) for t in slots.values()}),
+            "groups": groups}
+
+
+def summarize_survey(steps: list[dict]) -> dict:
+    """Per (group kind, first layer, field): does the address stay put across steps of one padded size?
+    Which scalars vary?"""
+    by_size: dict[int, list[dict]] = {}
+    for s in steps:
+        by_size.setdefault(s["tokens"], []).append(s)
+    out = {}
+    for size, group in by_size.items():
+        if len(group) < 2:
+            continue
+        moved, stable, varying = set(), set(), {}
+        for key in ("input_ids", "positions", "slot_mapping"):
+            (stable if len({json.dumps(s[key]) for s in group}) == 1 else moved).add(key)
+        for gi, g0 in enumerate(group[0]["groups"]):
+            tag = f"{g0['kind']}[{g0['first_layer']}]"
+            for field in g0["tensors"]:
+                ptrs = {json.dumps(s["groups"][gi]["tensors"].get(field)) for s in group if gi < len(s["groups"])}
+                (stable if len(ptrs) == 1 else moved).add(f"{tag}.{field}")
+            for field in g0["scalars"]:
+                values = [s["groups"][gi]["scalars"].get(field) for s in group if gi < len(s["groups"])]
+                if len(set(map(json.dumps, values))) > 1:
+                    varying[f"{tag}.{field}"] = values
+        out[str(size)] = {"steps": len(group), "moved": sorted(moved), "stable": sorted(stable),
+                          "varying_scalars": varying}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
+    ap.add_argument("--ckpt", type=Path, default=None, help="default: a generated 9B-shaped config folder")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--survey-only", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"        # the engine core (and the model) in this process
+
+    import torch
+    from latency import engine_settings        # bench/latency.py: the server's settings, mode "graphs"
+    from vllm import LLM, TokensPrompt
+    from vllm.config import CUDAGraphMode, PoolerConfig
+    from vllm.forward_context import get_forward_context
+
+    from clef_vllm import register
+    from clef_vllm.backends.vllm_backend import pooling_params
+    from clef_vllm.features import synthetic_spec
+    from clef_vllm.worker.prefill_graphs import fallback_reason
+
+    register()
+    ckpt = args.ckpt
+    if ckpt is None:
+        from clef_vllm.release import write_config_only_checkpoint
+
+        ckpt = Path(tempfile.mkdtemp()) / "clef-9b"
+        write_config_only_checkpoint(ckpt, layout="repacked")
+    kw = engine_settings("graphs", ckpt, args.quantization)
+    if isinstance(kw.get("pooler_config"), dict):
+        kw["pooler_config"] = PoolerConfig(**kw["pooler_config"])
+    llm = LLM(**kw)
+    report: dict = {"ckpt": str(ckpt), "quantization": args.quantization, "lengths": LENGTHS + OTHER}
+
+    def save():
+        (args.out / "step_graph_probe.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+    def decide(n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(10, 1000, (n,), generator=g).tolist()
+        llm.encode([TokensPrompt(prompt_token_ids=ids)], pooling_params=[pooling_params(synthetic_spec(n))],
+                   pooling_task="plugin", use_tqdm=False)
+
+    state: dict = {"mode": "survey", "steps": [], "graphs": {}, "compare": [], "errors": []}
+
+    def install(worker):
+        model = worker.model_runner.model
+        runner = model.prefill_graphs
+        original = model.forward
+
+        def eligible(ctx):
+            md_all = ctx.attn_metadata if isinstance(ctx.attn_metadata, dict) else {}
+            gdn = next((m for m in md_all.values() if type(m).__name__ == "GDNAttentionMetadata"), None)
+            if gdn is None or runner is None:
+                return None
+            return None if fallback_reason(gdn, runner.buckets, runner.min_tokens) else gdn.num_actual_tokens
+
+        def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+            ctx = get_forward_context()
+            n = eligible(ctx)
+            if n is None or state["mode"] == "off":
+                return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            if state["mode"] == "survey":
+                step = survey_step(ctx, input_ids, positions)
+                step["real_tokens"] = n
+                state["steps"].append(step)
+                return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            size = int(input_ids.shape[0])
+            entry = state["graphs"].get(size)
+            if entry is None:          # capture the backbone for this padded size
+                saved = ctx.cudagraph_runtime_mode
+                try:
+                    ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+                    runner.inline = True
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    t0 = time.perf_counter()
+                    with torch.cuda.graph(graph):
+                        out = original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+                    torch.cuda.synchronize()
+                    state["graphs"][size] = {"graph": graph, "out": out, "capture_s": time.perf_counter() - t0,
+                                             "ids_ptr": input_ids.data_ptr(), "captured_at_tokens": n}
+                except Exception as exc:  # noqa: BLE001 - the probe reports it
+                    state["errors"].append(f"capture at {size}: {type(exc).__name__}: {exc}"[:600])
+                    state["graphs"][size] = {"graph": None}
+                finally:
+                    runner.inline = False
+                    ctx.cudagraph_runtime_mode = saved
+                return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            if entry["graph"] is None:
+                return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ref = original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            host_ref = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            wall_ref = time.perf_counter() - t0
+            ref = ref.clone()
+            t0 = time.perf_counter()
+            entry["graph"].replay()
+            host_rep = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            wall_rep = time.perf_counter() - t0
+            diff = (entry["out"][:n].float() - ref[:n].float()).abs()
+            state["compare"].append({"tokens": size, "real": n, "max_abs_diff": float(diff.max()),
+                                     "exact": bool(torch.equal(entry["out"][:n], ref[:n])),
+                                     "same_ids_ptr": input_ids.data_ptr() == entry["ids_ptr"],
+                                     "host_ms": [round(host_ref * 1e3, 3), round(host_rep * 1e3, 3)],
+                                     "wall_ms": [round(wall_ref * 1e3, 3), round(wall_rep * 1e3, 3)]})
+            return ref
+
+        model.forward = forward
+        return runner is not None
+
+    if not llm.collective_rpc(install)[0]:
+        report["error"] = "prefill graphs are off: nothing to probe"
+        save()
+        return 1
+    for i, n in enumerate(LENGTHS + OTHER):     # warm-up: every kernel and GDN graph of both buckets
+        decide(n, 100 + i)
+    state["steps"].clear()
+    for i, n in enumerate(LENGTHS + OTHER):
+        decide(n, 200 + i)
+    report["survey"] = summarize_survey(state["steps"])
+    report["survey_steps"] = state["steps"][:3]
+    save()
+    print(json.dumps(report["survey"], indent=1), flush=True)
+    if args.survey_only:
+        return 0
+    state["mode"] = "capture"
+    for i, n in enumerate(LENGTHS + OTHER):
+        try:
+            decide(n, 300 + i)
+        except Exception as exc:  # noqa: BLE001 - a broken replay may take the engine down: report what we have
+            state["errors"].append(f"decision {n}: {type(exc).__name__}: {exc}"[:600])
+            break
+    state["mode"] = "off"
+    comp = state["compare"]
+    report["capture"] = {
+        "graphs": {str(k): {kk: vv for kk, vv in v.items() if kk not in ("graph", "out")}
+                   for k, v in state["graphs"].items()},
+        "compare": comp,
+        "errors": state["errors"],
+        "median_host_ms": [statistics.median(c["host_ms"][i] for c in comp) for i in (0, 1)] if comp else None,
+        "median_wall_ms": [statistics.median(c["wall_ms"][i] for c in comp) for i in (0, 1)] if comp else None,
+    }
+    save()
+    print(json.dumps(report["capture"], indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
