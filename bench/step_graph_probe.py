@@ -17,7 +17,11 @@ engine settings, one request at a time), before any of it is built:
    forward AND the replay, and compare the real rows' hidden states (max |diff|, exact or not) and
    the time each takes (host time to return, wall time to the result).
 
-A failed or wrong replay is an answer too: the survey says which inputs moved. Results:
+A replay bakes what the capture saw: Python scalars (the real length in the GDN copies and masks)
+and the addresses of per-step tensors. So only replays at the captured real length (400 tokens,
+three of the steps) can be exact, and only if the survey finds every input at a fixed address; the
+others show what a per-step scalar costs. A failed or wrong replay is an answer too: the survey
+says which inputs moved. Results:
 ``$OUT/step_graph_probe.json`` (written after the survey, again after the capture part).
 
     python3 bench/step_graph_probe.py --out $OUT [--ckpt DIR] [--quantization fp8] [--survey-only]
@@ -193,7 +197,7 @@ def main() -> int:
                     torch.cuda.current_stream().wait_stream(side)
                     graph = torch.cuda.CUDAGraph()
                     t0 = time.perf_counter()
-                    with torch.cuda.graph(graph):
+                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                         out = original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
                     torch.cuda.synchronize()
                     state["graphs"][size] = {"graph": graph, "out": out, "capture_s": time.perf_counter() - t0,
@@ -204,6 +208,9 @@ def main() -> int:
                 finally:
                     runner.inline = False
                     ctx.cudagraph_runtime_mode = saved
+                    for bucket in runner._buckets.values():
+                        bucket.length = None
+                        bucket.fed = None
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
             if entry["graph"] is None:
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
@@ -219,6 +226,11 @@ def main() -> int:
             host_rep = time.perf_counter() - t0
             torch.cuda.synchronize()
             wall_rep = time.perf_counter() - t0
+            for bucket in runner._buckets.values():
+                # the replay rewrote the buckets' mask, tail and state line for the captured length and
+                # step: make the next normal step set them again
+                bucket.length = None
+                bucket.fed = None
             diff = (entry["out"][:n].float() - ref[:n].float()).abs()
             state["compare"].append({"tokens": size, "real": n, "max_abs_diff": float(diff.max()),
                                      "exact": bool(torch.equal(entry["out"][:n], ref[:n])),
