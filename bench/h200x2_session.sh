@@ -89,7 +89,8 @@
 #        step stay at fixed addresses; can one graph hold the whole backbone step, and what does a replay save), then
 #        the restored --prefill-graph-scope layer: its graphs against vLLM's path on
 #        the tiny checkpoint (fast_paths --scope layer), then paired at c=1 (bench/paired.sh, four 9B servers side by
-#        side): BF16 core vs layer (short, long-4k), FP8 core vs layer (short); then cache off vs on again (600 pairs).
+#        side): BF16 core vs layer (short, long-4k; short at c=16/64 in time blocks), FP8 core vs layer (short); then
+#        cache off vs on again (600 pairs).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -381,10 +382,10 @@ twentythird1_queue0)   # twelfth session, round 3 (~200 s, ~350 s with the profi
   touch "$S/all.done"
   log "all done"
   ;;
-twentysixth1_queue0)   # ~950 s: launch with `wait 520` in a 600 s call, then `wait 500`
+twentysixth1_queue0)   # ~1,050 s: launch with `wait 520` in a 600 s call, then `wait 540` twice if needed
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
-  job paired_scope 0 560 env COMPARE="core:layer:short,long fp8core:fp8layer:short" PAIRS=300 TIME_LIMIT=20 \
+  job paired_scope 0 720 env COMPARE="core:layer:short,long fp8core:fp8layer:short core:layer:short:16,64" PAIRS=300 TIME_LIMIT=20 \
       GPU_SHARE=0.22 "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" "core=--load-format dummy" \
       "layer=--load-format dummy --prefill-graph-scope layer" "fp8core=--load-format dummy --quantization fp8" \
       "fp8layer=--load-format dummy --quantization fp8 --prefill-graph-scope layer"

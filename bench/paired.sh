@@ -8,7 +8,8 @@
 #
 # Each NAME=ARGS starts one server (ARGS: its clef-systemone flags beyond --model/--port), one after
 # the other (each waits for the one before to be ready: vLLM sizes its KV cache from the free memory
-# it sees). COMPARE: A:B:WORKLOADS entries. Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
+# it sees). COMPARE: A:B:WORKLOADS[:CONCURRENCIES] entries (concurrencies default 1; above 1 the servers
+# take turns in time blocks). Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
 # server's --gpu-memory-utilization), SERVER_FLAGS [--gdn-prefill-backend triton --gpu-memory-utilization
 # GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
 # BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt,
@@ -67,11 +68,12 @@ for spec in "$@"; do
 done
 
 for entry in $COMPARE; do
-  IFS=: read -r a b workloads <<<"$entry"
-  log "$a vs $b: $workloads"
+  IFS=: read -r a b workloads conc <<<"$entry"
+  conc=${conc:-1}
+  log "$a vs $b: $workloads at c=$conc"
   # shellcheck disable=SC2086
   timeout 300 python3 -m clef_vllm.bench.bench_cli "${URL[$a]}" --versus "${URL[$b]}" --tokenizer "$CKPT" \
-      --workload "$workloads" -n "$PAIRS" --time-limit "$TIME_LIMIT" --warmup 4 --no-progress \
+      --workload "$workloads" -c "$conc" -n "$PAIRS" --time-limit "$TIME_LIMIT" --warmup 4 --no-progress \
       --label "$a vs $b" -o "$OUT/${a}_vs_${b}.json" $BENCH_ARGS >"$OUT/${a}_vs_${b}.log" 2>&1
   log "$a vs $b: rc $?"
   cat "$OUT/${a}_vs_${b}.txt" 2>/dev/null | tee -a "$OUT/paired.log"

@@ -703,6 +703,22 @@ def test_paired_summary_compares_p50s_per_block_and_counts_unpaired():
         paired_summary(a, b, block=0)
 
 
+def test_blocks_alternate_abba_and_compare_throughput_per_pair():
+    from clef_vllm.bench.paired import block_side, blocks_summary
+
+    assert [block_side(k) for k in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]
+
+    def blk(side, rps, p50, sent=10, ok=10):
+        return {"side": side, "req_per_s": rps, "p50_ms": p50, "sent": sent, "ok": ok}
+
+    s = blocks_summary([blk("a", 10, 100), blk("b", 12, 90), blk("b", 11, 95, ok=9), blk("a", 10, 100),
+                        blk("a", 10, 100)])     # a lone last block has no partner
+    assert s["pair_ratios"] == [1.2, 1.1] and s["ratio"] == pytest.approx(1.15) and s["b_faster_pairs"] == 2
+    assert s["a_req_per_s"] == 10 and s["b_req_per_s"] == 11.5 and s["p50_ratio"] == pytest.approx(0.925)
+    assert s["unanswered"] == 1
+    assert blocks_summary([])["ratio"] is None
+
+
 def test_pairs_alternate_which_server_goes_first_and_stop_at_the_time_limit():
     import asyncio
 
@@ -741,7 +757,26 @@ def test_bench_versus_runs_the_same_requests_on_two_live_servers(live_server, ho
     assert v["a"]["server_stages_p50_ms"]["engine"] > 0
     assert len(v["latency_ms"]["a"]) == len(v["latency_ms"]["b"]) == 6 and None not in v["latency_ms"]["b"]
     table = (tmp_path / "paired.txt").read_text()
-    assert table.startswith("clef-bench paired, c=1") and "\nshort " in table and "B/A" in table
+    assert table.startswith("clef-bench paired:") and "\nshort " in table and "B/A" in table
+
+
+def test_bench_versus_above_c1_takes_turns_in_time_blocks(live_server, hosted_server, tiny_release,
+                                                         tiny_short_tokens, tmp_path, capsys):
+    rc, res = _bench([live_server.url, "--versus", hosted_server.url, "--tokenizer", str(tiny_release),
+                      "--short-tokens", str(tiny_short_tokens), "-c", "2", "-n", "6", "--blocks", "4",
+                      "--block-seconds", "0.4", "--warmup", "1", "--fail-on-error"], tmp_path / "blocks.json")
+    assert rc == 0
+    [v] = res["variants"]
+    assert v["concurrency"] == 2 and [b["side"] for b in v["blocks"]] == ["a", "b", "b", "a"]
+    assert all(b["ok"] == b["sent"] > 0 and b["statuses"] == {"200": b["sent"]} for b in v["blocks"])
+    assert len(v["pair_ratios"]) == 2 and v["ratio"] == pytest.approx(sorted(v["pair_ratios"])[0] / 2
+                                                                      + sorted(v["pair_ratios"])[1] / 2, rel=1e-3)
+    assert v["a_req_per_s"] > 0 and v["b_req_per_s"] > 0 and v["unanswered"] == 0
+    # 6 requests cannot fill four 0.4 s blocks: the pool wrapped, and the table says so
+    assert v["wrapped"] is True and "pool wrapped" in (tmp_path / "blocks.txt").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        bench_main([live_server.url, "--versus", hosted_server.url, "--tokenizer", str(tiny_release), "--blocks", "1"])
+    assert exit_.value.code == 2 and "--blocks >= 2" in capsys.readouterr().err
 
 
 def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, tiny_release, tmp_path, capsys):

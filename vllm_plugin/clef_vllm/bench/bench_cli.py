@@ -75,6 +75,10 @@ def _shared_states(text: str) -> list[tuple[int, ...]]:
     return out
 
 
+#: the sweep's concurrencies when -c is not given (--versus: 1)
+DEFAULT_CONCURRENCY = ["1,4,16,64"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clef-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--raw-vllm", metavar="MODEL_DIR",
                       help="baseline: vLLM embed pooling of the same token ids on MODEL_DIR, in-process (GPU)")
     mode.add_argument("--versus", metavar="URL_B",
-                      help="paired A/B at c=1: every request goes to URL (A) and URL_B (B), one at a time, in "
-                           "alternating order (-n pairs per variant, default 200); reports B's p50 over A's")
+                      help="paired A/B: at c=1 every request goes to URL (A) and URL_B (B), one at a time, in "
+                           "alternating order (-n pairs per variant, default 200; B's p50 over A's); at c>1 the "
+                           "two take turns in time blocks (--blocks, --block-seconds; B's req/s over A's). "
+                           "-c defaults to 1 here")
     mode.add_argument("--compare", nargs=2, metavar=("BASELINE.json", "RESULT.json"),
                       help="print RESULT next to BASELINE (e.g. raw-vLLM vs server) and exit; with -o, JSON + .txt")
 
@@ -120,13 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give every (variant, concurrency) point requests of its own, so no state repeats across "
                         "points or variants (measure unique-state traffic against a server with --state-cache on); "
                         "shared-state variants keep their states")
-    s.add_argument("-c", "--concurrency", nargs="+", default=["1,4,16,64"], metavar="LIST",
+    s.add_argument("-c", "--concurrency", nargs="+", default=DEFAULT_CONCURRENCY, metavar="LIST",
                    help="closed-loop clients per point, e.g. '1,4,16,64'; add NAME=LIST to override per "
                         "workload or variant: --concurrency 1,4,16,64 long=1,4,16 fanout=1,8")
     s.add_argument("-n", "--num-requests", type=int, default=None,
                    help="requests per point (default: 4×c, at least 16; 2×c, at least 8, above "
                         f"{LONG_REQUEST_TOKENS} tokens; a request file: all of it)")
     s.add_argument("--warmup", type=int, default=4, help="unmeasured requests per variant before its points")
+    s.add_argument("--blocks", type=int, default=12, help="--versus at c>1: time blocks per point (A B B A ...)")
+    s.add_argument("--block-seconds", type=float, default=3.0, metavar="S",
+                   help="--versus at c>1: seconds per block before no new request starts")
     s.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting requests after S seconds in a point (in-flight ones finish)")
     s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
@@ -344,7 +353,7 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
     """``--versus``: the same requests on two servers, interleaved (clef_vllm.bench.paired)."""
     from tqdm import tqdm
 
-    from clef_vllm.bench.paired import paired_table, run_pairs, summarize_variant
+    from clef_vllm.bench.paired import blocks_summary, paired_table, run_blocks, run_pairs, summarize_variant
 
     if args.wait_ready > 0:
         for url in (args.url, args.versus):
@@ -352,32 +361,54 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
                 log(f"waiting for {url}: {wait_ready(url, args.wait_ready, headers)}")
             except TimeoutError as exc:
                 raise SystemExit(f"clef-bench: {exc}") from None
-    args.concurrency = ["1"]
-    args.num_requests = args.num_requests or 200
+    if args.blocks < 2 or args.block_seconds <= 0:
+        build_parser().error("--versus needs --blocks >= 2 and --block-seconds > 0 (blocks are compared in pairs)")
+    if args.concurrency == DEFAULT_CONCURRENCY:
+        args.concurrency = ["1"]                  # the sweep's default is not the paired run's
+    default_c, overrides = parse_concurrency(args.concurrency)
+    top = max([*default_c, *(c for cs in overrides.values() for c in cs)])
+    # c > 1 takes fresh requests for every block: enough for ~3 s blocks at ~16 requests/s per client
+    args.num_requests = args.num_requests or (200 if top == 1 else max(200, 48 * top))
     plan = make_plan(args, factory, log)
     results.update(mode="paired", variants=[],
                    target={"a": systemone_url(args.url), "b": systemone_url(args.versus)},
                    server={"a": server_info(args.url, headers), "b": server_info(args.versus, headers)})
     results["schema"] = f"clef-bench-paired/{RESULT_SCHEMA_VERSION}"
 
-    async def go():
-        senders = [HttpSender(u, concurrency=1, timeout=args.timeout, headers=headers)
+    async def point(item, c: int) -> dict:
+        senders = [HttpSender(u, concurrency=c, timeout=args.timeout, headers=headers)
                    for u in (args.url, args.versus)]
         try:
-            for item in plan:
-                for sender in senders:
-                    await closed_loop(item.warm, 1, sender.send)
-                reqs = item.point_requests(1)
+            reqs = item.point_requests(c)
+            if c == 1:
                 bar = tqdm(total=len(reqs), desc=f"{item.name} pairs", leave=False, disable=not args.progress,
                            file=sys.stderr, dynamic_ncols=True)
                 a, b = await run_pairs(reqs, senders[0].send, senders[1].send, time_limit=args.time_limit,
                                        on_done=bar.update)
                 bar.close()
-                results["variants"].append(summarize_variant(item.name, a, b))
-                out.write_text(dumps(results) + "\n")
+                return summarize_variant(item.name, a, b)
+            bar = tqdm(total=args.blocks, desc=f"{item.name} c={c} blocks", leave=False, disable=not args.progress,
+                       file=sys.stderr, dynamic_ncols=True)
+            blocks, wrapped = await run_blocks(reqs, c, senders[0].send, senders[1].send, blocks=args.blocks,
+                                               block_s=args.block_seconds, on_done=bar.update)
+            bar.close()
+            return {"variant": item.name, "concurrency": c, "requests": len(reqs), "block_seconds": args.block_seconds,
+                    "wrapped": wrapped, **blocks_summary(blocks), "blocks": blocks}
         finally:
             for sender in senders:
                 await sender.aclose()
+
+    async def go():
+        for item in plan:
+            for url in (args.url, args.versus):
+                if item.warm:
+                    sender = HttpSender(url, concurrency=1, timeout=args.timeout, headers=headers)
+                    await closed_loop(item.warm, 1, sender.send)
+                    await sender.aclose()
+            for c in item.concurrencies:
+                results["variants"].append(await point(item, c))
+                log(f"{item.name} c={c}: B/A {results['variants'][-1]['ratio']}")
+                out.write_text(dumps(results) + "\n")
 
     asyncio.run(go())
     results["complete"] = True
@@ -386,7 +417,7 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
     out.with_suffix(".txt").write_text(table + "\n")
     print(table)
     log(f"results: {out} (table: {out.with_suffix('.txt')})")
-    bad = [v for v in results["variants"] if v["unpaired"]]
+    bad = [v for v in results["variants"] if v.get("unpaired") or v.get("unanswered")]
     return 1 if (bad and args.fail_on_error) else 0
 
 

@@ -11,18 +11,26 @@ stretch of time, and the comparison is between the servers, not between their mi
 ``clef-bench URL_A --versus URL_B ...`` runs this at concurrency 1. Each generated request goes to
 both servers. The result: per server the p50 and the Server-Timing stages, and ``ratio``, B's p50
 over A's, with its spread across consecutive blocks of pairs (one ratio per block).
+
+At a concurrency above 1 a request cannot be sent to both servers at once without them sharing the
+GPU, so the servers take turns in short time blocks instead (A B B A A B B A ...: a linear drift
+cancels), each block a closed loop of ``c`` clients on fresh requests. ``ratio`` is then B's
+throughput over A's, the median over consecutive (A, B) block pairs, with each pair's ratio.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Sequence
 
-from .loadgen import Outcome, percentile, stage_medians
+from .loadgen import Outcome, closed_loop, percentile, stage_medians
 from .workloads import BenchRequest
 
 #: consecutive pairs per block: a block is one short stretch of time, and its ratio one sample
 DEFAULT_BLOCK = 20
+#: c > 1: which server runs time block k (A B B A, repeated)
+BLOCK_ORDER = (0, 1, 1, 0)
 
 
 def pair_order(i: int) -> tuple[int, int]:
@@ -83,6 +91,58 @@ async def run_pairs(requests: Sequence[BenchRequest], send_a: Callable[[BenchReq
     return out
 
 
+def block_side(k: int) -> int:
+    """The server (0: A, 1: B) that runs time block ``k`` at c > 1."""
+    return BLOCK_ORDER[k % len(BLOCK_ORDER)]
+
+
+async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Callable[[BenchRequest], Any],
+                     send_b: Callable[[BenchRequest], Any], *, blocks: int, block_s: float,
+                     on_done: Callable[[int], None] | None = None) -> tuple[list[dict], bool]:
+    """c > 1: ``blocks`` closed-loop blocks of ``block_s`` seconds, alternating servers (:func:`block_side`),
+    each on the next unused requests of ``pool``. Returns each block's numbers and whether the pool ran
+    out and requests were sent again (a state cache would then see repeats)."""
+    sends = (send_a, send_b)
+    out, cursor = [], 0
+    for k in range(blocks):
+        side = block_side(k)
+        reqs = [pool[(cursor + i) % len(pool)] for i in range(len(pool))]
+        outcomes, wall = await closed_loop(reqs, concurrency, sends[side], time_limit=block_s)
+        done = [o for o in outcomes if o is not None]
+        cursor += len(done)
+        ok = [o.latency_s for o in done if o.ok]
+        statuses: dict[str, int] = {}
+        for o in done:
+            statuses[o.status] = statuses.get(o.status, 0) + 1
+        out.append({"side": "ab"[side], "sent": len(done), "ok": len(ok), "wall_s": round(wall, 4),
+                    "req_per_s": round(len(ok) / max(wall, 1e-9), 4),
+                    "p50_ms": None if not ok else round(percentile(ok, 50) * 1000, 3), "statuses": statuses})
+        if on_done is not None:
+            on_done(1)
+    return out, cursor > len(pool)
+
+
+def blocks_summary(blocks: Sequence[dict]) -> dict:
+    """The comparison of a block run: per server the median throughput and p50 over its blocks, and per
+    consecutive (A, B) block pair B's throughput over A's (``pair_ratios``; ``ratio`` their median) and
+    B's p50 over A's (``p50_ratio``, the median)."""
+    med = statistics.median
+    a = [blk for blk in blocks if blk["side"] == "a"]
+    b = [blk for blk in blocks if blk["side"] == "b"]
+    pairs = [(x, y) if x["side"] == "a" else (y, x) for x, y in zip(blocks[::2], blocks[1::2]) if x["side"] != y["side"]]
+    tput = [pb["req_per_s"] / pa["req_per_s"] for pa, pb in pairs if pa["req_per_s"] > 0]
+    lat = [pb["p50_ms"] / pa["p50_ms"] for pa, pb in pairs if pa["p50_ms"] and pb["p50_ms"]]
+    return {
+        "a_req_per_s": None if not a else round(med(blk["req_per_s"] for blk in a), 3),
+        "b_req_per_s": None if not b else round(med(blk["req_per_s"] for blk in b), 3),
+        "ratio": None if not tput else round(med(tput), 4),
+        "pair_ratios": [round(r, 4) for r in tput],
+        "b_faster_pairs": sum(r > 1 for r in tput),
+        "p50_ratio": None if not lat else round(med(lat), 4),
+        "unanswered": sum(blk["sent"] - blk["ok"] for blk in blocks),
+    }
+
+
 def summarize_variant(name: str, a: Sequence[Outcome], b: Sequence[Outcome], block: int = DEFAULT_BLOCK) -> dict:
     """One variant's paired result: the comparison, and per server its statuses and stage medians."""
     def lat(outs):
@@ -96,7 +156,7 @@ def summarize_variant(name: str, a: Sequence[Outcome], b: Sequence[Outcome], blo
                 "server_stages_p50_ms": stage_medians([o.server_stages for o in outs if o.ok and o.server_stages])}
 
     la, lb = lat(a), lat(b)
-    return {"variant": name, "requests": len(a), **paired_summary(la, lb, block),
+    return {"variant": name, "concurrency": 1, "requests": len(a), **paired_summary(la, lb, block),
             "a": side(a), "b": side(b),
             # every pair in order (ms; null: not answered), for other statistics than the blocks'
             "latency_ms": {"a": [None if x is None else round(x * 1000, 3) for x in la],
@@ -106,16 +166,36 @@ def summarize_variant(name: str, a: Sequence[Outcome], b: Sequence[Outcome], blo
 def paired_table(results: dict) -> str:
     """The text table of a paired run."""
     a, b = results["target"]["a"], results["target"]["b"]
-    lines = [f"clef-bench paired, c=1, same requests in alternating order:  A = {a}   B = {b}",
-             f"{'variant':<14} {'pairs':>5} {'A p50 ms':>9} {'B p50 ms':>9} {'B/A':>7}  blocks B/A (min-max, B slower)"]
-    for v in results["variants"]:
+    single = [v for v in results["variants"] if v.get("concurrency", 1) == 1]
+    several = [v for v in results["variants"] if v.get("concurrency", 1) > 1]
+    lines = [f"clef-bench paired:  A = {a}   B = {b}"]
+    if single:
+        lines.append("c=1, the same requests in alternating order; B/A = B's p50 over A's")
+        lines.append(f"{'variant':<14} {'pairs':>5} {'A p50 ms':>9} {'B p50 ms':>9} {'B/A':>7}  "
+                     "blocks B/A (min-max, B slower)")
+    for v in single:
         r = v["block_ratios"]
         spread = f"{min(r):.3f}-{max(r):.3f}, {v['b_slower_blocks']}/{len(r)}" if r else "-"
         ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
         a_ms = "-" if v["a_p50_ms"] is None else f"{v['a_p50_ms']:.1f}"
         b_ms = "-" if v["b_p50_ms"] is None else f"{v['b_p50_ms']:.1f}"
         lines.append(f"{v['variant']:<14} {v['pairs']:>5} {a_ms:>9} {b_ms:>9} {ratio:>7}  {spread}")
-    lines.append("engine stage p50 ms (Server-Timing): " + ", ".join(
-        f"{v['variant']} A {v['a']['server_stages_p50_ms'].get('engine', '-')} / "
-        f"B {v['b']['server_stages_p50_ms'].get('engine', '-')}" for v in results["variants"]))
+    if single:
+        lines.append("engine stage p50 ms (Server-Timing): " + ", ".join(
+            f"{v['variant']} A {v['a']['server_stages_p50_ms'].get('engine', '-')} / "
+            f"B {v['b']['server_stages_p50_ms'].get('engine', '-')}" for v in single))
+    if several:
+        lines.append("c>1, the servers in turns (time blocks A B B A ...); B/A = B's req/s over A's, per (A, B) pair")
+        lines.append(f"{'variant':<14} {'c':>3} {'blocks':>6} {'A req/s':>8} {'B req/s':>8} {'B/A':>7}  "
+                     "pairs B/A (min-max, B faster)  p50 B/A")
+    for v in several:
+        r = v["pair_ratios"]
+        spread = f"{min(r):.3f}-{max(r):.3f}, {v['b_faster_pairs']}/{len(r)}" if r else "-"
+
+        def num(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        lines.append(f"{v['variant']:<14} {v['concurrency']:>3} {len(v['blocks']):>6} {num(v['a_req_per_s'], '.1f'):>8} "
+                     f"{num(v['b_req_per_s'], '.1f'):>8} {num(v['ratio'], '.3f'):>7}  {spread:<28} "
+                     f"{num(v['p50_ratio'], '.3f')}" + ("  (pool wrapped: requests repeated)" if v["wrapped"] else ""))
     return "\n".join(lines)
