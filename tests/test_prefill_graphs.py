@@ -321,3 +321,22 @@ def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_grou
     qkv, b, a = inputs(9, seed=1)
     assert not runner.run(layers[l0], qkv, b, a, torch.zeros(9, HV, DV))
     assert runner.stats.fallbacks["inline_uncaptured"] == 1
+    # The enclosing graph's protocol: the state line comes from the static source registered for the
+    # group's metadata (not from the metadata), every given (padded) row is copied in and out, and the
+    # bucket's length is left as the caller set it.
+    group = md(1, False)
+    runner.inline_sources[id(group)] = (torch.tensor([2], dtype=torch.int32), torch.tensor([False]))
+    view.ssm_state.zero_()
+    bucket.set_length(9)
+    ctx = SimpleNamespace(attn_metadata={l2: group})
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx)
+    qkv, b, a = inputs(12, seed=5)                       # 9 real rows padded to 12 by vLLM
+    out = torch.full((12, HV, DV), float("nan"))
+    assert runner.run(layers[l2], qkv, b, a, out)
+    assert view.ssm_state[2].abs().sum() > 0 and view.ssm_state[1].abs().sum() == 0
+    assert torch.isfinite(out).all() and torch.equal(bucket.qkv[:12], qkv) and bucket.length == 9
+    exact = make_layer(False, seed=2)                    # the 9 real rows alone, unpadded
+    want = run_chunk(exact, 9, qkv[:9], b[:9], a[:9], line=2, has_init=False)
+    torch.testing.assert_close(out[:9], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(view.ssm_state[2], exact.ssm_state[2], rtol=1e-5, atol=1e-6)
+    assert torch.equal(view.conv_state_raw[2], exact.conv_state_raw[2])

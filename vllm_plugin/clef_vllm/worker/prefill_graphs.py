@@ -308,10 +308,15 @@ class GdnGraphRunner:
         self._bodies: dict[tuple[str, int, str], SimpleNamespace] = {}   # key -> .replay() runs the body
         self._pool = None
         self.min_tokens = 4
-        #: Run a captured bucket's body instead of replaying its graph, and do not fall back while a
-        #: stream is capturing: for a graph that encloses whole steps (bench/step_graph_probe.py).
-        #: Steps whose (layer, bucket) has no graph yet still fall back.
+        #: For a graph that encloses whole steps (bench/step_graph_probe.py): run a captured bucket's
+        #: body instead of replaying its graph, do not fall back while a stream is capturing, copy all
+        #: the step's (padded) rows, and leave the bucket's length to the caller (``set_length`` before
+        #: the enclosing capture and each replay). The state line and initial-state flag come from
+        #: ``inline_sources[id(metadata)]``: static tensors per KV-cache group that the caller fills
+        #: before each replay (with none registered, from the metadata itself, as outside inline mode).
+        #: A (layer, bucket) without a graph yet still falls back.
         self.inline = False
+        self.inline_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ installation
 
@@ -393,6 +398,18 @@ class GdnGraphRunner:
         they are copied when the step (vLLM's forward context, new for every forward) or the group's
         metadata changes, not for each of the 24 layers."""
         step, md, bucket, graph = found
+        if self.inline:
+            rows = inputs[0][1].shape[0]
+            line, init = self.inline_sources.get(id(md), (md.prefill_state_indices[:1], md.prefill_has_initial_state[:1]))
+            bucket.lines.copy_(line)
+            bucket.has_init.copy_(init)
+            bucket.fed = None
+            for name, given in inputs:
+                getattr(bucket, name)[:rows].copy_(given[:rows])
+            graph.replay()
+            core_attn_out[:rows].copy_(bucket.out[:rows])
+            self.stats.replays += 1
+            return
         n = md.num_actual_tokens
         bucket.set_length(n)
         if bucket.fed is None or bucket.fed[0] is not step or bucket.fed[1] is not md:
