@@ -11,17 +11,24 @@ engine settings, one request at a time), before any of it is built:
    group's attention metadata and slot mapping) and the scalars (lengths). A tensor whose address is
    the same in every step can be read by a graph as it is; one that moves has to be copied into a
    static buffer before each replay; a scalar that varies with the length has to be baked per bucket.
-2. **capture** (skipped with ``--survey-only``): at the first eligible step of bucket N, capture the
-   backbone's forward (vLLM's piecewise wrappers passing through, the GDN layers running their bucket
-   bodies inline: ``GdnGraphRunner.inline``); then for later steps of that bucket run the normal
-   forward AND the replay, and compare the real rows' hidden states (max |diff|, exact or not) and
-   the time each takes (host time to return, wall time to the result).
+2. **capture** (skipped with ``--survey-only``), in two flavours, each over the same lengths: at the
+   first eligible step of a padded size, capture the backbone's forward (vLLM's piecewise wrappers
+   passing through, the GDN layers running their bucket bodies inline: ``GdnGraphRunner.inline``);
+   for later steps of that size run the normal forward AND the replay, and compare the real rows'
+   hidden states (max |diff|, exact or not) and the time each takes (host time to return, wall time
+   to the result).
 
-A replay bakes what the capture saw: Python scalars (the real length in the GDN copies and masks)
-and the addresses of per-step tensors. So only replays at the captured real length (400 tokens,
-three of the steps) can be exact, and only if the survey finds every input at a fixed address; the
-others show what a per-step scalar costs. A failed or wrong replay is an answer too: the survey
-says which inputs moved. Results:
+   - ``static`` (the design to test; first): the graph reads static copies of the token ids,
+     positions, FA3 metadata tensors and slot mappings, refreshed from each step before its replay;
+     FA3's metadata is captured for the padded size (every padded row, the longest query, the
+     model's longest sequence, no ahead-of-time schedule); the GDN state line and flag come from
+     static per-group sources; the padding mask is set outside the graph. Every replay should be
+     exact at any real length of the size.
+   - ``direct``: the graph reads the tensors of the step it was captured in, as they are; it can be
+     right only where the survey finds every input at a fixed address (and may break the engine
+     otherwise: it runs second).
+
+A failed or wrong replay is an answer too: the survey says which inputs moved. Results:
 ``$OUT/step_graph_probe.json`` (written after the survey, again after the capture part).
 
     python3 bench/step_graph_probe.py --out $OUT [--ckpt DIR] [--quantization fp8] [--survey-only]
@@ -37,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 LENGTHS = (400, 410, 431, 400, 445, 392, 420, 400)     # one bucket (448), varied real lengths
 OTHER = (300, 310)                                      # another bucket (320)
@@ -116,6 +124,140 @@ def summarize_survey(steps: list[dict]) -> dict:
     return out
 
 
+class StepGraph:
+    """One captured backbone forward for one padded token count.
+
+    ``direct``: the graph reads the tensors of the step it was captured in (token ids, positions,
+    attention metadata, slot mappings), as they are; only steps whose inputs keep their addresses
+    replay correctly. ``static`` (the design to test): it reads static copies, refreshed from the
+    step's own tensors before each replay. The FA3 metadata is captured for the bucket (every padded
+    row, the longest query, the model's longest sequence, no ahead-of-time schedule); the GDN layers
+    run their bucket bodies inline with their state line and flag from static per-group sources
+    (``GdnGraphRunner.inline_sources``); the padding mask is set outside the graph.
+    """
+
+    def __init__(self, flavour: str, runner, original, max_len: int):
+        self.flavour, self.runner, self.original, self.max_len = flavour, runner, original, max_len
+        self.graph = None
+        self.out = None
+        self.captured_at = None
+        self.capture_s = None
+        self.ids = self.pos = None
+        self.attn: dict[str, Any] = {}        # first layer of a FA3 group -> its static metadata
+        self.slots: dict[str, Any] = {}       # layer -> static slot mapping
+        self.gdn: dict[str, tuple] = {}       # first layer of a GDN group -> (static line, static flag)
+
+    @staticmethod
+    def _static_slots(t, rows: int):
+        """A static copy of a slot mapping, as long as the padded step (-1, no write, after the real rows)."""
+        import torch
+
+        if t.dim() == 1 and t.shape[0] < rows and not t.is_floating_point():
+            out = torch.full((rows,), -1, dtype=t.dtype, device=t.device)
+            out[:t.shape[0]].copy_(t)
+            return out
+        return t.clone()
+
+    @staticmethod
+    def _refresh(static, t) -> None:
+        if static.shape == t.shape:
+            static.copy_(t)
+        else:                                   # a shorter slot mapping: -1 for the padded rows
+            static.fill_(-1)
+            static[:t.shape[0]].copy_(t)
+
+    @staticmethod
+    def _groups(md_all: dict, kind: str) -> dict[str, Any]:
+        """First layer name -> metadata object, for the groups of one metadata kind."""
+        out, seen = {}, set()
+        for layer, md in md_all.items():
+            if type(md).__name__ == kind and id(md) not in seen:
+                seen.add(id(md))
+                out[layer] = md
+        return out
+
+    def _bucket(self, n: int):
+        from clef_vllm.worker.prefill_graphs import choose_bucket
+
+        return self.runner._buckets[choose_bucket(n, self.runner.buckets)]
+
+    def capture(self, ctx, input_ids, positions, n: int) -> None:
+        import dataclasses
+
+        import torch
+        from vllm.config import CUDAGraphMode
+
+        size = int(input_ids.shape[0])
+        saved = (ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode)
+        ids, pos = input_ids, positions
+        try:
+            if self.flavour == "static":
+                ids, pos = self.ids, self.pos = input_ids.clone(), positions.clone()
+                md_all = dict(ctx.attn_metadata)
+                layer_group = {}
+                for first, md in self._groups(md_all, "FlashAttentionMetadata").items():
+                    static = dataclasses.replace(
+                        md, num_actual_tokens=size, max_query_len=size, max_seq_len=self.max_len,
+                        query_start_loc=md.query_start_loc.clone(), seq_lens=md.seq_lens.clone(),
+                        block_table=md.block_table.clone(), slot_mapping=self._static_slots(md.slot_mapping, size),
+                        scheduler_metadata=None)
+                    self.attn[first] = static
+                    layer_group[id(md)] = static
+                md_all = {layer: layer_group.get(id(md), md) for layer, md in md_all.items()}
+                slots = {}
+                for layer, t in (ctx.slot_mapping or {}).items():
+                    slots[layer] = self.slots[layer] = self._static_slots(t, size)
+                for first, md in self._groups(md_all, "GDNAttentionMetadata").items():
+                    src = (md.prefill_state_indices[:1].clone(), md.prefill_has_initial_state[:1].clone())
+                    self.gdn[first] = src
+                    self.runner.inline_sources[id(md)] = src
+                ctx.attn_metadata, ctx.slot_mapping = md_all, slots
+            ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+            self.runner.inline = True
+            self._bucket(n).set_length(n)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.original(ids, pos)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            t0 = time.perf_counter()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.out = self.original(ids, pos)
+            torch.cuda.synchronize()
+            self.graph, self.captured_at, self.capture_s = graph, n, round(time.perf_counter() - t0, 3)
+        finally:
+            ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode = saved
+            self.runner.inline = False
+            self.runner.inline_sources.clear()
+            self._forget()
+
+    def _forget(self) -> None:
+        """The buckets' Python-side caches no longer describe their buffers: make the next step set them."""
+        for bucket in self.runner._buckets.values():
+            bucket.length = None
+            bucket.fed = None
+
+    def replay(self, ctx, input_ids, positions, n: int):
+        if self.flavour == "static":
+            self.ids.copy_(input_ids)
+            self.pos.copy_(positions)
+            for first, static in self.attn.items():
+                md = ctx.attn_metadata[first]
+                for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+                    self._refresh(getattr(static, field), getattr(md, field))
+            for layer, t in self.slots.items():
+                self._refresh(t, ctx.slot_mapping[layer])
+            for first, (line, init) in self.gdn.items():
+                md = ctx.attn_metadata[first]
+                line.copy_(md.prefill_state_indices[:1])
+                init.copy_(md.prefill_has_initial_state[:1])
+        self._bucket(n).set_length(n)
+        self.graph.replay()
+        self._forget()
+        return self.out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
@@ -129,7 +271,7 @@ def main() -> int:
     import torch
     from latency import engine_settings        # bench/latency.py: the server's settings, mode "graphs"
     from vllm import LLM, TokensPrompt
-    from vllm.config import CUDAGraphMode, PoolerConfig
+    from vllm.config import PoolerConfig
     from vllm.forward_context import get_forward_context
 
     from clef_vllm import register
@@ -160,6 +302,7 @@ def main() -> int:
                    pooling_task="plugin", use_tqdm=False)
 
     state: dict = {"mode": "survey", "steps": [], "graphs": {}, "compare": [], "errors": []}
+    max_len = kw.get("max_model_len", 16384)
 
     def install(worker):
         model = worker.model_runner.model
@@ -184,35 +327,17 @@ def main() -> int:
                 state["steps"].append(step)
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
             size = int(input_ids.shape[0])
-            entry = state["graphs"].get(size)
-            if entry is None:          # capture the backbone for this padded size
-                saved = ctx.cudagraph_runtime_mode
+            key = (state["mode"], size)
+            entry = state["graphs"].get(key)
+            if entry is None:
+                entry = state["graphs"][key] = StepGraph(state["mode"], runner, original, max_len)
                 try:
-                    ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
-                    runner.inline = True
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    t0 = time.perf_counter()
-                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                        out = original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
-                    torch.cuda.synchronize()
-                    state["graphs"][size] = {"graph": graph, "out": out, "capture_s": time.perf_counter() - t0,
-                                             "ids_ptr": input_ids.data_ptr(), "captured_at_tokens": n}
+                    entry.capture(ctx, input_ids, positions, n)
                 except Exception as exc:  # noqa: BLE001 - the probe reports it
-                    state["errors"].append(f"capture at {size}: {type(exc).__name__}: {exc}"[:600])
-                    state["graphs"][size] = {"graph": None}
-                finally:
-                    runner.inline = False
-                    ctx.cudagraph_runtime_mode = saved
-                    for bucket in runner._buckets.values():
-                        bucket.length = None
-                        bucket.fed = None
+                    state["errors"].append(f"{key} capture: {type(exc).__name__}: {exc}"[:800])
+                    entry.graph = None
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
-            if entry["graph"] is None:
+            if entry.graph is None:
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -221,20 +346,19 @@ def main() -> int:
             torch.cuda.synchronize()
             wall_ref = time.perf_counter() - t0
             ref = ref.clone()
-            t0 = time.perf_counter()
-            entry["graph"].replay()
-            host_rep = time.perf_counter() - t0
-            torch.cuda.synchronize()
-            wall_rep = time.perf_counter() - t0
-            for bucket in runner._buckets.values():
-                # the replay rewrote the buckets' mask, tail and state line for the captured length and
-                # step: make the next normal step set them again
-                bucket.length = None
-                bucket.fed = None
-            diff = (entry["out"][:n].float() - ref[:n].float()).abs()
-            state["compare"].append({"tokens": size, "real": n, "max_abs_diff": float(diff.max()),
-                                     "exact": bool(torch.equal(entry["out"][:n], ref[:n])),
-                                     "same_ids_ptr": input_ids.data_ptr() == entry["ids_ptr"],
+            try:
+                t0 = time.perf_counter()
+                out = entry.replay(ctx, input_ids, positions, n)
+                host_rep = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                wall_rep = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001
+                state["errors"].append(f"{key} replay at {n}: {type(exc).__name__}: {exc}"[:800])
+                return ref
+            diff = (out[:n].float() - ref[:n].float()).abs()
+            state["compare"].append({"flavour": state["mode"], "tokens": size, "real": n,
+                                     "captured_at": entry.captured_at, "max_abs_diff": float(diff.max()),
+                                     "exact": bool(torch.equal(out[:n], ref[:n])),
                                      "host_ms": [round(host_ref * 1e3, 3), round(host_rep * 1e3, 3)],
                                      "wall_ms": [round(wall_ref * 1e3, 3), round(wall_rep * 1e3, 3)]})
             return ref
@@ -257,22 +381,31 @@ def main() -> int:
     print(json.dumps(report["survey"], indent=1), flush=True)
     if args.survey_only:
         return 0
-    state["mode"] = "capture"
-    for i, n in enumerate(LENGTHS + OTHER):
-        try:
-            decide(n, 300 + i)
-        except Exception as exc:  # noqa: BLE001 - a broken replay may take the engine down: report what we have
-            state["errors"].append(f"decision {n}: {type(exc).__name__}: {exc}"[:600])
-            break
+    for flavour, seed in (("static", 300), ("direct", 400)):     # static first: a direct replay may break the engine
+        state["mode"] = flavour
+        for i, n in enumerate(LENGTHS + OTHER):
+            try:
+                decide(n, seed + i)
+            except Exception as exc:  # noqa: BLE001 - a broken replay may take the engine down: report what we have
+                state["errors"].append(f"{flavour} decision {n}: {type(exc).__name__}: {exc}"[:800])
+                break
+        else:
+            continue
+        break
     state["mode"] = "off"
     comp = state["compare"]
+
+    def medians(flavour: str, field: str, i: int):
+        values = [c[field][i] for c in comp if c["flavour"] == flavour]
+        return round(statistics.median(values), 3) if values else None
+
     report["capture"] = {
-        "graphs": {str(k): {kk: vv for kk, vv in v.items() if kk not in ("graph", "out")}
+        "graphs": {f"{k[0]}@{k[1]}": {"captured_at": v.captured_at, "capture_s": v.capture_s, "ok": v.graph is not None}
                    for k, v in state["graphs"].items()},
         "compare": comp,
         "errors": state["errors"],
-        "median_host_ms": [statistics.median(c["host_ms"][i] for c in comp) for i in (0, 1)] if comp else None,
-        "median_wall_ms": [statistics.median(c["wall_ms"][i] for c in comp) for i in (0, 1)] if comp else None,
+        "median_host_ms": {f: [medians(f, "host_ms", 0), medians(f, "host_ms", 1)] for f in ("static", "direct")},
+        "median_wall_ms": {f: [medians(f, "wall_ms", 0), medians(f, "wall_ms", 1)] for f in ("static", "direct")},
     }
     save()
     print(json.dumps(report["capture"], indent=1), flush=True)
