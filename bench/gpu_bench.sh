@@ -26,16 +26,14 @@
 #   SERVER_WRAP       a command the server runs under (e.g. "taskset -c 0-3": its CPUs) []
 #   THREADS           1: sample the busiest threads (CPU each ran on, %CPU) every second of the server's
 #                     bench into threads.txt [0]
-# The server runs with --gdn-prefill-backend triton (Hopper). Exit status is
+# The vLLM server runs with --gdn-prefill-backend triton (Hopper). Exit status is
 # non-zero if any phase failed; each phase's rc is in $OUT/run.json.
 set -uo pipefail
 
 CKPT=${1:?usage: bash bench/gpu_bench.sh CKPT [PORT]}
 PORT=${2:-8765}
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/bench-out}
-mkdir -p "$OUT"
+# shellcheck source=bench/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 CKPT=$(cd "$CKPT" && pwd) || { echo "no such checkpoint: $1" >&2; exit 2; }
 
 PY=${PYTHON:-python3}
@@ -57,15 +55,6 @@ SERVER_WRAP=${SERVER_WRAP:-}
 THREADS=${THREADS:-0}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 URL="http://127.0.0.1:$PORT"
-
-# The staged vLLM (see tests/gpu/env.sh) and this tree's plugin.
-if [ -d /root/site ] && [ -f tests/gpu/env.sh ]; then
-  # shellcheck disable=SC1091
-  source tests/gpu/env.sh
-else
-  export PYTHONPATH=$ROOT/vllm_plugin${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 
 log() { echo "[gpu_bench $(date +%H:%M:%S)] $*" | tee -a "$OUT/gpu_bench.log" >&2; }
 has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
@@ -140,9 +129,10 @@ START=$(date +%s)
 if has_phase server || has_phase parity; then
   log "starting clef-systemone on $URL"
   set -m
+  gdn=$([ "$SERVER_BACKEND" = vllm ] && echo "--gdn-prefill-backend triton")   # a vLLM flag: refused elsewhere
   # shellcheck disable=SC2086
   $SERVER_WRAP "$PY" -m clef_vllm.server.cli --model "$CKPT" --backend "$SERVER_BACKEND" --host 127.0.0.1 --port "$PORT" \
-      --gdn-prefill-backend triton $SERVER_ARGS >"$OUT/server.log" 2>&1 &
+      $gdn $SERVER_ARGS >"$OUT/server.log" 2>&1 &
   SERVER_PID=$!
   set +m
   ready=0

@@ -17,15 +17,8 @@
 set -uo pipefail
 CKPT=${1:?usage: COMPARE="a:b:short" bash bench/paired.sh CKPT NAME=ARGS...}
 shift
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/bench-out}
-mkdir -p "$OUT"
-if [ -d /root/site ] && [ -f tests/gpu/env.sh ]; then
-  # shellcheck disable=SC1091
-  source tests/gpu/env.sh
-fi
-export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+# shellcheck source=bench/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 COMPARE=${COMPARE:?COMPARE="A:B:WORKLOADS ..."}
 GPU_SHARE=${GPU_SHARE:-0.28}
 SERVER_FLAGS=${SERVER_FLAGS-"--gdn-prefill-backend triton --gpu-memory-utilization $GPU_SHARE"}

@@ -16,15 +16,8 @@ FAST=${2:?FAST_CPUS}
 SLOW=${3:?SLOW_CPUS}
 STARTS=${4:-3}
 PORT=${5:-8899}
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/bench-out}
-mkdir -p "$OUT"
-if [ -d /root/site ] && [ -f tests/gpu/env.sh ]; then
-  # shellcheck disable=SC1091
-  source tests/gpu/env.sh
-fi
-export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+# shellcheck source=bench/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 URL="http://127.0.0.1:$PORT"
 SERVER_ARGS=${SERVER_ARGS-"--gdn-prefill-backend triton --load-format dummy"}
 ALL=$(python3 -c "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))")

@@ -163,6 +163,15 @@ def summarize_variant(name: str, a: Sequence[Outcome], b: Sequence[Outcome], blo
                            "b": [None if x is None else round(x * 1000, 3) for x in lb]}}
 
 
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _spread(ratios: Sequence[float], count: int) -> str:
+    """``min-max, count/len`` of a list of ratios (``-`` when empty)."""
+    return f"{min(ratios):.3f}-{max(ratios):.3f}, {count}/{len(ratios)}" if ratios else "-"
+
+
 def paired_table(results: dict) -> str:
     """The text table of a paired run."""
     a, b = results["target"]["a"], results["target"]["b"]
@@ -170,32 +179,20 @@ def paired_table(results: dict) -> str:
     several = [v for v in results["variants"] if v.get("concurrency", 1) > 1]
     lines = [f"clef-bench paired:  A = {a}   B = {b}"]
     if single:
-        lines.append("c=1, the same requests in alternating order; B/A = B's p50 over A's")
-        lines.append(f"{'variant':<14} {'pairs':>5} {'A p50 ms':>9} {'B p50 ms':>9} {'B/A':>7}  "
-                     "blocks B/A (min-max, B slower)")
-    for v in single:
-        r = v["block_ratios"]
-        spread = f"{min(r):.3f}-{max(r):.3f}, {v['b_slower_blocks']}/{len(r)}" if r else "-"
-        ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
-        a_ms = "-" if v["a_p50_ms"] is None else f"{v['a_p50_ms']:.1f}"
-        b_ms = "-" if v["b_p50_ms"] is None else f"{v['b_p50_ms']:.1f}"
-        lines.append(f"{v['variant']:<14} {v['pairs']:>5} {a_ms:>9} {b_ms:>9} {ratio:>7}  {spread}")
-    if single:
+        lines += ["c=1, the same requests in alternating order; B/A = B's p50 over A's",
+                  f"{'variant':<14} {'pairs':>5} {'A p50 ms':>9} {'B p50 ms':>9} {'B/A':>7}  "
+                  "blocks B/A (min-max, B slower)"]
+        lines += [f"{v['variant']:<14} {v['pairs']:>5} {_num(v['a_p50_ms'], '.1f'):>9} {_num(v['b_p50_ms'], '.1f'):>9} "
+                  f"{_num(v['ratio'], '.3f'):>7}  {_spread(v['block_ratios'], v['b_slower_blocks'])}" for v in single]
         lines.append("engine stage p50 ms (Server-Timing): " + ", ".join(
             f"{v['variant']} A {v['a']['server_stages_p50_ms'].get('engine', '-')} / "
             f"B {v['b']['server_stages_p50_ms'].get('engine', '-')}" for v in single))
     if several:
-        lines.append("c>1, the servers in turns (time blocks A B B A ...); B/A = B's req/s over A's, per (A, B) pair")
-        lines.append(f"{'variant':<14} {'c':>3} {'blocks':>6} {'A req/s':>8} {'B req/s':>8} {'B/A':>7}  "
-                     "pairs B/A (min-max, B faster)  p50 B/A")
-    for v in several:
-        r = v["pair_ratios"]
-        spread = f"{min(r):.3f}-{max(r):.3f}, {v['b_faster_pairs']}/{len(r)}" if r else "-"
-
-        def num(x, fmt):
-            return "-" if x is None else format(x, fmt)
-
-        lines.append(f"{v['variant']:<14} {v['concurrency']:>3} {len(v['blocks']):>6} {num(v['a_req_per_s'], '.1f'):>8} "
-                     f"{num(v['b_req_per_s'], '.1f'):>8} {num(v['ratio'], '.3f'):>7}  {spread:<28} "
-                     f"{num(v['p50_ratio'], '.3f')}" + ("  (pool wrapped: requests repeated)" if v["wrapped"] else ""))
+        lines += ["c>1, the servers in turns (time blocks A B B A ...); B/A = B's req/s over A's, per (A, B) pair",
+                  f"{'variant':<14} {'c':>3} {'blocks':>6} {'A req/s':>8} {'B req/s':>8} {'B/A':>7}  "
+                  "pairs B/A (min-max, B faster)  p50 B/A"]
+        lines += [f"{v['variant']:<14} {v['concurrency']:>3} {len(v['blocks']):>6} {_num(v['a_req_per_s'], '.1f'):>8} "
+                  f"{_num(v['b_req_per_s'], '.1f'):>8} {_num(v['ratio'], '.3f'):>7}  "
+                  f"{_spread(v['pair_ratios'], v['b_faster_pairs']):<28} {_num(v['p50_ratio'], '.3f')}"
+                  + ("  (pool wrapped: requests repeated)" if v["wrapped"] else "") for v in several]
     return "\n".join(lines)

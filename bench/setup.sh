@@ -1,0 +1,15 @@
+# Sourced by the bench scripts (gpu_bench.sh, paired.sh, placement.sh): the repository root as the
+# working folder (ROOT), the output folder ($OUT, default ./bench-out), the staged vLLM on the GPU
+# machine (tests/gpu/env.sh) or else this tree's plugin on PYTHONPATH, and the environment every
+# run wants.
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+OUT=${OUT:-$ROOT/bench-out}
+mkdir -p "$OUT"
+if [ -d /root/site ] && [ -f tests/gpu/env.sh ]; then
+  # shellcheck disable=SC1091
+  source tests/gpu/env.sh
+else
+  export PYTHONPATH=$ROOT/vllm_plugin${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
