@@ -353,8 +353,9 @@ class GdnGraphRunner:
     # ------------------------------------------------------------------ one layer call
 
     def _eligible(self, layer, scope: str, like: torch.Tensor, ba_dim: int = 0):
-        """``(metadata, bucket, graph)`` when this step replays ``scope``'s graph of ``layer``, else ``None``
-        (the reason is counted; scope ``layer`` does not count the fallbacks its ``core`` call counts)."""
+        """``(forward context, metadata, bucket, graph)`` when this step replays ``scope``'s graph of ``layer``,
+        else ``None`` (the reason is counted; scope ``layer`` does not count the fallbacks its ``core`` call
+        counts). In inline mode the "graph" is the captured body."""
         from vllm.forward_context import get_forward_context
 
         step = get_forward_context()
@@ -371,8 +372,9 @@ class GdnGraphRunner:
             return None
         size = choose_bucket(md.num_actual_tokens, self.buckets)
         key = (layer.prefix, size, scope)
+        failed = "capture_failed" if scope == "core" else "capture_failed_layer"
         if key in self._broken:
-            self.stats.fallbacks[f"capture_failed_{scope}"] += 1
+            self.stats.fallbacks[failed] += 1
             return None
         bucket = self._bucket(size, layer, like)
         if scope == "layer":
@@ -386,7 +388,7 @@ class GdnGraphRunner:
         if graph is None:
             graph = self._capture(layer, bucket, key)
             if graph is None:
-                self.stats.fallbacks[f"capture_failed_{scope}"] += 1
+                self.stats.fallbacks[failed] += 1
                 return None
         return step, md, bucket, graph
 
