@@ -85,12 +85,13 @@
 #        fastest CPUs, to the eight slowest, and unpinned again.
 # PLAN=twentyfifth1 (one GPU): paired A/B (bench/paired.sh: three 9B servers side by side, clef-bench --versus):
 #        BF16 cache off vs on (short, long-4k) and BF16 vs online FP8 (short), at c=1.
-# PLAN=twentysixth1 (one GPU; not run yet): bench/step_graph_probe.py (which inputs of a single-sequence prefill
-#        step stay at fixed addresses; can one graph hold the whole backbone step, and what does a replay save), then
-#        the restored --prefill-graph-scope layer: its graphs against vLLM's path on
-#        the tiny checkpoint (fast_paths --scope layer), then paired at c=1 (bench/paired.sh, four 9B servers side by
-#        side): BF16 core vs layer (short, long-4k; short at c=16/64 in time blocks), FP8 core vs layer (short); then
-#        cache off vs on again (600 pairs).
+# PLAN=twentysixth1 (one GPU; not run yet; ~500 s): correctness first. bench/step_graph_probe.py (which inputs of a
+#        single-sequence step keep their addresses; the whole backbone in one graph, static and direct, against the
+#        normal path, timed), then the tiny checkpoint's graphs against vLLM's path with --prefill-graph-scope layer
+#        and with step (fast_paths --scope).
+# PLAN=twentyseventh1 (one GPU; not run yet; ~1,000 s; after twentysixth1 passed): paired (bench/paired.sh, 9B servers
+#        side by side): BF16 core vs step (short and long-4k at c=1, short at c=16/64 in time blocks) and FP8 core vs
+#        step (short), four servers; then BF16 core vs layer (short, long-4k), two servers.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -212,7 +213,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -276,7 +277,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1|twentyseventh1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -382,15 +383,21 @@ twentythird1_queue0)   # twelfth session, round 3 (~200 s, ~350 s with the profi
   touch "$S/all.done"
   log "all done"
   ;;
-twentysixth1_queue0)   # ~1,050 s: launch with `wait 520` in a 600 s call, then `wait 540` twice if needed
+twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
-  job paired_scope 0 720 env COMPARE="core:layer:short,long fp8core:fp8layer:short core:layer:short:16,64" PAIRS=300 TIME_LIMIT=20 \
-      GPU_SHARE=0.22 "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" "core=--load-format dummy" \
-      "layer=--load-format dummy --prefill-graph-scope layer" "fp8core=--load-format dummy --quantization fp8" \
-      "fp8layer=--load-format dummy --quantization fp8 --prefill-graph-scope layer"
-  job paired_cache 0 420 env COMPARE="off:on:short" PAIRS=600 TIME_LIMIT=40 PORT0=8910 \
-      bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --state-cache on"
+  job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentyseventh1_queue0)   # ~1,000 s: launch with `wait 520` in a 600 s call, then `wait 540`
+  job paired_step 0 720 env COMPARE="core:step:short,long core:step:short:16,64 fp8core:fp8step:short" \
+      PAIRS=300 TIME_LIMIT=20 GPU_SHARE=0.22 "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" \
+      "core=--load-format dummy" "step=--load-format dummy --prefill-graph-scope step" \
+      "fp8core=--load-format dummy --quantization fp8" "fp8step=--load-format dummy --quantization fp8 --prefill-graph-scope step"
+  job paired_layer 0 420 env COMPARE="core:layer:short,long" PAIRS=300 TIME_LIMIT=20 PORT0=8910 \
+      "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" "core=--load-format dummy" \
+      "layer=--load-format dummy --prefill-graph-scope layer"
   touch "$S/all.done"
   log "all done"
   ;;

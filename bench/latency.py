@@ -7,6 +7,7 @@ settings (``engine_kwargs``), one request at a time, in each MODE (one subproces
     graphs     prefill graphs and head graphs on (the default server), state cache off
     eagerhead  the same with the joint head run eagerly (``--head-graphs off``)
     layer      the same as graphs with ``--prefill-graph-scope layer`` (vLLM's packed GDN op in the graph)
+    step       the same as graphs with ``--prefill-graph-scope step`` (a whole single-sequence step in one graph)
     nographs   prefill and head graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode); also follow-ups
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-MODES = ("graphs", "eagerhead", "layer", "nographs", "capsonly", "cache", "cacheblock", "raw")
+MODES = ("graphs", "eagerhead", "layer", "step", "nographs", "capsonly", "cache", "cacheblock", "raw")
 CACHE_MODES = {"cache": "unit", "cacheblock": "block"}     # mode -> --state-cache-match
 LENGTHS = (100, 400, 1000, 4096)
 STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up requests (a 16k prompt with 400 new tokens)
@@ -65,7 +66,7 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
         cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
                            head_graphs=mode not in ("nographs", "eagerhead"),
-                           prefill_graph_scope="layer" if mode == "layer" else "core", **cache, **common)
+                           prefill_graph_scope=mode if mode in ("layer", "step") else "core", **cache, **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:

@@ -18,7 +18,8 @@ engine settings, one request at a time), before any of it is built:
    hidden states (max |diff|, exact or not) and the time each takes (host time to return, wall time
    to the result).
 
-   - ``static`` (the design to test; first): the graph reads static copies of the token ids,
+   - ``static`` (the design to test, ``clef_vllm.worker.step_graphs.StepGraph``, what
+     ``--prefill-graph-scope step`` runs; first): the graph reads static copies of the token ids,
      positions, FA3 metadata tensors and slot mappings, refreshed from each step before its replay;
      FA3's metadata is captured for the padded size (every padded row, the longest query, the
      model's longest sequence, no ahead-of-time schedule); the GDN state line and flag come from
@@ -44,7 +45,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 LENGTHS = (400, 410, 431, 400, 445, 392, 420, 400)     # one bucket (448), varied real lengths
 OTHER = (300, 310)                                      # another bucket (320)
@@ -124,138 +124,22 @@ def summarize_survey(steps: list[dict]) -> dict:
     return out
 
 
-class StepGraph:
-    """One captured backbone forward for one padded token count.
+def graph_classes():
+    """The design under test (:class:`clef_vllm.worker.step_graphs.StepGraph`, flavour ``static``) and the
+    naive capture (``direct``)."""
+    from clef_vllm.worker.step_graphs import StepGraph
 
-    ``direct``: the graph reads the tensors of the step it was captured in (token ids, positions,
-    attention metadata, slot mappings), as they are; only steps whose inputs keep their addresses
-    replay correctly. ``static`` (the design to test): it reads static copies, refreshed from the
-    step's own tensors before each replay. The FA3 metadata is captured for the bucket (every padded
-    row, the longest query, the model's longest sequence, no ahead-of-time schedule); the GDN layers
-    run their bucket bodies inline with their state line and flag from static per-group sources
-    (``GdnGraphRunner.inline_sources``); the padding mask is set outside the graph.
-    """
+    class DirectGraph(StepGraph):
+        """The step's own tensors, as captured: no static copies, nothing refreshed but the GDN mask."""
 
-    def __init__(self, flavour: str, runner, original, max_len: int):
-        self.flavour, self.runner, self.original, self.max_len = flavour, runner, original, max_len
-        self.graph = None
-        self.out = None
-        self.captured_at = None
-        self.capture_s = None
-        self.ids = self.pos = None
-        self.attn: dict[str, Any] = {}        # first layer of a FA3 group -> its static metadata
-        self.slots: dict[str, Any] = {}       # layer -> static slot mapping
-        self.gdn: dict[str, tuple] = {}       # first layer of a GDN group -> (static line, static flag)
+        def statics(self, ctx, input_ids, positions):
+            self.ids, self.pos = input_ids, positions
+            return ctx.attn_metadata, ctx.slot_mapping
 
-    @staticmethod
-    def _static_slots(t, rows: int):
-        """A static copy of a slot mapping, as long as the padded step (-1, no write, after the real rows)."""
-        import torch
-
-        if t.dim() == 1 and t.shape[0] < rows and not t.is_floating_point():
-            out = torch.full((rows,), -1, dtype=t.dtype, device=t.device)
-            out[:t.shape[0]].copy_(t)
-            return out
-        return t.clone()
-
-    @staticmethod
-    def _refresh(static, t) -> None:
-        if static.shape == t.shape:
-            static.copy_(t)
-        else:                                   # a shorter slot mapping: -1 for the padded rows
-            static.fill_(-1)
-            static[:t.shape[0]].copy_(t)
-
-    @staticmethod
-    def _groups(md_all: dict, kind: str) -> dict[str, Any]:
-        """First layer name -> metadata object, for the groups of one metadata kind."""
-        out, seen = {}, set()
-        for layer, md in md_all.items():
-            if type(md).__name__ == kind and id(md) not in seen:
-                seen.add(id(md))
-                out[layer] = md
-        return out
-
-    def _bucket(self, n: int):
-        from clef_vllm.worker.prefill_graphs import choose_bucket
-
-        return self.runner._buckets[choose_bucket(n, self.runner.buckets)]
-
-    def capture(self, ctx, input_ids, positions, n: int) -> None:
-        import dataclasses
-
-        import torch
-        from vllm.config import CUDAGraphMode
-
-        size = int(input_ids.shape[0])
-        saved = (ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode)
-        ids, pos = input_ids, positions
-        try:
-            if self.flavour == "static":
-                ids, pos = self.ids, self.pos = input_ids.clone(), positions.clone()
-                md_all = dict(ctx.attn_metadata)
-                layer_group = {}
-                for first, md in self._groups(md_all, "FlashAttentionMetadata").items():
-                    static = dataclasses.replace(
-                        md, num_actual_tokens=size, max_query_len=size, max_seq_len=self.max_len,
-                        query_start_loc=md.query_start_loc.clone(), seq_lens=md.seq_lens.clone(),
-                        block_table=md.block_table.clone(), slot_mapping=self._static_slots(md.slot_mapping, size),
-                        scheduler_metadata=None)
-                    self.attn[first] = static
-                    layer_group[id(md)] = static
-                md_all = {layer: layer_group.get(id(md), md) for layer, md in md_all.items()}
-                slots = {}
-                for layer, t in (ctx.slot_mapping or {}).items():
-                    slots[layer] = self.slots[layer] = self._static_slots(t, size)
-                for first, md in self._groups(md_all, "GDNAttentionMetadata").items():
-                    src = (md.prefill_state_indices[:1].clone(), md.prefill_has_initial_state[:1].clone())
-                    self.gdn[first] = src
-                    self.runner.inline_sources[id(md)] = src
-                ctx.attn_metadata, ctx.slot_mapping = md_all, slots
-            ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
-            self.runner.inline = True
+        def feed(self, ctx, input_ids, positions, n):
             self._bucket(n).set_length(n)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.original(ids, pos)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            t0 = time.perf_counter()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.out = self.original(ids, pos)
-            torch.cuda.synchronize()
-            self.graph, self.captured_at, self.capture_s = graph, n, round(time.perf_counter() - t0, 3)
-        finally:
-            ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode = saved
-            self.runner.inline = False
-            self.runner.inline_sources.clear()
-            self._forget()
 
-    def _forget(self) -> None:
-        """The buckets' Python-side caches no longer describe their buffers: make the next step set them."""
-        for bucket in self.runner._buckets.values():
-            bucket.length = None
-            bucket.fed = None
-
-    def replay(self, ctx, input_ids, positions, n: int):
-        if self.flavour == "static":
-            self.ids.copy_(input_ids)
-            self.pos.copy_(positions)
-            for first, static in self.attn.items():
-                md = ctx.attn_metadata[first]
-                for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
-                    self._refresh(getattr(static, field), getattr(md, field))
-            for layer, t in self.slots.items():
-                self._refresh(t, ctx.slot_mapping[layer])
-            for first, (line, init) in self.gdn.items():
-                md = ctx.attn_metadata[first]
-                line.copy_(md.prefill_state_indices[:1])
-                init.copy_(md.prefill_has_initial_state[:1])
-        self._bucket(n).set_length(n)
-        self.graph.replay()
-        self._forget()
-        return self.out
+    return {"static": StepGraph, "direct": DirectGraph}
 
 
 def main() -> int:
@@ -271,7 +155,7 @@ def main() -> int:
     import torch
     from latency import engine_settings        # bench/latency.py: the server's settings, mode "graphs"
     from vllm import LLM, TokensPrompt
-    from vllm.config import PoolerConfig
+    from vllm.config import CUDAGraphMode, PoolerConfig
     from vllm.forward_context import get_forward_context
 
     from clef_vllm import register
@@ -302,6 +186,7 @@ def main() -> int:
                    pooling_task="plugin", use_tqdm=False)
 
     state: dict = {"mode": "survey", "steps": [], "graphs": {}, "compare": [], "errors": []}
+    classes = graph_classes()
     max_len = kw.get("max_model_len", 16384)
 
     def install(worker):
@@ -330,9 +215,9 @@ def main() -> int:
             key = (state["mode"], size)
             entry = state["graphs"].get(key)
             if entry is None:
-                entry = state["graphs"][key] = StepGraph(state["mode"], runner, original, max_len)
+                entry = state["graphs"][key] = classes[state["mode"]](runner, max_len)
                 try:
-                    entry.capture(ctx, input_ids, positions, n)
+                    entry.capture(ctx, input_ids, positions, n, lambda i, p: original(i, p), None, CUDAGraphMode.NONE)
                 except Exception as exc:  # noqa: BLE001 - the probe reports it
                     state["errors"].append(f"{key} capture: {type(exc).__name__}: {exc}"[:800])
                     entry.graph = None

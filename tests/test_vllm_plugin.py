@@ -124,11 +124,12 @@ def test_the_plugins_graphs_need_the_backends_setting_and_a_cuda_device(monkeypa
     assert setting(config, PREFILL_GRAPHS_KEY, "prefill") == {"buckets": [64]}
     assert setting(SimpleNamespace(additional_config={}), PREFILL_GRAPHS_KEY, "prefill") is None
     # the runners that are on, by name: what the periodic log line and the trace's engine_done report
-    prefill, head = object(), object()
+    prefill, step, head = object(), object(), object()
     runners = ClefFlashForDecision.graph_runners
-    assert runners(SimpleNamespace(prefill_graphs=prefill, pooler=SimpleNamespace(head_graphs=head))) == {
-        "prefill": prefill, "head": head}
-    assert runners(SimpleNamespace(prefill_graphs=None, pooler=SimpleNamespace(head_graphs=head))) == {"head": head}
+    assert runners(SimpleNamespace(prefill_graphs=prefill, step_graphs=step, pooler=SimpleNamespace(head_graphs=head))) \
+        == {"prefill": prefill, "step": step, "head": head}
+    assert runners(SimpleNamespace(prefill_graphs=None, step_graphs=None,
+                                   pooler=SimpleNamespace(head_graphs=head))) == {"head": head}
 
 
 def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_release):

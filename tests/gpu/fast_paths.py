@@ -6,7 +6,8 @@
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
    off in both): per-option probabilities compared (how many bit-identical, max |dp|, top-answer
    flips), and the worker's graph counters (replays, fallbacks by reason). ``--scope layer``: the
-   prefill graphs hold vLLM's whole packed GDN op (``--prefill-graph-scope layer``).
+   prefill graphs hold vLLM's whole packed GDN op (``--prefill-graph-scope layer``); ``--scope step``:
+   single-sequence steps replay the whole backbone from one graph (``--prefill-graph-scope step``).
 2. **state cache** (graphs on): a hit on a whole state (B after A), a partial hit (D after C,
    which share the first 60 % of A's state and diverge), concurrent same-state requests (8 cold
    together, then 8 that hit), and eviction (a side pool of 4 blocks and a small KV cache while
@@ -152,7 +153,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
-    ap.add_argument("--scope", default="core", choices=("core", "layer"),
+    ap.add_argument("--scope", default="core", choices=("core", "layer", "step"),
                     help="part 1: the prefill graph scope compared with vLLM's path (--prefill-graph-scope)")
     args = ap.parse_args()
     if args.child:

@@ -218,10 +218,11 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
-    prefill_graph_scope: str = option("core", "what a prefill graph holds: 'core' (the GDN core) or 'layer' (also "
-                                      "vLLM's split of the projections and the gated norm: fewer host operations "
-                                      "per step; experimental, docs/latency.md)", flags=("--prefill-graph-scope",),
-                                      kind=str, choices=("core", "layer"))
+    prefill_graph_scope: str = option("core", "what a prefill graph holds: 'core' (the GDN core), 'layer' (also "
+                                      "vLLM's split of the projections and the gated norm) or 'step' (the core "
+                                      "graphs, and the whole backbone of a single-sequence step in one graph); "
+                                      "layer and step are experimental (docs/latency.md)",
+                                      flags=("--prefill-graph-scope",), kind=str, choices=("core", "layer", "step"))
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)

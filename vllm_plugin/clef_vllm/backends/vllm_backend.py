@@ -89,11 +89,15 @@ def warmup_lengths(kwargs: dict) -> list[int]:
     (:func:`engine_kwargs`): every prefill-graph bucket (each captures its graphs; the first prompt
     captures all head graphs), lengths that are
     and are not multiples of 16 (Triton specialises on that), and one longer than a step's token
-    budget (a chunked prefill)."""
+    budget (a chunked prefill). With step graphs (``--prefill-graph-scope step``) every bucket runs
+    three times: its GDN graphs are captured, then its step graph, then the step graph replays."""
     graphs = (kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
     budget = kwargs["max_num_batched_tokens"]
     wanted = {17, 64, 300, 1024, 4096, budget + 17, *graphs.get("buckets", ())}
-    return sorted({min(n, kwargs["max_model_len"]) for n in wanted})
+    lengths = sorted({min(n, kwargs["max_model_len"]) for n in wanted})
+    if graphs.get("scope") == "step":      # a bucket's second prompt captures its step graph, the third replays it
+        lengths = sorted(lengths + 2 * [b for b in graphs.get("buckets", ()) if b <= kwargs["max_model_len"]])
+    return lengths
 
 
 #: The state cache's warm-up round: a keyed state of this many tokens, then tails of WARMUP_TAIL tokens.

@@ -37,6 +37,7 @@ from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
+from clef_vllm.worker.step_graphs import StepGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
@@ -126,13 +127,14 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
+        self.step_graphs = self._step_graphs(vllm_config)
         self._steps = 0
         if trace.PATH is not None:          # engine_done events carry their counters
             trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
 
     def graph_runners(self) -> dict:
         """The prefill- and head-graph runners that are on, by name (their counters: ``describe()``)."""
-        runners = (("prefill", self.prefill_graphs), ("head", self.pooler.head_graphs))
+        runners = (("prefill", self.prefill_graphs), ("step", self.step_graphs), ("head", self.pooler.head_graphs))
         return {name: runner for name, runner in runners if runner is not None}
 
     def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
@@ -182,13 +184,26 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             return None
         buckets = setting.get("buckets") if isinstance(setting, dict) else None
         scope = setting.get("scope", "core") if isinstance(setting, dict) else "core"
-        runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS,
-                                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens, scope=scope)
+        runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                                scope="core" if scope == "step" else scope)   # step graphs run the core bodies
         count = runner.install(self.model)
         log.info("clef prefill graphs: %d GDN layers, single-sequence steps of up to %d tokens replay from CUDA "
                  "graphs (buckets %s, scope %s)", count, runner.buckets[-1] if runner.buckets else 0,
                  list(runner.buckets), scope)
         return runner
+
+    def _step_graphs(self, vllm_config: VllmConfig) -> StepGraphRunner | None:
+        """Whole-step graphs over the GDN runner (``--prefill-graph-scope step``, experimental)."""
+        setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
+        if self.prefill_graphs is None or not isinstance(setting, dict) or setting.get("scope") != "step":
+            return None
+        runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len)
+        log.info("clef step graphs: single-sequence prefill steps padded to %s tokens replay the whole backbone "
+                 "from one CUDA graph (experimental)", list(runner.sizes))
+        return runner
+
+    def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, None, None)
 
     # ------------------------------------------------------------------ vLLM model interface
 
@@ -202,6 +217,10 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if self._steps % GRAPH_REPORT_EVERY == 0:
             for name, runner in self.graph_runners().items():
                 log.info("clef %s graphs: %s", name, runner.describe())
+        if self.step_graphs is not None and intermediate_tensors is None and inputs_embeds is None:
+            out = self.step_graphs.run(self._backbone, input_ids, positions)
+            if out is not None:
+                return out
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):

@@ -305,6 +305,7 @@ class GdnGraphRunner:
         self._graphs: dict[tuple[str, int, str], torch.cuda.CUDAGraph] = {}
         self._broken: set[tuple[str, int, str]] = set()
         self._views: dict[str, SimpleNamespace] = {}
+        self.prefixes: list[str] = []              # every wrapped GDN layer
         self._bodies: dict[tuple[str, int, str], SimpleNamespace] = {}   # key -> .replay() runs the body
         self._pool = None
         self.min_tokens = 4
@@ -333,6 +334,7 @@ class GdnGraphRunner:
                     module._forward_core_fused_norm_packed = self._wrap_packed(
                         module, module._forward_core_fused_norm_packed)
                 module._clef_graphs = True
+                self.prefixes.append(module.prefix)
                 self.min_tokens = max(self.min_tokens, module.conv_kernel_size)
                 count += 1
         return count

@@ -1,0 +1,187 @@
+"""Whole-step graphs (clef_vllm.worker.step_graphs, ``--prefill-graph-scope step``): which steps may use
+one, the static inputs a replay reads and how each step refreshes them. The capture itself needs a GPU
+(bench/step_graph_probe.py compares replays with vLLM's path there)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
+from clef_vllm.worker.step_graphs import StepGraph, StepGraphRunner, groups, refresh, static_slots, step_reason
+from test_prefill_graphs import HV, DV, inputs, make_bucket, make_layer
+
+PIECEWISE, NONE = "PIECEWISE", "NONE"
+
+
+class GDNAttentionMetadata(SimpleNamespace):
+    """Stands in for vLLM's GDN metadata (matched by class name, like the real one)."""
+
+
+def fa(n, block=(5, 6)):
+    """vLLM 0.28's own FA3 metadata for one prefill of ``n`` tokens."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+
+    return FlashAttentionMetadata(num_actual_tokens=n, max_query_len=n, max_seq_len=n,
+                                  query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                                  seq_lens=torch.tensor([n], dtype=torch.int32),
+                                  block_table=torch.tensor([list(block) + [0] * 6], dtype=torch.int32),
+                                  slot_mapping=torch.arange(n, dtype=torch.int64), use_cascade=False,
+                                  common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+                                  suffix_kv_lens=None, scheduler_metadata=torch.zeros(3, dtype=torch.int32))
+
+
+def gdn(n, line=2, has_init=False):
+    return GDNAttentionMetadata(num_prefills=1, num_decodes=0, num_spec_decodes=0, spec_sequence_masks=None,
+                                num_prefill_tokens=n, num_actual_tokens=n,
+                                prefill_state_indices=torch.tensor([line], dtype=torch.int32),
+                                prefill_has_initial_state=torch.tensor([has_init]))
+
+
+def context(n, mode=PIECEWISE, **over):
+    a, g = fa(n), gdn(n)
+    md = {"layers.0.linear_attn": g, "layers.1.linear_attn": g, "layers.3.self_attn": a, "layers.7.self_attn": a}
+    md.update(over)
+    return SimpleNamespace(attn_metadata=md, cudagraph_runtime_mode=mode,
+                           slot_mapping={"layers.3.self_attn": a.slot_mapping, "layers.7.self_attn": a.slot_mapping})
+
+
+def test_steps_that_may_use_a_step_graph():
+    def reason(ctx, size=448):
+        return step_reason(ctx, DEFAULT_BUCKETS, 4, DEFAULT_BUCKETS, size, PIECEWISE)
+
+    assert reason(context(400)) is None
+    assert reason(context(400, mode=NONE)) == "not_piecewise"       # vLLM's profile, warm-up and capture runs
+    assert reason(context(400), size=200) == "size"                 # padded to a size that is no bucket
+    assert reason(context(200), size=256) is None
+    assert reason(context(300)) == "size"                           # 300 real rows fit a smaller bucket
+    batch = gdn(400)
+    batch.num_prefills = 2
+    assert reason(context(400, **{"layers.0.linear_attn": batch})) == "batch"
+    cascade = fa(400)
+    cascade.use_cascade = True
+    assert reason(context(400, **{"layers.3.self_attn": cascade})) == "cascade"
+    assert reason(context(400, **{"layers.5.mlp": SimpleNamespace()})) == "attention_backend"
+    assert reason(SimpleNamespace(attn_metadata=None, cudagraph_runtime_mode=PIECEWISE)) == "no_metadata"
+    ctx = context(400)
+    assert list(groups(ctx.attn_metadata, "GDNAttentionMetadata")) == ["layers.0.linear_attn"]   # one per group
+
+
+def test_static_slot_mappings_pad_with_no_write_rows():
+    s = static_slots(torch.arange(5), 8)
+    assert s.tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+    refresh(s, torch.arange(3) + 10)
+    assert s.tolist() == [10, 11, 12, -1, -1, -1, -1, -1]
+    same = static_slots(torch.arange(8), 8)
+    refresh(same, torch.arange(8) * 2)
+    assert same.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+def runner_with_bucket(size=16):
+    gdn_runner = GdnGraphRunner(buckets=(size,))
+    bucket = gdn_runner._buckets[size] = make_bucket(size)
+    return gdn_runner, bucket
+
+
+def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
+    """The capture runs on static copies (FA3 metadata for the padded size: every row, the model's longest
+    sequence, no ahead-of-time schedule); each replay first copies the step's ids, positions, FA3 tensors,
+    slot mappings and GDN state lines into them, and points the GDN mask at the real rows."""
+    gdn_runner, bucket = runner_with_bucket(16)
+    graph = StepGraph(gdn_runner, max_len=4096)
+    ctx = context(9)
+    ids, pos = torch.arange(12), torch.arange(12).expand(3, 12).clone()
+    md_all, slots = graph.statics(ctx, ids, pos)
+    static = md_all["layers.3.self_attn"]
+    assert static is md_all["layers.7.self_attn"] and static is not ctx.attn_metadata["layers.3.self_attn"]
+    assert (static.num_actual_tokens, static.max_query_len, static.max_seq_len) == (12, 12, 4096)
+    assert static.scheduler_metadata is None and static.slot_mapping.tolist() == list(range(9)) + [-1] * 3
+    assert slots["layers.3.self_attn"].tolist() == list(range(9)) + [-1] * 3
+    assert md_all["layers.0.linear_attn"] is ctx.attn_metadata["layers.0.linear_attn"]     # GDN: real metadata
+    line, flag = gdn_runner.inline_sources[id(ctx.attn_metadata["layers.0.linear_attn"])]
+    assert line.tolist() == [2] and flag.tolist() == [False]
+
+    later = context(11, **{"layers.0.linear_attn": gdn(11, line=1, has_init=True),
+                           "layers.1.linear_attn": gdn(11, line=1, has_init=True)})
+    later.attn_metadata["layers.3.self_attn"].block_table[0, :2] = torch.tensor([8, 9])
+    graph.feed(later, torch.arange(12) + 100, pos + 1, 11)
+    assert graph.ids.tolist() == list(range(100, 112)) and torch.equal(graph.pos, pos + 1)
+    assert static.query_start_loc.tolist() == [0, 11] and static.seq_lens.tolist() == [11]
+    assert static.block_table[0, :2].tolist() == [8, 9] and static.slot_mapping.tolist() == list(range(11)) + [-1]
+    assert line.tolist() == [1] and flag.tolist() == [True]
+    assert bucket.length == 11 and bucket.valid.tolist() == [1.0] * 11 + [0.0] * 5
+    graph.forget()
+    assert bucket.length is None and bucket.fed is None
+
+
+def test_the_runner_falls_back_until_every_gdn_layer_has_its_bucket_body(monkeypatch):
+    import vllm.forward_context
+
+    gdn_runner, bucket = runner_with_bucket(448)
+    gdn_runner.prefixes = ["layers.0.linear_attn", "layers.1.linear_attn"]
+    runner = StepGraphRunner(gdn_runner, max_len=4096)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ctx = context(400)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx)
+    from vllm.config import CUDAGraphMode
+
+    ctx.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+    ids, pos = torch.arange(448), torch.arange(448).expand(3, 448).clone()
+    assert runner.run(lambda i, p: None, ids, pos) is None
+    assert runner.stats.fallbacks == {"gdn_uncaptured": 1}          # this step's per-layer path captures them
+    assert runner.run(lambda i, p: None, None, pos) is None and runner.stats.fallbacks["embeds"] == 1
+    ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+    assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["not_piecewise"] == 1
+
+    class Replayed:                                 # a captured size: the step's statics are fed, then replayed
+        def replay(self, ctx, input_ids, positions, n):
+            self.seen = n
+            return torch.ones(3)
+
+    ctx.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+    runner._graphs[448] = Replayed()
+    assert torch.equal(runner.run(lambda i, p: None, ids, pos), torch.ones(3))
+    assert runner._graphs[448].seen == 400 and runner.stats.replays == 1
+    runner._broken.add(448)
+    del runner._graphs[448]
+    assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["capture_failed"] == 1
+    assert runner.describe()["replays"] == 1 and runner.describe()["sizes"] == list(gdn_runner.buckets)
+
+
+def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):
+    from clef_vllm.backends.options import OptionError
+    from clef_vllm.backends.vllm_backend import engine_kwargs, warmup_lengths
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+
+    kw = engine_kwargs(tiny_release, prefill_graph_scope="step", max_model_len=1000, max_num_batched_tokens=1000)
+    assert kw["additional_config"][PREFILL_GRAPHS_KEY]["scope"] == "step"
+    lengths = warmup_lengths(kw)
+    buckets = kw["additional_config"][PREFILL_GRAPHS_KEY]["buckets"]
+    assert all(lengths.count(b) == 3 for b in buckets)      # GDN graphs, then the step graph, then a replay
+    assert lengths == sorted(lengths)
+    with pytest.raises(OptionError, match="no effect with 'prefill_graphs' off"):
+        engine_kwargs(tiny_release, prefill_graphs=False, prefill_graph_scope="step")
+
+
+def test_inline_bodies_write_the_state_line_from_the_static_source():
+    """What a captured step runs for each GDN layer (CPU, no graph): the static source's state line, every
+    padded row copied, exact on the real rows (see also tests/test_prefill_graphs.py)."""
+    from support.gdn_reference import KERNELS
+    from clef_vllm.worker.prefill_graphs import single_sequence_core
+
+    gdn_runner, bucket = runner_with_bucket(16)
+    view = make_layer(False, seed=3)
+    gdn_runner.kernels = KERNELS
+    gdn_runner._views["l"] = view
+    gdn_runner._bodies[("l", 16, "core")] = SimpleNamespace(replay=lambda: single_sequence_core(view, bucket, KERNELS))
+    gdn_runner.inline = True
+    md = gdn(9, line=0)
+    gdn_runner.inline_sources[id(md)] = (torch.tensor([1], dtype=torch.int32), torch.tensor([False]))
+    bucket.set_length(9)
+    qkv, b, a = inputs(12, seed=8)
+    found = (None, md, bucket, gdn_runner._bodies[("l", 16, "core")])
+    out = torch.zeros(12, HV, DV)
+    gdn_runner._replay(found, (("qkv", qkv), ("b", b), ("a", a)), out)
+    assert view.ssm_state[1].abs().sum() > 0 and view.ssm_state[0].abs().sum() == 0

@@ -1,0 +1,271 @@
+"""One CUDA graph per padded size for the whole backbone of a single-sequence prefill step (experimental).
+
+Why: with the GDN and head graphs, one short decision's step is still host-bound: vLLM's piecewise
+graphs, the 8 attention layers and the glue between them are launched one by one, and the host's
+speed on the shared machines varies by ~1.9× from minute to minute (docs/latency.md). vLLM 0.28
+gives a pooling model no full CUDA graphs, so this one is the plugin's, like the GDN graphs.
+
+What (``--prefill-graph-scope step``): a step that prefills exactly one sequence, padded by vLLM to a
+size that is also a GDN bucket, replays a graph of ``model.forward`` captured for that size. The
+graph reads static copies of everything that changes from step to step, refreshed before each
+replay: the token ids and positions, the FA3 metadata tensors (query start, sequence length, block
+table, slot mapping) and the GDN state line and initial-state flag of each KV-cache group. FA3 is
+captured for the padded size (every padded row, the longest query, the model's longest sequence,
+no ahead-of-time schedule), so one graph serves any real length of that size; the GDN layers run
+their per-bucket bodies inline (``GdnGraphRunner.inline``) and the padding mask is set outside the
+graph. Anything else takes the per-layer path (``core``), and a size whose capture fails stays there.
+
+Not yet run on a GPU: ``bench/step_graph_probe.py`` tests this design (its ``static`` flavour uses
+:class:`StepGraph`) before any default changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from clef_vllm.worker.prefill_graphs import GdnGraphRunner, GraphStats, choose_bucket, fallback_reason
+
+log = logging.getLogger("clef_vllm")
+
+FA_METADATA = "FlashAttentionMetadata"
+GDN_METADATA = "GDNAttentionMetadata"
+#: the FA3 metadata tensors refreshed before each replay
+FA_TENSORS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+
+
+def groups(md_all: dict, kind: str) -> dict[str, Any]:
+    """First layer name -> metadata object, for the KV-cache groups of one metadata class (vLLM gives
+    every layer of a group the same object)."""
+    out, seen = {}, set()
+    for layer, md in md_all.items():
+        if type(md).__name__ == kind and id(md) not in seen:
+            seen.add(id(md))
+            out[layer] = md
+    return out
+
+
+def attention_reason(md) -> str | None:
+    """Why an FA3 metadata object cannot be captured for a padded size (``None``: it can)."""
+    if getattr(md, "use_cascade", False):
+        return "cascade"
+    if getattr(md, "dcp_context_kv_lens", None) is not None or getattr(md, "mm_prefix_query_range_tensor", None) is not None:
+        return "attention_features"
+    if getattr(md, "causal", True) is not True:
+        return "not_causal"
+    return None
+
+
+def step_reason(ctx, gdn_buckets: Sequence[int], min_tokens: int, sizes: Sequence[int], size: int,
+                piecewise) -> str | None:
+    """Why the step in forward context ``ctx``, padded to ``size`` tokens, cannot use a step graph
+    (``None``: it can). ``piecewise``: vLLM's PIECEWISE runtime mode (steps in any other mode are
+    vLLM's own profile, warm-up and capture runs, or sizes it does not pad)."""
+    if ctx.cudagraph_runtime_mode != piecewise:
+        return "not_piecewise"
+    md_all = ctx.attn_metadata
+    if not isinstance(md_all, dict) or not md_all:
+        return "no_metadata"
+    if size not in sizes:
+        return "size"
+    kinds = {type(md).__name__ for md in md_all.values()}
+    if kinds - {FA_METADATA, GDN_METADATA}:
+        return "attention_backend"
+    gdn = groups(md_all, GDN_METADATA)
+    if not gdn:
+        return "no_gdn"
+    for md in gdn.values():
+        reason = fallback_reason(md, gdn_buckets, min_tokens)
+        if reason is not None:
+            return reason
+    n = next(iter(gdn.values())).num_actual_tokens
+    if choose_bucket(n, gdn_buckets) is None or choose_bucket(n, gdn_buckets) < size:
+        return "size"
+    for md in groups(md_all, FA_METADATA).values():
+        reason = attention_reason(md)
+        if reason is not None:
+            return reason
+    return None
+
+
+def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
+    """Copy a step's tensor into its static buffer; a shorter 1-D slot mapping leaves -1 (no KV write)
+    in the padded rows after it."""
+    if static.shape == given.shape:
+        static.copy_(given)
+    else:
+        static.fill_(-1)
+        static[:given.shape[0]].copy_(given)
+
+
+def static_slots(given: torch.Tensor, rows: int) -> torch.Tensor:
+    """A static copy of a slot mapping, as long as the padded step (-1 after the real rows)."""
+    if given.dim() == 1 and given.shape[0] < rows:
+        out = torch.full((rows,), -1, dtype=given.dtype, device=given.device)
+        out[:given.shape[0]].copy_(given)
+        return out
+    return given.clone()
+
+
+class StepGraph:
+    """The backbone's forward for one padded size, captured on static inputs (see the module docstring)."""
+
+    def __init__(self, gdn: GdnGraphRunner, max_len: int):
+        self.gdn, self.max_len = gdn, max_len
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.captured_at: int | None = None
+        self.capture_s: float | None = None
+        self.ids: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+        self.attn: dict[str, Any] = {}               # first layer of an FA3 group -> its static metadata
+        self.slots: dict[str, torch.Tensor] = {}     # layer -> its static slot mapping (the forward context's)
+        self.lines: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # first GDN layer -> (line, flag)
+
+    def _bucket(self, n: int):
+        return self.gdn._buckets[choose_bucket(n, self.gdn.buckets)]
+
+    def statics(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[dict, dict]:
+        """Make the static inputs from this step's; returns the attention metadata and slot mappings the
+        capture runs with."""
+        size = int(input_ids.shape[0])
+        self.ids, self.pos = input_ids.clone(), positions.clone()
+        md_all = dict(ctx.attn_metadata)
+        by_object = {}
+        for first, md in groups(md_all, FA_METADATA).items():
+            static = dataclasses.replace(
+                md, num_actual_tokens=size, max_query_len=size, max_seq_len=self.max_len,
+                query_start_loc=md.query_start_loc.clone(), seq_lens=md.seq_lens.clone(),
+                block_table=md.block_table.clone(), slot_mapping=static_slots(md.slot_mapping, size),
+                scheduler_metadata=None)
+            self.attn[first] = by_object[id(md)] = static
+        md_all = {layer: by_object.get(id(md), md) for layer, md in md_all.items()}
+        slots = {layer: static_slots(t, size) for layer, t in (ctx.slot_mapping or {}).items()}
+        self.slots = dict(slots)
+        self.gdn.inline_sources.clear()
+        for first, md in groups(md_all, GDN_METADATA).items():
+            source = (md.prefill_state_indices[:1].clone(), md.prefill_has_initial_state[:1].clone())
+            self.lines[first] = self.gdn.inline_sources[id(md)] = source
+        return md_all, slots
+
+    def capture(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int,
+                forward: Callable[..., torch.Tensor], pool, none_mode) -> None:
+        """Capture ``forward(ids, positions)`` on static copies of this step's inputs. ``none_mode``:
+        vLLM's NONE runtime mode (its piecewise wrappers then run their code, which is captured here)."""
+        saved = (ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode)
+        try:
+            ctx.attn_metadata, ctx.slot_mapping = self.statics(ctx, input_ids, positions)
+            ctx.cudagraph_runtime_mode = none_mode
+            self.gdn.inline = True
+            self._bucket(n).set_length(n)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward(self.ids, self.pos)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            t0 = time.perf_counter()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.out = forward(self.ids, self.pos)
+            self.graph, self.captured_at, self.capture_s = graph, n, round(time.perf_counter() - t0, 3)
+        finally:
+            ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode = saved
+            self.gdn.inline = False
+            self.gdn.inline_sources.clear()
+            self.forget()
+
+    def feed(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int) -> None:
+        """Refresh the static inputs from this step and point the GDN bucket's mask at ``n`` real rows."""
+        self.ids.copy_(input_ids)
+        self.pos.copy_(positions)
+        for first, static in self.attn.items():
+            md = ctx.attn_metadata[first]
+            for name in FA_TENSORS:
+                refresh(getattr(static, name), getattr(md, name))
+        for layer, static in self.slots.items():
+            refresh(static, ctx.slot_mapping[layer])
+        for first, (line, flag) in self.lines.items():
+            md = ctx.attn_metadata[first]
+            line.copy_(md.prefill_state_indices[:1])
+            flag.copy_(md.prefill_has_initial_state[:1])
+        self._bucket(n).set_length(n)
+
+    def replay(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        self.feed(ctx, input_ids, positions, n)
+        self.graph.replay()
+        self.forget()
+        return self.out
+
+    def forget(self) -> None:
+        """The GDN buckets' Python-side caches no longer describe their buffers (a capture or replay
+        rewrote the state lines): make the next per-layer step set them again."""
+        for bucket in self.gdn._buckets.values():
+            bucket.length = None
+            bucket.fed = None
+
+
+class StepGraphRunner:
+    """Captures and replays :class:`StepGraph` per padded size; wraps nothing, the model's ``forward``
+    calls :meth:`run` first."""
+
+    def __init__(self, gdn: GdnGraphRunner, max_len: int, sizes: Sequence[int] | None = None):
+        self.gdn = gdn
+        self.max_len = max_len
+        self.sizes = tuple(sorted(set(sizes if sizes is not None else gdn.buckets)))
+        self.stats = GraphStats()
+        self._graphs: dict[int, StepGraph] = {}
+        self._broken: set[int] = set()
+        self._pool = None
+
+    def run(self, forward: Callable[..., torch.Tensor], input_ids: torch.Tensor | None,
+            positions: torch.Tensor) -> torch.Tensor | None:
+        """The step's hidden states from a step graph, or ``None``: the caller runs ``forward`` itself
+        (this step is not eligible, or its graph was captured in it)."""
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context
+
+        if input_ids is None:
+            return self._fallback("embeds")
+        ctx = get_forward_context()
+        size = int(input_ids.shape[0])
+        reason = step_reason(ctx, self.gdn.buckets, self.gdn.min_tokens, self.sizes, size, CUDAGraphMode.PIECEWISE)
+        if reason is None and torch.cuda.is_current_stream_capturing():
+            reason = "capturing"
+        if reason is not None:
+            return self._fallback(reason)
+        if size in self._broken:
+            return self._fallback("capture_failed")
+        n = next(iter(groups(ctx.attn_metadata, GDN_METADATA).values())).num_actual_tokens
+        graph = self._graphs.get(size)
+        if graph is None:
+            bucket = choose_bucket(n, self.gdn.buckets)
+            if not self.gdn.prefixes or any((p, bucket, "core") not in self.gdn._bodies for p in self.gdn.prefixes):
+                return self._fallback("gdn_uncaptured")      # this step's per-layer path captures them
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = StepGraph(self.gdn, self.max_len)
+            try:
+                graph.capture(ctx, input_ids, positions, n, forward, self._pool, CUDAGraphMode.NONE)
+            except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
+                self._broken.add(size)
+                log.warning("clef step graphs: capture at %d tokens failed (%s: %s); that size uses the per-layer "
+                            "graphs", size, type(exc).__name__, exc)
+                return self._fallback("capture_failed")
+            self._graphs[size] = graph
+            self.stats.captures += 1
+            return None                                       # the capture's own outputs are not this step's
+        out = graph.replay(ctx, input_ids, positions, n)
+        self.stats.replays += 1
+        return out
+
+    def _fallback(self, reason: str) -> None:
+        self.stats.fallbacks[reason] += 1
+        return None
+
+    def describe(self) -> dict:
+        return {"sizes": list(self.sizes), "graphs": len(self._graphs), "replays": self.stats.replays,
+                "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
