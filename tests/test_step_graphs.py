@@ -102,6 +102,11 @@ def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
     assert md_all["layers.0.linear_attn"] is ctx.attn_metadata["layers.0.linear_attn"]     # GDN: real metadata
     line, flag = gdn_runner.inline_sources[id(ctx.attn_metadata["layers.0.linear_attn"])]
     assert line.tolist() == [2] and flag.tolist() == [False]
+    # the capture itself writes no state: no KV slot, the GDN scratch line, no initial state
+    flag.fill_(True)
+    graph.write_nothing()
+    assert static.slot_mapping.tolist() == [-1] * 12 and slots["layers.3.self_attn"].tolist() == [-1] * 12
+    assert line.tolist() == [0] and flag.tolist() == [False]
 
     later = context(11, **{"layers.0.linear_attn": gdn(11, line=1, has_init=True),
                            "layers.1.linear_attn": gdn(11, line=1, has_init=True)})

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from clef_vllm.worker.prefill_graphs import GdnGraphRunner, GraphStats, choose_bucket, fallback_reason
+from clef_vllm.worker.prefill_graphs import SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason
 
 log = logging.getLogger("clef_vllm")
 
@@ -152,13 +152,27 @@ class StepGraph:
             self.lines[first] = self.gdn.inline_sources[id(md)] = source
         return md_all, slots
 
+    def write_nothing(self) -> None:
+        """Point the static inputs at no state: no KV writes (slot -1) and the GDN scratch line without an
+        initial state. The capture runs the forward twice; with the step's own state line, a sequence
+        that continues from a state (a later chunk, a cache hit) would advance that state twice."""
+        for static in self.attn.values():
+            static.slot_mapping.fill_(-1)
+        for static in self.slots.values():
+            static.fill_(-1)
+        for line, flag in self.lines.values():
+            line.fill_(SCRATCH_LINE)
+            flag.fill_(False)
+
     def capture(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int,
                 forward: Callable[..., torch.Tensor], pool, none_mode) -> None:
-        """Capture ``forward(ids, positions)`` on static copies of this step's inputs. ``none_mode``:
-        vLLM's NONE runtime mode (its piecewise wrappers then run their code, which is captured here)."""
+        """Capture ``forward(ids, positions)`` on static copies of this step's inputs (writing no state:
+        :meth:`write_nothing`). ``none_mode``: vLLM's NONE runtime mode (its piecewise wrappers then run
+        their code, which is captured here)."""
         saved = (ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode)
         try:
             ctx.attn_metadata, ctx.slot_mapping = self.statics(ctx, input_ids, positions)
+            self.write_nothing()
             ctx.cudagraph_runtime_mode = none_mode
             self.gdn.inline = True
             self._bucket(n).set_length(n)
