@@ -77,6 +77,10 @@ def test_static_slot_mappings_pad_with_no_write_rows():
     same = static_slots(torch.arange(8), 8)
     refresh(same, torch.arange(8) * 2)
     assert same.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    with pytest.raises(ValueError, match="does not fit"):        # only a shorter slot mapping is padded
+        refresh(torch.zeros(1, 12), torch.zeros(1, 13))
+    with pytest.raises(ValueError, match="does not fit"):
+        refresh(s, torch.arange(9))
 
 
 def runner_with_bucket(size=16):
@@ -140,18 +144,29 @@ def test_the_runner_falls_back_until_every_gdn_layer_has_its_bucket_body(monkeyp
     ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
     assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["not_piecewise"] == 1
 
-    class Replayed:                                 # a captured size: the step's statics are fed, then replayed
-        def replay(self, ctx, input_ids, positions, n):
+    class Captured:                                 # a captured size: the step's statics are fed, then replayed
+        out = torch.ones(3)
+
+        def __init__(self, fits=True):
+            self.fits, self.seen = fits, None
+            self.graph = SimpleNamespace(replay=lambda: setattr(self, "replayed", True))
+
+        def feed(self, ctx, input_ids, positions, n):
+            if not self.fits:
+                raise ValueError("a step input of shape (1, 13) does not fit its static (1, 12)")
             self.seen = n
-            return torch.ones(3)
+
+        def forget(self):
+            pass
 
     ctx.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
-    runner._graphs[448] = Replayed()
+    runner._graphs[448] = graph = Captured()
     assert torch.equal(runner.run(lambda i, p: None, ids, pos), torch.ones(3))
-    assert runner._graphs[448].seen == 400 and runner.stats.replays == 1
-    runner._broken.add(448)
-    del runner._graphs[448]
-    assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["capture_failed"] == 1
+    assert graph.seen == 400 and graph.replayed and runner.stats.replays == 1
+    runner._graphs[448] = Captured(fits=False)      # an input the capture did not foresee: that size falls back
+    assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["inputs_changed"] == 1
+    assert 448 not in runner._graphs and runner._broken == {448: "inputs_changed"}
+    assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["inputs_changed"] == 2
     assert runner.describe()["replays"] == 1 and runner.describe()["sizes"] == list(gdn_runner.buckets)
 
 

@@ -97,9 +97,11 @@ def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
     in the padded rows after it."""
     if static.shape == given.shape:
         static.copy_(given)
-    else:
+    elif static.dim() == given.dim() == 1 and given.shape[0] <= static.shape[0]:
         static.fill_(-1)
         static[:given.shape[0]].copy_(given)
+    else:
+        raise ValueError(f"a step input of shape {tuple(given.shape)} does not fit its static {tuple(static.shape)}")
 
 
 def static_slots(given: torch.Tensor, rows: int) -> torch.Tensor:
@@ -232,7 +234,7 @@ class StepGraphRunner:
         self.sizes = tuple(sorted(set(sizes if sizes is not None else gdn.buckets)))
         self.stats = GraphStats()
         self._graphs: dict[int, StepGraph] = {}
-        self._broken: set[int] = set()
+        self._broken: dict[int, str] = {}          # size -> why it keeps the per-layer graphs
         self._pool = None
 
     def run(self, forward: Callable[..., torch.Tensor], input_ids: torch.Tensor | None,
@@ -252,7 +254,7 @@ class StepGraphRunner:
         if reason is not None:
             return self._fallback(reason)
         if size in self._broken:
-            return self._fallback("capture_failed")
+            return self._fallback(self._broken[size])
         n = next(iter(groups(ctx.attn_metadata, GDN_METADATA).values())).num_actual_tokens
         graph = self._graphs.get(size)
         if graph is None:
@@ -265,16 +267,26 @@ class StepGraphRunner:
             try:
                 graph.capture(ctx, input_ids, positions, n, forward, self._pool, CUDAGraphMode.NONE)
             except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
-                self._broken.add(size)
+                self._broken[size] = "capture_failed"
                 log.warning("clef step graphs: capture at %d tokens failed (%s: %s); that size uses the per-layer "
                             "graphs", size, type(exc).__name__, exc)
                 return self._fallback("capture_failed")
             self._graphs[size] = graph
             self.stats.captures += 1
             return None                                       # the capture's own outputs are not this step's
-        out = graph.replay(ctx, input_ids, positions, n)
+        try:
+            graph.feed(ctx, input_ids, positions, n)
+        except (ValueError, RuntimeError, KeyError) as exc:   # an input the capture did not foresee
+            self._broken[size] = "inputs_changed"
+            del self._graphs[size]
+            log.warning("clef step graphs: a step at %d tokens does not fit its graph (%s: %s); that size uses the "
+                        "per-layer graphs", size, type(exc).__name__, exc)
+            graph.forget()
+            return self._fallback("inputs_changed")
+        graph.graph.replay()
+        graph.forget()
         self.stats.replays += 1
-        return out
+        return graph.out
 
     def _fallback(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
