@@ -96,8 +96,9 @@ def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
     gdn_runner, bucket = runner_with_bucket(16)
     graph = StepGraph(gdn_runner, max_len=4096)
     ctx = context(9)
-    ids, pos = torch.arange(12), torch.arange(12).expand(3, 12).clone()
+    ids, pos = torch.arange(12), torch.arange(40).expand(3, 40).clone()[:, :12]   # positions: a view of a longer buffer
     md_all, slots = graph.statics(ctx, ids, pos)
+    assert graph.pos.stride() == pos.stride() == (40, 1) and torch.equal(graph.pos, pos)
     static = md_all["layers.3.self_attn"]
     assert static is md_all["layers.7.self_attn"] and static is not ctx.attn_metadata["layers.3.self_attn"]
     assert (static.num_actual_tokens, static.max_query_len, static.max_seq_len) == (12, 12, 4096)

@@ -104,6 +104,13 @@ def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
         raise ValueError(f"a step input of shape {tuple(given.shape)} does not fit its static {tuple(static.shape)}")
 
 
+def same_strides(given: torch.Tensor) -> torch.Tensor:
+    """A copy of ``given`` with the same sizes and strides (``clone`` would make a strided view contiguous)."""
+    out = torch.empty_strided(given.size(), given.stride(), dtype=given.dtype, device=given.device)
+    out.copy_(given)
+    return out
+
+
 def static_slots(given: torch.Tensor, rows: int) -> torch.Tensor:
     """A static copy of a slot mapping, as long as the padded step (-1 after the real rows)."""
     if given.dim() == 1 and given.shape[0] < rows:
@@ -135,7 +142,9 @@ class StepGraph:
         """Make the static inputs from this step's; returns the attention metadata and slot mappings the
         capture runs with."""
         size = int(input_ids.shape[0])
-        self.ids, self.pos = input_ids.clone(), positions.clone()
+        # the compiled backbone was traced on the runner's own buffers: keep their strides (M-RoPE
+        # positions are a [3, N] view of a longer buffer), not just their values
+        self.ids, self.pos = same_strides(input_ids), same_strides(positions)
         md_all = dict(ctx.attn_metadata)
         by_object = {}
         for first, md in groups(md_all, FA_METADATA).items():
