@@ -149,13 +149,16 @@ def test_the_runner_falls_back_until_every_gdn_layer_has_its_bucket_body(monkeyp
         out = torch.ones(3)
 
         def __init__(self, fits=True):
-            self.fits, self.seen = fits, None
-            self.graph = SimpleNamespace(replay=lambda: setattr(self, "replayed", True))
+            self.fits, self.seen, self.replayed = fits, None, False
 
         def feed(self, ctx, input_ids, positions, n):
             if not self.fits:
                 raise ValueError("a step input of shape (1, 13) does not fit its static (1, 12)")
             self.seen = n
+
+        def launch(self):
+            self.replayed = True
+            return self.out
 
         def forget(self):
             pass

@@ -133,7 +133,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
 
     def graph_runners(self) -> dict:
-        """The prefill- and head-graph runners that are on, by name (their counters: ``describe()``)."""
+        """The graph runners that are on (prefill, step, head), by name (their counters: ``describe()``)."""
         runners = (("prefill", self.prefill_graphs), ("step", self.step_graphs), ("head", self.pooler.head_graphs))
         return {name: runner for name, runner in runners if runner is not None}
 

@@ -402,28 +402,24 @@ class GdnGraphRunner:
         they are copied when the step (vLLM's forward context, new for every forward) or the group's
         metadata changes, not for each of the 24 layers."""
         step, md, bucket, graph = found
-        if self.inline:
+        source = None                              # (state line, flag) to copy into the bucket, if any
+        if self.inline:         # inside a step graph: every padded row, the caller's mask, the static sources
             rows = inputs[0][1].shape[0]
-            line, init = self.inline_sources.get(id(md), (md.prefill_state_indices[:1], md.prefill_has_initial_state[:1]))
-            bucket.lines.copy_(line)
-            bucket.has_init.copy_(init)
+            source = self.inline_sources.get(id(md), (md.prefill_state_indices[:1], md.prefill_has_initial_state[:1]))
             bucket.fed = None
-            for name, given in inputs:
-                getattr(bucket, name)[:rows].copy_(given[:rows])
-            graph.replay()
-            core_attn_out[:rows].copy_(bucket.out[:rows])
-            self.stats.replays += 1
-            return
-        n = md.num_actual_tokens
-        bucket.set_length(n)
-        if bucket.fed is None or bucket.fed[0] is not step or bucket.fed[1] is not md:
-            bucket.lines.copy_(md.prefill_state_indices[:1])
-            bucket.has_init.copy_(md.prefill_has_initial_state[:1])
-            bucket.fed = (step, md)
+        else:
+            rows = md.num_actual_tokens
+            bucket.set_length(rows)
+            if bucket.fed is None or bucket.fed[0] is not step or bucket.fed[1] is not md:
+                source = (md.prefill_state_indices[:1], md.prefill_has_initial_state[:1])
+                bucket.fed = (step, md)
+        if source is not None:
+            bucket.lines.copy_(source[0])
+            bucket.has_init.copy_(source[1])
         for name, given in inputs:
-            getattr(bucket, name)[:n].copy_(given[:n])
+            getattr(bucket, name)[:rows].copy_(given[:rows])
         graph.replay()
-        core_attn_out[:n].copy_(bucket.out[:n])
+        core_attn_out[:rows].copy_(bucket.out[:rows])
         self.stats.replays += 1
 
     def run(self, layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

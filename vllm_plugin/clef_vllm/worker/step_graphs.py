@@ -221,6 +221,10 @@ class StepGraph:
 
     def replay(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         self.feed(ctx, input_ids, positions, n)
+        return self.launch()
+
+    def launch(self) -> torch.Tensor:
+        """Replay on the static inputs as :meth:`feed` left them; the backbone's hidden states."""
         self.graph.replay()
         self.forget()
         return self.out
@@ -292,10 +296,8 @@ class StepGraphRunner:
                         "per-layer graphs", size, type(exc).__name__, exc)
             graph.forget()
             return self._fallback("inputs_changed")
-        graph.graph.replay()
-        graph.forget()
         self.stats.replays += 1
-        return graph.out
+        return graph.launch()
 
     def _fallback(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
