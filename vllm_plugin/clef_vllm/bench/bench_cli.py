@@ -349,18 +349,25 @@ def _compare(args) -> int:
     return 0 if rows else 1
 
 
+def _wait_until_ready(urls, seconds: float, headers: dict, log: Callable[[str], None]) -> None:
+    """``--wait-ready S``: wait for each server's /health (none when S is 0); a server that is not ready ends
+    the run with the reason."""
+    if seconds <= 0:
+        return
+    for url in urls:
+        try:
+            log(f"waiting for {url}: {wait_ready(url, seconds, headers)}")
+        except TimeoutError as exc:
+            raise SystemExit(f"clef-bench: {exc}") from None
+
+
 def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callable[[str], None]) -> int:
     """``--versus``: the same requests on two servers, interleaved (clef_vllm.bench.paired)."""
     from tqdm import tqdm
 
     from clef_vllm.bench.paired import blocks_summary, paired_table, run_blocks, run_pairs, summarize_variant
 
-    if args.wait_ready > 0:
-        for url in (args.url, args.versus):
-            try:
-                log(f"waiting for {url}: {wait_ready(url, args.wait_ready, headers)}")
-            except TimeoutError as exc:
-                raise SystemExit(f"clef-bench: {exc}") from None
+    _wait_until_ready((args.url, args.versus), args.wait_ready, headers, log)
     if args.blocks < 2 or args.block_seconds <= 0:
         build_parser().error("--versus needs --blocks >= 2 and --block-seconds > 0 (blocks are compared in pairs)")
     if args.concurrency == DEFAULT_CONCURRENCY:
@@ -521,11 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm}
         points = asyncio.run(go())
     else:
-        if args.wait_ready > 0:
-            try:
-                log(f"waiting for {args.url}: {wait_ready(args.url, args.wait_ready, headers)}")
-            except TimeoutError as exc:
-                raise SystemExit(f"clef-bench: {exc}") from None
+        _wait_until_ready((args.url,), args.wait_ready, headers, log)
         results["target"] = {"kind": "http", "url": systemone_url(args.url)}
         results["server"] = server_info(args.url, headers)
         points = asyncio.run(run_plan(plan, http_session_factory(args.url, args.timeout, headers),

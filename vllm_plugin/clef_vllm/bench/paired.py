@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 from .loadgen import Outcome, closed_loop, percentile, stage_medians
@@ -111,9 +112,7 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
         done = [o for o in outcomes if o is not None]
         cursor += len(done)
         ok = [o.latency_s for o in done if o.ok]
-        statuses: dict[str, int] = {}
-        for o in done:
-            statuses[o.status] = statuses.get(o.status, 0) + 1
+        statuses = dict(Counter(o.status for o in done))
         out.append({"side": "ab"[side], "sent": len(done), "ok": len(ok), "wall_s": round(wall, 4),
                     "req_per_s": round(len(ok) / max(wall, 1e-9), 4),
                     "p50_ms": None if not ok else round(percentile(ok, 50) * 1000, 3), "statuses": statuses})
@@ -149,10 +148,7 @@ def summarize_variant(name: str, a: Sequence[Outcome], b: Sequence[Outcome], blo
         return [o.latency_s if o.ok else None for o in outs]
 
     def side(outs):
-        statuses: dict[str, int] = {}
-        for o in outs:
-            statuses[o.status] = statuses.get(o.status, 0) + 1
-        return {"statuses": statuses,
+        return {"statuses": dict(Counter(o.status for o in outs)),
                 "server_stages_p50_ms": stage_medians([o.server_stages for o in outs if o.ok and o.server_stages])}
 
     la, lb = lat(a), lat(b)
