@@ -138,7 +138,7 @@ if has_phase server || has_phase parity; then
   ready=0
   for ((i = 0; i < READY_TIMEOUT; i++)); do
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "server exited during start-up:"; tail -30 "$OUT/server.log" >&2; break; fi
-    if "$PY" -c "import sys, urllib.request as u; sys.exit(0 if u.urlopen('$URL/health', timeout=2).status == 200 else 1)" 2>/dev/null; then
+    if healthy "$URL"; then
       ready=1; break
     fi
     sleep 1

@@ -51,7 +51,7 @@ for spec in "$@"; do
   set +m
   URL[$name]="http://127.0.0.1:$port"
   t0=$SECONDS
-  until python3 -c "import sys, urllib.request as u; sys.exit(0 if u.urlopen('${URL[$name]}/health', timeout=2).status == 200 else 1)" 2>/dev/null; do
+  until healthy "${URL[$name]}"; do
     if ! kill -0 "${PGIDS[-1]}" 2>/dev/null || (( SECONDS - t0 > 400 )); then
       log "server $name did not start:"; tail -20 "$OUT/server_$name.log" >&2; exit 1
     fi

@@ -47,8 +47,7 @@ for ((i = 1; i <= STARTS; i++)); do
   pgid=$!
   set +m
   for ((t = 0; t < 300; t++)); do
-    python3 -c "import sys, urllib.request as u; sys.exit(0 if u.urlopen('$URL/health', timeout=2).status == 200 else 1)" \
-        2>/dev/null && break
+    healthy "$URL" && break
     sleep 1
   done
   log "start $i ready after ${t}s (pids $(pgrep -g "$pgid" | tr '\n' ' '))"

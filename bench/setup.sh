@@ -1,7 +1,7 @@
 # Sourced by the bench scripts (gpu_bench.sh, paired.sh, placement.sh): the repository root as the
 # working folder (ROOT), the output folder ($OUT, default ./bench-out), the staged vLLM on the GPU
 # machine (tests/gpu/env.sh) or else this tree's plugin on PYTHONPATH, and the environment every
-# run wants.
+# run wants; and `healthy URL`, the one readiness check (/health answers 200).
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT=${OUT:-$ROOT/bench-out}
@@ -13,3 +13,8 @@ else
   export PYTHONPATH=$ROOT/vllm_plugin${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+
+healthy() {  # healthy BASE_URL: its /health answers 200 within 2 s
+  "${PY:-python3}" -c "import sys, urllib.request as u; sys.exit(0 if u.urlopen('$1/health', timeout=2).status == 200 else 1)" \
+      2>/dev/null
+}
