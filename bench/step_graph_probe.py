@@ -2,9 +2,9 @@
 
 The step's host work is what bounds one short decision (docs/latency.md), and the host's speed is a
 lottery on the shared machines. A graph per bucket for the whole backbone would leave one launch per
-step. vLLM 0.28 gives a pooling model no full graphs, so the plugin would own it, like the GDN graphs.
+step. vLLM 0.28 gives a pooling model no full graphs, so the plugin owns it (``--prefill-graph-scope step``).
 This probe answers the questions that decide the design, in process (``vllm.LLM``, the server's
-engine settings, one request at a time), before any of it is built:
+engine settings, one request at a time), before that option is trusted:
 
 1. **survey**: for several single-sequence prefill steps padded to the same token count, the address
    of every tensor the backbone reads from outside the model (token ids, positions, each layer
