@@ -92,6 +92,9 @@
 # PLAN=twentyseventh1 (one GPU; not run yet; ~1,000 s; after twentysixth1 passed): paired (bench/paired.sh, 9B servers
 #        side by side): BF16 core vs step (short and long-4k at c=1, short at c=16/64 in time blocks) and FP8 core vs
 #        step (short), four servers; then BF16 core vs layer (short, long-4k), two servers.
+# PLAN=twentyeighth1 (one GPU; ~1,050 s): after the fix of the step graphs' GDN metadata (captured for the padded
+#        size): the probe and fast_paths --scope step again, then paired core vs step (BF16 short/long-4k c=1, short
+#        c=16/64) and FP8 core vs step (short c=1).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -213,7 +216,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -277,7 +280,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1|twentyseventh1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1|twentyseventh1_queue1|twentyeighth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -387,6 +390,18 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentyeighth1_queue0)   # ~1,050 s: launch with `wait 520` in a 600 s call, then `wait 540`
+  job step_graph_probe 0 300 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
+  job fast_paths_step 0 240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  job paired_step 0 480 env COMPARE="core:step:short,long core:step:short:16,64" PAIRS=300 TIME_LIMIT=20 \
+      "BENCH_ARGS=--long-tokens 4096" bash bench/paired.sh "$NINE" "core=--load-format dummy" \
+      "step=--load-format dummy --prefill-graph-scope step"
+  job paired_step_fp8 0 300 env COMPARE="fp8core:fp8step:short" PAIRS=200 TIME_LIMIT=20 PORT0=8910 \
+      bash bench/paired.sh "$NINE" "fp8core=--load-format dummy --quantization fp8" \
+      "fp8step=--load-format dummy --quantization fp8 --prefill-graph-scope step"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -16,10 +16,6 @@ from test_prefill_graphs import HV, DV, inputs, make_bucket, make_layer
 PIECEWISE, NONE = "PIECEWISE", "NONE"
 
 
-class GDNAttentionMetadata(SimpleNamespace):
-    """Stands in for vLLM's GDN metadata (matched by class name, like the real one)."""
-
-
 def fa(n, block=(5, 6)):
     """vLLM 0.28's own FA3 metadata for one prefill of ``n`` tokens."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
@@ -34,8 +30,11 @@ def fa(n, block=(5, 6)):
 
 
 def gdn(n, line=2, has_init=False):
-    return GDNAttentionMetadata(num_prefills=1, num_decodes=0, num_spec_decodes=0, spec_sequence_masks=None,
-                                num_prefill_tokens=n, num_actual_tokens=n,
+    """vLLM 0.28's own GDN metadata for one prefill of ``n`` tokens."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    return GDNAttentionMetadata(num_prefills=1, num_prefill_tokens=n, num_decodes=0, num_decode_tokens=0,
+                                num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=n,
                                 prefill_state_indices=torch.tensor([line], dtype=torch.int32),
                                 prefill_has_initial_state=torch.tensor([has_init]))
 
@@ -104,8 +103,12 @@ def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
     assert (static.num_actual_tokens, static.max_query_len, static.max_seq_len) == (12, 12, 4096)
     assert static.scheduler_metadata is None and static.slot_mapping.tolist() == list(range(9)) + [-1] * 3
     assert slots["layers.3.self_attn"].tolist() == list(range(9)) + [-1] * 3
-    assert md_all["layers.0.linear_attn"] is ctx.attn_metadata["layers.0.linear_attn"]     # GDN: real metadata
-    line, flag = gdn_runner.inline_sources[id(ctx.attn_metadata["layers.0.linear_attn"])]
+    # GDN: a copy for the padded size too (vLLM's op slices and normalises num_actual_tokens rows)
+    real_gdn, static_gdn = ctx.attn_metadata["layers.0.linear_attn"], md_all["layers.0.linear_attn"]
+    assert static_gdn is md_all["layers.1.linear_attn"] and static_gdn is not real_gdn
+    assert (static_gdn.num_actual_tokens, static_gdn.num_prefill_tokens) == (12, 12)
+    assert real_gdn.num_actual_tokens == 9
+    line, flag = gdn_runner.inline_sources[id(static_gdn)]
     assert line.tolist() == [2] and flag.tolist() == [False]
     # the capture itself writes no state: no KV slot, the GDN scratch line, no initial state
     flag.fill_(True)

@@ -93,10 +93,7 @@ def run_engine(config: dict) -> dict:
         model = worker.model_runner.model
         rep = {"block_size": worker.vllm_config.cache_config.block_size,
                "num_gpu_blocks": worker.vllm_config.cache_config.num_gpu_blocks}
-        if model.prefill_graphs is not None:
-            rep["prefill_graphs"] = model.prefill_graphs.describe()
-        if model.pooler.head_graphs is not None:
-            rep["head_graphs"] = model.pooler.head_graphs.describe()
+        rep.update((f"{name}_graphs", runner.describe()) for name, runner in model.graph_runners().items())
         return rep
 
     out["worker"] = llm.collective_rpc(report)[0]

@@ -11,9 +11,10 @@ graph reads static copies of everything that changes from step to step, refreshe
 replay: the token ids and positions, the FA3 metadata tensors (query start, sequence length, block
 table, slot mapping) and the GDN state line and initial-state flag of each KV-cache group. FA3 is
 captured for the padded size (every padded row, the longest query, the model's longest sequence,
-no ahead-of-time schedule), so one graph serves any real length of that size; the GDN layers run
-their per-bucket bodies inline (``GdnGraphRunner.inline``) and the padding mask is set outside the
-graph. Anything else takes the per-layer path (``core``), and a size whose capture fails stays there.
+no ahead-of-time schedule), and so is the GDN layers' metadata (vLLM's GDN op processes and
+normalises ``num_actual_tokens`` rows), so one graph serves any real length of that size; the GDN
+layers run their per-bucket bodies inline (``GdnGraphRunner.inline``) and the padding mask is set
+outside the graph. Anything else takes the per-layer path (``core``), and a size whose capture fails stays there.
 
 Not yet run on a GPU: ``bench/step_graph_probe.py`` tests this design (its ``static`` flavour uses
 :class:`StepGraph`) before any default changes.
@@ -154,6 +155,10 @@ class StepGraph:
                 block_table=md.block_table.clone(), slot_mapping=static_slots(md.slot_mapping, size),
                 scheduler_metadata=None)
             self.attn[first] = by_object[id(md)] = static
+        for md in groups(md_all, GDN_METADATA).values():
+            # vLLM's GDN op slices its rows and runs the gated norm on ``num_actual_tokens`` rows: a graph
+            # captured with the real count would leave the rows after it out of every later, longer step
+            by_object[id(md)] = dataclasses.replace(md, num_prefill_tokens=size, num_actual_tokens=size)
         md_all = {layer: by_object.get(id(md), md) for layer, md in md_all.items()}
         slots = {layer: static_slots(t, size) for layer, t in (ctx.slot_mapping or {}).items()}
         self.slots = dict(slots)
