@@ -12,8 +12,9 @@
 # take turns in time blocks). Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
 # server's --gpu-memory-utilization), SERVER_FLAGS [--gdn-prefill-backend triton --gpu-memory-utilization
 # GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
-# BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt,
-# $OUT/server_<NAME>.log, $OUT/paired.log.
+# BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
+# $OUT/<A>_vs_<B>_c<CONCURRENCIES>.json/.txt otherwise (e.g. core_vs_step_c16-64), $OUT/server_<NAME>.log,
+# $OUT/paired.log.
 set -uo pipefail
 CKPT=${1:?usage: COMPARE="a:b:short" bash bench/paired.sh CKPT NAME=ARGS...}
 shift
@@ -63,12 +64,15 @@ done
 for entry in $COMPARE; do
   IFS=: read -r a b workloads conc <<<"$entry"
   conc=${conc:-1}
+  # one result file per entry: the same two servers at another concurrency must not overwrite it
+  stem="$OUT/${a}_vs_${b}"
+  [ "$conc" = 1 ] || stem="${stem}_c${conc//,/-}"
   log "$a vs $b: $workloads at c=$conc"
   # shellcheck disable=SC2086
   timeout 300 python3 -m clef_vllm.bench.bench_cli "${URL[$a]}" --versus "${URL[$b]}" --tokenizer "$CKPT" \
       --workload "$workloads" -c "$conc" -n "$PAIRS" --time-limit "$TIME_LIMIT" --warmup 4 --no-progress \
-      --label "$a vs $b" -o "$OUT/${a}_vs_${b}.json" $BENCH_ARGS >"$OUT/${a}_vs_${b}.log" 2>&1
+      --label "$a vs $b" -o "$stem.json" $BENCH_ARGS >"$stem.log" 2>&1
   log "$a vs $b: rc $?"
-  cat "$OUT/${a}_vs_${b}.txt" 2>/dev/null | tee -a "$OUT/paired.log"
+  cat "$stem.txt" 2>/dev/null | tee -a "$OUT/paired.log"
 done
 log "done"

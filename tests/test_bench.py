@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import socket
@@ -793,3 +794,44 @@ def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, t
     with pytest.raises(SystemExit) as exit_:
         bench_main(["--raw-vllm", str(tiny_release), "--versus", dead])
     assert exit_.value.code == 2 and "--versus needs a server URL" in capsys.readouterr().err
+
+
+def _free_port_pair() -> int:
+    """A port P with P+1 and P+2 free too (bench/paired.sh numbers its servers PORT0+1, PORT0+2)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 2 < 65536 and all(_port_free(base + k) for k in (1, 2)):
+            return base
+    pytest.skip("no three consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_tokens, tmp_path):
+    """bench/paired.sh on two reference servers: the same two servers compared at c=1 and at c=2 leave two
+    result files (the c=2 entry once overwrote the c=1 one, and a GPU session's per-pair data was lost)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "PORT0": str(_free_port_pair()),
+           "COMPARE": "x:y:short x:y:short:2", "PAIRS": "4", "TIME_LIMIT": "20",
+           "SERVER_FLAGS": "--backend reference",
+           "BENCH_ARGS": f"--short-tokens {tiny_short_tokens} --blocks 2 --block-seconds 0.3",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "PY": sys.executable}
+    proc = subprocess.run(["bash", str(root / "bench/paired.sh"), str(tiny_release), "x=", "y="], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    c1 = json.loads((tmp_path / "x_vs_y.json").read_text())
+    c2 = json.loads((tmp_path / "x_vs_y_c2.json").read_text())
+    assert [v["concurrency"] for v in c1["variants"]] == [1] and c1["variants"][0]["pairs"] == 4
+    assert [v["concurrency"] for v in c2["variants"]] == [2] and c2["variants"][0]["unanswered"] == 0
+    log = (tmp_path / "paired.log").read_text()
+    assert log.count("x vs y: rc 0") == 2 and "c>1, the servers in turns" in log and "c=1, the same requests" in log
