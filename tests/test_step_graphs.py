@@ -103,6 +103,8 @@ def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
     assert (static.num_actual_tokens, static.max_query_len, static.max_seq_len) == (12, 12, 4096)
     assert static.scheduler_metadata is None and static.slot_mapping.tolist() == list(range(9)) + [-1] * 3
     assert slots["layers.3.self_attn"].tolist() == list(range(9)) + [-1] * 3
+    # the layers of one KV-cache group share one slot mapping: one static, one copy per replay
+    assert slots["layers.3.self_attn"] is slots["layers.7.self_attn"] and len(graph.slot_groups) == 1
     # GDN: a copy for the padded size too (vLLM's op slices and normalises num_actual_tokens rows)
     real_gdn, static_gdn = ctx.attn_metadata["layers.0.linear_attn"], md_all["layers.0.linear_attn"]
     assert static_gdn is md_all["layers.1.linear_attn"] and static_gdn is not real_gdn
@@ -127,6 +129,11 @@ def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
     assert bucket.length == 11 and bucket.valid.tolist() == [1.0] * 11 + [0.0] * 5
     graph.forget()
     assert bucket.length is None and bucket.fed is None
+    # a step whose layers no longer share what they shared at capture does not fit the graph
+    apart = context(11)
+    apart.slot_mapping["layers.7.self_attn"] = apart.slot_mapping["layers.7.self_attn"].clone()
+    with pytest.raises(ValueError, match="no longer share"):
+        graph.feed(apart, torch.arange(12), pos, 11)
 
 
 def test_the_runner_falls_back_until_every_gdn_layer_has_its_bucket_body(monkeypatch):

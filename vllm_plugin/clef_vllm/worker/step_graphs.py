@@ -134,6 +134,9 @@ class StepGraph:
         self.pos: torch.Tensor | None = None
         self.attn: dict[str, Any] = {}               # first layer of an FA3 group -> its static metadata
         self.slots: dict[str, torch.Tensor] = {}     # layer -> its static slot mapping (the forward context's)
+        #: one (static, layers) per KV-cache group: vLLM gives every layer of a group one slot mapping,
+        #: so a replay copies 4 of them for the 9B's 32 layers, not 32
+        self.slot_groups: list[tuple[torch.Tensor, list[str]]] = []
         self.lines: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # first GDN layer -> (line, flag)
 
     def _bucket(self, n: int):
@@ -160,7 +163,14 @@ class StepGraph:
             # captured with the real count would leave the rows after it out of every later, longer step
             by_object[id(md)] = dataclasses.replace(md, num_prefill_tokens=size, num_actual_tokens=size)
         md_all = {layer: by_object.get(id(md), md) for layer, md in md_all.items()}
-        slots = {layer: static_slots(t, size) for layer, t in (ctx.slot_mapping or {}).items()}
+        by_memory: dict[tuple, tuple[torch.Tensor, list[str]]] = {}
+        for layer, t in (ctx.slot_mapping or {}).items():
+            key = (t.data_ptr(), tuple(t.shape), t.stride())
+            if key not in by_memory:
+                by_memory[key] = (static_slots(t, size), [])
+            by_memory[key][1].append(layer)
+        self.slot_groups = list(by_memory.values())
+        slots = {layer: static for static, layers in self.slot_groups for layer in layers}
         self.slots = dict(slots)
         self.gdn.inline_sources.clear()
         for first, md in groups(md_all, GDN_METADATA).items():
@@ -174,7 +184,7 @@ class StepGraph:
         that continues from a state (a later chunk, a cache hit) would advance that state twice."""
         for static in self.attn.values():
             static.slot_mapping.fill_(-1)
-        for static in self.slots.values():
+        for static, _ in self.slot_groups:
             static.fill_(-1)
         for line, flag in self.lines.values():
             line.fill_(SCRATCH_LINE)
@@ -216,8 +226,11 @@ class StepGraph:
             md = ctx.attn_metadata[first]
             for name in FA_TENSORS:
                 refresh(getattr(static, name), getattr(md, name))
-        for layer, static in self.slots.items():
-            refresh(static, ctx.slot_mapping[layer])
+        for static, layers in self.slot_groups:
+            given = ctx.slot_mapping[layers[0]]
+            if any(ctx.slot_mapping[layer].data_ptr() != given.data_ptr() for layer in layers[1:]):
+                raise ValueError(f"the layers {layers[0]}, ... no longer share one slot mapping")
+            refresh(static, given)
         for first, (line, flag) in self.lines.items():
             md = ctx.attn_metadata[first]
             line.copy_(md.prefill_state_indices[:1])
