@@ -95,6 +95,10 @@
 # PLAN=twentyeighth1 (one GPU; ~1,050 s): after the fix of the step graphs' GDN metadata (captured for the padded
 #        size): the probe and fast_paths --scope step again, then paired core vs step (BF16 short/long-4k c=1, short
 #        c=16/64) and FP8 core vs step (short c=1).
+# PLAN=twentyninth1 (one GPU; ~950 s): what the step scope needs before it becomes the default: the 240-request
+#        parity against the reference with --prefill-graph-scope step, the state-cache cases on it, paired core vs
+#        step again (short c=1 with its per-pair JSON, c=16), and a torch profile of a step server's engine core
+#        (short c=1).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -216,7 +220,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -280,7 +284,7 @@ eighth1_queue0)
   touch "$S/all.done"
   log "all done"
   ;;
-eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1|twentyseventh1_queue1|twentyeighth1_queue1)
+eighth1_queue1|ninth1_queue1|eleventh1_queue1|twelfth1_queue1|thirteenth1_queue1|fourteenth1_queue1|fifteenth1_queue1|sixteenth1_queue1|seventeenth1_queue1|eighteenth1_queue1|nineteenth1_queue1|twentieth1_queue1|twentyfirst1_queue1|twentyfirst_queue1|twentysecond1_queue1|twentythird1_queue1|twentyfourth1_queue1|twentyfifth1_queue1|twentysixth1_queue1|twentyseventh1_queue1|twentyeighth1_queue1|twentyninth1_queue1)
   ;;
 fifteenth1_queue0)
   job head_graphs 0 240 python3 tests/gpu/head_graphs.py --out "$S/head_graphs" --n 200
@@ -390,6 +394,17 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+twentyninth1_queue0)   # ~1,000 s: launch with `wait 520` in a 600 s call, then `wait 520` (the 9B compiles in paired_step)
+  job parity_tiny_step 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_step" --n 240 --skip-server \
+      --prefill-graph-scope step
+  job cache_cases_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_step" --only cache,eviction \
+      --scope step
+  job paired_step 0 420 env COMPARE="core:step:short core:step:short:16" PAIRS=300 TIME_LIMIT=20 PORT0=8920 \
+      bash bench/paired.sh "$NINE" "core=--load-format dummy" "step=--load-format dummy --prefill-graph-scope step"
+  profiled_9b profile_step 8895 9b-dummy-bf16-step-profile-c1 "--load-format dummy --prefill-graph-scope step"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -1,6 +1,6 @@
 """GPU checks of the two engine features on a tiny checkpoint: prefill graphs and the state cache.
 
-    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope layer]
+    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
@@ -8,7 +8,7 @@
    flips), and the worker's graph counters (replays, fallbacks by reason). ``--scope layer``: the
    prefill graphs hold vLLM's whole packed GDN op (``--prefill-graph-scope layer``); ``--scope step``:
    single-sequence steps replay the whole backbone from one graph (``--prefill-graph-scope step``).
-2. **state cache** (graphs on): a hit on a whole state (B after A), a partial hit (D after C,
+2. **state cache** (graphs on, of ``--scope``): a hit on a whole state (B after A), a partial hit (D after C,
    which share the first 60 % of A's state and diverge), concurrent same-state requests (8 cold
    together, then 8 that hit), and eviction (a side pool of 4 blocks and a small KV cache while
    6 other states pass through) -- every cached answer against the same request recomputed with
@@ -151,7 +151,8 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
     ap.add_argument("--scope", default="core", choices=("core", "layer", "step"),
-                    help="part 1: the prefill graph scope compared with vLLM's path (--prefill-graph-scope)")
+                    help="the prefill graph scope of the engines with graphs (--prefill-graph-scope): part 1 compares it "
+                         "with vLLM's path, parts 2-3 run the state cache on it")
     args = ap.parse_args()
     if args.child:
         config = json.loads(Path(args.child).read_text())
@@ -210,7 +211,8 @@ def main() -> int:
         {"name": "same_state_cold", "bodies": group}, {"name": "same_state_cold_uncached", "bodies": group, "skip": [True] * 8},
         {"name": "same_state_hit", "bodies": group2}, {"name": "same_state_hit_uncached", "bodies": group2, "skip": [True] * 8},
     ]
-    sc = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "program": program}, work, "state_cache") \
+    sc = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "scope": args.scope, "program": program}, work,
+               "state_cache") \
         if "cache" in parts else {}
     if "steps" in sc:
         steps = {s["name"]: s["results"] for s in sc["steps"]}
@@ -235,7 +237,8 @@ def main() -> int:
                + [{"name": "B_after", "bodies": [b]}, {"name": "B_uncached", "bodies": [b], "skip": [True]},
                   {"name": "other5_again", "bodies": [req(state(1400, 105), 99)]},
                   {"name": "other5_again_uncached", "bodies": [req(state(1400, 105), 99)], "skip": [True]}])
-    ev = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "capacity_blocks": 4, "num_gpu_blocks": 96,
+    ev = child({"ckpt": str(ckpt), "graphs": True, "cache": True, "scope": args.scope, "capacity_blocks": 4,
+                "num_gpu_blocks": 96,
                 "program": program}, work, "eviction") if "eviction" in parts else {}
     if "steps" in ev:
         steps = {s["name"]: s["results"] for s in ev["steps"]}

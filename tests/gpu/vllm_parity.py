@@ -12,11 +12,13 @@ response is checked against the offline vLLM answer of the same request.
 
 Usage (GPU machine, vLLM on PYTHONPATH):
     python tests/gpu/vllm_parity.py --out $OUT --n 240 [--dp 2] [--skip-parity] [--head-graph-records 1]
+        [--prefill-graph-scope step]
 
 ``--head-graph-records`` (default: the server's, 16): the vLLM engines graph the joint head of steps
 finishing up to that many requests (its batches finish many per step, so the default checks the
 several-record graphs on every layout; 1 graphs one-request steps only). Other than the default it
-names the result file ``..._rN.json``.
+names the result file ``..._rN.json``. ``--prefill-graph-scope`` (default: the server's) likewise names it
+``..._SCOPE.json`` when it is not the default.
 """
 
 from __future__ import annotations
@@ -184,11 +186,13 @@ def main() -> int:
     ap.add_argument("--skip-server", action="store_true")
     records_default = VllmOptions().head_graph_records
     ap.add_argument("--head-graph-records", type=int, default=records_default, choices=HEAD_GRAPH_RECORDS)
+    scope_default = VllmOptions().prefill_graph_scope
+    ap.add_argument("--prefill-graph-scope", default=scope_default, choices=("core", "layer", "step"))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = dict(gpu_memory_utilization=0.35, max_num_batched_tokens=512, max_num_seqs=32,
-                  head_graph_records=args.head_graph_records)
+                  head_graph_records=args.head_graph_records, prefill_graph_scope=args.prefill_graph_scope)
     workdir = Path(tempfile.mkdtemp(prefix="clef-gpu-"))
     results = {}
     if not args.skip_parity:
@@ -199,7 +203,9 @@ def main() -> int:
         results[f"server_dp{args.dp}"] = server_load(workdir, args.dp, 256, engine, out)
         print(json.dumps(results[f"server_dp{args.dp}"]), flush=True)
     suffix = f"_r{args.head_graph_records}" if args.head_graph_records != records_default else ""
+    suffix += f"_{args.prefill_graph_scope}" if args.prefill_graph_scope != scope_default else ""
     results["head_graph_records"] = args.head_graph_records
+    results["prefill_graph_scope"] = args.prefill_graph_scope
     (out / f"vllm_parity_dp{args.dp}{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
