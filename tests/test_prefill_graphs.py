@@ -72,6 +72,11 @@ def test_capture_sizes_cover_the_buckets_and_vllms_own_sizes():
     assert set(DEFAULT_BUCKETS) <= set(sizes)
     assert 272 not in sizes and 400 not in sizes          # vLLM stops at 2 x 128 = 256 here
     assert max(cudagraph_capture_sizes(1000)) <= 1000
+    # scope "step": above the smallest bucket only buckets, so a single-sequence step pads to one
+    step = cudagraph_capture_sizes(8192, max_num_seqs=256, between_buckets=False)
+    assert [s for s in step if s > 64] == [b for b in DEFAULT_BUCKETS if b > 64]
+    assert {1, 2, 4, 8, 56, 64} <= set(step) and 104 not in step and 400 not in step
+    assert 400 in cudagraph_capture_sizes(8192, max_num_seqs=256)      # vLLM's own sizes go up to 512 here
 
 
 def make_layer(dim_first: bool, seed: int = 0):

@@ -195,6 +195,11 @@ def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):
     buckets = kw["additional_config"][PREFILL_GRAPHS_KEY]["buckets"]
     assert all(lengths.count(b) == 3 for b in buckets)      # GDN graphs, then the step graph, then a replay
     assert lengths == sorted(lengths)
+    # vLLM pads a step to its next capture size: with step graphs those are the buckets above the smallest
+    sizes = kw["compilation_config"]["cudagraph_capture_sizes"]
+    assert [s for s in sizes if s > buckets[0]] == [b for b in buckets if b > buckets[0]]
+    core = engine_kwargs(tiny_release, max_model_len=1000, max_num_batched_tokens=1000)
+    assert 104 in core["compilation_config"]["cudagraph_capture_sizes"] and 104 not in sizes
     with pytest.raises(OptionError, match="no effect with 'prefill_graphs' off"):
         engine_kwargs(tiny_release, prefill_graphs=False, prefill_graph_scope="step")
 

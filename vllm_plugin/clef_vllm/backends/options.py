@@ -143,7 +143,7 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
                                                                       "scope": opts.prefill_graph_scope}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
-            budget, buckets, kwargs["max_num_seqs"])}
+            budget, buckets, kwargs["max_num_seqs"], between_buckets=opts.prefill_graph_scope != "step")}
 
 
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:

@@ -506,14 +506,22 @@ class GdnGraphRunner:
                 "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
 
 
-def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS, max_num_seqs: int = 256) -> list[int]:
+def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BUCKETS, max_num_seqs: int = 256,
+                            *, between_buckets: bool = True) -> list[int]:
     """vLLM's piecewise capture sizes, extended with the GDN buckets.
 
     vLLM's default stops at ``min(2 x max_num_seqs, 512)`` tokens, so a ~400-token request on a
     server with 128 sequences runs its linear layers without graphs; capturing the buckets too
     lets a single-sequence step replay every part of the backbone.
+
+    vLLM pads a step to the next capture size, and a whole-step graph (scope ``step``) exists only for
+    bucket sizes: ``between_buckets=False`` drops vLLM's finer sizes above the smallest bucket, so that
+    every single-sequence step of up to the largest bucket pads to one (a 100-token decision to 128,
+    not to 104). Batches up to 256 tokens then pad a little more.
     """
     top = min(2 * max_num_seqs, 512)
     sizes = {1, 2, 4} | set(range(8, min(top, 256) + 1, 8)) | set(range(256, top + 1, 16))
+    if not between_buckets and buckets:
+        sizes = {s for s in sizes if s <= min(buckets)}
     sizes |= set(buckets)
     return sorted(s for s in sizes if s <= max_tokens)
