@@ -517,7 +517,7 @@ def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BU
     vLLM pads a step to the next capture size, and a whole-step graph (scope ``step``) exists only for
     bucket sizes: ``between_buckets=False`` drops vLLM's finer sizes above the smallest bucket, so that
     every single-sequence step of up to the largest bucket pads to one (a 100-token decision to 128,
-    not to 104). Batches up to 256 tokens then pad a little more.
+    not to 104). Steps of several sequences then pad a little more too.
     """
     top = min(2 * max_num_seqs, 512)
     sizes = {1, 2, 4} | set(range(8, min(top, 256) + 1, 8)) | set(range(256, top + 1, 16))
