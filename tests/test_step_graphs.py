@@ -202,6 +202,10 @@ def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):
     assert 104 in core["compilation_config"]["cudagraph_capture_sizes"] and 104 not in sizes
     with pytest.raises(OptionError, match="no effect with 'prefill_graphs' off"):
         engine_kwargs(tiny_release, prefill_graphs=False, prefill_graph_scope="step")
+    with pytest.raises(OptionError, match="no effect with 'enforce_eager' on") as refused:
+        engine_kwargs(tiny_release, prefill_graph_scope="step", enforce_eager=True)
+    assert refused.value.option == "prefill_graph_scope"
+    assert engine_kwargs(tiny_release, enforce_eager=True)["enforce_eager"] is True     # core: still allowed
 
 
 def test_inline_bodies_write_the_state_line_from_the_static_source():

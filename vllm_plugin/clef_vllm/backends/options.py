@@ -257,6 +257,11 @@ class VllmOptions(_Validated):
             if getattr(self, name) != defaults[name] and not getattr(self, switch):
                 raise OptionError(f"vllm backend option {name!r} ({getattr(self, name)!r}) has no effect with "
                                   f"{switch!r} off: turn {switch} on or leave {name} out", name)
+        if self.prefill_graph_scope == "step" and self.enforce_eager:
+            # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
+            raise OptionError("vllm backend option 'prefill_graph_scope' ('step') has no effect with "
+                              "'enforce_eager' on (no piecewise CUDA graphs, so no step qualifies): use 'core' "
+                              "or leave enforce_eager out", "prefill_graph_scope")
 
     @property
     def resolved_head_dtype(self) -> str:
