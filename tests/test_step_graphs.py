@@ -206,6 +206,10 @@ def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):
         engine_kwargs(tiny_release, prefill_graph_scope="step", enforce_eager=True)
     assert refused.value.option == "prefill_graph_scope"
     assert engine_kwargs(tiny_release, enforce_eager=True)["enforce_eager"] is True     # core: still allowed
+    for scope in ("layer", "step"):    # the graphs hold the Triton GDN kernels
+        with pytest.raises(OptionError, match="no effect with 'gdn_prefill_backend' 'flashinfer'"):
+            engine_kwargs(tiny_release, prefill_graph_scope=scope, gdn_prefill_backend="flashinfer")
+    assert engine_kwargs(tiny_release, gdn_prefill_backend="flashinfer")["gdn_prefill_backend"] == "flashinfer"
 
 
 def test_inline_bodies_write_the_state_line_from_the_static_source():

@@ -257,6 +257,12 @@ class VllmOptions(_Validated):
             if getattr(self, name) != defaults[name] and not getattr(self, switch):
                 raise OptionError(f"vllm backend option {name!r} ({getattr(self, name)!r}) has no effect with "
                                   f"{switch!r} off: turn {switch} on or leave {name} out", name)
+        if self.prefill_graph_scope != "core" and self.gdn_prefill_backend != "triton":
+            # the prefill graphs hold vLLM's Triton GDN kernels; other backends take vLLM's path
+            raise OptionError(f"vllm backend option 'prefill_graph_scope' ({self.prefill_graph_scope!r}) has no effect "
+                              f"with 'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill graphs hold the "
+                              "Triton GDN kernels): use --gdn-prefill-backend triton or leave the scope out",
+                              "prefill_graph_scope")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             raise OptionError("vllm backend option 'prefill_graph_scope' ('step') has no effect with "
