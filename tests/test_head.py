@@ -4,18 +4,22 @@ of the head's forward pass (tests/support/release_math.py), which shares no code
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from clef_vllm.features import RecordAccumulator, accumulate, decide_records
 from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead, count_parameters
+from clef_vllm.release import RELEASE_HEAD_CONFIG
 from clef_vllm.tables import DenseTable
 from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
 from support.release_math import literal_logits
 
-RELEASE = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
+RELEASE = RELEASE_HEAD_CONFIG    # one home for the release head's dimensions (clef_vllm.release)
 
 
 def vectorised(head, table, records, *, logits=True, chunk: int | None = None) -> list[torch.Tensor]:
@@ -209,6 +213,9 @@ RELEASE_JSON = {"hidden_size": 4096, "width": 1024, "routing_layers": 2, "layers
 def test_head_config_parses_the_release_file():
     cfg = HeadConfig.from_dict(dict(RELEASE_JSON))
     assert cfg == RELEASE and cfg.dropout == 0.0 and cfg.requires_clef_vllm is None
+    # the repository's own clef_head/joint_head_config.json (the model repo's file) is the release head too
+    shipped = Path(__file__).resolve().parents[1] / "clef_head" / "joint_head_config.json"
+    assert dataclasses.replace(HeadConfig.from_dict(json.loads(shipped.read_text())), requires_clef_vllm=None) == RELEASE
     assert cfg.to_dict() == RELEASE_JSON
     marked = HeadConfig.from_dict(RELEASE_JSON | {"requires_clef_vllm": ">=0.1", "dropout": 0.1})
     assert marked.requires_clef_vllm == ">=0.1" and marked.dropout == 0.1

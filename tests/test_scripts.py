@@ -246,6 +246,10 @@ def test_split_edges(tmp_path):
         assert len(config["quantization_config"]["config_groups"]) == 1
         assert config["quantization_config"]["format"] == ("nvfp4-pack-quantized" if split == 0 else "float-quantized")
         assert summarize_schemes(scheme_table(config)) == {kind: 16, "unquantized": 3}
+        # no head config given: the release head's shape on this backbone's hidden size, with the marker
+        head = json.loads((out / "clef_head" / "joint_head_config.json").read_text())
+        assert head["hidden_size"] == config["hidden_size"] and head["width"] == 1024 and head["layers"] == 4
+        assert head["requires_clef_vllm"]
     with pytest.raises(ValueError):
         hybrid_config_groups(4, 5)
 

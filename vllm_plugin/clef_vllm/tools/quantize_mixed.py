@@ -31,6 +31,7 @@ scripts/install-dev.sh) and ``native`` (the same format written by this repo's o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -336,7 +337,7 @@ def emit_config_only(source_config: Path | None, out: Path, split: int, head_con
     from clef_vllm import ARCHITECTURE
     from clef_vllm.head import HeadConfig
     from clef_vllm.layout import HEAD_CONFIG, HEAD_DIR, MARKER
-    from clef_vllm.release import clef_flash_config
+    from clef_vllm.release import RELEASE_HEAD_CONFIG, clef_flash_config
     from clef_vllm.repack import default_marker
 
     config = clef_flash_config() if source_config is None else json.loads(source_config.read_text(encoding="utf-8"))
@@ -352,7 +353,7 @@ def emit_config_only(source_config: Path | None, out: Path, split: int, head_con
         head = HeadConfig.from_dict(json.loads(head_config.read_text(encoding="utf-8")), str(head_config)).to_dict()
     else:
         hidden = text_config(config)["hidden_size"]
-        head = HeadConfig(hidden_size=hidden, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096).to_dict()
+        head = dataclasses.replace(RELEASE_HEAD_CONFIG, hidden_size=hidden).to_dict()   # the release head's shape
     head[MARKER] = marker or default_marker()
     written.append(write_json(out / HEAD_DIR / HEAD_CONFIG, head))
     return written
