@@ -95,10 +95,11 @@
 # PLAN=twentyeighth1 (one GPU; ~1,050 s): after the fix of the step graphs' GDN metadata (captured for the padded
 #        size): the probe and fast_paths --scope step again, then paired core vs step (BF16 short/long-4k c=1, short
 #        c=16/64) and FP8 core vs step (short c=1).
-# PLAN=twentyninth1 (one GPU; ~1,200 s): what the step scope needs before it becomes the default: the 240-request
+# PLAN=twentyninth1 (one GPU; ~1,400 s): what the step scope needs before it becomes the default: the 240-request
 #        parity against the reference with --prefill-graph-scope step, the state-cache cases on it, paired core vs
-#        step again (short c=1 with its per-pair JSON, c=16), a torch profile of a step server's engine core
-#        (short c=1), and bench/latency.py --modes graphs,step (in process, profiler-backed).
+#        step again (short c=1 with its per-pair JSON, c=16), follow-ups on cached 4k/16k states with and without
+#        the step scope (both --state-cache on), a torch profile of a step server's engine core (short c=1), and
+#        bench/latency.py --modes graphs,step (in process, profiler-backed).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -397,13 +398,18 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   touch "$S/all.done"
   log "all done"
   ;;
-twentyninth1_queue0)   # ~1,200 s: launch with `wait 520` in a 600 s call, then `wait 540`, then `wait 200` (the 9B compiles in paired_step)
+twentyninth1_queue0)   # ~1,400 s: launch with `wait 520` in a 600 s call, then `wait 540`, then `wait 380` (the 9B compiles in paired_step)
   job parity_tiny_step 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_step" --n 240 --skip-server \
       --prefill-graph-scope step
   job cache_cases_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_step" --only cache,eviction \
       --scope step
   job paired_step 0 420 env COMPARE="core:step:short core:step:short:16" PAIRS=300 TIME_LIMIT=20 PORT0=8920 \
       bash bench/paired.sh "$NINE" "core=--load-format dummy" "step=--load-format dummy --prefill-graph-scope step"
+  # issue 13's follow-ups on a cached state (4k, 16k) with the step scope, both servers --state-cache on
+  job paired_step_cache 0 300 env COMPARE="cache:stepcache:shared-state" PAIRS=200 TIME_LIMIT=30 PORT0=8930 \
+      "BENCH_ARGS=--shared-states 4096x32,15872x17" bash bench/paired.sh "$NINE" \
+      "cache=--load-format dummy --state-cache on" \
+      "stepcache=--load-format dummy --state-cache on --prefill-graph-scope step"
   profiled_9b profile_step 8895 9b-dummy-bf16-step-profile-c1 "--load-format dummy --prefill-graph-scope step"
   # issue 12's "where the time goes" table, core vs step, profiler-backed, in process
   job latency_step 0 300 python3 bench/latency.py --modes graphs,step --ckpt "$NINE" \
