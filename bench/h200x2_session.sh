@@ -114,6 +114,10 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$S/session.log"; }
 
 job() {  # job NAME GPUS LIMIT_S CMD... : runs CMD with OUT=$S/NAME, records rc and seconds
   local name=$1 gpus=$2 limit=$3; shift 3
+  if [ -e "$S/$name/rc.json" ]; then   # its command names its output folder too: a second run would overwrite it
+    log "job $name already ran in this session: not run again (give it another name)"
+    return 1
+  fi
   mkdir -p "$S/$name"
   log "start $name (GPU $gpus, limit ${limit}s)"
   local t0=$SECONDS rc
