@@ -95,11 +95,11 @@
 # PLAN=twentyeighth1 (one GPU; ~1,050 s): after the fix of the step graphs' GDN metadata (captured for the padded
 #        size): the probe and fast_paths --scope step again, then paired core vs step (BF16 short/long-4k c=1, short
 #        c=16/64) and FP8 core vs step (short c=1).
-# PLAN=twentyninth1 (one GPU; ~1,400 s): what the step scope needs before it becomes the default: the 240-request
+# PLAN=twentyninth1 (one GPU; ~1,600 s): what the step scope needs before it becomes the default: the 240-request
 #        parity against the reference with --prefill-graph-scope step, the state-cache cases on it, paired core vs
 #        step again (short c=1 with its per-pair JSON, c=16), follow-ups on cached 4k/16k states with and without
-#        the step scope (both --state-cache on), a torch profile of a step server's engine core (short c=1), and
-#        bench/latency.py --modes graphs,step (in process, profiler-backed).
+#        the step scope (both --state-cache on), a torch profile of a step server's engine core (short c=1),
+#        bench/latency.py --modes graphs,step (in process, profiler-backed), and the probe's new "fresh" flavour.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -402,7 +402,7 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   touch "$S/all.done"
   log "all done"
   ;;
-twentyninth1_queue0)   # ~1,400 s: launch with `wait 520` in a 600 s call, then `wait 540`, then `wait 380` (the 9B compiles in paired_step)
+twentyninth1_queue0)   # ~1,600 s: launch with `wait 520` in a 600 s call, then `wait 540` twice (the 9B compiles in paired_step)
   job parity_tiny_step 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_step" --n 240 --skip-server \
       --prefill-graph-scope step
   job cache_cases_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_step" --only cache,eviction \
@@ -418,6 +418,8 @@ twentyninth1_queue0)   # ~1,400 s: launch with `wait 520` in a 600 s call, then 
   # issue 12's "where the time goes" table, core vs step, profiler-backed, in process
   job latency_step 0 300 python3 bench/latency.py --modes graphs,step --ckpt "$NINE" \
       --out "$S/latency_step/latency.json"
+  # does FA3's longest sequence (the model's, in the step graphs) cost the ~1 ms direct replays saved?
+  job step_graph_probe 0 260 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -11,7 +11,7 @@ engine settings, one request at a time), before that option is trusted:
    group's attention metadata and slot mapping) and the scalars (lengths). A tensor whose address is
    the same in every step can be read by a graph as it is; one that moves has to be copied into a
    static buffer before each replay; a scalar that varies with the length has to be baked per bucket.
-2. **capture** (skipped with ``--survey-only``), in two flavours, each over the same lengths: at the
+2. **capture** (skipped with ``--survey-only``), in three flavours, each over the same lengths: at the
    first eligible step of a padded size, capture the backbone's forward (vLLM's piecewise wrappers
    passing through, the GDN layers running their bucket bodies inline: ``GdnGraphRunner.inline``);
    for later steps of that size run the normal forward AND the replay, and compare the real rows'
@@ -23,11 +23,15 @@ engine settings, one request at a time), before that option is trusted:
      positions, FA3 metadata tensors and slot mappings, refreshed from each step before its replay;
      FA3's metadata is captured for the padded size (every padded row, the longest query, the
      model's longest sequence, no ahead-of-time schedule); the GDN state line and flag come from
-     static per-group sources; the padding mask is set outside the graph. Every replay should be
-     exact at any real length of the size.
+     static per-group sources, and the GDN metadata is captured for the padded size too; the
+     padding mask is set outside the graph. Every replay should be exact at any real length of the
+     size.
+   - ``fresh``: ``static`` with the padded size as FA3's longest sequence instead of the model's
+     (valid for steps without context, as here): whether that length is what made ``static``
+     ~1 ms slower than ``direct`` in the fourteenth session, and whether it changes exactness.
    - ``direct``: the graph reads the tensors of the step it was captured in, as they are; it can be
      right only where the survey finds every input at a fixed address (and may break the engine
-     otherwise: it runs second).
+     otherwise: it runs last).
 
 A failed or wrong replay is an answer too: the survey says which inputs moved. Results:
 ``$OUT/step_graph_probe.json`` (written after the survey, again after the capture part).
@@ -48,6 +52,7 @@ from pathlib import Path
 
 LENGTHS = (400, 410, 431, 400, 445, 392, 420, 400)     # one bucket (448), varied real lengths
 OTHER = (300, 310)                                      # another bucket (320)
+FLAVOURS = ("static", "fresh", "direct")                # the graph designs compared (graph_classes)
 
 
 def scalars_and_tensors(obj, prefix: str = "") -> tuple[dict, dict]:
@@ -139,7 +144,17 @@ def graph_classes():
         def feed(self, ctx, input_ids, positions, n):
             self._bucket(n).set_length(n)
 
-    return {"static": StepGraph, "direct": DirectGraph}
+    class FreshGraph(StepGraph):
+        """``static`` with FA3 captured for the padded size as the longest sequence, not the model's: valid
+        only for steps without context (every step the probe replays). FA3 sizes its work (and picks
+        its split count) from that length: does the model's longest cost the ~1 ms by which ``direct``
+        replays beat ``static`` in the fourteenth session?"""
+
+        def statics(self, ctx, input_ids, positions):
+            self.max_len = int(input_ids.shape[0])
+            return super().statics(ctx, input_ids, positions)
+
+    return {"static": StepGraph, "fresh": FreshGraph, "direct": DirectGraph}
 
 
 def main() -> int:
@@ -266,7 +281,7 @@ def main() -> int:
     print(json.dumps(report["survey"], indent=1), flush=True)
     if args.survey_only:
         return 0
-    for flavour, seed in (("static", 300), ("direct", 400)):     # static first: a direct replay may break the engine
+    for flavour, seed in (("static", 300), ("fresh", 500), ("direct", 400)):   # direct last: it may break the engine
         state["mode"] = flavour
         for i, n in enumerate(LENGTHS + OTHER):
             try:
@@ -289,8 +304,8 @@ def main() -> int:
                    for k, v in state["graphs"].items()},
         "compare": comp,
         "errors": state["errors"],
-        "median_host_ms": {f: [medians(f, "host_ms", 0), medians(f, "host_ms", 1)] for f in ("static", "direct")},
-        "median_wall_ms": {f: [medians(f, "wall_ms", 0), medians(f, "wall_ms", 1)] for f in ("static", "direct")},
+        "median_host_ms": {f: [medians(f, "host_ms", 0), medians(f, "host_ms", 1)] for f in FLAVOURS},
+        "median_wall_ms": {f: [medians(f, "wall_ms", 0), medians(f, "wall_ms", 1)] for f in FLAVOURS},
     }
     save()
     print(json.dumps(report["capture"], indent=1), flush=True)
