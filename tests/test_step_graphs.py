@@ -247,12 +247,19 @@ def test_the_probes_fresh_flavour_gives_fa3_the_padded_size_as_longest_sequence(
     classes = probe.graph_classes()
     assert tuple(classes) == probe.FLAVOURS
     ids, pos = torch.arange(12), torch.arange(12).expand(3, 12).clone()
-    longest = {}
+    longest, graphs = {}, {}
     for flavour in ("static", "fresh"):
         gdn_runner, _ = runner_with_bucket(16)
-        md_all, _ = classes[flavour](gdn_runner, 4096).statics(context(9), ids, pos)
+        graphs[flavour] = classes[flavour](gdn_runner, 4096)
+        md_all, _ = graphs[flavour].statics(context(9), ids, pos)
         longest[flavour] = md_all["layers.3.self_attn"].max_seq_len
     assert longest == {"static": 4096, "fresh": 12}
+    # a step with context (its sequence longer than the padded size) does not fit a fresh graph
+    later = context(11)
+    later.attn_metadata["layers.3.self_attn"].max_seq_len = 700
+    graphs["static"].feed(later, ids, pos, 11)
+    with pytest.raises(ValueError, match="longer than the 12"):
+        graphs["fresh"].feed(later, ids, pos, 11)
     ctx = context(9)
     md_all, slots = classes["direct"](runner_with_bucket(16)[0], 4096).statics(ctx, ids, pos)
     assert md_all is ctx.attn_metadata and slots is ctx.slot_mapping

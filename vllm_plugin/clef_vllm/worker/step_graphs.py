@@ -226,6 +226,9 @@ class StepGraph:
         self.pos.copy_(positions)
         for first, static in self.attn.items():
             md = ctx.attn_metadata[first]
+            if md.max_seq_len > static.max_seq_len:     # FA3 sizes its work from the captured longest sequence
+                raise ValueError(f"a sequence of {md.max_seq_len} tokens is longer than the {static.max_seq_len} "
+                                 "the graph was captured for")
             for name in FA_TENSORS:
                 refresh(getattr(static, name), getattr(md, name))
         for static, layers in self.slot_groups:
