@@ -27,8 +27,10 @@ engine settings, one request at a time), before that option is trusted:
      padding mask is set outside the graph. Every replay should be exact at any real length of the
      size.
    - ``fresh``: ``static`` with the padded size as FA3's longest sequence instead of the model's
-     (valid for steps without context, as here): whether that length is what made ``static``
-     ~1 ms slower than ``direct`` in the fourteenth session, and whether it changes exactness.
+     (valid for steps without context, as here; what ``--prefill-graph-scope step`` now runs for
+     such steps, while ``static`` is what it runs for steps with context): whether that length is
+     what made ``static`` ~1 ms slower than ``direct`` in the fourteenth session, and whether it
+     changes exactness.
    - ``direct``: the graph reads the tensors of the step it was captured in, as they are; it can be
      right only where the survey finds every input at a fixed address (and may break the engine
      otherwise: it runs last).

@@ -174,14 +174,53 @@ def test_the_runner_falls_back_until_every_gdn_layer_has_its_bucket_body(monkeyp
             pass
 
     ctx.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
-    runner._graphs[448] = graph = Captured()
+    runner._graphs[(448, "fresh")] = graph = Captured()
     assert torch.equal(runner.run(lambda i, p: None, ids, pos), torch.ones(3))
     assert graph.seen == 400 and graph.replayed and runner.stats.replays == 1
-    runner._graphs[448] = Captured(fits=False)      # an input the capture did not foresee: that size falls back
+    runner._graphs[(448, "fresh")] = Captured(fits=False)   # an input the capture did not foresee: falls back
     assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["inputs_changed"] == 1
-    assert 448 not in runner._graphs and runner._broken == {448: "inputs_changed"}
+    assert (448, "fresh") not in runner._graphs and runner._broken == {(448, "fresh"): "inputs_changed"}
     assert runner.run(lambda i, p: None, ids, pos) is None and runner.stats.fallbacks["inputs_changed"] == 2
-    assert runner.describe()["replays"] == 1 and runner.describe()["sizes"] == list(gdn_runner.buckets)
+    # a step with context (a later chunk, a cache hit) is another kind: its own graph, not the broken one
+    ctx.attn_metadata["layers.3.self_attn"].max_seq_len = 1400
+    runner._graphs[(448, "context")] = later = Captured()
+    assert torch.equal(runner.run(lambda i, p: None, ids, pos), torch.ones(3)) and later.replayed
+    assert runner.describe()["replays"] == 2 and runner.describe()["sizes"] == list(gdn_runner.buckets)
+    assert (runner.describe()["fresh_graphs"], runner.describe()["context_graphs"]) == (0, 1)
+
+
+def test_each_kind_of_step_captures_its_own_graph_for_fa3s_longest_sequence(monkeypatch):
+    """A fresh step's graph gives FA3 the padded size as the longest sequence, a step with context the
+    model's: FA3 sizes its work from that length, and a graph must never see a longer sequence."""
+    import vllm.forward_context
+    from vllm.config import CUDAGraphMode
+
+    from clef_vllm.worker import step_graphs
+
+    gdn_runner, _ = runner_with_bucket(448)
+    gdn_runner.prefixes = ["layers.0.linear_attn"]
+    gdn_runner._bodies[("layers.0.linear_attn", 448, "core")] = object()
+    runner = StepGraphRunner(gdn_runner, max_len=4096)
+    captured = []
+
+    def capture(self, ctx, input_ids, positions, n, forward, pool, none_mode):
+        captured.append((self.max_len, n))
+        self.captured_at = n
+
+    monkeypatch.setattr(step_graphs.StepGraph, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ctx = context(400)
+    ctx.cudagraph_runtime_mode = CUDAGraphMode.PIECEWISE
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx)
+    ids, pos = torch.arange(448), torch.arange(448).expand(3, 448).clone()
+    assert step_graphs.step_kind(ctx.attn_metadata, 448) == "fresh"
+    assert runner.run(lambda i, p: None, ids, pos) is None          # the capture's step runs the per-layer path
+    ctx.attn_metadata["layers.3.self_attn"].max_seq_len = 448 + 400  # the same size after 448 tokens of context
+    assert step_graphs.step_kind(ctx.attn_metadata, 448) == "context"
+    assert runner.run(lambda i, p: None, ids, pos) is None
+    assert captured == [(448, 400), (4096, 400)] and set(runner._graphs) == {(448, "fresh"), (448, "context")}
+    assert runner.stats.captures == 2
 
 
 def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):

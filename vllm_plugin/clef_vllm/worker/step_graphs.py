@@ -6,19 +6,23 @@ speed on the shared machines varies by ~1.9× from minute to minute (docs/latenc
 gives a pooling model no full CUDA graphs, so this one is the plugin's, like the GDN graphs.
 
 What (``--prefill-graph-scope step``): a step that prefills exactly one sequence, padded by vLLM to a
-size that is also a GDN bucket, replays a graph of ``model.forward`` captured for that size. The
-graph reads static copies of everything that changes from step to step, refreshed before each
+size that is also a GDN bucket, replays a graph of ``model.forward`` captured for that size and kind.
+The graph reads static copies of everything that changes from step to step, refreshed before each
 replay: the token ids and positions, the FA3 metadata tensors (query start, sequence length, block
 table, slot mapping) and the GDN state line and initial-state flag of each KV-cache group. FA3 is
-captured for the padded size (every padded row, the longest query, the model's longest sequence,
-no ahead-of-time schedule), and so is the GDN layers' metadata (vLLM's GDN op processes and
-normalises ``num_actual_tokens`` rows), so one graph serves any real length of that size; the GDN
-layers run their per-bucket bodies inline (``GdnGraphRunner.inline``) and the padding mask is set
-outside the graph. Anything else takes the per-layer path (``core``), and a size whose capture fails stays there.
+captured for the padded size (every padded row, the longest query, no ahead-of-time schedule), and
+so is the GDN layers' metadata (vLLM's GDN op processes and normalises ``num_actual_tokens`` rows),
+so one graph serves any real length of that size; the GDN layers run their per-bucket bodies inline
+(``GdnGraphRunner.inline``) and the padding mask is set outside the graph. FA3's longest sequence
+is the padded size for a ``fresh`` step (nothing before it: a first chunk without a cache hit) and
+the model's for a ``context`` step (a later chunk, a cache hit): each kind has its own graph per
+size (:func:`step_kind`). Anything else takes the per-layer path (``core``), and a size and kind
+whose capture fails stays there.
 
-Measured on an H200 (docs/latency.md): bit-identical to vLLM's path at the probed 448-token size
-(``bench/step_graph_probe.py``, whose ``static`` flavour is :class:`StepGraph`), and 8 % (BF16) /
-18 % (FP8) faster for one short decision through the server, paired. Not the default until the
+Measured on an H200 (docs/latency.md), with the model's longest sequence for every step:
+bit-identical to vLLM's path at the probed 448-token size (``bench/step_graph_probe.py``, flavour
+``static``; flavour ``fresh`` is the fresh kind), and 8 % (BF16) / 18 % (FP8) faster for one short
+decision through the server, paired. The fresh kind is not measured yet. Not the default until the
 parity runs have passed with it.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
@@ -93,6 +98,18 @@ def step_reason(ctx, gdn_buckets: Sequence[int], min_tokens: int, sizes: Sequenc
         if reason is not None:
             return reason
     return None
+
+
+#: A step graph's kind: ``fresh`` steps (no sequence longer than the padded size: a first chunk without a
+#: cache hit) are captured with the padded size as FA3's longest sequence, ``context`` steps (a later chunk,
+#: a cache hit) with the model's. FA3 sizes its work and picks its split count from that length.
+FRESH, CONTEXT = "fresh", "context"
+
+
+def step_kind(md_all: dict, size: int) -> str:
+    """:data:`FRESH` or :data:`CONTEXT` for a step padded to ``size`` tokens (host-side fields only)."""
+    longest = max((md.max_seq_len for md in groups(md_all, FA_METADATA).values()), default=0)
+    return FRESH if longest <= size else CONTEXT
 
 
 def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
@@ -261,16 +278,16 @@ class StepGraph:
 
 
 class StepGraphRunner:
-    """Captures and replays :class:`StepGraph` per padded size; wraps nothing, the model's ``forward``
-    calls :meth:`run` first."""
+    """Captures and replays :class:`StepGraph` per padded size and kind (:func:`step_kind`); wraps nothing,
+    the model's ``forward`` calls :meth:`run` first."""
 
     def __init__(self, gdn: GdnGraphRunner, max_len: int, sizes: Sequence[int] | None = None):
         self.gdn = gdn
         self.max_len = max_len
         self.sizes = tuple(sorted(set(sizes if sizes is not None else gdn.buckets)))
         self.stats = GraphStats()
-        self._graphs: dict[int, StepGraph] = {}
-        self._broken: dict[int, str] = {}          # size -> why it keeps the per-layer graphs
+        self._graphs: dict[tuple[int, str], StepGraph] = {}
+        self._broken: dict[tuple[int, str], str] = {}   # (size, kind) -> why it keeps the per-layer graphs
         self._pool = None
 
     def run(self, forward: Callable[..., torch.Tensor], input_ids: torch.Tensor | None,
@@ -289,34 +306,35 @@ class StepGraphRunner:
             reason = "capturing"
         if reason is not None:
             return self._fallback(reason)
-        if size in self._broken:
-            return self._fallback(self._broken[size])
+        key = (size, step_kind(ctx.attn_metadata, size))
+        if key in self._broken:
+            return self._fallback(self._broken[key])
         n = next(iter(groups(ctx.attn_metadata, GDN_METADATA).values())).num_actual_tokens
-        graph = self._graphs.get(size)
+        graph = self._graphs.get(key)
         if graph is None:
             bucket = choose_bucket(n, self.gdn.buckets)
             if not self.gdn.prefixes or any((p, bucket, "core") not in self.gdn._bodies for p in self.gdn.prefixes):
                 return self._fallback("gdn_uncaptured")      # this step's per-layer path captures them
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = StepGraph(self.gdn, self.max_len)
+            graph = StepGraph(self.gdn, size if key[1] == FRESH else self.max_len)
             try:
                 graph.capture(ctx, input_ids, positions, n, forward, self._pool, CUDAGraphMode.NONE)
             except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
-                self._broken[size] = "capture_failed"
-                log.warning("clef step graphs: capture at %d tokens failed (%s: %s); that size uses the per-layer "
-                            "graphs", size, type(exc).__name__, exc)
+                self._broken[key] = "capture_failed"
+                log.warning("clef step graphs: %s capture at %d tokens failed (%s: %s); those steps use the "
+                            "per-layer graphs", key[1], size, type(exc).__name__, exc)
                 return self._fallback("capture_failed")
-            self._graphs[size] = graph
+            self._graphs[key] = graph
             self.stats.captures += 1
             return None                                       # the capture's own outputs are not this step's
         try:
             graph.feed(ctx, input_ids, positions, n)
         except (ValueError, RuntimeError, KeyError) as exc:   # an input the capture did not foresee
-            self._broken[size] = "inputs_changed"
-            del self._graphs[size]
-            log.warning("clef step graphs: a step at %d tokens does not fit its graph (%s: %s); that size uses the "
-                        "per-layer graphs", size, type(exc).__name__, exc)
+            self._broken[key] = "inputs_changed"
+            del self._graphs[key]
+            log.warning("clef step graphs: a %s step at %d tokens does not fit its graph (%s: %s); those steps use "
+                        "the per-layer graphs", key[1], size, type(exc).__name__, exc)
             graph.forget()
             return self._fallback("inputs_changed")
         self.stats.replays += 1
@@ -327,5 +345,7 @@ class StepGraphRunner:
         return None
 
     def describe(self) -> dict:
-        return {"sizes": list(self.sizes), "graphs": len(self._graphs), "replays": self.stats.replays,
+        kinds = Counter(kind for _, kind in self._graphs)
+        return {"sizes": list(self.sizes), "graphs": len(self._graphs), "fresh_graphs": kinds[FRESH],
+                "context_graphs": kinds[CONTEXT], "replays": self.stats.replays,
                 "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
