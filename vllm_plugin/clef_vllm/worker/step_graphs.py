@@ -152,9 +152,8 @@ class StepGraph:
         self.ids: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
         self.attn: dict[str, Any] = {}               # first layer of an FA3 group -> its static metadata
-        self.slots: dict[str, torch.Tensor] = {}     # layer -> its static slot mapping (the forward context's)
-        #: one (static, layers) per KV-cache group: vLLM gives every layer of a group one slot mapping,
-        #: so a replay copies 4 of them for the 9B's 32 layers, not 32
+        #: the forward context's slot mappings, one (static, layers) per KV-cache group: vLLM gives every
+        #: layer of a group one slot mapping, so a replay copies 4 of them for the 9B's 32 layers, not 32
         self.slot_groups: list[tuple[torch.Tensor, list[str]]] = []
         self.lines: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # first GDN layer -> (line, flag)
 
@@ -190,7 +189,6 @@ class StepGraph:
             by_memory[key][1].append(layer)
         self.slot_groups = list(by_memory.values())
         slots = {layer: static for static, layers in self.slot_groups for layer in layers}
-        self.slots = dict(slots)
         self.gdn.inline_sources.clear()
         for first, md in groups(md_all, GDN_METADATA).items():
             source = (md.prefill_state_indices[:1].clone(), md.prefill_has_initial_state[:1].clone())
