@@ -255,19 +255,21 @@ class VllmOptions(_Validated):
         defaults = {f.name: f.default for f in fields(self)}
         for name, switch in self.NEEDS_SWITCH.items():
             if getattr(self, name) != defaults[name] and not getattr(self, switch):
-                raise OptionError(f"vllm backend option {name!r} ({getattr(self, name)!r}) has no effect with "
-                                  f"{switch!r} off: turn {switch} on or leave {name} out", name)
+                self._no_effect(name, f"{switch!r} off", f"turn {switch} on or leave {name} out")
         if self.prefill_graph_scope != "core" and self.gdn_prefill_backend != "triton":
             # the prefill graphs hold vLLM's Triton GDN kernels; other backends take vLLM's path
-            raise OptionError(f"vllm backend option 'prefill_graph_scope' ({self.prefill_graph_scope!r}) has no effect "
-                              f"with 'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill graphs hold the "
-                              "Triton GDN kernels): use --gdn-prefill-backend triton or leave the scope out",
-                              "prefill_graph_scope")
+            self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
+                            "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
+                            "scope out")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
-            raise OptionError("vllm backend option 'prefill_graph_scope' ('step') has no effect with "
-                              "'enforce_eager' on (no piecewise CUDA graphs, so no step qualifies): use 'core' "
-                              "or leave enforce_eager out", "prefill_graph_scope")
+            self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "
+                            "qualifies)", "use 'core' or leave enforce_eager out")
+
+    def _no_effect(self, name: str, condition: str, advice: str) -> None:
+        """Refuse option ``name``: with ``condition`` its value would be silently ignored."""
+        raise OptionError(f"vllm backend option {name!r} ({getattr(self, name)!r}) has no effect with {condition}: "
+                          f"{advice}", name)
 
     @property
     def resolved_head_dtype(self) -> str:
