@@ -149,8 +149,7 @@ if has_phase server || has_phase parity; then
     if has_phase server; then
       sampler=""
       if [ "$THREADS" = 1 ]; then
-        (while sleep 1; do date +%T.%N; ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -12; done) \
-            >"$OUT/threads.txt" 2>&1 &
+        sample_threads "$OUT/threads.txt" 1 12 &
         sampler=$!
       fi
       # shellcheck disable=SC2046

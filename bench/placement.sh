@@ -31,7 +31,7 @@ pin() {  # pin PGID CPUS: every thread of every process in the server's group
 bench() {  # bench NAME: short at c=1 with the busiest threads sampled
   local dir=$OUT/$1
   mkdir -p "$dir"
-  (while sleep 0.5; do date +%T.%N; ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -8; done) >"$dir/threads.txt" 2>&1 &
+  sample_threads "$dir/threads.txt" 0.5 8 &
   local sampler=$!
   timeout 120 python3 -m clef_vllm.bench.bench_cli "$URL" --tokenizer "$CKPT" --workload short --concurrency 1 \
       --time-limit 4 --warmup 4 --no-progress --label "$1" -o "$dir/bench.json" >"$dir/bench.log" 2>&1
