@@ -135,16 +135,11 @@ if has_phase server || has_phase parity; then
       $gdn $SERVER_ARGS >"$OUT/server.log" 2>&1 &
   SERVER_PID=$!
   set +m
-  ready=0
-  for ((i = 0; i < READY_TIMEOUT; i++)); do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "server exited during start-up:"; tail -30 "$OUT/server.log" >&2; break; fi
-    if healthy "$URL"; then
-      ready=1; break
-    fi
-    sleep 1
-  done
-  if (( ready )); then
-    log "server ready after ${i}s"
+  t0=$SECONDS
+  wait_healthy "$URL" "$SERVER_PID" "$READY_TIMEOUT"; started=$?
+  if (( started == 1 )); then log "server exited during start-up:"; tail -30 "$OUT/server.log" >&2; fi
+  if (( started == 0 )); then
+    log "server ready after $((SECONDS - t0))s"
     RC[server_start]=0
     if has_phase server; then
       sampler=""

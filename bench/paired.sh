@@ -52,12 +52,9 @@ for spec in "$@"; do
   set +m
   URL[$name]="http://127.0.0.1:$port"
   t0=$SECONDS
-  until healthy "${URL[$name]}"; do
-    if ! kill -0 "${PGIDS[-1]}" 2>/dev/null || (( SECONDS - t0 > 400 )); then
-      log "server $name did not start:"; tail -20 "$OUT/server_$name.log" >&2; exit 1
-    fi
-    sleep 1
-  done
+  if ! wait_healthy "${URL[$name]}" "${PGIDS[-1]}" 400; then
+    log "server $name did not start:"; tail -20 "$OUT/server_$name.log" >&2; exit 1
+  fi
   log "server $name ready on ${URL[$name]} after $((SECONDS - t0))s ($args)"
 done
 

@@ -46,11 +46,9 @@ for ((i = 1; i <= STARTS; i++)); do
       >"$OUT/start${i}_server.log" 2>&1 &
   pgid=$!
   set +m
-  for ((t = 0; t < 300; t++)); do
-    healthy "$URL" && break
-    sleep 1
-  done
-  log "start $i ready after ${t}s (pids $(pgrep -g "$pgid" | tr '\n' ' '))"
+  t0=$SECONDS
+  wait_healthy "$URL" "$pgid" 300
+  log "start $i ready after $((SECONDS - t0))s (pids $(pgrep -g "$pgid" | tr '\n' ' '))"
   bench "start${i}_as_started"
   pin "$pgid" "$FAST"; bench "start${i}_fast"
   pin "$pgid" "$SLOW"; bench "start${i}_slow"
