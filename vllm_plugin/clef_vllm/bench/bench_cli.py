@@ -75,6 +75,13 @@ def _shared_states(text: str) -> list[tuple[int, ...]]:
     return out
 
 
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A point's progress bar on stderr, cleared when done (``--no-progress``: off)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
 #: the sweep's concurrencies when -c is not given (--versus: 1)
 DEFAULT_CONCURRENCY = ["1,4,16,64"]
 
@@ -270,8 +277,6 @@ async def run_plan(plan: list[PlanItem], session: Callable[[int], Any], *, time_
 
     ``on_point(points so far)`` runs after each point (the CLI saves partial results there).
     """
-    from tqdm import tqdm
-
     points: list[dict] = []
     for item in plan:
         if item.warm:
@@ -283,8 +288,7 @@ async def run_plan(plan: list[PlanItem], session: Callable[[int], Any], *, time_
                 log(f"warm-up '{item.name}': {len(bad)}/{len(warm)} not 200 (first: {bad[0].status} {bad[0].error})")
         for c in item.concurrencies:
             reqs = item.point_requests(c)
-            bar = tqdm(total=len(reqs), desc=f"{item.name} c={c}", leave=False, disable=not progress,
-                       file=sys.stderr, dynamic_ncols=True)
+            bar = progress_bar(len(reqs), f"{item.name} c={c}", progress)
             async with session(c) as sender:
                 cpu0 = time.process_time()
                 outcomes, wall = await closed_loop(reqs, c, sender.send, time_limit=time_limit, on_done=bar.update)
@@ -363,8 +367,6 @@ def _wait_until_ready(urls, seconds: float, headers: dict, log: Callable[[str], 
 
 def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callable[[str], None]) -> int:
     """``--versus``: the same requests on two servers, interleaved (clef_vllm.bench.paired)."""
-    from tqdm import tqdm
-
     from clef_vllm.bench.paired import blocks_summary, paired_table, run_blocks, run_pairs, summarize_variant
 
     _wait_until_ready((args.url, args.versus), args.wait_ready, headers, log)
@@ -388,14 +390,12 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
         try:
             reqs = item.point_requests(c)
             if c == 1:
-                bar = tqdm(total=len(reqs), desc=f"{item.name} pairs", leave=False, disable=not args.progress,
-                           file=sys.stderr, dynamic_ncols=True)
+                bar = progress_bar(len(reqs), f"{item.name} pairs", args.progress)
                 a, b = await run_pairs(reqs, senders[0].send, senders[1].send, time_limit=args.time_limit,
                                        on_done=bar.update)
                 bar.close()
                 return summarize_variant(item.name, a, b)
-            bar = tqdm(total=args.blocks, desc=f"{item.name} c={c} blocks", leave=False, disable=not args.progress,
-                       file=sys.stderr, dynamic_ncols=True)
+            bar = progress_bar(args.blocks, f"{item.name} c={c} blocks", args.progress)
             blocks, wrapped = await run_blocks(reqs, c, senders[0].send, senders[1].send, blocks=args.blocks,
                                                block_s=args.block_seconds, on_done=bar.update)
             bar.close()
