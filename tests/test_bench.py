@@ -23,6 +23,7 @@ from clef_vllm.bench.parity import compare_runs, distribution, kl_divergence, to
 from clef_vllm.bench.parity_cli import main as parity_main
 from clef_vllm.bench.targets import Answered, Condition
 from clef_vllm.records import load_request_file
+from clef_vllm.testing.server import free_port
 from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_variants,
                                        synthetic_parity_set)
 
@@ -435,9 +436,7 @@ def test_bench_request_file_counts_errors_by_status(live_server, tiny_release, t
 
 
 def test_bench_counts_connection_errors(tiny_release, tmp_path):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     rc, res = _bench([url, "--tokenizer", str(tiny_release), "--short-tokens", "600", "-c", "1", "-n", "2",
                       "--warmup", "0", "--timeout", "5", "--fail-on-error"], tmp_path / "dead.json")
     assert rc == 1
@@ -781,9 +780,7 @@ def test_bench_versus_above_c1_takes_turns_in_time_blocks(live_server, hosted_se
 
 
 def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, tiny_release, tmp_path, capsys):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     rc, res = _bench([live_server.url, "--versus", dead, "--tokenizer", str(tiny_release), "--short-tokens", "600",
                       "-n", "2", "--warmup", "0", "--timeout", "5", "--fail-on-error"], tmp_path / "dead.json")
     assert rc == 1
@@ -799,9 +796,7 @@ def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, t
 def _free_port_pair() -> int:
     """A port P with P+1 and P+2 free too (bench/paired.sh numbers its servers PORT0+1, PORT0+2)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+        base = free_port()
         if base + 2 < 65536 and all(_port_free(base + k) for k in (1, 2)):
             return base
     pytest.skip("no three consecutive free ports")
