@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from clef_vllm.contract import PREFILL_GRAPH_SCOPES
+
 HERE = Path(__file__).resolve()
 
 
@@ -150,7 +152,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
-    ap.add_argument("--scope", default="core", choices=("core", "layer", "step"),
+    ap.add_argument("--scope", default="core", choices=PREFILL_GRAPH_SCOPES,
                     help="the prefill graph scope of the engines with graphs (--prefill-graph-scope): part 1 compares it "
                          "with vLLM's path, parts 2-3 run the state cache on it")
     args = ap.parse_args()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from clef_vllm.backends.options import VllmOptions
 from clef_vllm.bench.loadgen import distribution_ms
-from clef_vllm.contract import HEAD_GRAPH_RECORDS
+from clef_vllm.contract import HEAD_GRAPH_RECORDS, PREFILL_GRAPH_SCOPES
 from clef_vllm.testing.server import LiveServer
 
 
@@ -187,7 +187,7 @@ def main() -> int:
     records_default = VllmOptions().head_graph_records
     ap.add_argument("--head-graph-records", type=int, default=records_default, choices=HEAD_GRAPH_RECORDS)
     scope_default = VllmOptions().prefill_graph_scope
-    ap.add_argument("--prefill-graph-scope", default=scope_default, choices=("core", "layer", "step"))
+    ap.add_argument("--prefill-graph-scope", default=scope_default, choices=PREFILL_GRAPH_SCOPES)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,9 @@ HEAD_DTYPE_KEY = "clef_head_dtype"
 HEAD_DTYPES = ("bfloat16", "float32")
 #: ``additional_config`` key: ``{"buckets": [...]}`` turns on the GDN prefill graphs (absent: off).
 PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
+#: What a prefill graph holds (``--prefill-graph-scope``): the GDN core, vLLM's whole packed GDN op, or the
+#: whole backbone of a single-sequence step (over the core graphs).
+PREFILL_GRAPH_SCOPES = ("core", "layer", "step")
 #: ``additional_config`` key: ``{"records": N}`` turns on the joint head's CUDA graphs for steps finishing up
 #: to N requests (absent: off).
 HEAD_GRAPHS_KEY = "clef_head_graphs"

@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY,
-                                STATE_CACHE_KEY)
+from clef_vllm.contract import (HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
+                                PREFILL_GRAPHS_KEY, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -222,7 +222,7 @@ class VllmOptions(_Validated):
                                       "vLLM's split of the projections and the gated norm) or 'step' (the core "
                                       "graphs, and the whole backbone of a single-sequence step in one graph); "
                                       "layer and step are experimental (docs/latency.md)",
-                                      flags=("--prefill-graph-scope",), kind=str, choices=("core", "layer", "step"))
+                                      flags=("--prefill-graph-scope",), kind=str, choices=PREFILL_GRAPH_SCOPES)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
