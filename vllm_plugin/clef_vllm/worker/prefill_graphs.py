@@ -164,6 +164,8 @@ class Bucket:
         self.has_init = torch.zeros(1, dtype=torch.bool, **zeros)        # read its state first?
         self.query_start_loc = torch.tensor([0, size], dtype=torch.int32, **zeros)
         self.valid = torch.zeros(size, dtype=torch.float32, **zeros)     # 1 for real rows, 0 for padding
+        self.real = torch.zeros(size, 1, dtype=torch.bool, **zeros)      # the same, to select rows with
+        self.zero = torch.zeros((), dtype=dtype, **zeros)                 # what a padded row selects
         self.positions = torch.arange(size, dtype=torch.int64, **zeros)
         self.tail_offsets = torch.arange(-(dims.conv_width - 1), 0, dtype=torch.int64, **zeros)
         self.tail = torch.zeros(dims.conv_width - 1, dtype=torch.int64, **zeros)
@@ -185,10 +187,11 @@ class Bucket:
         return self
 
     def set_length(self, n: int) -> None:
-        """Point the padding mask and the conv-tail rows at ``n`` real tokens (3 small kernels)."""
+        """Point the padding masks and the conv-tail rows at ``n`` real tokens (3 small kernels)."""
         if self.length == n:
             return
         torch.lt(self.positions, n, out=self.valid)
+        torch.lt(self.positions[:, None], n, out=self.real)
         torch.add(self.tail_offsets, n, out=self.tail)
         self.length = n
 
@@ -417,7 +420,13 @@ class GdnGraphRunner:
             bucket.lines.copy_(source[0])
             bucket.has_init.copy_(source[1])
         for name, given in inputs:
-            getattr(bucket, name)[:rows].copy_(given[:rows])
+            if self.inline:
+                # The step graph's padded rows hold whatever its memory held (FA3 writes no row after the
+                # last sequence's), NaN and Inf included; the body masks them by multiplying (0 * NaN is
+                # NaN, in the state and in the real rows of the last chunk): select zeros for them instead.
+                torch.where(bucket.real[:rows], given[:rows], bucket.zero, out=getattr(bucket, name)[:rows])
+            else:
+                getattr(bucket, name)[:rows].copy_(given[:rows])
         graph.replay()
         core_attn_out[:rows].copy_(bucket.out[:rows])
         self.stats.replays += 1
