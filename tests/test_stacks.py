@@ -62,3 +62,13 @@ def test_a_warm_up_step_in_time_returns_its_value():
     async def step():
         return 42
     assert asyncio.run(bounded_warmup_step("a 17-token prompt", step(), timeout_s=5)) == 42
+
+
+def test_a_failed_warm_up_step_names_itself():
+    """A warm-up answer the engine got wrong says which warm-up step it was (the twentyninth GPU round's
+    "engine returned 9 values for 9 options" said neither the step nor what was wrong)."""
+    async def step():
+        raise EngineError("engine returned non-finite values for 9 of 9 options")
+    with pytest.raises(EngineError, match=r"^warm-up: a batch of 3 prompts \(\[97, 256, 411\] tokens\): engine "
+                                          r"returned non-finite values for 9 of 9 options$"):
+        asyncio.run(bounded_warmup_step("a batch of 3 prompts ([97, 256, 411] tokens)", step(), timeout_s=5))

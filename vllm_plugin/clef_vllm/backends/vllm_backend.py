@@ -145,10 +145,13 @@ def pooling_params(spec: HeadSpec, reads: bool = False):
 
 async def bounded_warmup_step(what: str, step, timeout_s: float | None = None):
     """Await one warm-up ``step``; past ``timeout_s`` (default :data:`WARMUP_STEP_TIMEOUT_S`) the engine
-    processes dump their thread stacks into the log and :class:`EngineError` names the step."""
+    processes dump their thread stacks into the log and :class:`EngineError` names the step, as it does
+    when the step fails with one (a wrong or non-finite answer)."""
     limit = WARMUP_STEP_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         return await asyncio.wait_for(step, limit)
+    except EngineError as exc:
+        raise EngineError(f"warm-up: {what}: {exc}") from exc
     except asyncio.TimeoutError:
         pids = dump_descendant_stacks()
         where = f"the thread stacks of engine processes {pids} follow in the log" if pids else "no engine process found"
@@ -380,8 +383,10 @@ class VllmBackend(Backend):
                 log.warning("request %s: no answer from the %d cached tokens (state cache rows missing); "
                             "recomputing it without the cache", request_id, cached)
                 return await self._encode(ids, spec, rank, use_cache=False)
-            raise EngineError(f"engine returned {data.numel()} values for {spec.num_options} options "
-                              "(or non-finite values)")
+            if data.numel() != spec.num_options:
+                raise EngineError(f"engine returned {data.numel()} values for {spec.num_options} options")
+            raise EngineError(f"engine returned non-finite values for {int((~torch.isfinite(data)).sum())} of "
+                              f"{spec.num_options} options")
         return data, cached
 
     @staticmethod
