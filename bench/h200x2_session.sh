@@ -100,6 +100,8 @@
 #        step again (short c=1 with its per-pair JSON, c=16), follow-ups on cached 4k/16k states with and without
 #        the step scope (both --state-cache on), a torch profile of a step server's engine core (short c=1),
 #        bench/latency.py --modes graphs,step (in process, profiler-backed), and the probe's new "fresh" flavour.
+# PLAN=thirtieth1 (one GPU; ~560 s): twentyninth1's two failures again after the fix of padded rows in step graphs
+#        (non-finite garbage in them reached the GDN state): the step-scope parity, paired follow-ups with the state cache.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -225,7 +227,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -399,6 +401,16 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtieth1_queue0)   # ~560 s: launch with `wait 540` in the staging's last call (all the budget a second round has)
+  job parity_tiny_step 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_step" --n 240 --skip-server \
+      --prefill-graph-scope step
+  job paired_step_cache 0 300 env COMPARE="cache:stepcache:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=8930 \
+      "BENCH_ARGS=--shared-states 4096x32,15872x17" bash bench/paired.sh "$NINE" \
+      "cache=--load-format dummy --state-cache on" \
+      "stepcache=--load-format dummy --state-cache on --prefill-graph-scope step"
   touch "$S/all.done"
   log "all done"
   ;;
