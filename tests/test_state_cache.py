@@ -433,3 +433,22 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
     spec_a.validate()
     assert not any(spec.state_keys for _, spec in warm(False))     # cache off: nothing keyed
     assert warmup_state_cache({"enable_prefix_caching": True, "max_model_len": 1024}) is None
+
+
+def test_the_side_cache_is_sized_from_this_processs_memory_not_the_devices(monkeypatch):
+    """Two engines on one GPU (a paired benchmark): the second one's pool is its share of ITS budget. With
+    the device's used memory counted, the other engine's 39 GiB left it one block (twentyninth GPU round)."""
+    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.pooler import StateCacheSettings, side_capacity
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 140 * gib))  # 80 GiB used
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 18 * gib)          # 18 of them ours
+    width, dtype, kv_per_token = 1024, torch.bfloat16, 32768
+    settings = StateCacheSettings(SimpleNamespace(block_size=528), kv_per_token, gpu_memory_utilization=0.28)
+    blocks = side_capacity(settings, width, dtype, "cuda")
+    budget = 0.28 * 140 * gib - 18 * gib
+    share = state_cache.side_share(width, dtype, kv_per_token)
+    assert blocks == state_cache.capacity_for(budget * share, 528, width, dtype) > 1000
+    assert side_capacity(StateCacheSettings(SimpleNamespace(block_size=528), kv_per_token, capacity_blocks=7),
+                         width, dtype, "cuda") == 7

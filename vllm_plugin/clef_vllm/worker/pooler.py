@@ -52,22 +52,32 @@ class StateCacheSettings:
     capacity_blocks: int | None = None
 
 
+def side_capacity(settings: StateCacheSettings, width: int, dtype: torch.dtype, device) -> int:
+    """Blocks of memory rows for the pool: ``settings.capacity_blocks``, or the side rows' share of this
+    process's KV budget (``gpu_memory_utilization`` of the device, less what this process holds now).
+
+    Only this process's memory counts, as in vLLM's own KV sizing: another engine on the same GPU (a
+    second server, a paired benchmark) is not this one's budget. Counting the device's used memory gave
+    the second of two servers a one-block pool, so its state cache never hit (twentyninth GPU round)."""
+    if settings.capacity_blocks is not None:
+        return settings.capacity_blocks
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        budget = settings.gpu_memory_utilization * total - torch.cuda.memory_reserved(device)
+    else:
+        budget = 1 << 30
+    share = state_cache.side_share(width, dtype, settings.kv_bytes_per_token)
+    return state_cache.capacity_for(max(budget, 0) * share, settings.cache_config.block_size, width, dtype)
+
+
 def make_side_cache(settings: StateCacheSettings, width: int, dtype: torch.dtype, device) -> state_cache.SideCache | None:
-    """The pool, sized from the KV budget still free on ``device`` (or ``settings.capacity_blocks``)."""
+    """The pool, sized by :func:`side_capacity`."""
     block = int(settings.cache_config.block_size)
     if block % KEY_UNIT:
         log.warning("clef state cache: off (KV block size %d is not a multiple of %d)", block, KEY_UNIT)
         return None
-    capacity = settings.capacity_blocks
-    if capacity is None:
-        device = torch.device(device)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = settings.gpu_memory_utilization * total - (total - free)
-        else:
-            budget = 1 << 30
-        share = state_cache.side_share(width, dtype, settings.kv_bytes_per_token)
-        capacity = state_cache.capacity_for(max(budget, 0) * share, block, width, dtype)
+    capacity = side_capacity(settings, width, dtype, device)
     unit = getattr(settings.cache_config, "prefix_match_unit", None)
     cache = state_cache.SideCache(capacity, block, width, dtype, device, tails=bool(unit) and unit < block)
     log.info("clef state cache: memory rows of %d blocks x %d tokens (%.2f GiB) beside the KV cache; hits %s",
