@@ -4,10 +4,11 @@ Runs the Clef pooling model in-process (``vllm.LLM``, engine core in this proces
 (default: a 9B-shaped config-only folder served with dummy weights) with the server's own engine
 settings (``engine_kwargs``), one request at a time, in each MODE (one subprocess per mode):
 
-    graphs     prefill graphs and head graphs on (the default server), state cache off
+    graphs     prefill graphs (``--prefill-graph-scope core``: the GDN cores) and head graphs on, state cache off
     eagerhead  the same with the joint head run eagerly (``--head-graphs off``)
     layer      the same as graphs with ``--prefill-graph-scope layer`` (vLLM's packed GDN op in the graph)
-    step       the same as graphs with ``--prefill-graph-scope step`` (a whole single-sequence step in one graph)
+    step       the same as graphs with ``--prefill-graph-scope step`` (a whole single-sequence step in one graph;
+               the default server)
     nographs   prefill and head graphs off and vLLM's default CUDA-graph sizes ("before")
     capsonly   vLLM's piecewise graphs captured up to the buckets, GDN layers on vLLM's eager path
     cache      prefill graphs on and the state cache on (prefix caching in align mode); also follow-ups
@@ -66,7 +67,8 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
         cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
         kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
                            head_graphs=mode not in ("nographs", "eagerhead"),
-                           prefill_graph_scope=mode if mode in ("layer", "step") else "core", **cache, **common)
+                           prefill_graph_scope=mode if mode in ("layer", "step") else
+                           None if mode == "nographs" else "core", **cache, **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:

@@ -237,7 +237,7 @@ def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):
     # vLLM pads a step to its next capture size: with step graphs those are the buckets above the smallest
     sizes = kw["compilation_config"]["cudagraph_capture_sizes"]
     assert [s for s in sizes if s > buckets[0]] == [b for b in buckets if b > buckets[0]]
-    core = engine_kwargs(tiny_release, max_model_len=1000, max_num_batched_tokens=1000)
+    core = engine_kwargs(tiny_release, prefill_graph_scope="core", max_model_len=1000, max_num_batched_tokens=1000)
     assert 104 in core["compilation_config"]["cudagraph_capture_sizes"] and 104 not in sizes
     with pytest.raises(OptionError, match="no effect with 'prefill_graphs' off"):
         engine_kwargs(tiny_release, prefill_graphs=False, prefill_graph_scope="step")
@@ -302,3 +302,23 @@ def test_the_probes_fresh_flavour_gives_fa3_the_padded_size_as_longest_sequence(
     ctx = context(9)
     md_all, slots = classes["direct"](runner_with_bucket(16)[0], 4096).statics(ctx, ids, pos)
     assert md_all is ctx.attn_metadata and slots is ctx.slot_mapping
+
+
+def test_the_default_scope_is_step_wherever_step_graphs_can_run(tiny_release):
+    """``auto`` (the default) resolves to ``step``, or to ``core`` where step graphs cannot run (another GDN
+    backend, --enforce-eager): a default never turns into a refusal, an explicit ``step`` there does."""
+    from clef_vllm.backends.options import VllmOptions
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+
+    def scope(**options):
+        return engine_kwargs(tiny_release, **options)["additional_config"][PREFILL_GRAPHS_KEY]["scope"]
+
+    assert VllmOptions().prefill_graph_scope == "auto" and VllmOptions().resolved_prefill_graph_scope == "step"
+    assert scope() == "step" and scope(prefill_graph_scope="auto") == "step"
+    assert scope(prefill_graph_scope="core") == "core" and scope(prefill_graph_scope="layer") == "layer"
+    assert scope(gdn_prefill_backend="flashinfer") == "core"
+    assert scope(enforce_eager=True) == "core"
+    default = engine_kwargs(tiny_release, max_model_len=1000, max_num_batched_tokens=1000)
+    step = engine_kwargs(tiny_release, prefill_graph_scope="step", max_model_len=1000, max_num_batched_tokens=1000)
+    assert default["compilation_config"] == step["compilation_config"]      # the buckets alone above the smallest

@@ -622,13 +622,14 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
     from clef_vllm.backends.vllm_backend import engine_kwargs, warmup_lengths
     from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
 
-    lengths = warmup_lengths(engine_kwargs(tiny_release, max_model_len=8192, max_num_batched_tokens=2048))
+    lengths = warmup_lengths(engine_kwargs(tiny_release, prefill_graph_scope="core", max_model_len=8192,
+                                           max_num_batched_tokens=2048))
     assert lengths == sorted(set(lengths)) and {17, 300, 2048 + 17} <= set(lengths)
     assert {b for b in DEFAULT_BUCKETS if b <= 2048} <= set(lengths)     # buckets up to the step's token budget
     assert any(n % 16 for n in lengths) and any(n % 16 == 0 for n in lengths)
     from clef_vllm.contract import PREFILL_GRAPHS_KEY
 
-    assert engine_kwargs(tiny_release)["additional_config"][PREFILL_GRAPHS_KEY]["scope"] == "core"
+    assert engine_kwargs(tiny_release)["additional_config"][PREFILL_GRAPHS_KEY]["scope"] == "step"   # auto
     layer = engine_kwargs(tiny_release, prefill_graph_scope="layer")["additional_config"][PREFILL_GRAPHS_KEY]
     assert layer["scope"] == "layer" and layer["buckets"]
     capped = warmup_lengths(engine_kwargs(tiny_release, max_model_len=1000, prefill_graphs=False))

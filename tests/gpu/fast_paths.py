@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from clef_vllm.backends.options import VllmOptions
 from clef_vllm.contract import PREFILL_GRAPH_SCOPES
 
 HERE = Path(__file__).resolve()
@@ -69,7 +70,7 @@ def run_engine(config: dict) -> dict:
     kw = engine_kwargs(ckpt, gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=2048,
                        max_model_len=4096, prefill_graphs=config["graphs"], head_graphs=config["graphs"],
                        state_cache=config["cache"],
-                       prefill_graph_scope=config.get("scope", "core") if config["graphs"] else "core")
+                       prefill_graph_scope=config.get("scope") if config["graphs"] else None)
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
         kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
@@ -152,8 +153,9 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
-    ap.add_argument("--scope", default="core", choices=PREFILL_GRAPH_SCOPES,
-                    help="the prefill graph scope of the engines with graphs (--prefill-graph-scope): part 1 compares it "
+    ap.add_argument("--scope", default=VllmOptions().resolved_prefill_graph_scope, choices=PREFILL_GRAPH_SCOPES,
+                    help="the prefill graph scope of the engines with graphs (--prefill-graph-scope; default: the "
+                         "server's): part 1 compares it "
                          "with vLLM's path, parts 2-3 run the state cache on it")
     args = ap.parse_args()
     if args.child:

@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--skip-server", action="store_true")
     records_default = VllmOptions().head_graph_records
     ap.add_argument("--head-graph-records", type=int, default=records_default, choices=HEAD_GRAPH_RECORDS)
-    scope_default = VllmOptions().prefill_graph_scope
+    scope_default = VllmOptions().resolved_prefill_graph_scope
     ap.add_argument("--prefill-graph-scope", default=scope_default, choices=PREFILL_GRAPH_SCOPES)
     args = ap.parse_args()
     out = Path(args.out)

@@ -139,11 +139,11 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
     budget = kwargs["max_num_batched_tokens"]
     buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
-    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets,
-                                                                      "scope": opts.prefill_graph_scope}
+    scope = opts.resolved_prefill_graph_scope
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
-            budget, buckets, kwargs["max_num_seqs"], between_buckets=opts.prefill_graph_scope != "step")}
+            budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
 
 
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
@@ -218,11 +218,13 @@ class VllmOptions(_Validated):
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
                                   "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
-    prefill_graph_scope: str = option("core", "what a prefill graph holds: 'core' (the GDN core), 'layer' (also "
-                                      "vLLM's split of the projections and the gated norm) or 'step' (the core "
-                                      "graphs, and the whole backbone of a single-sequence step in one graph); "
-                                      "layer and step are experimental (docs/latency.md)",
-                                      flags=("--prefill-graph-scope",), kind=str, choices=PREFILL_GRAPH_SCOPES)
+    prefill_graph_scope: str = option("auto", "what a prefill graph holds: 'core' (the GDN core), 'layer' (also "
+                                      "vLLM's split of the projections and the gated norm), 'step' (the core "
+                                      "graphs, and the whole backbone of a single-sequence step in one graph) or "
+                                      "'auto' (default: step, or core where step cannot run: a GDN backend other "
+                                      "than Triton, --enforce-eager); layer is experimental (docs/latency.md)",
+                                      flags=("--prefill-graph-scope",), kind=str,
+                                      choices=("auto", *PREFILL_GRAPH_SCOPES))
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
@@ -256,7 +258,7 @@ class VllmOptions(_Validated):
         for name, switch in self.NEEDS_SWITCH.items():
             if getattr(self, name) != defaults[name] and not getattr(self, switch):
                 self._no_effect(name, f"{switch!r} off", f"turn {switch} on or leave {name} out")
-        if self.prefill_graph_scope != "core" and self.gdn_prefill_backend != "triton":
+        if self.prefill_graph_scope in ("layer", "step") and self.gdn_prefill_backend != "triton":
             # the prefill graphs hold vLLM's Triton GDN kernels; other backends take vLLM's path
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
@@ -274,6 +276,14 @@ class VllmOptions(_Validated):
     @property
     def resolved_head_dtype(self) -> str:
         return self.head_dtype or self.dtype
+
+    @property
+    def resolved_prefill_graph_scope(self) -> str:
+        """The scope the worker runs: ``auto`` is ``step`` where step graphs can run (the Triton GDN backend,
+        vLLM's piecewise graphs), else ``core``."""
+        if self.prefill_graph_scope != "auto":
+            return self.prefill_graph_scope
+        return "step" if self.gdn_prefill_backend == "triton" and not self.enforce_eager else "core"
 
 
 #: Option dataclass per backend name.

@@ -193,13 +193,13 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         return runner
 
     def _step_graphs(self, vllm_config: VllmConfig) -> StepGraphRunner | None:
-        """Whole-step graphs over the GDN runner (``--prefill-graph-scope step``, experimental)."""
+        """Whole-step graphs over the GDN runner (``--prefill-graph-scope step``: the default, through ``auto``)."""
         setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
         if self.prefill_graphs is None or not isinstance(setting, dict) or setting.get("scope") != "step":
             return None
         runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len)
         log.info("clef step graphs: single-sequence prefill steps padded to %s tokens replay the whole backbone "
-                 "from one CUDA graph (experimental)", list(runner.sizes))
+                 "from one CUDA graph", list(runner.sizes))
         return runner
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

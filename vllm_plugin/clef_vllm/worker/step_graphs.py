@@ -1,4 +1,4 @@
-"""One CUDA graph per padded size for the whole backbone of a single-sequence prefill step (experimental).
+"""One CUDA graph per padded size for the whole backbone of a single-sequence prefill step.
 
 Why: with the GDN and head graphs, one short decision's step is still host-bound: vLLM's piecewise
 graphs, the 8 attention layers and the glue between them are launched one by one, and the host's
@@ -19,11 +19,15 @@ the model's for a ``context`` step (a later chunk, a cache hit): each kind has i
 size (:func:`step_kind`). Anything else takes the per-layer path (``core``), and a size and kind
 whose capture fails stays there.
 
-Measured on an H200 (docs/latency.md), with the model's longest sequence for every step:
-bit-identical to vLLM's path at the probed 448-token size (``bench/step_graph_probe.py``, flavour
-``static``; flavour ``fresh`` is the fresh kind), and 8 % (BF16) / 18 % (FP8) faster for one short
-decision through the server, paired. The fresh kind is not measured yet. Not the default until the
-parity runs have passed with it.
+The padded rows hold whatever the graph's memory held (FA3 writes no row after the last sequence's);
+the GDN bodies select zeros for them on the way in (``GdnGraphRunner._replay``), every other layer is
+row-wise.
+
+Measured on an H200 (docs/latency.md): bit-identical to vLLM's path at the probed sizes
+(``bench/step_graph_probe.py``; the ``fresh`` kind also where the model's longest sequence changed
+FA3's split), the 240-request parity against the reference unchanged, and 8-19 % (BF16) / 18 % (FP8)
+faster for one short decision through the server, paired. The default scope (``auto``) wherever it
+can run.
 """
 
 from __future__ import annotations
