@@ -102,6 +102,9 @@
 #        bench/latency.py --modes graphs,step (in process, profiler-backed), and the probe's new "fresh" flavour.
 # PLAN=thirtieth1 (one GPU; ~560 s): twentyninth1's two failures again after the fix of padded rows in step graphs
 #        (non-finite garbage in them reached the GDN state): the step-scope parity, paired follow-ups with the state cache.
+# PLAN=thirtyfirst1 (one GPU; ~1,650 s): the default server (now the step scope) vs raw vLLM, short BF16 c=1/16/64
+#        and FP8 c=1; paired follow-ups on cached states (core vs step, both cache on) and the cache's cost on
+#        unique short requests (off vs on), each side pool sized from its own engine; fast_paths on the step scope.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -227,7 +230,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1|thirtyfirst1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -401,6 +404,25 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyfirst1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then `wait 540` twice
+  # the default server (step scope) next to raw vLLM: issue 12's single-decision and c=16/64 targets
+  job short_9b_bf16_step 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-step-short SERVER_ARGS="--load-format dummy" \
+      bash bench/gpu_bench.sh "$NINE" 8951
+  job short_9b_fp8_step 0 360 env "${SHORT[@]}" CONC=1 LABEL=9b-dummy-fp8-step-c1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8" RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 8952
+  # issue 13's follow-ups on cached 4k/16k states, step vs core, both --state-cache on (each pool its own size now)
+  job paired_step_cache 0 300 env COMPARE="cache:stepcache:shared-state" PAIRS=200 TIME_LIMIT=30 PORT0=8960 \
+      "BENCH_ARGS=--shared-states 4096x32,15872x17" bash bench/paired.sh "$NINE" \
+      "cache=--load-format dummy --state-cache on --prefill-graph-scope core" \
+      "stepcache=--load-format dummy --state-cache on"
+  # issue 13's cost of the cache on unique short requests, the cache-on server's pool its own (thirteenth: one block)
+  job paired_off_on 0 300 env COMPARE="off:on:short" PAIRS=300 TIME_LIMIT=20 PORT0=8970 bash bench/paired.sh "$NINE" \
+      "off=--load-format dummy" "on=--load-format dummy --state-cache on"
+  # the step graphs against vLLM's path after the padded-row fix (one request at a time, chunked)
+  job fast_paths_step 0 240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
   touch "$S/all.done"
   log "all done"
   ;;
