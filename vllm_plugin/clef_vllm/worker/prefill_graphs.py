@@ -187,7 +187,7 @@ class Bucket:
         return self
 
     def set_length(self, n: int) -> None:
-        """Point the padding masks and the conv-tail rows at ``n`` real tokens (3 small kernels)."""
+        """Point the padding masks and the conv-tail rows at ``n`` real tokens (4 small kernels)."""
         if self.length == n:
             return
         torch.lt(self.positions, n, out=self.valid)
