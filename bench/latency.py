@@ -194,11 +194,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     if mode != "raw":
         def report(worker):
             model = worker.model_runner.model
-            out = {}
-            if model.prefill_graphs is not None:
-                out["prefill_graphs"] = model.prefill_graphs.describe()
-            if model.pooler.head_graphs is not None:
-                out["head_graphs"] = model.pooler.head_graphs.describe()
+            out = {f"{name}_graphs": runner.describe() for name, runner in model.graph_runners().items()}
             from clef_vllm.worker import state_cache
 
             if state_cache.current() is not None:
