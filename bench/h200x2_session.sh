@@ -215,6 +215,10 @@ profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS: the 9B server, short
   job "$name" 0 240 env CLEF_VLLM_PROFILE="$S/$name/profile,8,5" WORKLOADS=short CONC=1 CONC_OVERRIDES= TIME_LIMIT=6 \
       WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES=server LABEL="$label" SERVER_ARGS="$args" \
       bash bench/gpu_bench.sh "$NINE" "$port"
+  local trace
+  for trace in "$S/$name"/profile/*.pt.trace.json*; do    # when each step launches its graphs (bench/step_timeline.py)
+    [ -f "$trace" ] && python3 bench/step_timeline.py "$trace" --json "$S/$name/timeline.json" >"$S/$name/timeline.txt" 2>&1
+  done
   find "$S/$name/profile" -type f -size +20M -delete 2>/dev/null
 }
 
@@ -423,6 +427,8 @@ thirtyfirst1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
       "off=--load-format dummy" "on=--load-format dummy --state-cache on"
   # the step graphs against vLLM's path after the padded-row fix (one request at a time, chunked)
   job fast_paths_step 0 240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  # when each step launches its graphs, core vs the default (bench/step_timeline.py on the engine-core traces)
+  profiled_9b profile_core 8981 9b-dummy-bf16-core-profile-c1 "--load-format dummy --prefill-graph-scope core"
   touch "$S/all.done"
   log "all done"
   ;;

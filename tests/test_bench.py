@@ -830,3 +830,48 @@ def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_
     assert [v["concurrency"] for v in c2["variants"]] == [2] and c2["variants"][0]["unanswered"] == 0
     log = (tmp_path / "paired.log").read_text()
     assert log.count("x vs y: rc 0") == 2 and "c>1, the servers in turns" in log and "c=1, the same requests" in log
+
+
+def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
+    """bench/step_timeline.py on a small torch-profiler trace: per model step, the host time before its first
+    CUDA graph launch, the host ops and kernels before it, each launch's kernels (by CUDA correlation), and
+    when the GPU finished; steps without tokens (vLLM's idle ``execute_context_0(0)``) are not steps."""
+    import gzip
+
+    def x(cat, name, ts, dur, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        x("user_annotation", "execute_context_1(400)_generation_0(0)", 1000, 10000),
+        x("cpu_op", "aten::copy_", 1100, 300), x("cuda_runtime", "cudaMemcpyAsync", 1150, 20, corr=1),
+        x("gpu_memcpy", "Memcpy HtoD", 1200, 5, corr=1),
+        x("cpu_op", "aten::slice", 1500, 10), x("cpu_op", "aten::view", 1502, 2),     # nested: not top-level
+        x("cuda_runtime", "cudaGraphLaunch", 5000, 2000, corr=2),
+        *[x("kernel", f"k{i}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
+        x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
+        x("kernel", "head", 9000, 900, corr=3),
+        x("user_annotation", "execute_context_0(0)_generation_0(0)", 12000, 300),
+    ]
+    trace = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    out = tmp_path / "timeline.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--json", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "first graph launch at 4.0 ms after 2 host ops" in proc.stdout      # the memcpy is inside copy_
+    (step,) = json.loads(out.read_text())["steps"]
+    assert step["tokens"] == 400 and step["wall_ms"] == 10.0 and step["launch_ms"] == 4.0
+    assert step["ops_before"] == 2 and step["kernels_before"] == 1 and step["kernels_before_busy_ms"] == 0.005
+    assert step["graph_launches"] == [{"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8},
+                                      {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9}]
+    assert step["gpu_busy_ms"] == 1.705 and step["gpu_end_ms"] == 8.9
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
+    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(empty)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "no model step" in proc.stderr

@@ -1,0 +1,135 @@
+"""Where an engine step's wall time goes, from a torch profiler trace (chrome JSON, plain or .gz).
+
+The per-op tables (``profiler_out_0.txt``, ``bench/latency.py``'s ``most_host_time``) sum time by op;
+they do not say *when* the GPU starts on a step. This script reads vLLM's engine-core trace (written
+under ``CLEF_VLLM_PROFILE=DIR,START,COUNT``, or ``bench/latency.py``'s profiler) and, for every model
+step (vLLM's ``execute_context_1(N)...`` annotation: N scheduled tokens), reports:
+
+    wall_ms            the step's annotation, start to end
+    launch_ms          from the step's start to its first CUDA graph launch (the host work before
+                       it: vLLM's input preparation and attention-metadata builders, the plugin's
+                       step-graph feed); the GPU waits for that launch
+    ops_before         top-level host ops (aten ops, CUDA runtime calls) before that launch
+    kernels_before     GPU kernels and copies before it, and their busy time
+    graph_launches     per CUDA graph launch: host ms of the call, its kernels, their busy ms
+    gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls)
+    gpu_end_ms         from the step's start to the end of its last kernel
+
+    python3 bench/step_timeline.py TRACE [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+STEP = re.compile(r"^execute_context_\d+\((\d+)\)")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "cuda_runtime")
+
+
+def load(path: str | Path) -> list[dict]:
+    """The trace's events (``traceEvents``)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as fh:
+        return json.load(fh)["traceEvents"]
+
+
+def top_level(events: list[dict]) -> list[dict]:
+    """Events not nested in an earlier one (``events`` sorted by start)."""
+    out, end = [], float("-inf")
+    for e in events:
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e.get("dur", 0)
+    return out
+
+
+def steps(events: list[dict]) -> list[dict]:
+    """One summary per model step that schedules tokens (see the module docstring), in time order."""
+    spans = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                    and (m := STEP.match(e.get("name", ""))) and int(m.group(1)) > 0), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS), key=lambda e: e["ts"])
+    gpu_by_corr = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
+            gpu_by_corr[e.get("args", {}).get("correlation")].append(e)
+    out = []
+    for span in spans:
+        t0, t1 = span["ts"], span["ts"] + span["dur"]
+        inside = [e for e in host if t0 <= e["ts"] < t1]
+        runtime = [e for e in inside if e.get("cat") == "cuda_runtime"]
+        gpu = [k for e in runtime for k in gpu_by_corr.get(e.get("args", {}).get("correlation"), ())]
+        launches = [e for e in runtime if e.get("name") == "cudaGraphLaunch"]
+        first = launches[0]["ts"] if launches else t1
+        before = [k for e in runtime if e["ts"] < first for k in gpu_by_corr.get(e.get("args", {}).get("correlation"), ())]
+        graphs = []
+        for launch in launches:
+            kernels = gpu_by_corr.get(launch.get("args", {}).get("correlation"), ())
+            graphs.append({"host_ms": round(launch.get("dur", 0) / 1000, 3), "kernels": len(kernels),
+                           "busy_ms": round(sum(k["dur"] for k in kernels) / 1000, 3)})
+        out.append({
+            "tokens": int(STEP.match(span["name"]).group(1)),
+            "wall_ms": round(span["dur"] / 1000, 3),
+            "launch_ms": round((first - t0) / 1000, 3) if launches else None,
+            "ops_before": len(top_level([e for e in inside if e["ts"] < first])),
+            "kernels_before": len(before),
+            "kernels_before_busy_ms": round(sum(k["dur"] for k in before) / 1000, 3),
+            "graph_launches": graphs,
+            "gpu_busy_ms": round(sum(k["dur"] for k in gpu) / 1000, 3),
+            "gpu_end_ms": round((max(k["ts"] + k["dur"] for k in gpu) - t0) / 1000, 3) if gpu else None,
+        })
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """Medians over the steps."""
+    def med(key):
+        values = [r[key] for r in rows if r[key] is not None]
+        return round(statistics.median(values), 3) if values else None
+    return {"steps": len(rows), **{f"median_{k}": med(k) for k in
+                                   ("wall_ms", "launch_ms", "ops_before", "gpu_busy_ms", "gpu_end_ms")}}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["tokens  wall ms  launch at ms  ops before  kernels before (ms)  graph launches: host ms / kernels / busy ms"
+             "  GPU busy ms  GPU ends at ms"]
+    for r in rows:
+        graphs = "; ".join(f"{g['host_ms']:.2f} / {g['kernels']} / {g['busy_ms']:.2f}" for g in r["graph_launches"]) or "-"
+        launch = "-" if r["launch_ms"] is None else f"{r['launch_ms']:.2f}"
+        end = "-" if r["gpu_end_ms"] is None else f"{r['gpu_end_ms']:.2f}"
+        lines.append(f"{r['tokens']:6d}  {r['wall_ms']:7.2f}  {launch:>12}  {r['ops_before']:10d}  "
+                     f"{r['kernels_before']:5d} ({r['kernels_before_busy_ms']:.2f})  {graphs}  "
+                     f"{r['gpu_busy_ms']:11.2f}  {end:>14}")
+    s = summary(rows)
+    lines.append(f"median over {s['steps']} steps: wall {s['median_wall_ms']} ms, first graph launch at "
+                 f"{s['median_launch_ms']} ms after {s['median_ops_before']} host ops, GPU busy {s['median_gpu_busy_ms']} ms, "
+                 f"GPU done at {s['median_gpu_end_ms']} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", help="a torch profiler chrome trace (.json or .json.gz)")
+    ap.add_argument("--json", help="also write the steps and their medians here")
+    args = ap.parse_args(argv)
+    rows = steps(load(args.trace))
+    if not rows:
+        print(f"{args.trace}: no model step (execute_context_N(tokens) annotation) in the trace", file=sys.stderr)
+        return 1
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "steps": rows,
+                                               "summary": summary(rows)}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
