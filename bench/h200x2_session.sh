@@ -102,9 +102,10 @@
 #        bench/latency.py --modes graphs,step (in process, profiler-backed), and the probe's new "fresh" flavour.
 # PLAN=thirtieth1 (one GPU; ~560 s): twentyninth1's two failures again after the fix of padded rows in step graphs
 #        (non-finite garbage in them reached the GDN state): the step-scope parity, paired follow-ups with the state cache.
-# PLAN=thirtyfirst1 (one GPU; ~1,650 s): the default server (now the step scope) vs raw vLLM, short BF16 c=1/16/64
-#        and FP8 c=1; paired follow-ups on cached states (core vs step, both cache on) and the cache's cost on
-#        unique short requests (off vs on), each side pool sized from its own engine; fast_paths on the step scope.
+# PLAN=thirtyfirst1 (one GPU; ~1,750 s): the defaults' parity (step scope, shared GDN metadata), the default server
+#        vs raw vLLM (short BF16 c=1/16/64, FP8 c=1), paired follow-ups on cached states (core vs step, both cache on,
+#        each side pool its own size), a profiled default server (step timeline), fast_paths on the step scope, and
+#        the cache's cost on unique short requests (off vs on).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -411,8 +412,10 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyfirst1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then `wait 540` twice
-  # the default server (step scope) next to raw vLLM: issue 12's single-decision and c=16/64 targets
+thirtyfirst1_queue0)   # ~1,750 s: launch with `wait 520` in a 600 s call, then `wait 540` twice (the last jobs may not fit)
+  # the defaults (step scope, GDN metadata built once per step) against the float32 reference
+  job parity_tiny 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  # the default server next to raw vLLM: issue 12's single-decision and c=16/64 targets
   job short_9b_bf16_step 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-step-short SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 8951
   job short_9b_fp8_step 0 360 env "${SHORT[@]}" CONC=1 LABEL=9b-dummy-fp8-step-c1 \
@@ -422,13 +425,13 @@ thirtyfirst1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
       "BENCH_ARGS=--shared-states 4096x32,15872x17" bash bench/paired.sh "$NINE" \
       "cache=--load-format dummy --state-cache on --prefill-graph-scope core" \
       "stepcache=--load-format dummy --state-cache on"
+  # when each step launches its graphs now (bench/step_timeline.py; the fifteenth session's: 8.0-12.2 ms profiled)
+  profiled_9b profile_default 8981 9b-dummy-bf16-default-profile-c1 "--load-format dummy"
+  # the step graphs against vLLM's path after the padded-row fix (one request at a time, chunked)
+  job fast_paths_step 0 240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
   # issue 13's cost of the cache on unique short requests, the cache-on server's pool its own (thirteenth: one block)
   job paired_off_on 0 300 env COMPARE="off:on:short" PAIRS=300 TIME_LIMIT=20 PORT0=8970 bash bench/paired.sh "$NINE" \
       "off=--load-format dummy" "on=--load-format dummy --state-cache on"
-  # the step graphs against vLLM's path after the padded-row fix (one request at a time, chunked)
-  job fast_paths_step 0 240 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
-  # when each step launches its graphs, core vs the default (bench/step_timeline.py on the engine-core traces)
-  profiled_9b profile_core 8981 9b-dummy-bf16-core-profile-c1 "--load-format dummy --prefill-graph-scope core"
   touch "$S/all.done"
   log "all done"
   ;;

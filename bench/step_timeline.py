@@ -12,7 +12,8 @@ step (vLLM's ``execute_context_1(N)...`` annotation: N scheduled tokens), report
     ops_before         top-level host ops (aten ops, CUDA runtime calls) before that launch
     kernels_before     GPU kernels and copies before it, and their busy time
     graph_launches     per CUDA graph launch: host ms of the call, its kernels, their busy ms
-    gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls)
+    gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls;
+                       overlaps counted once, as in clef_vllm.bench.gpu_timeline)
     gpu_end_ms         from the step's start to the end of its last kernel
 
     python3 bench/step_timeline.py TRACE [--json OUT.json]
@@ -29,6 +30,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from clef_vllm.bench.gpu_timeline import union_length
+
 STEP = re.compile(r"^execute_context_\d+\((\d+)\)")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime")
@@ -40,6 +43,11 @@ def load(path: str | Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as fh:
         return json.load(fh)["traceEvents"]
+
+
+def busy_ms(kernels) -> float:
+    """GPU time of ``kernels`` (trace events), overlaps counted once."""
+    return round(union_length((k["ts"], k["ts"] + k["dur"]) for k in kernels) / 1000, 3)
 
 
 def top_level(events: list[dict]) -> list[dict]:
@@ -74,16 +82,16 @@ def steps(events: list[dict]) -> list[dict]:
         for launch in launches:
             kernels = gpu_by_corr.get(launch.get("args", {}).get("correlation"), ())
             graphs.append({"host_ms": round(launch.get("dur", 0) / 1000, 3), "kernels": len(kernels),
-                           "busy_ms": round(sum(k["dur"] for k in kernels) / 1000, 3)})
+                           "busy_ms": busy_ms(kernels)})
         out.append({
             "tokens": int(STEP.match(span["name"]).group(1)),
             "wall_ms": round(span["dur"] / 1000, 3),
             "launch_ms": round((first - t0) / 1000, 3) if launches else None,
             "ops_before": len(top_level([e for e in inside if e["ts"] < first])),
             "kernels_before": len(before),
-            "kernels_before_busy_ms": round(sum(k["dur"] for k in before) / 1000, 3),
+            "kernels_before_busy_ms": busy_ms(before),
             "graph_launches": graphs,
-            "gpu_busy_ms": round(sum(k["dur"] for k in gpu) / 1000, 3),
+            "gpu_busy_ms": busy_ms(gpu),
             "gpu_end_ms": round((max(k["ts"] + k["dur"] for k in gpu) - t0) / 1000, 3) if gpu else None,
         })
     return out

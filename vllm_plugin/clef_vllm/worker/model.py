@@ -34,6 +34,7 @@ from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREF
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
+from clef_vllm.worker import gdn_metadata
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
@@ -108,6 +109,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         config = model_config.hf_text_config
         if vllm_config.cache_config.mamba_cache_mode == "all":
             raise NotImplementedError("Clef-Flash (Qwen3.5) does not support mamba_cache_mode='all'")
+        if gdn_metadata.install():          # before vLLM makes its metadata builders (at KV-cache init)
+            log.info("clef GDN metadata: built once per step and shared by the GDN KV-cache groups")
         self.config = config
         self.dummy = vllm_config.load_config.load_format == "dummy"
         self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)
