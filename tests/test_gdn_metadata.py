@@ -4,6 +4,8 @@ KV-cache group exactly what its own build would, on CPU with vLLM 0.28's real bu
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -99,3 +101,21 @@ def test_only_plain_steps_share_a_build():
     foreign = SimpleNamespace(spec_sequence_masks=None)                        # no sequence lengths kept
     with pytest.raises(RuntimeError, match="did not build"):
         update_block_table(None, foreign, None, None)
+
+
+def test_the_model_installs_it_before_vllm_makes_its_builders(tiny_release, monkeypatch):
+    """The Clef model's constructor (in the engine process, before vLLM's KV-cache init makes the metadata
+    builders) installs the shared build; nothing else does, so raw-vLLM baselines keep vLLM's own."""
+    from clef_vllm.worker import gdn_metadata
+
+    calls = []
+    monkeypatch.setattr(gdn_metadata, "install", lambda: calls.append("install") or True)
+    vllm_cpu.load_model(tiny_release)
+    assert calls == ["install"]
+    # the plugin's entry point alone (every vLLM process, raw baselines included) leaves the builder alone
+    code = ("from clef_vllm import register; register(); "
+            "from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as B; "
+            "print('_clef_shared' in B.__dict__, B.supports_update_block_table)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["False", "False"]
