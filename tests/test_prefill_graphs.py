@@ -182,7 +182,7 @@ def test_without_initial_state_a_stale_line_is_ignored():
 def test_bucket_length_mask_and_tail():
     bucket = make_bucket(16)
     bucket.set_length(10)
-    assert bucket.valid.tolist() == [1.0] * 10 + [0.0] * 6
+    assert bucket.real[:, 0].tolist() == [True] * 10 + [False] * 6
     assert bucket.tail.tolist() == [7, 8, 9]
 
 

@@ -126,7 +126,7 @@ def test_a_step_graph_reads_static_inputs_that_each_step_refreshes():
     assert static.query_start_loc.tolist() == [0, 11] and static.seq_lens.tolist() == [11]
     assert static.block_table[0, :2].tolist() == [8, 9] and static.slot_mapping.tolist() == list(range(11)) + [-1]
     assert line.tolist() == [1] and flag.tolist() == [True]
-    assert bucket.length == 11 and bucket.valid.tolist() == [1.0] * 11 + [0.0] * 5
+    assert bucket.length == 11 and bucket.real[:, 0].tolist() == [True] * 11 + [False] * 5
     graph.forget()
     assert bucket.length is None and bucket.fed is None
     # a step whose layers no longer share what they shared at capture does not fit the graph

@@ -163,8 +163,7 @@ class Bucket:
         self.lines = torch.zeros(1, dtype=torch.int32, **zeros)          # the sequence's state line
         self.has_init = torch.zeros(1, dtype=torch.bool, **zeros)        # read its state first?
         self.query_start_loc = torch.tensor([0, size], dtype=torch.int32, **zeros)
-        self.valid = torch.zeros(size, dtype=torch.float32, **zeros)     # 1 for real rows, 0 for padding
-        self.real = torch.zeros(size, 1, dtype=torch.bool, **zeros)      # the same, to select rows with
+        self.real = torch.zeros(size, 1, dtype=torch.bool, **zeros)      # True for real rows, False for padding
         self.zero = torch.zeros((), dtype=dtype, **zeros)                 # what a padded row selects
         self.positions = torch.arange(size, dtype=torch.int64, **zeros)
         self.tail_offsets = torch.arange(-(dims.conv_width - 1), 0, dtype=torch.int64, **zeros)
@@ -187,10 +186,9 @@ class Bucket:
         return self
 
     def set_length(self, n: int) -> None:
-        """Point the padding masks and the conv-tail rows at ``n`` real tokens (4 small kernels)."""
+        """Point the padding mask and the conv-tail rows at ``n`` real tokens (two small ops)."""
         if self.length == n:
             return
-        torch.lt(self.positions, n, out=self.valid)
         torch.lt(self.positions[:, None], n, out=self.real)
         torch.add(self.tail_offsets, n, out=self.tail)
         self.length = n
@@ -237,9 +235,8 @@ def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels, x: torch.Ten
     view.conv_state_raw[bucket.lines] = (tail.transpose(0, 1) if view.conv_dim_first else tail).unsqueeze(0).to(
         view.conv_state_raw.dtype)
     q, k, v, g, beta = kernels.prep(y, a, b, view)
-    keep = bucket.valid[:, None]
-    g.mul_(keep)                 # log decay 0: the state passes padded rows unchanged
-    beta.mul_(keep)              # no write from padded rows
+    g.mul_(bucket.real)          # log decay 0: the state passes padded rows unchanged
+    beta.mul_(bucket.real)       # no write from padded rows
     h0 = view.ssm_state[bucket.lines]
     h0 = torch.where(bucket.has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
     o, final = kernels.rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), h0,
