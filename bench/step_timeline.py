@@ -10,6 +10,8 @@ step (vLLM's ``execute_context_1(N)...`` annotation: N scheduled tokens), report
                        it: vLLM's input preparation and attention-metadata builders, the plugin's
                        step-graph feed); the GPU waits for that launch
     ops_before         top-level host ops (aten ops, CUDA runtime calls) before that launch
+    ops_before_by_window  the same per 0.5 ms from the step's start: count and most frequent names
+                       (printed with --windows)
     kernels_before     GPU kernels and copies before it, and their busy time
     graph_launches     per CUDA graph launch: host ms of the call, its kernels, their busy ms
     gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls;
@@ -27,7 +29,7 @@ import json
 import re
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from clef_vllm.bench.gpu_timeline import union_length
@@ -35,6 +37,7 @@ from clef_vllm.bench.gpu_timeline import union_length
 STEP = re.compile(r"^execute_context_\d+\((\d+)\)")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime")
+WINDOW_MS = 0.5      # ops_before_by_window
 
 
 def load(path: str | Path) -> list[dict]:
@@ -60,6 +63,17 @@ def top_level(events: list[dict]) -> list[dict]:
     return out
 
 
+def windows(ops: list[dict], t0: float, width_ms: float = WINDOW_MS) -> list[dict]:
+    """``ops`` (top-level host ops) in windows of ``width_ms`` from ``t0``: how many start in each and the
+    most frequent names (the pattern in time of the work before a step's graph launch)."""
+    by_window = defaultdict(list)
+    for e in ops:
+        by_window[int((e["ts"] - t0) // (width_ms * 1000))].append(e["name"])
+    return [{"from_ms": round(w * width_ms, 3), "ops": len(names),
+             "most": [f"{name} x{count}" for name, count in Counter(names).most_common(4)]}
+            for w, names in sorted(by_window.items())]
+
+
 def steps(events: list[dict]) -> list[dict]:
     """One summary per model step that schedules tokens (see the module docstring), in time order."""
     spans = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
@@ -69,25 +83,31 @@ def steps(events: list[dict]) -> list[dict]:
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
             gpu_by_corr[e.get("args", {}).get("correlation")].append(e)
+
+    def kernels_of(calls):
+        return [k for e in calls for k in gpu_by_corr.get(e.get("args", {}).get("correlation"), ())]
+
     out = []
     for span in spans:
         t0, t1 = span["ts"], span["ts"] + span["dur"]
         inside = [e for e in host if t0 <= e["ts"] < t1]
         runtime = [e for e in inside if e.get("cat") == "cuda_runtime"]
-        gpu = [k for e in runtime for k in gpu_by_corr.get(e.get("args", {}).get("correlation"), ())]
+        gpu = kernels_of(runtime)
         launches = [e for e in runtime if e.get("name") == "cudaGraphLaunch"]
         first = launches[0]["ts"] if launches else t1
-        before = [k for e in runtime if e["ts"] < first for k in gpu_by_corr.get(e.get("args", {}).get("correlation"), ())]
+        before = kernels_of(e for e in runtime if e["ts"] < first)
         graphs = []
         for launch in launches:
-            kernels = gpu_by_corr.get(launch.get("args", {}).get("correlation"), ())
+            kernels = kernels_of([launch])
             graphs.append({"host_ms": round(launch.get("dur", 0) / 1000, 3), "kernels": len(kernels),
                            "busy_ms": busy_ms(kernels)})
+        ops = top_level([e for e in inside if e["ts"] < first])
         out.append({
             "tokens": int(STEP.match(span["name"]).group(1)),
             "wall_ms": round(span["dur"] / 1000, 3),
             "launch_ms": round((first - t0) / 1000, 3) if launches else None,
-            "ops_before": len(top_level([e for e in inside if e["ts"] < first])),
+            "ops_before": len(ops),
+            "ops_before_by_window": windows(ops, t0),
             "kernels_before": len(before),
             "kernels_before_busy_ms": busy_ms(before),
             "graph_launches": graphs,
@@ -127,12 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="a torch profiler chrome trace (.json or .json.gz)")
     ap.add_argument("--json", help="also write the steps and their medians here")
+    ap.add_argument("--windows", action="store_true", help="also print each step's host ops before its launch, "
+                    "per 0.5 ms window")
     args = ap.parse_args(argv)
     rows = steps(load(args.trace))
     if not rows:
         print(f"{args.trace}: no model step (execute_context_N(tokens) annotation) in the trace", file=sys.stderr)
         return 1
     print(table(rows))
+    if args.windows:
+        for r in rows:
+            print(f"\n{r['tokens']}-token step, host ops before its first graph launch, per {WINDOW_MS} ms:")
+            for w in r["ops_before_by_window"]:
+                print(f"  {w['from_ms']:6.1f} ms  {w['ops']:3d} ops  {', '.join(w['most'])}")
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "steps": rows,
                                                "summary": summary(rows)}, indent=1) + "\n")

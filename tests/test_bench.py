@@ -870,6 +870,12 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     assert step["graph_launches"] == [{"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8},
                                       {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9}]
     assert step["gpu_busy_ms"] == 1.705 and step["gpu_end_ms"] == 8.9
+    assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
+                                            {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
+    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows"],
+                          capture_output=True, text=True, timeout=60)
+    assert "400-token step, host ops before its first graph launch" in proc.stdout
+    assert "0.0 ms    1 ops  aten::copy_ x1\n     0.5 ms    1 ops  aten::slice x1" in proc.stdout
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": events[-1:]}))
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(empty)], capture_output=True,
