@@ -13,7 +13,9 @@ step (vLLM's ``execute_context_1(N)...`` annotation: N scheduled tokens), report
     ops_before_by_window  the same per 0.5 ms from the step's start: count and most frequent names
                        (printed with --windows)
     kernels_before     GPU kernels and copies before it, and their busy time
-    graph_launches     per CUDA graph launch: host ms of the call, its kernels, their busy ms
+    graph_launches     per CUDA graph launch: host ms of the call, its kernels, their busy ms and span,
+                       and when its first kernel started after the call began (the call is queued
+                       when that is later than the call's own duration)
     gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls;
                        overlaps counted once, as in clef_vllm.bench.gpu_timeline)
     gpu_end_ms         from the step's start to the end of its last kernel
@@ -99,8 +101,12 @@ def steps(events: list[dict]) -> list[dict]:
         graphs = []
         for launch in launches:
             kernels = kernels_of([launch])
+            start = min((k["ts"] for k in kernels), default=None)
             graphs.append({"host_ms": round(launch.get("dur", 0) / 1000, 3), "kernels": len(kernels),
-                           "busy_ms": busy_ms(kernels)})
+                           "busy_ms": busy_ms(kernels),
+                           "span_ms": round((max(k["ts"] + k["dur"] for k in kernels) - start) / 1000, 3)
+                           if kernels else None,
+                           "first_kernel_after_ms": round((start - launch["ts"]) / 1000, 3) if kernels else None})
         ops = top_level([e for e in inside if e["ts"] < first])
         out.append({
             "tokens": int(STEP.match(span["name"]).group(1)),

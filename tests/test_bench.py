@@ -867,8 +867,9 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     (step,) = json.loads(out.read_text())["steps"]
     assert step["tokens"] == 400 and step["wall_ms"] == 10.0 and step["launch_ms"] == 4.0
     assert step["ops_before"] == 2 and step["kernels_before"] == 1 and step["kernels_before_busy_ms"] == 0.005
-    assert step["graph_launches"] == [{"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8},
-                                      {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9}]
+    assert step["graph_launches"] == [
+        {"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8, "span_ms": 0.98, "first_kernel_after_ms": 0.2},
+        {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9, "span_ms": 0.9, "first_kernel_after_ms": 1.5}]
     assert step["gpu_busy_ms"] == 1.705 and step["gpu_end_ms"] == 8.9
     assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
                                             {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
