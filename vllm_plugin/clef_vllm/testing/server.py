@@ -24,11 +24,25 @@ import urllib.request
 from pathlib import Path
 
 
+#: every port :func:`free_port` has handed out in this process
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free on loopback right now and that this process has not been handed before.
+
+    Servers started together (``tests/test_server.py`` starts a dozen at once) each ask for a port
+    before any of them binds one, so the system may offer two of them the same free port: they then
+    shared a log file (``clef-server-PORT.log``) and one of them could not listen (a CI run lost nine
+    tests to that). A port handed out once is never handed out again by this process."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free loopback port that this process has not handed out already")
 
 
 def http_call(url: str, body: dict | bytes | None = None, timeout: float = 10.0,
