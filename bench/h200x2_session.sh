@@ -106,6 +106,8 @@
 #        vs raw vLLM (short BF16 c=1/16/64, FP8 c=1), paired follow-ups on cached states (core vs step, both cache on,
 #        each side pool its own size), a profiled default server (step timeline), fast_paths on the step scope, and
 #        the cache's cost on unique short requests (off vs on).
+# PLAN=thirtysecond1 (one GPU; ~300 s): where steps of several short decisions spend their time (c=16 and c=64 short,
+#        the default server's engine core profiled, bench/step_timeline.py), for the c=16/64 gap to raw vLLM.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -208,12 +210,12 @@ traced_9b() {  # traced_9b NAME LIMIT PORT LABEL CONC [VAR=VALUE...]: the 9B BF1
   python3 -m clef_vllm.trace "$S/$name/trace.jsonl" >"$S/$name/trace_summary.txt" 2>&1
 }
 
-profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS: the 9B server, short at c=1, its engine core torch-profiled
-  # over client decisions 8-12 (CLEF_VLLM_PROFILE: vLLM's per-op table profiler_out_0.txt and traces; traces over
-  # 20 MB are dropped so the session's results stay small)
-  local name=$1 port=$2 label=$3 args=$4
+profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS [CONC [WINDOW [LIMIT_S]]]: the 9B server, short at c=CONC (1), its
+  # engine core torch-profiled over client decisions WINDOW (8,5: decisions 8-12; CLEF_VLLM_PROFILE: vLLM's per-op
+  # table profiler_out_0.txt and traces; traces over 20 MB are dropped so the session's results stay small)
+  local name=$1 port=$2 label=$3 args=$4 conc=${5:-1} window=${6:-8,5} limit=${7:-240}
   mkdir -p "$S/$name/profile"
-  job "$name" 0 240 env CLEF_VLLM_PROFILE="$S/$name/profile,8,5" WORKLOADS=short CONC=1 CONC_OVERRIDES= TIME_LIMIT=6 \
+  job "$name" 0 "$limit" env CLEF_VLLM_PROFILE="$S/$name/profile,$window" WORKLOADS=short CONC="$conc" CONC_OVERRIDES= TIME_LIMIT=6 \
       WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES=server LABEL="$label" SERVER_ARGS="$args" \
       bash bench/gpu_bench.sh "$NINE" "$port"
   local trace
@@ -235,7 +237,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1|thirtyfirst1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1|thirtyfirst1|thirtysecond1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -409,6 +411,12 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtysecond1_queue0)   # ~300 s: launch with `wait 380` in the staging's last call (the first 9B server compiles)
+  profiled_9b profile_c16 8991 9b-dummy-bf16-default-profile-c16 "--load-format dummy" 16 24,48 330
+  profiled_9b profile_c64 8992 9b-dummy-bf16-default-profile-c64 "--load-format dummy" 64 80,128
   touch "$S/all.done"
   log "all done"
   ;;
