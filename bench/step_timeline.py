@@ -16,9 +16,12 @@ step (vLLM's ``execute_context_1(N)...`` annotation: N scheduled tokens), report
     graph_launches     per CUDA graph launch: host ms of the call, its kernels, their busy ms and span,
                        and when its first kernel started after the call began (the call is queued
                        when that is later than the call's own duration)
-    gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls;
+    gpu_busy_ms        kernel and copy time of the step (by CUDA correlation with its host calls: the
+                       runtime's and the driver's, which Triton and inductor kernels launch through;
                        overlaps counted once, as in clef_vllm.bench.gpu_timeline)
     gpu_end_ms         from the step's start to the end of its last kernel
+    gpu_idle_ms        from its first kernel's start to its last kernel's end, the time no kernel or copy
+                       of the step ran (launch gaps, host-to-device copies waiting for the host)
 
     python3 bench/step_timeline.py TRACE [--json OUT.json]
 """
@@ -39,6 +42,7 @@ from clef_vllm.bench.gpu_timeline import union_length
 STEP = re.compile(r"^execute_context_\d+\((\d+)\)")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")     # host calls that queue GPU work (Triton: cuLaunchKernelEx)
 WINDOW_MS = 0.5      # ops_before_by_window
 
 
@@ -80,7 +84,8 @@ def steps(events: list[dict]) -> list[dict]:
     """One summary per model step that schedules tokens (see the module docstring), in time order."""
     spans = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                     and (m := STEP.match(e.get("name", ""))) and int(m.group(1)) > 0), key=lambda e: e["ts"])
-    host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS + LAUNCH_CATS),
+                  key=lambda e: e["ts"])
     gpu_by_corr = defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
@@ -93,7 +98,7 @@ def steps(events: list[dict]) -> list[dict]:
     for span in spans:
         t0, t1 = span["ts"], span["ts"] + span["dur"]
         inside = [e for e in host if t0 <= e["ts"] < t1]
-        runtime = [e for e in inside if e.get("cat") == "cuda_runtime"]
+        runtime = [e for e in inside if e.get("cat") in LAUNCH_CATS]
         gpu = kernels_of(runtime)
         launches = [e for e in runtime if e.get("name") == "cudaGraphLaunch"]
         first = launches[0]["ts"] if launches else t1
@@ -107,7 +112,7 @@ def steps(events: list[dict]) -> list[dict]:
                            "span_ms": round((max(k["ts"] + k["dur"] for k in kernels) - start) / 1000, 3)
                            if kernels else None,
                            "first_kernel_after_ms": round((start - launch["ts"]) / 1000, 3) if kernels else None})
-        ops = top_level([e for e in inside if e["ts"] < first])
+        ops = top_level([e for e in inside if e["ts"] < first and e.get("cat") in HOST_CATS])
         out.append({
             "tokens": int(STEP.match(span["name"]).group(1)),
             "wall_ms": round(span["dur"] / 1000, 3),
@@ -119,6 +124,8 @@ def steps(events: list[dict]) -> list[dict]:
             "graph_launches": graphs,
             "gpu_busy_ms": busy_ms(gpu),
             "gpu_end_ms": round((max(k["ts"] + k["dur"] for k in gpu) - t0) / 1000, 3) if gpu else None,
+            "gpu_idle_ms": round((max(k["ts"] + k["dur"] for k in gpu) - min(k["ts"] for k in gpu)) / 1000
+                                 - busy_ms(gpu), 3) if gpu else None,
         })
     return out
 
@@ -129,23 +136,25 @@ def summary(rows: list[dict]) -> dict:
         values = [r[key] for r in rows if r[key] is not None]
         return round(statistics.median(values), 3) if values else None
     return {"steps": len(rows), **{f"median_{k}": med(k) for k in
-                                   ("wall_ms", "launch_ms", "ops_before", "gpu_busy_ms", "gpu_end_ms")}}
+                                   ("wall_ms", "launch_ms", "ops_before", "gpu_busy_ms", "gpu_end_ms",
+                                    "gpu_idle_ms")}}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["tokens  wall ms  launch at ms  ops before  kernels before (ms)  graph launches: host ms / kernels / busy ms"
-             "  GPU busy ms  GPU ends at ms"]
+             "  GPU busy ms  GPU ends at ms  GPU idle ms"]
     for r in rows:
         graphs = "; ".join(f"{g['host_ms']:.2f} / {g['kernels']} / {g['busy_ms']:.2f}" for g in r["graph_launches"]) or "-"
         launch = "-" if r["launch_ms"] is None else f"{r['launch_ms']:.2f}"
         end = "-" if r["gpu_end_ms"] is None else f"{r['gpu_end_ms']:.2f}"
+        idle = "-" if r["gpu_idle_ms"] is None else f"{r['gpu_idle_ms']:.2f}"
         lines.append(f"{r['tokens']:6d}  {r['wall_ms']:7.2f}  {launch:>12}  {r['ops_before']:10d}  "
                      f"{r['kernels_before']:5d} ({r['kernels_before_busy_ms']:.2f})  {graphs}  "
-                     f"{r['gpu_busy_ms']:11.2f}  {end:>14}")
+                     f"{r['gpu_busy_ms']:11.2f}  {end:>14}  {idle:>11}")
     s = summary(rows)
     lines.append(f"median over {s['steps']} steps: wall {s['median_wall_ms']} ms, first graph launch at "
                  f"{s['median_launch_ms']} ms after {s['median_ops_before']} host ops, GPU busy {s['median_gpu_busy_ms']} ms, "
-                 f"GPU done at {s['median_gpu_end_ms']} ms")
+                 f"GPU done at {s['median_gpu_end_ms']} ms, GPU idle {s['median_gpu_idle_ms']} ms between its first and last kernel")
     return "\n".join(lines)
 
 

@@ -835,7 +835,7 @@ def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_
 def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     """bench/step_timeline.py on a small torch-profiler trace: per model step, the host time before its first
     CUDA graph launch, the host ops and kernels before it, each launch's kernels (by CUDA correlation), and
-    when the GPU finished; steps without tokens (vLLM's idle ``execute_context_0(0)``) are not steps."""
+    when the GPU finished, driver-launched (Triton) kernels included; steps without tokens (vLLM's idle ``execute_context_0(0)``) are not steps."""
     import gzip
 
     def x(cat, name, ts, dur, corr=None):
@@ -853,6 +853,8 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
         *[x("kernel", f"k{i}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
         x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
         x("kernel", "head", 9000, 900, corr=3),
+        x("cuda_driver", "cuLaunchKernelEx", 8200, 10, corr=4),       # a Triton kernel, launched by the driver
+        x("kernel", "triton_k", 9950, 50, corr=4),
         x("user_annotation", "execute_context_0(0)_generation_0(0)", 12000, 300),
     ]
     trace = tmp_path / "rank0.pt.trace.json.gz"
@@ -870,7 +872,8 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     assert step["graph_launches"] == [
         {"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8, "span_ms": 0.98, "first_kernel_after_ms": 0.2},
         {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9, "span_ms": 0.9, "first_kernel_after_ms": 1.5}]
-    assert step["gpu_busy_ms"] == 1.705 and step["gpu_end_ms"] == 8.9
+    assert step["gpu_busy_ms"] == 1.755 and step["gpu_end_ms"] == 9.0
+    assert step["gpu_idle_ms"] == 7.045      # its kernels ran from 0.2 to 9.0 ms after the step began, 1.755 ms busy
     assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
                                             {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows"],
