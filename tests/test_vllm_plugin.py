@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import shutil
+import threading
 from pathlib import Path
 from importlib.metadata import entry_points
 
@@ -732,3 +733,22 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
         probs, cached = asyncio.run(backend._encode(list(range(20)), synthetic_spec(20)))
     assert probs.numel() == synthetic_spec(20).num_options and calls == ["5"]          # nothing to stop
     assert "CLEF_VLLM_PROFILE: could not start vLLM's profiler (RuntimeError: Profiler is not enabled)" in caplog.text
+
+    # a window longer than the traffic: the server's shutdown stops the profiler, so the files are still written
+    # (a c=16 profile asking for decisions 24..71 of 68 once came back empty)
+    engine = StandIn()
+    engine.shutdown = lambda: calls.append("shutdown")
+    backend.engine, backend._profile = engine, trace.ProfileWindow.from_env(f"{tmp_path},1,5")
+    backend._loop = asyncio.new_event_loop()
+    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
+    backend._thread.start()
+    calls.clear()
+    for _ in range(3):                                                # client decisions 0-2 of a window 1..5
+        backend._submit(backend._encode(list(range(20)), synthetic_spec(20))).result(timeout=30)
+    assert calls == ["6", "start", "7", "8"] and backend._profile.running
+    with caplog.at_level(logging.WARNING, logger="clef_vllm"):
+        backend.close()
+    assert calls[-2:] == ["stop", "shutdown"] and not backend._profile.running
+    assert "the server stops after 2 of the window's 5 client decisions" in caplog.text
+    assert not backend._thread.is_alive()
+    backend.close()                                                   # closing twice is harmless

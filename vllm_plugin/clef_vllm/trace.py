@@ -88,6 +88,21 @@ class ProfileWindow:
             self._running = False
             await self._switch(engine.stop_profile, "stop")
 
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    async def finish(self, engine) -> None:
+        """At shutdown: a window the traffic did not complete (fewer decisions than START+COUNT) is
+        stopped, so vLLM still writes the decisions it saw; without this the profile was lost."""
+        if self._running:
+            self._running = False
+            seen = self._seen - self.start
+            logging.getLogger("clef_vllm").warning(
+                "CLEF_VLLM_PROFILE: the server stops after %d of the window's %d client decisions; "
+                "stopping vLLM's profiler now", seen, self.count)
+            await self._switch(engine.stop_profile, "stop")
+
     async def _switch(self, call, what: str) -> bool:
         """A profiler that fails is logged, never a failed decision (this is a diagnosis aid)."""
         log = logging.getLogger("clef_vllm")

@@ -493,6 +493,11 @@ class VllmBackend(Backend):
     def close(self) -> None:
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            if self._profile is not None and self._profile.running and self._loop.is_running():
+                try:                        # a profile window the traffic left open still gets written
+                    self._submit(self._profile.finish(engine)).result(timeout=120)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("CLEF_VLLM_PROFILE at shutdown: %s", exc)
             try:
                 engine.shutdown()
             except Exception as exc:  # noqa: BLE001
