@@ -108,6 +108,9 @@
 #        the cache's cost on unique short requests (off vs on).
 # PLAN=thirtysecond1 (one GPU; ~300 s): where steps of several short decisions spend their time (c=16 and c=64 short,
 #        the default server's engine core profiled, bench/step_timeline.py), for the c=16/64 gap to raw vLLM.
+# PLAN=thirtythird1 (one GPU; ~1,450 s): the c=16 profile again (its window now fits), online FP8's step at c=1
+#        profiled, the default server vs raw at c=16/64 with 512 requests a point, and FP8 follow-ups on a cached 16k
+#        state with the step scope, paired with BF16.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -237,7 +240,7 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1|thirtyfirst1|thirtysecond1) set -- "${PLAN}_$1" ;; esac ;;
+  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1|thirtyfirst1|thirtysecond1|thirtythird1) set -- "${PLAN}_$1" ;; esac ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -411,6 +414,18 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   job step_graph_probe 0 400 python3 bench/step_graph_probe.py --out "$S/step_graph_probe"
   job fast_paths_layer 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_layer" --n 60 --only graphs --scope layer
   job fast_paths_step 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step" --n 60 --only graphs --scope step
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtythird1_queue0)   # ~1,450 s: launch with `wait 520` in a 600 s call, then `wait 540`, then what is left
+  profiled_9b profile_c16 9001 9b-dummy-bf16-default-profile-c16 "--load-format dummy" 16 24,32 330
+  profiled_9b profile_fp8_c1 9002 9b-dummy-fp8-default-profile-c1 "--load-format dummy --quantization fp8" 1 8,5 300
+  job short_9b_bf16_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
+      "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-default-short-512 SERVER_ARGS="--load-format dummy" \
+      bash bench/gpu_bench.sh "$NINE" 9003
+  job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
+      "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
+      "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
   touch "$S/all.done"
   log "all done"
   ;;
