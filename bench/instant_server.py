@@ -4,10 +4,17 @@ check that a load generator is not the bottleneck (CPU only, no model).
 
     python bench/instant_server.py CKPT PORT          # CKPT: any checkpoint folder (its tokenizer)
     clef-bench http://127.0.0.1:PORT --tokenizer CKPT --workload short --concurrency 1,16,64
+
+With ``--step-ms F --per-token-us P`` the backend answers in *steps*, as vLLM's engine does: the
+requests waiting when a step begins (up to ``--step-tokens``) finish together after F ms + P µs per
+token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`;
+``bench/front_end_share.py`` drives the same engine without HTTP to compare).
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import sys
 
 import torch
@@ -37,10 +44,73 @@ class InstantBackend(Backend):
         return {"backend": "instant"}
 
 
-def main() -> int:
-    checkpoint, port = sys.argv[1], int(sys.argv[2])
-    uvicorn.run(create_app(lambda: InstantBackend(checkpoint), ServerSettings()), host="127.0.0.1", port=port,
-                log_level="warning")
+class SteppedEngine:
+    """A stand-in for an engine that batches by step: :meth:`run` returns when the step holding the
+    request ends. A step takes every waiting request that fits ``budget`` tokens (at least one) and
+    lasts ``fixed_ms + per_token_us × tokens``; requests arriving during a step wait for the next."""
+
+    def __init__(self, fixed_ms: float, per_token_us: float, budget: int = 16384):
+        self.fixed_ms, self.per_token_us, self.budget = fixed_ms, per_token_us, budget
+        self.steps = 0
+        self._waiting: list[tuple[int, asyncio.Future]] = []
+        self._stepping: asyncio.Task | None = None
+
+    def step_seconds(self, tokens: int) -> float:
+        return (self.fixed_ms + self.per_token_us * tokens / 1000) / 1000
+
+    async def run(self, tokens: int) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((tokens, done))
+        if self._stepping is None or self._stepping.done():
+            self._stepping = asyncio.ensure_future(self._steps())
+        await done
+
+    async def _steps(self) -> None:
+        while self._waiting:
+            batch, used = [], 0
+            while self._waiting and (not batch or used + self._waiting[0][0] <= self.budget):
+                tokens, done = self._waiting.pop(0)
+                batch.append(done)
+                used += tokens
+            await asyncio.sleep(self.step_seconds(used))
+            self.steps += 1
+            for done in batch:
+                if not done.done():
+                    done.set_result(None)
+
+
+class SteppedBackend(InstantBackend):
+    name = "stepped"
+
+    def __init__(self, checkpoint: str, engine: SteppedEngine):
+        super().__init__(checkpoint)
+        self.engine = engine
+
+    async def decide(self, encoded):
+        await self.engine.run(encoded.num_tokens)
+        return self.decide_batch([encoded])[0]
+
+    def suggested_max_in_flight(self) -> int:
+        return 128          # as the vLLM backend's: vLLM's max_num_seqs (128 in the server)
+
+    def describe(self) -> dict:
+        return {"backend": "stepped", "fixed_ms": self.engine.fixed_ms, "per_token_us": self.engine.per_token_us,
+                "step_tokens": self.engine.budget}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("port", type=int)
+    ap.add_argument("--step-ms", type=float, default=None, help="answer in steps of this fixed cost (ms) ...")
+    ap.add_argument("--per-token-us", type=float, default=0.0, help="... plus this much per token (µs)")
+    ap.add_argument("--step-tokens", type=int, default=16384, help="tokens a step takes at most [16384]")
+    a = ap.parse_args(argv)
+    if a.step_ms is None:
+        make = lambda: InstantBackend(a.checkpoint)  # noqa: E731
+    else:
+        make = lambda: SteppedBackend(a.checkpoint, SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens))  # noqa: E731
+    uvicorn.run(create_app(make, ServerSettings()), host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 
 

@@ -885,3 +885,57 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(empty)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1 and "no model step" in proc.stderr
+
+
+def test_the_stepped_engine_batches_like_vllm_steps():
+    """bench/instant_server.py's stand-in engine: requests waiting when a step begins finish together after
+    that step; one arriving during a step waits for the next; a step takes at most its token budget (and at
+    least one request, however long); a step lasts its fixed cost plus its per-token cost."""
+    import asyncio
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from instant_server import SteppedEngine
+    finally:
+        sys.path.pop(0)
+
+    engine = SteppedEngine(fixed_ms=30, per_token_us=10, budget=1000)
+    assert engine.step_seconds(2000) == pytest.approx(0.05)
+
+    async def scenario():
+        finished = {}
+
+        async def request(name, tokens, delay=0.0):
+            await asyncio.sleep(delay)
+            await engine.run(tokens)
+            finished[name] = engine.steps
+
+        t0 = time.perf_counter()
+        await asyncio.gather(request("a", 400), request("b", 400), request("late", 100, delay=0.01),
+                             request("over", 300))       # a + b + over > 1,000 tokens: "over" waits too
+        await request("huge", 5000)                       # alone, over the budget: a step of its own
+        return finished, time.perf_counter() - t0
+
+    finished, wall = asyncio.run(scenario())
+    assert finished == {"a": 1, "b": 1, "over": 2, "late": 2, "huge": 3}
+    assert engine.steps == 3
+    assert wall >= 0.030 + 0.008 + 0.030 + 0.004 + 0.030 + 0.050     # each step its fixed and per-token cost
+
+
+def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release, tmp_path):
+    """bench/front_end_share.py: the real app over the stepped engine under clef-bench, then the same engine
+    driven directly, per concurrency: both req/s, their ratio and the server's stages."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "share.json"
+    proc = subprocess.run([sys.executable, str(root / "bench/front_end_share.py"), str(tiny_release), "--step-ms",
+                           "2", "--per-token-us", "5", "-c", "1", "4", "-n", "12", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [p["concurrency"] for p in result["points"]] == [1, 4]
+    for point in result["points"]:
+        assert point["server_req_per_s"] > 0 and point["engine_only_req_per_s"] > 0
+        assert point["ratio"] == round(point["server_req_per_s"] / point["engine_only_req_per_s"], 3)
+        assert {"parse", "encode", "engine", "total"} <= set(point["server_stages_p50_ms"])
+    assert "engine-only req/s" in proc.stdout and result["settings"]["step_ms"] == 2.0

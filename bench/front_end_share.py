@@ -1,0 +1,131 @@
+"""How much of a closed-loop throughput gap to an in-process engine is the HTTP front-end's (CPU only).
+
+clef-bench compares the server with raw vLLM driven *in process*: c clients, each sending its next
+request as soon as the last one is answered. A server's client also waits for what the server does
+around the engine (HTTP, parse, encode, answers), and during that time its request is not in the
+engine, so the engine's steps hold fewer requests. This script measures that share with a stand-in
+engine that batches by step like vLLM (``bench/instant_server.py``'s :class:`SteppedEngine`: a step
+takes every waiting request and lasts F ms + P µs per token), once behind the real ``clef-systemone``
+app and clef-bench, once driven directly by c closed-loop clients with the same token counts.
+
+    python bench/front_end_share.py CKPT [--step-ms 3 --per-token-us 25] [-c 1 16 64] [-n 256] [-o OUT.json]
+
+CKPT: any checkpoint folder (its tokenizer). Prints, per concurrency, both req/s, their ratio and the
+server's stages (``Server-Timing``); the JSON keeps it all with the settings. The defaults model the
+9B on one H200 (a 16k-token step ~409 ms of GPU work: ~25 µs per token; steps begin ~3 ms apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from instant_server import SteppedEngine  # noqa: E402
+
+
+async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int]) -> dict:
+    """``concurrency`` clients send ``tokens`` (one request each, in order) straight to ``engine``."""
+    queue = list(reversed(tokens))
+    latencies: list[float] = []
+
+    async def client():
+        while queue:
+            n = queue.pop()
+            t0 = time.perf_counter()
+            await engine.run(n)
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {"requests": len(latencies), "req_per_s": round(len(latencies) / wall, 2),
+            "p50_ms": round(statistics.median(latencies) * 1000, 2)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the stepped server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the stepped server was not ready within {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--step-ms", type=float, default=3.0)
+    ap.add_argument("--per-token-us", type=float, default=25.0)
+    ap.add_argument("--step-tokens", type=int, default=16384)
+    ap.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("-n", "--num-requests", type=int, default=256, help="requests per point [256]")
+    ap.add_argument("--workload", default="short")
+    ap.add_argument("-o", "--out", help="write the results here (JSON)")
+    a = ap.parse_args(argv)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("instant_server.py")), a.checkpoint,
+                               str(port), "--step-ms", str(a.step_ms), "--per-token-us", str(a.per_token_us),
+                               "--step-tokens", str(a.step_tokens)])
+    try:
+        wait_ready(url, server)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "server.json"
+            cmd = ["clef-bench", url, "--tokenizer", a.checkpoint, "--workload", a.workload, "-c",
+                   ",".join(map(str, a.concurrency)), "-n", str(a.num_requests), "--warmup", "4", "--no-progress",
+                   "--time-limit", "600", "-o", str(out)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            served = json.loads(out.read_text())
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    rows = []
+    for point in served["points"]:
+        c, tokens_per_request = point["concurrency"], point["input_tokens"]["mean_expected"]
+        engine = SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens)
+        direct = asyncio.run(engine_only(engine, c, [round(tokens_per_request)] * point["ok"]))
+        rows.append({"concurrency": c, "tokens_per_request": round(tokens_per_request, 1),
+                     "server_req_per_s": round(point["req_per_s"], 2), "server_p50_ms": point["latency_ms"]["p50"],
+                     "engine_only_req_per_s": direct["req_per_s"], "engine_only_p50_ms": direct["p50_ms"],
+                     "ratio": round(point["req_per_s"] / direct["req_per_s"], 3),
+                     "server_stages_p50_ms": point.get("server_stages_p50_ms")})
+    print(f"stand-in engine: steps of {a.step_ms} ms + {a.per_token_us} µs per token (at most {a.step_tokens} "
+          f"tokens); {a.workload}, {a.num_requests} requests a point")
+    print(" c  server req/s  engine-only req/s  ratio  server p50 ms  engine-only p50 ms  server stages p50 ms")
+    for r in rows:
+        stages = ", ".join(f"{k} {v}" for k, v in (r["server_stages_p50_ms"] or {}).items())
+        print(f"{r['concurrency']:2d}  {r['server_req_per_s']:12.1f}  {r['engine_only_req_per_s']:17.1f}  "
+              f"{r['ratio']:5.3f}  {r['server_p50_ms']:13.1f}  {r['engine_only_p50_ms']:18.1f}  {stages}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"settings": vars(a), "cpus": os.cpu_count(), "points": rows}, indent=1)
+                               + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
