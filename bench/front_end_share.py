@@ -10,8 +10,9 @@ app and clef-bench, once driven directly by c closed-loop clients with the same 
 
     python bench/front_end_share.py CKPT [--step-ms 3 --per-token-us 25] [-c 1 16 64] [-n 256] [-o OUT.json]
 
-CKPT: any checkpoint folder (its tokenizer). Prints, per concurrency, both req/s, their ratio and the
-server's stages (``Server-Timing``); the JSON keeps it all with the settings. The defaults model the
+CKPT: any checkpoint folder (its tokenizer). Prints, per concurrency, both req/s, their ratio, how
+many requests a step took on each side (warm-up requests included on the server's), and the server's
+stages (``Server-Timing``); the JSON keeps it all with the settings. The defaults model the
 9B on one H200 (a 16k-token step ~409 ms of GPU work: ~25 µs per token; steps begin ~3 ms apart).
 """
 
@@ -53,6 +54,18 @@ async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int]
             "p50_ms": round(statistics.median(latencies) * 1000, 2)}
 
 
+def steps_taken(url: str) -> dict[int, int]:
+    """The stepped server's steps so far, by how many requests each took (its ``/v1/models``)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        info = json.loads(r.read())["data"][0]
+    return {int(k): v for k, v in info["requests_per_step"].items()}
+
+
+def mean_per_step(requests_per_step: dict[int, int]) -> float:
+    steps = sum(requests_per_step.values())
+    return round(sum(k * v for k, v in requests_per_step.items()) / steps, 2) if steps else 0.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,21 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("instant_server.py")), a.checkpoint,
                                str(port), "--step-ms", str(a.step_ms), "--per-token-us", str(a.per_token_us),
                                "--step-tokens", str(a.step_tokens)])
+    points = []
     try:
         wait_ready(url, server)
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "server.json"
-            cmd = ["clef-bench", url, "--tokenizer", a.checkpoint, "--workload", a.workload, "-c",
-                   ",".join(map(str, a.concurrency)), "-n", str(a.num_requests), "--warmup", "4", "--no-progress",
-                   "--time-limit", "600", "-o", str(out)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            served = json.loads(out.read_text())
+            for c in a.concurrency:                  # one clef-bench run per point: the steps of each point apart
+                before = steps_taken(url)
+                out = Path(tmp) / f"server_c{c}.json"
+                cmd = ["clef-bench", url, "--tokenizer", a.checkpoint, "--workload", a.workload, "-c", str(c),
+                       "-n", str(a.num_requests), "--warmup", "4", "--no-progress", "--time-limit", "600",
+                       "-o", str(out)]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                after = steps_taken(url)
+                (point,) = json.loads(out.read_text())["points"]
+                points.append((point, {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}))
     finally:
         server.terminate()
         server.wait(timeout=30)
 
     rows = []
-    for point in served["points"]:
+    for point, server_steps in points:
         c, tokens_per_request = point["concurrency"], point["input_tokens"]["mean_expected"]
         engine = SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens)
         direct = asyncio.run(engine_only(engine, c, [round(tokens_per_request)] * point["ok"]))
@@ -113,14 +132,19 @@ def main(argv: list[str] | None = None) -> int:
                      "server_req_per_s": round(point["req_per_s"], 2), "server_p50_ms": point["latency_ms"]["p50"],
                      "engine_only_req_per_s": direct["req_per_s"], "engine_only_p50_ms": direct["p50_ms"],
                      "ratio": round(point["req_per_s"] / direct["req_per_s"], 3),
-                     "server_stages_p50_ms": point.get("server_stages_p50_ms")})
+                     "server_stages_p50_ms": point.get("server_stages_p50_ms"),
+                     "server_requests_per_step": mean_per_step(server_steps),
+                     "engine_only_requests_per_step": mean_per_step(engine.requests_per_step)})
     print(f"stand-in engine: steps of {a.step_ms} ms + {a.per_token_us} µs per token (at most {a.step_tokens} "
           f"tokens); {a.workload}, {a.num_requests} requests a point")
-    print(" c  server req/s  engine-only req/s  ratio  server p50 ms  engine-only p50 ms  server stages p50 ms")
+    print(" c  server req/s  engine-only req/s  ratio  requests a step (server / engine-only)  server p50 ms"
+          "  engine-only p50 ms  server stages p50 ms")
     for r in rows:
         stages = ", ".join(f"{k} {v}" for k, v in (r["server_stages_p50_ms"] or {}).items())
+        per_step = f"{r['server_requests_per_step']:.1f} / {r['engine_only_requests_per_step']:.1f}"
         print(f"{r['concurrency']:2d}  {r['server_req_per_s']:12.1f}  {r['engine_only_req_per_s']:17.1f}  "
-              f"{r['ratio']:5.3f}  {r['server_p50_ms']:13.1f}  {r['engine_only_p50_ms']:18.1f}  {stages}")
+              f"{r['ratio']:5.3f}  {per_step:>38}  {r['server_p50_ms']:13.1f}  {r['engine_only_p50_ms']:18.1f}  "
+              f"{stages}")
     if a.out:
         Path(a.out).write_text(json.dumps({"settings": vars(a), "cpus": os.cpu_count(), "points": rows}, indent=1)
                                + "\n")

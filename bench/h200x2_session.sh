@@ -108,7 +108,8 @@
 #        the cache's cost on unique short requests (off vs on).
 # PLAN=thirtysecond1 (one GPU; ~300 s): where steps of several short decisions spend their time (c=16 and c=64 short,
 #        the default server's engine core profiled, bench/step_timeline.py), for the c=16/64 gap to raw vLLM.
-# PLAN=thirtythird1 (one GPU; ~1,450 s): the c=16 profile again (its window now fits), online FP8's step at c=1
+# PLAN=thirtythird1 (one GPU; ~1,650 s): the c=16 profile again (its window now fits), raw vLLM's at c=16 (requests
+#        per step), online FP8's step at c=1
 #        profiled, the default server vs raw at c=16/64 with 512 requests a point, and FP8 follow-ups on a cached 16k
 #        state with the step scope, paired with BF16.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
@@ -216,10 +217,11 @@ traced_9b() {  # traced_9b NAME LIMIT PORT LABEL CONC [VAR=VALUE...]: the 9B BF1
 profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS [CONC [WINDOW [LIMIT_S]]]: the 9B server, short at c=CONC (1), its
   # engine core torch-profiled over client decisions WINDOW (8,5: decisions 8-12; CLEF_VLLM_PROFILE: vLLM's per-op
   # table profiler_out_0.txt and traces; traces over 20 MB are dropped so the session's results stay small)
+  # (PROFILE_PHASES=raw profiles clef-bench's raw vLLM baseline instead: its window counts the warm-up's requests too)
   local name=$1 port=$2 label=$3 args=$4 conc=${5:-1} window=${6:-8,5} limit=${7:-240}
   mkdir -p "$S/$name/profile"
   job "$name" 0 "$limit" env CLEF_VLLM_PROFILE="$S/$name/profile,$window" WORKLOADS=short CONC="$conc" CONC_OVERRIDES= TIME_LIMIT=6 \
-      WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES=server LABEL="$label" SERVER_ARGS="$args" \
+      WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES="${PROFILE_PHASES:-server}" LABEL="$label" SERVER_ARGS="$args" \
       bash bench/gpu_bench.sh "$NINE" "$port"
   local trace
   for trace in "$S/$name"/profile/*.pt.trace.json*; do    # when each step launches its graphs (bench/step_timeline.py)
@@ -417,8 +419,11 @@ twentysixth1_queue0)   # ~500 s: launch with `wait 480` in a 600 s call
   touch "$S/all.done"
   log "all done"
   ;;
-thirtythird1_queue0)   # ~1,450 s: launch with `wait 520` in a 600 s call, then `wait 540`, then what is left
+thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then `wait 540`, then what is left
   profiled_9b profile_c16 9001 9b-dummy-bf16-default-profile-c16 "--load-format dummy" 16 24,32 330
+  # raw vLLM's steps at c=16: how many requests each takes (a server's clients settle into two cohorts per cycle,
+  # bench/front_end_share.py; whether raw's do too decides what a merged step would gain)
+  PROFILE_PHASES=raw profiled_9b profile_raw_c16 9004 9b-dummy-bf16-raw-profile-c16 "--load-format dummy" 16 24,32 300
   profiled_9b profile_fp8_c1 9002 9b-dummy-fp8-default-profile-c1 "--load-format dummy --quantization fp8" 1 8,5 300
   job short_9b_bf16_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
       "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-default-short-512 SERVER_ARGS="--load-format dummy" \

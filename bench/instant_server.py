@@ -52,6 +52,7 @@ class SteppedEngine:
     def __init__(self, fixed_ms: float, per_token_us: float, budget: int = 16384):
         self.fixed_ms, self.per_token_us, self.budget = fixed_ms, per_token_us, budget
         self.steps = 0
+        self.requests_per_step: dict[int, int] = {}     # how many steps took how many requests
         self._waiting: list[tuple[int, asyncio.Future]] = []
         self._stepping: asyncio.Task | None = None
 
@@ -72,6 +73,7 @@ class SteppedEngine:
                 tokens, done = self._waiting.pop(0)
                 batch.append(done)
                 used += tokens
+            self.requests_per_step[len(batch)] = self.requests_per_step.get(len(batch), 0) + 1
             await asyncio.sleep(self.step_seconds(used))
             self.steps += 1
             for done in batch:
@@ -95,7 +97,8 @@ class SteppedBackend(InstantBackend):
 
     def describe(self) -> dict:
         return {"backend": "stepped", "fixed_ms": self.engine.fixed_ms, "per_token_us": self.engine.per_token_us,
-                "step_tokens": self.engine.budget}
+                "step_tokens": self.engine.budget, "steps": self.engine.steps,
+                "requests_per_step": dict(sorted(self.engine.requests_per_step.items()))}
 
 
 def main(argv: list[str] | None = None) -> int:

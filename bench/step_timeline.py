@@ -3,7 +3,9 @@
 The per-op tables (``profiler_out_0.txt``, ``bench/latency.py``'s ``most_host_time``) sum time by op;
 they do not say *when* the GPU starts on a step. This script reads vLLM's engine-core trace (written
 under ``CLEF_VLLM_PROFILE=DIR,START,COUNT``, or ``bench/latency.py``'s profiler) and, for every model
-step (vLLM's ``execute_context_1(N)...`` annotation: N scheduled tokens), reports:
+step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tokens), reports:
+
+    requests, tokens   R and N
 
     wall_ms            the step's annotation, start to end
     launch_ms          from the step's start to its first CUDA graph launch (the host work before
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from clef_vllm.bench.gpu_timeline import union_length
 
-STEP = re.compile(r"^execute_context_\d+\((\d+)\)")
+STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")     # host calls that queue GPU work (Triton: cuLaunchKernelEx)
@@ -83,7 +85,7 @@ def windows(ops: list[dict], t0: float, width_ms: float = WINDOW_MS) -> list[dic
 def steps(events: list[dict]) -> list[dict]:
     """One summary per model step that schedules tokens (see the module docstring), in time order."""
     spans = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-                    and (m := STEP.match(e.get("name", ""))) and int(m.group(1)) > 0), key=lambda e: e["ts"])
+                    and (m := STEP.match(e.get("name", ""))) and int(m.group(2)) > 0), key=lambda e: e["ts"])
     host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS + LAUNCH_CATS),
                   key=lambda e: e["ts"])
     gpu_by_corr = defaultdict(list)
@@ -113,8 +115,10 @@ def steps(events: list[dict]) -> list[dict]:
                            if kernels else None,
                            "first_kernel_after_ms": round((start - launch["ts"]) / 1000, 3) if kernels else None})
         ops = top_level([e for e in inside if e["ts"] < first and e.get("cat") in HOST_CATS])
+        m = STEP.match(span["name"])
         out.append({
-            "tokens": int(STEP.match(span["name"]).group(1)),
+            "requests": int(m.group(1)),
+            "tokens": int(m.group(2)),
             "wall_ms": round(span["dur"] / 1000, 3),
             "launch_ms": round((first - t0) / 1000, 3) if launches else None,
             "ops_before": len(ops),
@@ -135,24 +139,25 @@ def summary(rows: list[dict]) -> dict:
     def med(key):
         values = [r[key] for r in rows if r[key] is not None]
         return round(statistics.median(values), 3) if values else None
-    return {"steps": len(rows), **{f"median_{k}": med(k) for k in
+    return {"steps": len(rows), "mean_requests": round(statistics.mean(r["requests"] for r in rows), 2),
+            **{f"median_{k}": med(k) for k in
                                    ("wall_ms", "launch_ms", "ops_before", "gpu_busy_ms", "gpu_end_ms",
                                     "gpu_idle_ms")}}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["tokens  wall ms  launch at ms  ops before  kernels before (ms)  graph launches: host ms / kernels / busy ms"
+    lines = ["reqs  tokens  wall ms  launch at ms  ops before  kernels before (ms)  graph launches: host ms / kernels / busy ms"
              "  GPU busy ms  GPU ends at ms  GPU idle ms"]
     for r in rows:
         graphs = "; ".join(f"{g['host_ms']:.2f} / {g['kernels']} / {g['busy_ms']:.2f}" for g in r["graph_launches"]) or "-"
         launch = "-" if r["launch_ms"] is None else f"{r['launch_ms']:.2f}"
         end = "-" if r["gpu_end_ms"] is None else f"{r['gpu_end_ms']:.2f}"
         idle = "-" if r["gpu_idle_ms"] is None else f"{r['gpu_idle_ms']:.2f}"
-        lines.append(f"{r['tokens']:6d}  {r['wall_ms']:7.2f}  {launch:>12}  {r['ops_before']:10d}  "
+        lines.append(f"{r['requests']:4d}  {r['tokens']:6d}  {r['wall_ms']:7.2f}  {launch:>12}  {r['ops_before']:10d}  "
                      f"{r['kernels_before']:5d} ({r['kernels_before_busy_ms']:.2f})  {graphs}  "
                      f"{r['gpu_busy_ms']:11.2f}  {end:>14}  {idle:>11}")
     s = summary(rows)
-    lines.append(f"median over {s['steps']} steps: wall {s['median_wall_ms']} ms, first graph launch at "
+    lines.append(f"{s['mean_requests']} requests a step (mean); median over {s['steps']} steps: wall {s['median_wall_ms']} ms, first graph launch at "
                  f"{s['median_launch_ms']} ms after {s['median_ops_before']} host ops, GPU busy {s['median_gpu_busy_ms']} ms, "
                  f"GPU done at {s['median_gpu_end_ms']} ms, GPU idle {s['median_gpu_idle_ms']} ms between its first and last kernel")
     return "\n".join(lines)

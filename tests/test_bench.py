@@ -866,8 +866,9 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "first graph launch at 4.0 ms after 2 host ops" in proc.stdout      # the memcpy is inside copy_
+    assert "1 requests a step (mean)" in proc.stdout
     (step,) = json.loads(out.read_text())["steps"]
-    assert step["tokens"] == 400 and step["wall_ms"] == 10.0 and step["launch_ms"] == 4.0
+    assert step["requests"] == 1 and step["tokens"] == 400 and step["wall_ms"] == 10.0 and step["launch_ms"] == 4.0
     assert step["ops_before"] == 2 and step["kernels_before"] == 1 and step["kernels_before_busy_ms"] == 0.005
     assert step["graph_launches"] == [
         {"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8, "span_ms": 0.98, "first_kernel_after_ms": 0.2},
@@ -939,3 +940,54 @@ def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release,
         assert point["ratio"] == round(point["server_req_per_s"] / point["engine_only_req_per_s"], 3)
         assert {"parse", "encode", "engine", "total"} <= set(point["server_stages_p50_ms"])
     assert "engine-only req/s" in proc.stdout and result["settings"]["step_ms"] == 2.0
+
+
+def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
+    """clef-bench --raw-vllm under CLEF_VLLM_PROFILE=DIR,START,COUNT: vLLM's profiler starts before raw request
+    START and stops after START+COUNT-1, as in the server (every request sent counts, warm-up included), so a
+    raw step's composition can be compared with the server's; a window the run leaves open is stopped at the
+    end. A stand-in for AsyncLLM (vLLM does not run on CPU)."""
+    import asyncio
+    from array import array
+    from types import SimpleNamespace
+
+    from clef_vllm import trace
+    from clef_vllm.bench.raw_vllm import RawVllmEngine
+    from clef_vllm.bench.workloads import BenchRequest
+
+    calls = []
+
+    class StandIn:
+        async def start_profile(self):
+            calls.append("start")
+
+        async def stop_profile(self):
+            calls.append("stop")
+
+        async def encode(self, prompt, params, request_id):
+            calls.append(request_id)
+            yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"])
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    def run(window: str, n: int) -> list:
+        raw = RawVllmEngine({})
+        raw.engine, raw._params = StandIn(), object()
+        raw._prompt = lambda ids: {"prompt_token_ids": ids}
+        raw._profile = trace.ProfileWindow.from_env(window)
+        req = BenchRequest("short", {}, b"", 1, 3, input_ids=array("l", [1, 2, 3]))
+
+        async def go():
+            outcomes = [await raw.send(req) for _ in range(n)]
+            await raw.finish_profile()
+            raw.close()
+            return outcomes
+
+        calls.clear()
+        outcomes = asyncio.run(go())
+        assert all(o.status == "200" and o.input_tokens == 3 for o in outcomes)
+        return list(calls)
+
+    assert run(f"{tmp_path},1,2", 4) == ["raw-0", "start", "raw-1", "raw-2", "stop", "raw-3", "shutdown"]
+    assert run(f"{tmp_path},2,5", 3) == ["raw-0", "raw-1", "start", "raw-2", "stop", "shutdown"]   # left open

@@ -523,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                                       on_point=lambda pts: save(pts, False))
             finally:
                 results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm, **engine.describe()}
+                await engine.finish_profile()
                 engine.close()
 
         results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm}

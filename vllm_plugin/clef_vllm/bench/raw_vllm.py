@@ -95,6 +95,7 @@ class RawVllmEngine:
         self._ids = itertools.count()
         self._params = None
         self._prompt = None
+        self._profile = None        # CLEF_VLLM_PROFILE, as the server's (its window counts every request sent)
 
     async def start(self) -> None:
         """Build the engine (minutes on a cold GPU machine). Must run inside the event loop."""
@@ -102,11 +103,17 @@ class RawVllmEngine:
         from vllm.config import PoolerConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from clef_vllm import trace
         from clef_vllm.backends.vllm_backend import engine_input
 
         kwargs = dict(self.engine_kwargs)
         if isinstance(kwargs.get("pooler_config"), dict):
             kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
+        self._profile = trace.ProfileWindow.from_env()
+        if self._profile is not None:
+            from vllm.config import ProfilerConfig
+
+            kwargs["profiler_config"] = ProfilerConfig(**self._profile.profiler_config())
         t0 = time.perf_counter()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.start_s = time.perf_counter() - t0
@@ -127,6 +134,7 @@ class RawVllmEngine:
         if req.input_ids is None:
             return Outcome("not_encodable", 0.0, error=f"expected HTTP {req.expected_status}; nothing to embed")
         prompt = self._prompt(req.input_ids.tolist())
+        profiled = None if self._profile is None else await self._profile.begin(self.engine)
         t0 = time.perf_counter()
         final = None
         try:
@@ -134,10 +142,18 @@ class RawVllmEngine:
                 final = out
         except Exception as exc:  # noqa: BLE001 - counted as an error of this point
             return Outcome("engine_error", time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            if profiled is not None:
+                await self._profile.end(self.engine, profiled)
         latency = time.perf_counter() - t0
         if final is None:
             return Outcome("engine_error", latency, error="no output")
         return Outcome("200", latency, input_tokens=len(final.prompt_token_ids))
+
+    async def finish_profile(self) -> None:
+        """A CLEF_VLLM_PROFILE window the run left open is stopped, so its trace is still written."""
+        if self._profile is not None and self.engine is not None:
+            await self._profile.finish(self.engine)
 
     def close(self) -> None:
         if self.engine is not None:

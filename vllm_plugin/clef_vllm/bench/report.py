@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from clef_vllm.server.context import STAGES
+
 
 def _num(x: float | None, digits: int = 1) -> str:
     if x is None:
@@ -69,7 +71,7 @@ def bench_table(results: dict) -> str:
 
 
 #: Server-Timing stages in the order a request passes them (the reference backend adds its own three).
-STAGE_ORDER = ("parse", "queue", "encode", "batch_wait", "backbone", "head", "engine", "total")
+STAGE_ORDER = STAGES        # the server's Server-Timing stages, in its order
 
 
 def stages_table(results: dict) -> str | None:
