@@ -895,11 +895,13 @@ def test_the_stepped_engine_batches_like_vllm_steps():
     import asyncio
     import time
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        from instant_server import SteppedEngine
-    finally:
-        sys.path.pop(0)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "clef_bench_instant_server", Path(__file__).resolve().parents[1] / "bench/instant_server.py")
+    instant_server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(instant_server)
+    SteppedEngine = instant_server.SteppedEngine
 
     engine = SteppedEngine(fixed_ms=30, per_token_us=10, budget=1000)
     assert engine.step_seconds(2000) == pytest.approx(0.05)
