@@ -749,6 +749,6 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
     with caplog.at_level(logging.WARNING, logger="clef_vllm"):
         backend.close()
     assert calls[-2:] == ["stop", "shutdown"] and not backend._profile.running
-    assert "the server stops after 2 of the window's 5 client decisions" in caplog.text
+    assert "the engine stops after 2 of the window's 5 requests" in caplog.text
     assert not backend._thread.is_alive()
     backend.close()                                                   # closing twice is harmless

@@ -99,7 +99,7 @@ class ProfileWindow:
             self._running = False
             seen = self._seen - self.start
             logging.getLogger("clef_vllm").warning(
-                "CLEF_VLLM_PROFILE: the server stops after %d of the window's %d client decisions; "
+                "CLEF_VLLM_PROFILE: the engine stops after %d of the window's %d requests; "
                 "stopping vLLM's profiler now", seen, self.count)
             await self._switch(engine.stop_profile, "stop")
 
