@@ -35,15 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from instant_server import SteppedEngine  # noqa: E402
 
 
-async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int]) -> dict:
-    """``concurrency`` clients send ``tokens`` (one request each, in order) straight to ``engine``."""
+async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int], submit_ms: float = 0.0) -> dict:
+    """``concurrency`` clients send ``tokens`` (one request each, in order) straight to ``engine``. With
+    ``submit_ms``, handing a request to the engine holds one shared host for that long first (a stand-in
+    for AsyncLLM's input processing, one request after another on its event loop)."""
     queue = list(reversed(tokens))
     latencies: list[float] = []
+    host = asyncio.Lock()
 
     async def client():
         while queue:
             n = queue.pop()
             t0 = time.perf_counter()
+            if submit_ms:
+                async with host:
+                    await asyncio.sleep(submit_ms / 1000)
             await engine.run(n)
             latencies.append(time.perf_counter() - t0)
 
@@ -96,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("-n", "--num-requests", type=int, default=256, help="requests per point [256]")
     ap.add_argument("--workload", default="short")
+    ap.add_argument("--direct-submit-ms", type=float, default=0.0,
+                    help="driven directly, each request first holds one shared host this long (AsyncLLM's input "
+                         "processing; raw vLLM in process) [0]")
     ap.add_argument("-o", "--out", help="write the results here (JSON)")
     a = ap.parse_args(argv)
 
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for point, server_steps in points:
         c, tokens_per_request = point["concurrency"], point["input_tokens"]["mean_expected"]
         engine = SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens)
-        direct = asyncio.run(engine_only(engine, c, [round(tokens_per_request)] * point["ok"]))
+        direct = asyncio.run(engine_only(engine, c, [round(tokens_per_request)] * point["ok"], a.direct_submit_ms))
         rows.append({"concurrency": c, "tokens_per_request": round(tokens_per_request, 1),
                      "server_req_per_s": round(point["req_per_s"], 2), "server_p50_ms": point["latency_ms"]["p50"],
                      "engine_only_req_per_s": direct["req_per_s"], "engine_only_p50_ms": direct["p50_ms"],
@@ -136,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                      "server_requests_per_step": mean_per_step(server_steps),
                      "engine_only_requests_per_step": mean_per_step(engine.requests_per_step)})
     print(f"stand-in engine: steps of {a.step_ms} ms + {a.per_token_us} µs per token (at most {a.step_tokens} "
-          f"tokens); {a.workload}, {a.num_requests} requests a point")
+          f"tokens); {a.workload}, {a.num_requests} requests a point; driven directly, {a.direct_submit_ms:g} ms of shared host per submission")
     print(" c  server req/s  engine-only req/s  ratio  requests a step (server / engine-only)  server p50 ms"
           "  engine-only p50 ms  server stages p50 ms")
     for r in rows:
