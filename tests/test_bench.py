@@ -932,7 +932,8 @@ def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release,
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "share.json"
     proc = subprocess.run([sys.executable, str(root / "bench/front_end_share.py"), str(tiny_release), "--step-ms",
-                           "2", "--per-token-us", "5", "-c", "1", "4", "-n", "12", "-o", str(out)],
+                           "2", "--per-token-us", "5", "-c", "1", "4", "-n", "12", "--direct-submit-ms", "0.5",
+                           "-o", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -941,7 +942,11 @@ def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release,
         assert point["server_req_per_s"] > 0 and point["engine_only_req_per_s"] > 0
         assert point["ratio"] == round(point["server_req_per_s"] / point["engine_only_req_per_s"], 3)
         assert {"parse", "encode", "engine", "total"} <= set(point["server_stages_p50_ms"])
+        assert point["server_requests_per_step"] >= 1 and point["engine_only_requests_per_step"] >= 1
+    assert result["points"][0]["engine_only_requests_per_step"] == 1.0          # c=1: one request a step
+    assert result["points"][0]["engine_only_p50_ms"] >= 0.5 + 2                 # its submission, then its step
     assert "engine-only req/s" in proc.stdout and result["settings"]["step_ms"] == 2.0
+    assert result["settings"]["direct_submit_ms"] == 0.5
 
 
 def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
