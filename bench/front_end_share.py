@@ -22,17 +22,17 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from instant_server import SteppedEngine  # noqa: E402
+
+from clef_vllm.testing.server import LiveServer  # noqa: E402
 
 
 async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int], submit_ms: float = 0.0) -> dict:
@@ -60,37 +60,17 @@ async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int]
             "p50_ms": round(statistics.median(latencies) * 1000, 2)}
 
 
-def steps_taken(url: str) -> dict[int, int]:
+def steps_taken(server: LiveServer) -> dict[int, int]:
     """The stepped server's steps so far, by how many requests each took (its ``/v1/models``)."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-        info = json.loads(r.read())["data"][0]
-    return {int(k): v for k, v in info["requests_per_step"].items()}
+    status, text = server.call("/v1/models")
+    if status != 200:
+        raise SystemExit(f"the stepped server's /v1/models answered {status}: {text[:300]}")
+    return {int(k): v for k, v in json.loads(text)["data"][0]["requests_per_step"].items()}
 
 
 def mean_per_step(requests_per_step: dict[int, int]) -> float:
     steps = sum(requests_per_step.values())
     return round(sum(k * v for k, v in requests_per_step.items()) / steps, 2) if steps else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the stepped server exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the stepped server was not ready within {timeout:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,29 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--out", help="write the results here (JSON)")
     a = ap.parse_args(argv)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("instant_server.py")), a.checkpoint,
-                               str(port), "--step-ms", str(a.step_ms), "--per-token-us", str(a.per_token_us),
-                               "--step-tokens", str(a.step_tokens)])
+    server = LiveServer([], ready_timeout=120, command=lambda port: [
+        sys.executable, str(Path(__file__).with_name("instant_server.py")), a.checkpoint, str(port),
+        "--step-ms", str(a.step_ms), "--per-token-us", str(a.per_token_us), "--step-tokens", str(a.step_tokens)])
     points = []
     try:
-        wait_ready(url, server)
+        server.wait_ready()
         with tempfile.TemporaryDirectory() as tmp:
             for c in a.concurrency:                  # one clef-bench run per point: the steps of each point apart
-                before = steps_taken(url)
+                before = steps_taken(server)
                 out = Path(tmp) / f"server_c{c}.json"
-                cmd = ["clef-bench", url, "--tokenizer", a.checkpoint, "--workload", a.workload, "-c", str(c),
+                cmd = ["clef-bench", server.url, "--tokenizer", a.checkpoint, "--workload", a.workload, "-c", str(c),
                        "-n", str(a.num_requests), "--warmup", "4", "--no-progress", "--time-limit", "600",
                        "-o", str(out)]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                after = steps_taken(url)
+                after = steps_taken(server)
                 (point,) = json.loads(out.read_text())["points"]
                 points.append((point, {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}))
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop(timeout=30)
 
     rows = []
     for point, server_steps in points:

@@ -21,6 +21,7 @@ import torch
 import uvicorn
 
 from clef_vllm.backends.base import Backend
+from clef_vllm.backends.options import VllmOptions
 from clef_vllm.encoding import RequestEncoder
 from clef_vllm.server.app import create_app
 from clef_vllm.server.settings import ServerSettings
@@ -93,7 +94,7 @@ class SteppedBackend(InstantBackend):
         return self.decide_batch([encoded])[0]
 
     def suggested_max_in_flight(self) -> int:
-        return 128          # as the vLLM backend's: vLLM's max_num_seqs (128 in the server)
+        return VllmOptions().max_num_seqs          # as the vLLM backend's (one engine): vLLM's max_num_seqs
 
     def describe(self) -> dict:
         return {"backend": "stepped", "fixed_ms": self.engine.fixed_ms, "per_token_us": self.engine.per_token_us,

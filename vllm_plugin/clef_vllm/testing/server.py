@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 
 #: every port :func:`free_port` has handed out in this process
@@ -65,14 +66,18 @@ class LiveServer:
 
     ``env`` adds to the environment; ``port`` defaults to a free one; ``log_path`` to
     ``$PYTEST_TMP`` (else the temp folder) ``/clef-server-PORT.log``. ``new_session`` starts it in
-    its own process group (so :meth:`kill` also takes the engine processes it started).
+    its own process group (so :meth:`kill` also takes the engine processes it started). ``command``
+    (given the port, the whole command line) starts another server of this app instead, such as
+    ``bench/instant_server.py``; ``args`` are then not used.
     """
 
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120.0, *,
-                 port: int | None = None, log_path: str | Path | None = None, new_session: bool = False):
+                 port: int | None = None, log_path: str | Path | None = None, new_session: bool = False,
+                 command: Callable[[int], list[str]] | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "clef_vllm.server.cli", "--port", str(self.port), *args]
+        self.cmd = (command(self.port) if command is not None else
+                    [sys.executable, "-m", "clef_vllm.server.cli", "--port", str(self.port), *args])
         self.log_path = Path(log_path) if log_path else (
             Path(os.environ.get("PYTEST_TMP", tempfile.gettempdir())) / f"clef-server-{self.port}.log")
         self.ready_timeout = ready_timeout
