@@ -21,6 +21,7 @@ requests (warm-up; prompt length; whether it started from the state cache).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -91,6 +92,16 @@ class ProfileWindow:
     @property
     def running(self) -> bool:
         return self._running
+
+    @contextlib.asynccontextmanager
+    async def around(self, engine):
+        """Around one request: counts it, starting the profiler before the window's first and stopping
+        it after its last (:meth:`begin`, :meth:`end`), whatever the request raised."""
+        index = await self.begin(engine)
+        try:
+            yield
+        finally:
+            await self.end(engine, index)
 
     async def finish(self, engine) -> None:
         """At shutdown: a window the traffic did not complete (fewer decisions than START+COUNT) is

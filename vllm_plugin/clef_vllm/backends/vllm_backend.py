@@ -11,6 +11,7 @@ code path. Options: :class:`clef_vllm.backends.options.VllmOptions`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -360,14 +361,12 @@ class VllmBackend(Backend):
         # Cancelling this coroutine (server timeout, client gone) aborts the request in the engine
         # core; an engine-core death surfaces as EngineDeadError.
         trace.event("submit", request_id, tokens=len(ids), **({"warmup": True} if warmup else {}))
-        profiled = None if warmup or self._profile is None else await self._profile.begin(engine)
-        try:
-            final = await self._final_output(engine, engine_input(ids), params, request_id, rank)
-        except EngineDeadError as exc:
-            raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
-        finally:
-            if profiled is not None:
-                await self._profile.end(engine, profiled)
+        profiled = contextlib.nullcontext() if warmup or self._profile is None else self._profile.around(engine)
+        async with profiled:
+            try:
+                final = await self._final_output(engine, engine_input(ids), params, request_id, rank)
+            except EngineDeadError as exc:
+                raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
         if final is None:
             raise EngineError("engine returned no output")
         cached = int(getattr(final, "num_cached_tokens", 0) or 0)

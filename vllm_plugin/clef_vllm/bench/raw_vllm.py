@@ -10,6 +10,7 @@ vLLM is imported only inside :meth:`RawVllmEngine.start`, so this module is safe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -134,17 +135,15 @@ class RawVllmEngine:
         if req.input_ids is None:
             return Outcome("not_encodable", 0.0, error=f"expected HTTP {req.expected_status}; nothing to embed")
         prompt = self._prompt(req.input_ids.tolist())
-        profiled = None if self._profile is None else await self._profile.begin(self.engine)
-        t0 = time.perf_counter()
-        final = None
-        try:
-            async for out in self.engine.encode(prompt, self._params, request_id=f"raw-{next(self._ids)}"):
-                final = out
-        except Exception as exc:  # noqa: BLE001 - counted as an error of this point
-            return Outcome("engine_error", time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
-        finally:
-            if profiled is not None:
-                await self._profile.end(self.engine, profiled)
+        profiled = contextlib.nullcontext() if self._profile is None else self._profile.around(self.engine)
+        async with profiled:
+            t0 = time.perf_counter()
+            final = None
+            try:
+                async for out in self.engine.encode(prompt, self._params, request_id=f"raw-{next(self._ids)}"):
+                    final = out
+            except Exception as exc:  # noqa: BLE001 - counted as an error of this point
+                return Outcome("engine_error", time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
         latency = time.perf_counter() - t0
         if final is None:
             return Outcome("engine_error", latency, error="no output")
