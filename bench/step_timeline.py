@@ -24,6 +24,9 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
     gpu_end_ms         from the step's start to the end of its last kernel
     gpu_idle_ms        from its first kernel's start to its last kernel's end, the time no kernel or copy
                        of the step ran (launch gaps, host-to-device copies waiting for the host)
+    gpu_idle_split     that idle time by the gap it falls in: ``short_gaps_ms`` (gaps under 50 µs: one
+                       launch after another), ``before_host_copies_ms`` (longer gaps that end in a
+                       host-to-device copy: the GPU waited for the host's data), ``other_ms``
 
     python3 bench/step_timeline.py TRACE [--json OUT.json]
 """
@@ -46,6 +49,7 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "cuda_runtime")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")     # host calls that queue GPU work (Triton: cuLaunchKernelEx)
 WINDOW_MS = 0.5      # ops_before_by_window
+SHORT_GAP_US = 50    # gpu_idle_split: a gap shorter than this is one launch after another
 
 
 def load(path: str | Path) -> list[dict]:
@@ -59,6 +63,20 @@ def load(path: str | Path) -> list[dict]:
 def busy_ms(kernels) -> float:
     """GPU time of ``kernels`` (trace events), overlaps counted once."""
     return round(union_length((k["ts"], k["ts"] + k["dur"]) for k in kernels) / 1000, 3)
+
+
+def idle_split(kernels: list[dict]) -> dict:
+    """The idle time between ``kernels`` (trace events) by the gap it falls in (see ``gpu_idle_split``)."""
+    split = {"short_gaps_ms": 0.0, "before_host_copies_ms": 0.0, "other_ms": 0.0}
+    end = None
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        if end is not None and k["ts"] > end:
+            gap = k["ts"] - end
+            key = ("short_gaps_ms" if gap < SHORT_GAP_US else
+                   "before_host_copies_ms" if k.get("name", "").startswith("Memcpy HtoD") else "other_ms")
+            split[key] += gap / 1000
+        end = max(end if end is not None else k["ts"], k["ts"] + k["dur"])
+    return {key: round(ms, 3) for key, ms in split.items()}
 
 
 def top_level(events: list[dict]) -> list[dict]:
@@ -130,6 +148,7 @@ def steps(events: list[dict]) -> list[dict]:
             "gpu_end_ms": round((max(k["ts"] + k["dur"] for k in gpu) - t0) / 1000, 3) if gpu else None,
             "gpu_idle_ms": round((max(k["ts"] + k["dur"] for k in gpu) - min(k["ts"] for k in gpu)) / 1000
                                  - busy_ms(gpu), 3) if gpu else None,
+            "gpu_idle_split": idle_split(gpu) if gpu else None,
         })
     return out
 

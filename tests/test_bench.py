@@ -875,6 +875,19 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
         {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9, "span_ms": 0.9, "first_kernel_after_ms": 1.5}]
     assert step["gpu_busy_ms"] == 1.755 and step["gpu_end_ms"] == 9.0
     assert step["gpu_idle_ms"] == 7.045      # its kernels ran from 0.2 to 9.0 ms after the step began, 1.755 ms busy
+    # gaps: 3.995 ms from the copy to the graph's first kernel, 9 x 20 µs inside it (short), 2.82 ms to the head,
+    # 50 µs from the head to the Triton kernel (not short)
+    assert step["gpu_idle_split"] == {"short_gaps_ms": 0.18, "before_host_copies_ms": 0.0, "other_ms": 6.865}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("clef_bench_step_timeline", root / "bench/step_timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    kernels = [x("kernel", "a", 0, 100), x("kernel", "b", 120, 100), x("gpu_memcpy", "Memcpy HtoD (Pinned)", 400, 5),
+               x("kernel", "c", 390, 10), x("kernel", "d", 600, 10)]         # c overlaps the copy's start
+    assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.02, "before_host_copies_ms": 0.0, "other_ms": 0.365}
+    kernels[3] = x("kernel", "c", 410, 10)                                   # now the copy ends a 180 µs gap
+    assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.025, "before_host_copies_ms": 0.18, "other_ms": 0.18}
     assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
                                             {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows"],
