@@ -112,6 +112,10 @@
 #        per step), online FP8's step at c=1
 #        profiled, the default server vs raw at c=16/64 with 512 requests a point, and FP8 follow-ups on a cached 16k
 #        state with the step scope, paired with BF16.
+# PLAN=thirtyfourth1 (one GPU; ~1,150 s): vLLM's async scheduling (--async-scheduling on) for issue 12's c=16/64
+#        target: paired against the default (short c=1, c=16/64), the async server vs raw vLLM at c=16/64 with 512
+#        requests a point, the 240-request parity with async scheduling, and the c=16 profiles of the async server
+#        and of raw vLLM (requests and GPU idle per step).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -242,7 +246,9 @@ tiny_dp1() {  # tiny_dp1 GPU: tiny clef-bench server vs raw (the full plan adds 
 
 case "${1:-}" in
 queue0|queue1)
-  case "$PLAN" in reuse|sixthb|eighth|eighth1|ninth1|eleventh1|twelfth1|thirteenth1|fourteenth1|fifteenth1|sixteenth1|seventeenth1|eighteenth1|nineteenth1|twentieth1|twentyfirst1|twentyfirst|twentysecond1|twentythird1|twentyfourth1|twentyfifth1|twentysixth1|twentyseventh1|twentyeighth1|twentyninth1|thirtieth1|thirtyfirst1|thirtysecond1|thirtythird1) set -- "${PLAN}_$1" ;; esac ;;
+  # a plan with its own queues has the case label PLAN_queue0 below (and PLAN_queue1 when it uses a second
+  # GPU: without one, its queue1 runs nothing); the others run the default queues
+  grep -q "^${PLAN}_queue0)" "$0" && set -- "${PLAN}_$1" ;;
 esac
 SHORT=(WORKLOADS=short CONC=1,16,64 CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=4 READY_TIMEOUT=360 BENCH_TIMEOUT=200)
 
@@ -431,6 +437,20 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyfourth1_queue0)   # ~1,150 s: launch with `wait 520` in the staging's last call, then `wait 540`, then what is left
+  job paired_async 0 420 env COMPARE="sync:async:short sync:async:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9020 \
+      bash bench/paired.sh "$NINE" "sync=--load-format dummy" "async=--load-format dummy --async-scheduling on"
+  job short_9b_bf16_async_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
+      "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-async-short-512 \
+      SERVER_ARGS="--load-format dummy --async-scheduling on" bash bench/gpu_bench.sh "$NINE" 9031
+  job parity_tiny_async 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_async" --n 240 --skip-server \
+      --async-scheduling
+  profiled_9b profile_async_c16 9032 9b-dummy-bf16-async-profile-c16 "--load-format dummy --async-scheduling on" 16 \
+      24,32 300
+  PROFILE_PHASES=raw profiled_9b profile_raw_c16 9033 9b-dummy-bf16-raw-profile-c16 "--load-format dummy" 16 24,32 300
   touch "$S/all.done"
   log "all done"
   ;;

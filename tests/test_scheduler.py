@@ -11,6 +11,7 @@ from support import vllm_cpu
 pytest.importorskip("vllm")
 
 CLEF = "clef_vllm.worker.scheduler.ClefScheduler"
+CLEF_ASYNC = "clef_vllm.worker.scheduler.ClefAsyncScheduler"
 VLLM = "vllm.v1.core.sched.scheduler.Scheduler"
 MAX_LEN, BLOCK = 256, 32
 
@@ -42,6 +43,28 @@ def test_every_prompt_finishes_however_it_is_chunked(tiny_release, state_cache, 
     chunks = vllm_cpu.run_scheduler(sched, reqs)
     assert sum(chunks["a"]) == length and sum(chunks["b"]) == MAX_LEN, chunks
     assert all(n % BLOCK == 0 for c in chunks.values() for n in c[:-1]) or not state_cache   # align: block ends
+
+
+@pytest.mark.parametrize("state_cache", [False, True], ids=["cache-off", "cache-on"])
+@pytest.mark.parametrize("length", [MAX_LEN, MAX_LEN - 1, 129, 40])
+def test_under_async_scheduling_every_prompt_finishes_and_no_step_runs_a_finished_prompt(tiny_release, state_cache,
+                                                                                         length):
+    """``--async-scheduling on``: vLLM's batch queue schedules the next step before the last one's output is
+    back. Each prompt's chunks still add up to exactly its length (a prompt completed in one step is not
+    given a token in the next, which would add one) and every prompt finishes; three requests share
+    the steps as with the synchronous scheduler."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF_ASYNC, MAX_LEN, budget=128, state_cache=state_cache)
+    assert isinstance(sched, AsyncScheduler) and sched.num_sampled_tokens_per_step == 0     # rule 0
+    lengths = {"a": length, "b": MAX_LEN, "c": 64}
+    reqs = [vllm_cpu.pooling_request(sched, rid, ids(n, salt)) for salt, (rid, n) in enumerate(lengths.items())]
+    chunks = vllm_cpu.run_scheduler(sched, reqs, depth=2)
+    assert {rid: sum(c) for rid, c in chunks.items()} == lengths, chunks
+    assert all(n > 0 for c in chunks.values() for n in c), chunks
+    sync = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, state_cache=state_cache)
+    again = [vllm_cpu.pooling_request(sync, rid, ids(n, salt)) for salt, (rid, n) in enumerate(lengths.items())]
+    assert vllm_cpu.run_scheduler(sync, again) == chunks
 
 
 def test_a_context_filling_state_cache_request_stops_at_its_reuse_boundary_and_finishes(tiny_release):
@@ -430,19 +453,23 @@ def test_every_override_accepts_what_vllm_passes():
     each method ClefScheduler overrides takes every parameter vLLM's takes, or passes them all on."""
     import inspect
 
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from clef_vllm.worker.scheduler import ClefScheduler
+    from clef_vllm.worker.scheduler import ClefAsyncScheduler, ClefScheduler
 
     vllm_cpu.setup_env()
+    assert ClefAsyncScheduler.__mro__[1:4] == (ClefScheduler, AsyncScheduler, Scheduler)
     for name, ours in vars(ClefScheduler).items():
-        theirs = getattr(Scheduler, name, None)
-        if not callable(ours) or theirs is None or name.startswith("__"):
-            continue
-        mine = inspect.signature(ours).parameters
-        if any(p.kind is p.VAR_POSITIONAL for p in mine.values()) and any(p.kind is p.VAR_KEYWORD for p in mine.values()):
-            continue
-        assert list(mine) == list(inspect.signature(theirs).parameters), name
+        for base in (Scheduler, AsyncScheduler):
+            theirs = getattr(base, name, None)
+            if not callable(ours) or theirs is None or name.startswith("__"):
+                continue
+            mine = inspect.signature(ours).parameters
+            if any(p.kind is p.VAR_POSITIONAL for p in mine.values()) and any(p.kind is p.VAR_KEYWORD
+                                                                             for p in mine.values()):
+                continue
+            assert list(mine) == list(inspect.signature(theirs).parameters), (name, base)
 
 
 @pytest.mark.parametrize("budget", [24, 48, 128, MAX_LEN])

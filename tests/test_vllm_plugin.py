@@ -76,6 +76,7 @@ def test_entry_point_registers_the_architecture_idempotently():
 
 def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(tiny_release):
     from vllm import AsyncEngineArgs
+    from vllm.utils.import_utils import resolve_obj_by_qualname
 
     from clef_vllm.backends.vllm_backend import engine_kwargs
 
@@ -99,6 +100,12 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
                                           prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
     assert off.scheduler_config.get_scheduler_cls().__name__ == "ClefScheduler"   # rule 0 holds for every request
+    assert off.scheduler_config.async_scheduling is False
+    # async scheduling: asked for explicitly, on our scheduler's async variant (vLLM's CPU platform turns it
+    # off in create_engine_config, so the engine arguments are checked)
+    overlapped = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, async_scheduling=True))
+    assert overlapped.async_scheduling is True
+    assert resolve_obj_by_qualname(overlapped.scheduler_cls).__name__ == "ClefAsyncScheduler"
     # the worker beside the scheduler, with data parallelism too (vLLM's CPU platform swaps in "mp" here)
     assert engine_kwargs(tiny_release, data_parallel_size=2)["distributed_executor_backend"] == "uni"
     assert not {"clef_prefill_graphs", "clef_head_graphs", "clef_state_cache"} & set(off.additional_config)

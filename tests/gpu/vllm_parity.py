@@ -188,11 +188,13 @@ def main() -> int:
     ap.add_argument("--head-graph-records", type=int, default=records_default, choices=HEAD_GRAPH_RECORDS)
     scope_default = VllmOptions().resolved_prefill_graph_scope
     ap.add_argument("--prefill-graph-scope", default=scope_default, choices=PREFILL_GRAPH_SCOPES)
+    ap.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduling (--async-scheduling on)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = dict(gpu_memory_utilization=0.35, max_num_batched_tokens=512, max_num_seqs=32,
-                  head_graph_records=args.head_graph_records, prefill_graph_scope=args.prefill_graph_scope)
+                  head_graph_records=args.head_graph_records, prefill_graph_scope=args.prefill_graph_scope,
+                  async_scheduling=args.async_scheduling)
     workdir = Path(tempfile.mkdtemp(prefix="clef-gpu-"))
     results = {}
     if not args.skip_parity:
@@ -204,8 +206,10 @@ def main() -> int:
         print(json.dumps(results[f"server_dp{args.dp}"]), flush=True)
     suffix = f"_r{args.head_graph_records}" if args.head_graph_records != records_default else ""
     suffix += f"_{args.prefill_graph_scope}" if args.prefill_graph_scope != scope_default else ""
+    suffix += "_async" if args.async_scheduling else ""
     results["head_graph_records"] = args.head_graph_records
     results["prefill_graph_scope"] = args.prefill_graph_scope
+    results["async_scheduling"] = args.async_scheduling
     (out / f"vllm_parity_dp{args.dp}{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 

@@ -202,16 +202,21 @@ def pooling_metadata(specs, scheduled, seq_lens, states):
     return md
 
 
-def run_scheduler(scheduler, requests, max_steps: int = 50) -> dict[str, list[int]]:
+def run_scheduler(scheduler, requests, max_steps: int = 50, depth: int = 1) -> dict[str, list[int]]:
     """Add ``requests``, then schedule steps, answering each with a pooled output once a request's
     prompt is computed (what the model runner does), until all finish or ``max_steps`` steps ran.
+    ``depth`` 2 is vLLM's batch queue under async scheduling: the next step is scheduled before the
+    previous one's output is back (the engine core's ``step_with_batch_queue``).
     Returns each request's chunk sizes; a request still unfinished has ``-1`` appended."""
+    from collections import deque
+
     import torch
     from vllm.v1.outputs import ModelRunnerOutput
 
     chunks: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for r in requests:
         scheduler.add_request(r)
+    in_flight = deque()
     for _ in range(max_steps):
         if not scheduler.requests:
             break
@@ -219,7 +224,12 @@ def run_scheduler(scheduler, requests, max_steps: int = 50) -> dict[str, list[in
         ids = list(out.num_scheduled_tokens)
         for rid in ids:
             chunks[rid].append(out.num_scheduled_tokens[rid])
+        # what the model runner pools: a request whose prompt this step completes
         done = [scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_prompt_tokens for rid in ids]
+        in_flight.append((out, ids, done))
+        if len(in_flight) < depth:
+            continue
+        out, ids, done = in_flight.popleft()
         scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
             pooler_output=[torch.zeros(1) if d else None for d in done]))

@@ -27,5 +27,9 @@ PREFILL_GRAPH_SCOPES = ("core", "layer", "step")
 HEAD_GRAPHS_KEY = "clef_head_graphs"
 #: The values N may take: the record buckets (a step finishing R requests is padded to the smallest >= R).
 HEAD_GRAPH_RECORDS = (1, 2, 4, 8, 16, 32, 64)
+#: vLLM's ``scheduler_cls`` for Clef engines, by ``--async-scheduling`` (off / on): the same rules, on vLLM's
+#: synchronous ``Scheduler`` or its ``AsyncScheduler`` (:mod:`clef_vllm.worker.scheduler`).
+SCHEDULER_CLASSES = {False: "clef_vllm.worker.scheduler.ClefScheduler",
+                     True: "clef_vllm.worker.scheduler.ClefAsyncScheduler"}
 #: ``additional_config`` key: present (a dict) when the state cache is on (prefix caching + side rows).
 STATE_CACHE_KEY = "clef_state_cache"

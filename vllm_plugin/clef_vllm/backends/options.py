@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from clef_vllm.contract import (HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
-                                PREFILL_GRAPHS_KEY, STATE_CACHE_KEY)
+                                PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -166,6 +166,15 @@ def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     kwargs.setdefault("additional_config", {})[STATE_CACHE_KEY] = {"on": True}
 
 
+def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
+    """Always our scheduler (a context-filling prompt finishes: its rule 0), on vLLM's synchronous
+    ``Scheduler`` or, with ``async_scheduling``, on its ``AsyncScheduler``: the engine core then schedules
+    and prepares the next step while the GPU runs the current one (vLLM 0.28 leaves that off for pooling
+    models unless asked; docs/latency.md, "Async scheduling")."""
+    kwargs["async_scheduling"] = opts.async_scheduling
+    kwargs["scheduler_cls"] = SCHEDULER_CLASSES[opts.async_scheduling]
+
+
 def _on_off(text: str) -> bool:
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
@@ -243,6 +252,10 @@ class VllmOptions(_Validated):
                                     "unit) or 'block' (at the last whole KV block in it, 528 tokens at 9B)",
                                     flags=("--state-cache-match",), kind=str,
                                     choices=("unit", "block"))
+    async_scheduling: bool = option(False, "schedule and prepare the next engine step while the GPU runs the "
+                                    "current one (vLLM's async scheduling; default off, as vLLM's for pooling "
+                                    "models; docs/latency.md)", flags=("--async-scheduling",), engine=_scheduling,
+                                    kind=bool)
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 

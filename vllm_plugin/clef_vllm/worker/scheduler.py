@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from clef_vllm import trace
@@ -248,3 +249,10 @@ class ClefScheduler(Scheduler):
         return capped_chunk(start, num_new_tokens, request.num_prompt_tokens, self.block_size, budget,
                             reuse_boundary(limit, unit_keys, self.block_size, self._fine),
                             min(getattr(request, "shared_prefix_boundary", 0) or 0, limit))
+
+
+class ClefAsyncScheduler(ClefScheduler, AsyncScheduler):
+    """``ClefScheduler`` on vLLM's ``AsyncScheduler`` (``--async-scheduling on``): the engine core schedules
+    step N+1 before step N's output is back. A pooling request whose prompt step N completes is not
+    scheduled again in N+1: rule 0 makes a step sample nothing, so vLLM's scheduler finds no token left
+    for it (no output placeholder is added), and it finishes when N's output arrives."""
