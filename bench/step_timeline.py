@@ -27,8 +27,10 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
     gpu_idle_split     that idle time by the gap it falls in: ``short_gaps_ms`` (gaps under 50 µs: one
                        launch after another), ``before_host_copies_ms`` (longer gaps that end in a
                        host-to-device copy: the GPU waited for the host's data), ``other_ms``
+    kernels_by_name    the step's GPU time by kernel name (the first 60 characters), the 12 largest, with
+                       their calls (printed with --kernels): which kernels two steps differ in
 
-    python3 bench/step_timeline.py TRACE [--json OUT.json]
+    python3 bench/step_timeline.py TRACE [--json OUT.json] [--windows] [--kernels]
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ HOST_CATS = ("cpu_op", "cuda_runtime")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")     # host calls that queue GPU work (Triton: cuLaunchKernelEx)
 WINDOW_MS = 0.5      # ops_before_by_window
 SHORT_GAP_US = 50    # gpu_idle_split: a gap shorter than this is one launch after another
+KERNEL_NAMES, NAME_CHARS = 12, 60   # kernels_by_name
 
 
 def load(path: str | Path) -> list[dict]:
@@ -98,6 +101,16 @@ def windows(ops: list[dict], t0: float, width_ms: float = WINDOW_MS) -> list[dic
     return [{"from_ms": round(w * width_ms, 3), "ops": len(names),
              "most": [f"{name} x{count}" for name, count in Counter(names).most_common(4)]}
             for w, names in sorted(by_window.items())]
+
+
+def by_name(kernels: list[dict]) -> list[dict]:
+    """GPU time by kernel name (its first :data:`NAME_CHARS` characters), the :data:`KERNEL_NAMES` largest."""
+    total, calls = Counter(), Counter()
+    for k in kernels:
+        name = k.get("name", "")[:NAME_CHARS]
+        total[name] += k["dur"]
+        calls[name] += 1
+    return [{"name": name, "calls": calls[name], "ms": round(us / 1000, 3)} for name, us in total.most_common(KERNEL_NAMES)]
 
 
 def steps(events: list[dict]) -> list[dict]:
@@ -149,6 +162,7 @@ def steps(events: list[dict]) -> list[dict]:
             "gpu_idle_ms": round((max(k["ts"] + k["dur"] for k in gpu) - min(k["ts"] for k in gpu)) / 1000
                                  - busy_ms(gpu), 3) if gpu else None,
             "gpu_idle_split": idle_split(gpu) if gpu else None,
+            "kernels_by_name": by_name(gpu),
         })
     return out
 
@@ -188,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the steps and their medians here")
     ap.add_argument("--windows", action="store_true", help="also print each step's host ops before its launch, "
                     "per 0.5 ms window")
+    ap.add_argument("--kernels", action="store_true", help="also print each step's GPU time by kernel name")
     args = ap.parse_args(argv)
     rows = steps(load(args.trace))
     if not rows:
@@ -199,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{r['tokens']}-token step, host ops before its first graph launch, per {WINDOW_MS} ms:")
             for w in r["ops_before_by_window"]:
                 print(f"  {w['from_ms']:6.1f} ms  {w['ops']:3d} ops  {', '.join(w['most'])}")
+    if args.kernels:
+        for r in rows:
+            print(f"\n{r['requests']}-request {r['tokens']}-token step, GPU time by kernel ({KERNEL_NAMES} largest):")
+            for k in r["kernels_by_name"]:
+                print(f"  {k['ms']:8.3f} ms  {k['calls']:4d}  {k['name']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "steps": rows,
                                                "summary": summary(rows)}, indent=1) + "\n")

@@ -850,7 +850,7 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
         x("gpu_memcpy", "Memcpy HtoD", 1200, 5, corr=1),
         x("cpu_op", "aten::slice", 1500, 10), x("cpu_op", "aten::view", 1502, 2),     # nested: not top-level
         x("cuda_runtime", "cudaGraphLaunch", 5000, 2000, corr=2),
-        *[x("kernel", f"k{i}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
+        *[x("kernel", f"k{i % 2}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
         x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
         x("kernel", "head", 9000, 900, corr=3),
         x("cuda_driver", "cuLaunchKernelEx", 8200, 10, corr=4),       # a Triton kernel, launched by the driver
@@ -888,10 +888,15 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.02, "before_host_copies_ms": 0.0, "other_ms": 0.365}
     kernels[3] = x("kernel", "c", 410, 10)                                   # now the copy ends a 180 µs gap
     assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.025, "before_host_copies_ms": 0.18, "other_ms": 0.18}
+    assert step["kernels_by_name"] == [{"name": "head", "calls": 1, "ms": 0.9}, {"name": "k0", "calls": 5, "ms": 0.4},
+                                       {"name": "k1", "calls": 5, "ms": 0.4},
+                                       {"name": "triton_k", "calls": 1, "ms": 0.05},
+                                       {"name": "Memcpy HtoD", "calls": 1, "ms": 0.005}]
     assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
                                             {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
-    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows"],
+    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows", "--kernels"],
                           capture_output=True, text=True, timeout=60)
+    assert "1-request 400-token step, GPU time by kernel (12 largest):\n     0.900 ms     1  head" in proc.stdout
     assert "400-token step, host ops before its first graph launch" in proc.stdout
     assert "0.0 ms    1 ops  aten::copy_ x1\n     0.5 ms    1 ops  aten::slice x1" in proc.stdout
     empty = tmp_path / "empty.json"
@@ -1011,3 +1016,24 @@ def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
 
     assert run(f"{tmp_path},1,2", 4) == ["raw-0", "start", "raw-1", "raw-2", "stop", "raw-3", "shutdown"]
     assert run(f"{tmp_path},2,5", 3) == ["raw-0", "raw-1", "start", "raw-2", "stop", "shutdown"]   # left open
+
+
+def test_the_gemm_sweep_times_exactly_the_backbones_linear_weights(tiny_release):
+    """``bench/gemm_sizes.py`` derives the backbone's linear layers from a config: on the tiny release
+    checkpoint they hold as many weights as its projection tensors (the LM head and convolutions aside)."""
+    import importlib.util
+
+    from safetensors import safe_open
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("clef_bench_gemm_sizes", root / "bench/gemm_sizes.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    shapes = sweep.linear_shapes(json.loads((tiny_release / "config.json").read_text()))
+    stored = 0
+    for path in tiny_release.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            stored += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()
+                          if ".language_model.layers." in k and "_proj" in k and k.endswith(".weight"))
+    assert sum(out * inp * layers for _, out, inp, layers in shapes) == stored
+    assert sweep.parse_tokens("256:320:32") == [256, 288, 320] and sweep.parse_tokens("400,448") == [400, 448]
