@@ -116,6 +116,10 @@
 #        target: paired against the default (short c=1, c=16/64), the async server vs raw vLLM at c=16/64 with 512
 #        requests a point, the 240-request parity with async scheduling, and the c=16 profiles of the async server
 #        and of raw vLLM (requests and GPU idle per step).
+# PLAN=thirtyfifth1 (one GPU; ~900 s): the backbone's GEMM time per padded token count (BF16, online FP8's
+#        cutlass kernel; bench/gemm_sizes.py: where buckets are cheap), then --eager-batches on (steps of several
+#        sequences above 2,048 tokens that a capture size would pad by more than an eighth run at their own size):
+#        paired against the default at c=16/64, and next to raw vLLM at c=16/64 with 512 requests a point.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -437,6 +441,19 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyfifth1_queue0)   # ~900 s: launch with `wait 520` in the staging's last call, then `wait 400`
+  job gemm_sizes 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 \
+      --out "$S/gemm_sizes/gemm_sizes_bf16.json"
+  job gemm_sizes_fp8 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 --fp8 \
+      --out "$S/gemm_sizes_fp8/gemm_sizes_fp8.json"
+  job paired_eager_batches 0 360 env COMPARE="graphs:eager:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9040 \
+      bash bench/paired.sh "$NINE" "graphs=--load-format dummy" "eager=--load-format dummy --eager-batches on"
+  job short_9b_bf16_eager_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
+      "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-eager-batches-short-512 \
+      SERVER_ARGS="--load-format dummy --eager-batches on" bash bench/gpu_bench.sh "$NINE" 9051
   touch "$S/all.done"
   log "all done"
   ;;

@@ -94,6 +94,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
     assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
     assert cfg.additional_config["clef_head_graphs"] == {"records": 16}    # on by default, up to 16 requests a step
+    assert cfg.additional_config["clef_prefill_graphs"]["eager_batches"] is False   # off until measured
+    eager = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, eager_batches=True))
+    assert eager.additional_config["clef_prefill_graphs"]["eager_batches"] is True
     one = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=1))
     assert one.additional_config["clef_head_graphs"] == {"records": 1}
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
@@ -169,6 +172,8 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                         "'prefill_graph_scope' .* no effect with 'prefill_graphs' off"),
                        # a sub-option whose switch is off would be silently ignored: refused instead
                        ({"head_graphs": False, "head_graph_records": 4}, "no effect with 'head_graphs' off"),
+                       ({"prefill_graphs": False, "eager_batches": True},
+                        "'eager_batches' .* no effect with 'prefill_graphs' off"),
                        ({"state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
                        ({"state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off")):
         with pytest.raises(OptionError, match=match):

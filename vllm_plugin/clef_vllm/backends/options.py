@@ -140,7 +140,8 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     budget = kwargs["max_num_batched_tokens"]
     buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
     scope = opts.resolved_prefill_graph_scope
-    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope}
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope,
+                                                                      "eager_batches": opts.eager_batches}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
@@ -234,6 +235,10 @@ class VllmOptions(_Validated):
                                       "than Triton, --enforce-eager); layer is experimental (docs/latency.md)",
                                       flags=("--prefill-graph-scope",), kind=str,
                                       choices=("auto", *PREFILL_GRAPH_SCOPES))
+    eager_batches: bool = option(False, "with the prefill graphs on, run a step of several sequences and more than "
+                                 "2,048 tokens without vLLM's piecewise graphs when a capture size would pad it by "
+                                 "more than an eighth (default off until measured; docs/latency.md)",
+                                 flags=("--eager-batches",), kind=bool)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
@@ -261,7 +266,8 @@ class VllmOptions(_Validated):
 
     #: Options that only mean something while a switch is on: a value other than the default with the
     #: switch off is an error, not silently ignored.
-    NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "head_graph_records": "head_graphs",
+    NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "eager_batches": "prefill_graphs",
+                    "head_graph_records": "head_graphs",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
 
