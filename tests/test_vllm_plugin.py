@@ -97,6 +97,13 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["clef_prefill_graphs"]["eager_batches"] is False   # off until measured
     eager = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, eager_batches=True))
     assert eager.additional_config["clef_prefill_graphs"]["eager_batches"] is True
+    # --prefill-graph-buckets: the graphs' padded sizes, vLLM's capture sizes with them (a comma list or ints)
+    fine = engine_kwargs(tiny_release, max_model_len=16384, prefill_graph_buckets="448,416,64,16384")
+    assert fine["additional_config"]["clef_prefill_graphs"]["buckets"] == [64, 416, 448, 16384]
+    assert {64, 416, 448} <= set(fine["compilation_config"]["cudagraph_capture_sizes"])
+    assert 384 not in fine["compilation_config"]["cudagraph_capture_sizes"]           # not a bucket any more
+    assert engine_kwargs(tiny_release, prefill_graph_buckets=[128, 64])["additional_config"][
+        "clef_prefill_graphs"]["buckets"] == [64, 128]
     one = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=1))
     assert one.additional_config["clef_head_graphs"] == {"records": 1}
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
@@ -174,6 +181,9 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"head_graphs": False, "head_graph_records": 4}, "no effect with 'head_graphs' off"),
                        ({"prefill_graphs": False, "eager_batches": True},
                         "'eager_batches' .* no effect with 'prefill_graphs' off"),
+                       ({"prefill_graph_buckets": "64,100"}, "'prefill_graph_buckets': each bucket must be a multiple"),
+                       ({"prefill_graph_buckets": "64;128"}, "'prefill_graph_buckets': expected token counts"),
+                       ({"prefill_graphs": False, "prefill_graph_buckets": "64"}, "no effect with 'prefill_graphs' off"),
                        ({"state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
                        ({"state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off")):
         with pytest.raises(OptionError, match=match):
@@ -182,6 +192,11 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
 
 def test_a_sub_option_without_its_switch_is_a_cli_error_naming_the_flag(tiny_release, capsys):
     from clef_vllm.server.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tiny_release), "--backend", "vllm", "--prefill-graph-buckets", "64,100"])
+    assert exit_.value.code == 2
+    assert "--prefill-graph-buckets:" in capsys.readouterr().err
 
     with pytest.raises(SystemExit) as exit_:
         main(["--model", str(tiny_release), "--backend", "vllm", "--head-graphs", "off", "--head-graph-records", "4"])

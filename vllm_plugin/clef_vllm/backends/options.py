@@ -138,7 +138,7 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
 
     budget = kwargs["max_num_batched_tokens"]
-    buckets = [b for b in DEFAULT_BUCKETS if b <= budget]
+    buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
     scope = opts.resolved_prefill_graph_scope
     kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope,
                                                                       "eager_batches": opts.eager_batches}
@@ -174,6 +174,28 @@ def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
     models unless asked; docs/latency.md, "Async scheduling")."""
     kwargs["async_scheduling"] = opts.async_scheduling
     kwargs["scheduler_cls"] = SCHEDULER_CLASSES[opts.async_scheduling]
+
+
+#: ``--prefill-graph-buckets``: each a multiple of this (vLLM's capture sizes; Triton specialises on it), at most
+#: :data:`MAX_BUCKET` (the step's token budget caps them further)
+BUCKET_MULTIPLE, MAX_BUCKET = 16, 16384
+
+
+def bucket_list(value: Any) -> tuple[int, ...]:
+    """``--prefill-graph-buckets`` as sorted, distinct token counts: a comma list (``"64,128,448"``) or a
+    sequence of ints. ValueError saying what is wrong."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        sizes = {int(str(x).strip()) for x in items if str(x).strip()}
+    except ValueError:
+        raise ValueError(f"expected token counts separated by commas, got {value!r}") from None
+    if not sizes:
+        raise ValueError("expected at least one token count")
+    bad = sorted(n for n in sizes if n < BUCKET_MULTIPLE or n > MAX_BUCKET or n % BUCKET_MULTIPLE)
+    if bad:
+        raise ValueError(f"each bucket must be a multiple of {BUCKET_MULTIPLE} from {BUCKET_MULTIPLE} to "
+                         f"{MAX_BUCKET}, got {bad}")
+    return tuple(sorted(sizes))
 
 
 def _on_off(text: str) -> bool:
@@ -235,6 +257,11 @@ class VllmOptions(_Validated):
                                       "than Triton, --enforce-eager); layer is experimental (docs/latency.md)",
                                       flags=("--prefill-graph-scope",), kind=str,
                                       choices=("auto", *PREFILL_GRAPH_SCOPES))
+    prefill_graph_buckets: tuple[int, ...] | None = option(
+        None, "the token counts a single-sequence prefill step is padded to for its graphs, a comma list of "
+        "multiples of 16 (default: every 64 up to 512, then 640, 768, 1024, 1280, 1536, 2048, 3072, 4096); "
+        "experimental: finer buckets pad less and capture more graphs at start (docs/latency.md)",
+        flags=("--prefill-graph-buckets",), kind=(str, tuple, list), metavar="N,N,...")
     eager_batches: bool = option(False, "with the prefill graphs on, run a step of several sequences and more than "
                                  "2,048 tokens without vLLM's piecewise graphs when a capture size would pad it by "
                                  "more than an eighth (default off until measured; docs/latency.md)",
@@ -267,12 +294,18 @@ class VllmOptions(_Validated):
     #: Options that only mean something while a switch is on: a value other than the default with the
     #: switch off is an error, not silently ignored.
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "eager_batches": "prefill_graphs",
+                    "prefill_graph_buckets": "prefill_graphs",
                     "head_graph_records": "head_graphs",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.prefill_graph_buckets is not None:
+            try:
+                object.__setattr__(self, "prefill_graph_buckets", bucket_list(self.prefill_graph_buckets))
+            except ValueError as exc:
+                raise OptionError(f"vllm backend option 'prefill_graph_buckets': {exc}", "prefill_graph_buckets") from None
         defaults = {f.name: f.default for f in fields(self)}
         for name, switch in self.NEEDS_SWITCH.items():
             if getattr(self, name) != defaults[name] and not getattr(self, switch):
