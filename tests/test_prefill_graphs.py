@@ -171,7 +171,7 @@ def inputs(n, seed):
 
 
 @pytest.mark.parametrize("dim_first", [False, True])
-@pytest.mark.parametrize("n, size", [(13, 16), (13, 64), (64, 64), (5, 128)])
+@pytest.mark.parametrize("n, size", [(13, 16), (13, 64), (64, 64), (5, 128), (70, 96)])
 def test_padding_changes_neither_outputs_nor_states(dim_first, n, size):
     exact, padded = make_layer(dim_first), make_layer(dim_first)
     qkv, b, a = inputs(n, seed=n)
