@@ -181,6 +181,7 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"head_graphs": False, "head_graph_records": 4}, "no effect with 'head_graphs' off"),
                        ({"prefill_graphs": False, "eager_batches": True},
                         "'eager_batches' .* no effect with 'prefill_graphs' off"),
+                       ({"eager_batches": True, "data_parallel_size": 2}, "'eager_batches' is not supported with"),
                        ({"prefill_graph_buckets": "64,100"}, "'prefill_graph_buckets': each bucket must be a multiple"),
                        ({"prefill_graph_buckets": "64;128"}, "'prefill_graph_buckets': expected token counts"),
                        ({"prefill_graphs": False, "prefill_graph_buckets": "64"}, "no effect with 'prefill_graphs' off"),

@@ -315,6 +315,11 @@ class VllmOptions(_Validated):
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
                             "scope out")
+        if self.eager_batches and self.data_parallel_size > 1:
+            # vLLM agrees each step's graph mode and padding across data-parallel engines after the rule has
+            # chosen for this one; that combination has not run yet
+            raise OptionError("vllm backend option 'eager_batches' is not supported with data_parallel_size > 1 "
+                              "yet: leave it out or serve one engine", "eager_batches")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "
