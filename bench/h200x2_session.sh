@@ -116,12 +116,13 @@
 #        target: paired against the default (short c=1, c=16/64), the async server vs raw vLLM at c=16/64 with 512
 #        requests a point, the 240-request parity with async scheduling, and the c=16 profiles of the async server
 #        and of raw vLLM (requests and GPU idle per step).
-# PLAN=thirtyfifth1 (one GPU; ~1,450 s): the backbone's GEMM time per padded token count (BF16, online FP8's
+# PLAN=thirtyfifth1 (one GPU; ~1,550 s): the backbone's GEMM time per padded token count (BF16, online FP8's
 #        cutlass kernel; bench/gemm_sizes.py: where buckets are cheap), then --eager-batches on (steps of several
 #        sequences above 2,048 tokens that a capture size would pad by more than an eighth run at their own size):
 #        paired against the default at c=16/64, and next to raw vLLM at c=16/64 with 512 requests a point; then
 #        buckets every 32 tokens from 256 to 512 (--prefill-graph-buckets: a ~400-token decision padded to 416, not
-#        448) paired against the default at c=1, BF16 and online FP8.
+#        448) paired against the default at c=1, BF16 and online FP8; with FP8 also the small bodies' CPU work in the
+#        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -446,7 +447,7 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyfifth1_queue0)   # ~1,450 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
+thirtyfifth1_queue0)   # ~1,550 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
   job gemm_sizes 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 \
       --out "$S/gemm_sizes/gemm_sizes_bf16.json"
   job gemm_sizes_fp8 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 --fp8 \
@@ -459,9 +460,11 @@ thirtyfifth1_queue0)   # ~1,450 s: launch with `wait 520` in the staging's last 
   fine=64,128,192,256,288,320,352,384,416,448,480,512,640,768,1024,1280,1536,2048,3072,4096
   job paired_fine_buckets 0 330 env COMPARE="default:fine:short" PAIRS=200 TIME_LIMIT=20 PORT0=9060 \
       bash bench/paired.sh "$NINE" "default=--load-format dummy" "fine=--load-format dummy --prefill-graph-buckets $fine"
-  job paired_fine_buckets_fp8 0 330 env COMPARE="fp8:fp8fine:short" PAIRS=200 TIME_LIMIT=20 PORT0=9070 \
-      bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
-      "fp8fine=--load-format dummy --quantization fp8 --prefill-graph-buckets $fine"
+  # and the small bodies' CPU work on the event loop (the default since this plan) against the thread pool
+  job paired_fine_buckets_fp8 0 420 env COMPARE="fp8:fp8fine:short fp8pool:fp8:short" PAIRS=200 TIME_LIMIT=20 \
+      PORT0=9070 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8fine=--load-format dummy --quantization fp8 --prefill-graph-buckets $fine" \
+      "fp8pool=--load-format dummy --quantization fp8 --cpu-inline-bytes 0"
   touch "$S/all.done"
   log "all done"
   ;;

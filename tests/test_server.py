@@ -92,7 +92,8 @@ def servers(request, tiny_release, cache_dir, tmp_path_factory):
     ops_args = model + ["--max-model-len", "600", "--over-length", "reject", "--max-in-flight", "2", "--max-queue", "1",
                         "--request-timeout", "120", "--bulk-concurrency", "2", "--max-bulk-streams", "1",
                         "--api-key", OPS_KEYS[0], "--api-key", OPS_KEYS[1], "--cors-origins", ORIGIN,
-                        "--log-format", "json", "--near-tie-margin", "1.0"]
+                        "--log-format", "json", "--near-tie-margin", "1.0",
+                        "--cpu-inline-bytes", "0"]       # every body's CPU work in the pool (the others: small ones inline)
     nodocs = tmp / "no-docs" / "fastapi_offline"           # the "limits" server runs without fastapi-offline
     nodocs.mkdir(parents=True)
     (nodocs / "__init__.py").write_text('raise ImportError("hidden by the test")\n')
@@ -935,6 +936,9 @@ def test_api_keys_come_from_flags_or_the_environment():
     assert api_keys(parse([]), {}) == ()
     with pytest.raises(SystemExit):
         parse(["--max-in-flight", "0"])
+    assert parse([]).cpu_inline_bytes == 4096 and parse(["--cpu-inline-bytes", "0"]).cpu_inline_bytes == 0
+    with pytest.raises(SystemExit):
+        parse(["--cpu-inline-bytes", "-1"])
 
 
 @pytest.mark.parametrize("argv,flag", [(["--body-timeout", "0", "--min-body-rate", "1000"], "--min-body-rate:"),

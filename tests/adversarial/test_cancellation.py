@@ -70,3 +70,27 @@ def test_encoding_and_the_value_scan_stop_when_cancelled(tiny_release):
     body = b'{"state":[' + b'"a,b",' * 400_000 + b'1]}'
     with pytest.raises(WorkCancelled):
         count_values(body, RequestLimits.for_tokens(16384).max_values, ctx2.checkpoint)
+
+
+def test_a_small_requests_cpu_work_runs_on_the_loop_and_a_large_ones_in_the_pool():
+    """A thread hop costs more than a small body's own work, so it is done on the event loop; a large
+    body's is not (it would hold the loop); a cancelled request's work does not start either way."""
+    from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES as INLINE_BODY_BYTES
+
+    pool = CpuPool(2)
+
+    async def run():
+        loop_thread = threading.get_ident()
+        small, large, gone = (RequestContext(n, "test") for n in ("s", "l", "g"))
+        small.body_bytes, large.body_bytes, gone.body_bytes = INLINE_BODY_BYTES, INLINE_BODY_BYTES + 1, 10
+        gone.cancelled.set()
+        ran = []
+        on_loop = await pool.run(small, lambda: threading.get_ident() == loop_thread)
+        in_pool = await pool.run(large, lambda: threading.get_ident() != loop_thread)
+        with pytest.raises(WorkCancelled):
+            await pool.run(gone, ran.append, 1)
+        return on_loop, in_pool, ran
+
+    on_loop, in_pool, ran = asyncio.run(run())
+    assert on_loop and in_pool and ran == []
+    pool.close()

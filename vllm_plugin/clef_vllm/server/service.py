@@ -28,7 +28,7 @@ from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
 from clef_vllm.server.metrics import ServerMetrics
-from clef_vllm.server.settings import ServerSettings
+from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
 
 log = logging.getLogger("clef_vllm.server")
 
@@ -43,14 +43,19 @@ ABANDON_GRACE_S = 0.5
 class CpuPool:
     """The bounded pool of threads that decodes, validates, encodes and serialises requests, so the
     event loop only moves bytes. Work is cancelled through its request's context: a job that has
-    not started never runs; a running one stops at its next ``ctx.checkpoint()``."""
+    not started never runs; a running one stops at its next ``ctx.checkpoint()``. The work of a
+    request whose body is at most ``inline_bytes`` (``--cpu-inline-bytes``) runs on the loop instead."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, inline_bytes: int = DEFAULT_CPU_INLINE_BYTES):
         self.workers = max(1, int(workers))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="clef-cpu")
         self.queued = 0
+        self.inline_bytes = inline_bytes
 
     async def run(self, ctx: RequestContext | None, fn: Callable, *args) -> Any:
+        if ctx is not None and 0 < ctx.body_bytes <= self.inline_bytes:
+            ctx.checkpoint()
+            return fn(*args)
         ctx_vars = contextvars.copy_context()            # log lines keep the request id
         call = functools.partial(ctx_vars.run, fn, *args)
         self.queued += 1
@@ -123,7 +128,7 @@ class DecisionService:
         self.abandon_cause = "--shutdown-timeout"      # or "a second SIGTERM" (abandon_now)
         self._tasks: list[asyncio.Task] = []
         self.limits: RequestLimits | None = None
-        self.pool = CpuPool(settings.cpu_workers or default_cpu_workers())
+        self.pool = CpuPool(settings.cpu_workers or default_cpu_workers(), settings.cpu_inline_bytes)
         self.trimmer = Trimmer(self.pool)
         self.buffered_bytes = 0                          # request bodies held in memory
         self._install_gauges()
