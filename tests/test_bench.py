@@ -967,6 +967,24 @@ def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release,
     assert result["settings"]["direct_submit_ms"] == 0.5
 
 
+def test_front_end_ab_alternates_two_instant_servers_and_reports_b_over_a(tiny_release, tmp_path):
+    """bench/front_end_ab.py: two instant servers with their own flags (here the CPU pool for every body vs
+    the default), clef-bench against each in alternating rounds, medians and B over A per concurrency; the
+    stage times show where each side did its CPU work."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, str(root / "bench/front_end_ab.py"), str(tiny_release), "--a",
+                           "--cpu-inline-bytes 0", "--b", "", "-c", "2", "-n", "16", "--rounds", "2", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    (point,) = result["points"]
+    assert point["concurrency"] == 2 and len(point["rounds"]["a"]) == len(point["rounds"]["b"]) == 2
+    assert point["b_over_a_req_per_s"] == round(point["b"]["req_per_s"] / point["a"]["req_per_s"], 3)
+    assert {"parse", "encode", "engine", "total"} <= set(point["a"]["stages_p50_ms"])
+    assert "B/A" in proc.stdout and result["settings"]["a"] == "--cpu-inline-bytes 0"
+
+
 def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
     """clef-bench --raw-vllm under CLEF_VLLM_PROFILE=DIR,START,COUNT: vLLM's profiler starts before raw request
     START and stops after START+COUNT-1, as in the server (every request sent counts, warm-up included), so a
