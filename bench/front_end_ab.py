@@ -12,24 +12,21 @@ this is the front-end's own ceiling: what the server costs per request outside t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from clef_vllm.testing.server import LiveServer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from front_end_share import bench_point, save  # noqa: E402
+
+from clef_vllm.testing.server import LiveServer  # noqa: E402
 
 
 def run_point(url: str, checkpoint: str, workload: str, concurrency: int, requests: int, out: Path) -> dict:
-    """One clef-bench run; its single point."""
-    cmd = ["clef-bench", url, "--tokenizer", checkpoint, "--workload", workload, "-c", str(concurrency),
-           "-n", str(requests), "--warmup", "8", "--no-progress", "--time-limit", "600", "-o", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    (point,) = json.loads(out.read_text())["points"]
+    """One clef-bench run: req/s, client p50 and the server's stage medians."""
+    point = bench_point(url, checkpoint, workload, concurrency, requests, out, warmup=8)
     return {"req_per_s": round(point["req_per_s"], 2), "p50_ms": point["latency_ms"]["p50"],
             "stages_p50_ms": point.get("server_stages_p50_ms")}
 
@@ -83,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         fmt = lambda m: ", ".join(f"{k} {v}" for k, v in m["stages_p50_ms"].items())  # noqa: E731
         print(f"{c:2d}  {ma['req_per_s']:8.1f}  {mb['req_per_s']:8.1f}  {ratio:5.3f}  {ma['p50_ms']:9.2f}  "
               f"{mb['p50_ms']:9.2f}   {fmt(ma)} / {fmt(mb)}")
-    if a.out:
-        Path(a.out).write_text(json.dumps({"settings": vars(a), "cpus": os.cpu_count(), "points": points}, indent=1)
-                               + "\n")
+    save(a.out, a, points)
     return 0
 
 

@@ -60,6 +60,23 @@ async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int]
             "p50_ms": round(statistics.median(latencies) * 1000, 2)}
 
 
+def bench_point(url: str, checkpoint: str, workload: str, concurrency: int, requests: int, out: Path,
+                warmup: int = 4) -> dict:
+    """One clef-bench run against ``url`` at one concurrency; its single point (clef-bench's JSON)."""
+    cmd = ["clef-bench", url, "--tokenizer", checkpoint, "--workload", workload, "-c", str(concurrency),
+           "-n", str(requests), "--warmup", str(warmup), "--no-progress", "--time-limit", "600", "-o", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    (point,) = json.loads(out.read_text())["points"]
+    return point
+
+
+def save(path: str | None, args: argparse.Namespace, points: list) -> None:
+    """The results as JSON (settings, cores, points), when ``path`` is given."""
+    if path:
+        Path(path).write_text(json.dumps({"settings": vars(args), "cpus": os.cpu_count(), "points": points},
+                                         indent=1) + "\n")
+
+
 def steps_taken(server: LiveServer) -> dict[int, int]:
     """The stepped server's steps so far, by how many requests each took (its ``/v1/models``)."""
     status, text = server.call("/v1/models")
@@ -97,14 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for c in a.concurrency:                  # one clef-bench run per point: the steps of each point apart
                 before = steps_taken(server)
-                out = Path(tmp) / f"server_c{c}.json"
-                cmd = ["clef-bench", server.url, "--tokenizer", a.checkpoint, "--workload", a.workload, "-c", str(c),
-                       "-n", str(a.num_requests), "--warmup", "4", "--no-progress", "--time-limit", "600",
-                       "-o", str(out)]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                point = bench_point(server.url, a.checkpoint, a.workload, c, a.num_requests, Path(tmp) / f"server_c{c}.json")
                 after = steps_taken(server)
-                (point,) = json.loads(out.read_text())["points"]
                 points.append((point, {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}))
     finally:
         server.stop(timeout=30)
@@ -131,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['concurrency']:2d}  {r['server_req_per_s']:12.1f}  {r['engine_only_req_per_s']:17.1f}  "
               f"{r['ratio']:5.3f}  {per_step:>38}  {r['server_p50_ms']:13.1f}  {r['engine_only_p50_ms']:18.1f}  "
               f"{stages}")
-    if a.out:
-        Path(a.out).write_text(json.dumps({"settings": vars(a), "cpus": os.cpu_count(), "points": rows}, indent=1)
-                               + "\n")
+    save(a.out, a, rows)
     return 0
 
 
