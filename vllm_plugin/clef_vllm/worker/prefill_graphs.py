@@ -541,8 +541,8 @@ def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BU
 #: more in every linear layer (in a profiled c=16 run the server's GEMMs took the most GPU time per token).
 MAX_BATCH_PADDING = 0.125
 #: Below this many tokens a batch stays on its graph however much it is padded: vLLM's eager step is bound by
-#: its host (tens of ms for the 9B: raw vLLM's one short decision takes 50-80 ms), a graph's padded GPU work is
-#: not (about 23 us a token).
+#: its host (tens of ms for the 9B: raw vLLM's one short decision took 39-81 ms across sessions), a graph's
+#: padded GPU work is not (about 23 us a token).
 EAGER_BATCH_MIN_TOKENS = 2048
 
 
