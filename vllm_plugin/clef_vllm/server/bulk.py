@@ -222,7 +222,8 @@ class BulkStream(Response):
     async def _record(self, index: int, line, out: asyncio.Queue, slots: asyncio.Semaphore,
                       reader: BodyReader) -> None:
         service = self.service
-        ctx = RequestContext(self.ctx.request_id, "bulk", record=index, timeout_s=self.ctx.timeout_s)
+        ctx = RequestContext(self.ctx.request_id, "bulk", record=index, timeout_s=self.ctx.timeout_s,
+                             body_bytes=len(line) if isinstance(line, (bytes, bytearray)) else 0)  # a small one: on the loop
         LOG_CONTEXT.set({"request_id": ctx.request_id, "record": index})
         try:
             try:
