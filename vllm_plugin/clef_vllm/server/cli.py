@@ -30,9 +30,8 @@ from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import Dialect
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                       DEFAULT_MAX_CONNECTIONS,
-                                       DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SERVED_MODELS,
-                                       DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
+                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S,
+                                       DEFAULT_SERVED_MODELS, DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
 
 API_KEY_ENV = "CLEF_API_KEY"
 
@@ -87,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: one per core, at most 8)")
     lim.add_argument("--cpu-inline-bytes", type=_non_negative_int, default=DEFAULT_CPU_INLINE_BYTES,
                      help=f"a request whose body is at most this many bytes is decoded, encoded and serialised on "
-                          f"the event loop, where that costs less than the hops to a thread; 0: every request in "
+                          f"the event loop, sparing it four hops to a thread and back; 0: every request in "
                           f"the pool (default {DEFAULT_CPU_INLINE_BYTES})")
     lim.add_argument("--bulk-concurrency", type=_positive_int, default=8,
                      help="records of one bulk stream in progress at once (default 8)")
@@ -258,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         max_bulk_streams=args.max_bulk_streams, header_timeout_s=args.header_timeout or None,
         body_timeout_s=args.body_timeout or None, min_body_rate=args.min_body_rate or None,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
-        cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal,
-        on_drained=on_drained)
+        cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, on_ready=on_ready,
+        on_load_error=on_load_error, on_fatal=on_fatal, on_drained=on_drained)
     if keys:
         log.info("API key required on /v1/* and the hosted route%s (%d key(s))",
                  " and the probes" if args.auth_health_metrics else "", len(keys))

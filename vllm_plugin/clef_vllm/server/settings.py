@@ -18,8 +18,8 @@ DEFAULT_MIN_BODY_RATE = 16384
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 2048
 #: A request whose body is at most this many bytes has its CPU work done on the event loop, not in the pool:
-#: a hop to a pool thread and back costs 30-70 µs of CPU plus two wake-ups (measured on 2 cores), more than
-#: a short decision's own work, and the loop is held for about a millisecond at most.
+#: each of a request's four hops to a pool thread and back costs 50-205 µs of CPU (bench/pool_hop.py, 2 cores),
+#: about as much as a short decision's own work, and the loop is held for about a millisecond at most.
 DEFAULT_CPU_INLINE_BYTES = 4096
 #: Request bodies held in memory at once, in multiples of --max-body-bytes (beyond: 429).
 BUFFERED_BODIES = 16
