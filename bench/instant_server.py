@@ -24,7 +24,7 @@ from clef_vllm.backends.base import Backend
 from clef_vllm.backends.options import VllmOptions
 from clef_vllm.encoding import RequestEncoder
 from clef_vllm.server.app import create_app
-from clef_vllm.server.settings import ServerSettings
+from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
 
 
 class InstantBackend(Backend):
@@ -109,15 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=None, help="answer in steps of this fixed cost (ms) ...")
     ap.add_argument("--per-token-us", type=float, default=0.0, help="... plus this much per token (µs)")
     ap.add_argument("--step-tokens", type=int, default=16384, help="tokens a step takes at most [16384]")
-    ap.add_argument("--cpu-inline-bytes", type=int, default=None,
-                    help="the server's --cpu-inline-bytes (default: the server's default)")
+    ap.add_argument("--cpu-inline-bytes", type=int, default=DEFAULT_CPU_INLINE_BYTES,
+                    help=f"the server's --cpu-inline-bytes [{DEFAULT_CPU_INLINE_BYTES}]")
     a = ap.parse_args(argv)
     if a.step_ms is None:
         make = lambda: InstantBackend(a.checkpoint)  # noqa: E731
     else:
         make = lambda: SteppedBackend(a.checkpoint, SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens))  # noqa: E731
-    settings = ServerSettings() if a.cpu_inline_bytes is None else ServerSettings(cpu_inline_bytes=a.cpu_inline_bytes)
-    uvicorn.run(create_app(make, settings), host="127.0.0.1", port=a.port, log_level="warning")
+    uvicorn.run(create_app(make, ServerSettings(cpu_inline_bytes=a.cpu_inline_bytes)), host="127.0.0.1", port=a.port,
+                log_level="warning")
     return 0
 
 

@@ -75,14 +75,14 @@ def test_encoding_and_the_value_scan_stop_when_cancelled(tiny_release):
 def test_a_small_requests_cpu_work_runs_on_the_loop_and_a_large_ones_in_the_pool():
     """A thread hop costs more than a small body's own work, so it is done on the event loop; a large
     body's is not (it would hold the loop); a cancelled request's work does not start either way."""
-    from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES as INLINE_BODY_BYTES
+    from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES
 
     pool = CpuPool(2)
 
     async def run():
         loop_thread = threading.get_ident()
         small, large, gone = (RequestContext(n, "test") for n in ("s", "l", "g"))
-        small.body_bytes, large.body_bytes, gone.body_bytes = INLINE_BODY_BYTES, INLINE_BODY_BYTES + 1, 10
+        small.body_bytes, large.body_bytes, gone.body_bytes = DEFAULT_CPU_INLINE_BYTES, DEFAULT_CPU_INLINE_BYTES + 1, 10
         gone.cancelled.set()
         ran = []
         on_loop = await pool.run(small, lambda: threading.get_ident() == loop_thread)

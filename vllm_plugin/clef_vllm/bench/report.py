@@ -70,10 +70,6 @@ def bench_table(results: dict) -> str:
     return text + ("\n\n" + stages if stages else "")
 
 
-#: Server-Timing stages in the order a request passes them (the reference backend adds its own three).
-STAGE_ORDER = STAGES        # the server's Server-Timing stages, in its order
-
-
 def stages_table(results: dict) -> str | None:
     """Where the server's time went, per point: the median of each Server-Timing stage (ms); ``None``
     when no point has them (another server, or a run before the bench recorded them)."""
@@ -81,7 +77,7 @@ def stages_table(results: dict) -> str | None:
     if not points:
         return None
     seen = {name for p in points for name in p["server_stages_p50_ms"]}
-    names = [n for n in STAGE_ORDER if n in seen] + sorted(seen - set(STAGE_ORDER))
+    names = [n for n in STAGES if n in seen] + sorted(seen - set(STAGES))   # the server's order first
     rows = [[p["variant"], str(p["concurrency"]), *(_num(p["server_stages_p50_ms"].get(n), 1) for n in names)]
             for p in points]
     return "server time per stage, p50 ms (Server-Timing)\n" + _table(["variant", "c", *names], rows,

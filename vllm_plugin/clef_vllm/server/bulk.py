@@ -223,7 +223,7 @@ class BulkStream(Response):
                       reader: BodyReader) -> None:
         service = self.service
         ctx = RequestContext(self.ctx.request_id, "bulk", record=index, timeout_s=self.ctx.timeout_s,
-                             body_bytes=len(line) if isinstance(line, (bytes, bytearray)) else 0)  # a small one: on the loop
+                             body_bytes=0 if line is TOO_LONG else len(line))   # a small line's work: on the loop
         LOG_CONTEXT.set({"request_id": ctx.request_id, "record": index})
         try:
             try:
