@@ -447,24 +447,24 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyfifth1_queue0)   # ~1,550 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
-  job gemm_sizes 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 \
-      --out "$S/gemm_sizes/gemm_sizes_bf16.json"
-  job gemm_sizes_fp8 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 --fp8 \
-      --out "$S/gemm_sizes_fp8/gemm_sizes_fp8.json"
+thirtyfifth1_queue0)   # ~1,550 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest; the most wanted answers first
+  fine=64,128,192,256,288,320,352,384,416,448,480,512,640,768,1024,1280,1536,2048,3072,4096
   job paired_eager_batches 0 360 env COMPARE="graphs:eager:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9040 \
       bash bench/paired.sh "$NINE" "graphs=--load-format dummy" "eager=--load-format dummy --eager-batches on"
-  job short_9b_bf16_eager_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
-      "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-eager-batches-short-512 \
-      SERVER_ARGS="--load-format dummy --eager-batches on" bash bench/gpu_bench.sh "$NINE" 9051
-  fine=64,128,192,256,288,320,352,384,416,448,480,512,640,768,1024,1280,1536,2048,3072,4096
-  job paired_fine_buckets 0 330 env COMPARE="default:fine:short" PAIRS=200 TIME_LIMIT=20 PORT0=9060 \
-      bash bench/paired.sh "$NINE" "default=--load-format dummy" "fine=--load-format dummy --prefill-graph-buckets $fine"
   # and the small bodies' CPU work on the event loop (the default since this plan) against the thread pool
   job paired_fine_buckets_fp8 0 420 env COMPARE="fp8:fp8fine:short fp8pool:fp8:short" PAIRS=200 TIME_LIMIT=20 \
       PORT0=9070 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8fine=--load-format dummy --quantization fp8 --prefill-graph-buckets $fine" \
       "fp8pool=--load-format dummy --quantization fp8 --cpu-inline-bytes 0"
+  job short_9b_bf16_eager_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
+      "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-eager-batches-short-512 \
+      SERVER_ARGS="--load-format dummy --eager-batches on" bash bench/gpu_bench.sh "$NINE" 9051
+  job gemm_sizes 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 \
+      --out "$S/gemm_sizes/gemm_sizes_bf16.json"
+  job gemm_sizes_fp8 0 120 python3 bench/gemm_sizes.py --config "$NINE/config.json" --tokens 256:1024:16 --fp8 \
+      --out "$S/gemm_sizes_fp8/gemm_sizes_fp8.json"
+  job paired_fine_buckets 0 330 env COMPARE="default:fine:short" PAIRS=200 TIME_LIMIT=20 PORT0=9060 \
+      bash bench/paired.sh "$NINE" "default=--load-format dummy" "fine=--load-format dummy --prefill-graph-buckets $fine"
   touch "$S/all.done"
   log "all done"
   ;;
