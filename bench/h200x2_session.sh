@@ -123,6 +123,8 @@
 #        buckets every 32 tokens from 256 to 512 (--prefill-graph-buckets: a ~400-token decision padded to 416, not
 #        448) paired against the default at c=1, BF16 and online FP8; with FP8 also the small bodies' CPU work in the
 #        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
+# PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
+#        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).
@@ -441,6 +443,21 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job short_9b_bf16_512 0 480 env "${SHORT[@]}" CONC=16,64 TIME_LIMIT=30 BENCH_TIMEOUT=240 \
       "BENCH_ARGS=--num-requests 512" LABEL=9b-dummy-bf16-default-short-512 SERVER_ARGS="--load-format dummy" \
       bash bench/gpu_bench.sh "$NINE" 9003
+  job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
+      "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
+      "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtysixth2_queue0)   # ~300 s, after thirtyfifth1 (whose c=64 half of paired_eager_batches ran out of time): --eager-batches at c=64
+  job paired_eager_batches_c64 0 330 env COMPARE="graphs:eager:short:64" PAIRS=200 TIME_LIMIT=20 PORT0=9080 \
+      bash bench/paired.sh "$NINE" "graphs=--load-format dummy" "eager=--load-format dummy --eager-batches on"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtysixth1_queue0)   # ~650 s, after thirtyfifth1 on the same machine: where a single FP8 decision's time goes (profiled at
+  # c=1), then the state cache with FP8 next to BF16 on one 16k state
+  profiled_9b profile_fp8_c1 9002 9b-dummy-fp8-default-profile-c1 "--load-format dummy --quantization fp8" 1 8,5 300
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
