@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             g.replay()
         return (time.perf_counter() - t0) * 1000
 
-    pool = torch.cuda.graph_pool_handle()
-    rows = []
+    rows, kept = [], []
     for pieces in [int(p) for p in args.pieces.split(",")]:
+        pool = torch.cuda.graph_pool_handle()         # one per split (a pool outlives its graphs only while used)
         ranges = split_points(args.layers, pieces)
         static_in = x0.clone()
         side = torch.cuda.Stream()
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{pieces:3d} graph(s): host {row['host_ms']:7.3f} ms  gpu {row['gpu_ms']:7.3f}  idle start "
               f"{row['idle_start_ms']:7.3f}  stall {row['stall_ms']:6.3f}  wall {row['wall_ms']:7.3f}  "
               f"profiled host {row['profiled_host_ms']:7.3f}", flush=True)
-        del graphs
+        kept.append(graphs)
     kernels_per_layer = 3 + args.small_ops + 5          # matmuls and activation, the small chain, the residual
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "layers": args.layers, "rows": args.rows, "hidden": h, "small_ops": args.small_ops,
