@@ -123,9 +123,6 @@
 #        buckets every 32 tokens from 256 to 512 (--prefill-graph-buckets: a ~400-token decision padded to 416, not
 #        448) paired against the default at c=1, BF16 and online FP8; with FP8 also the small bodies' CPU work in the
 #        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
-# PLAN=thirtyseventh1 (one GPU; ~1,100 s): whether the GPU waits for a whole CUDA graph's launch (bench/graph_launch_probe.py),
-#        then --step-graph-pieces 8 (each step graph captured as 8 consecutive graphs) paired against the default at
-#        c=1 (FP8, BF16), its exactness against vLLM's path (fast_paths, tiny), and the FP8 server with it profiled.
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
 #        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
@@ -449,22 +446,6 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
-  touch "$S/all.done"
-  log "all done"
-  ;;
-thirtyseventh1_queue0)   # ~1,100 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
-  # does the GPU wait for a whole graph's launch call? (synthetic ~1,100-kernel graph, whole and in pieces; no vLLM)
-  job graph_launch_probe 0 120 python3 bench/graph_launch_probe.py --out "$S/graph_launch_probe/graph_launch_probe.json"
-  job paired_pieces_fp8 0 420 env COMPARE="fp8:fp8p8:short" PAIRS=200 TIME_LIMIT=20 PORT0=9090 \
-      bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
-      "fp8p8=--load-format dummy --quantization fp8 --step-graph-pieces 8"
-  # the pieces against vLLM's path, one request at a time (tiny checkpoint; exactness)
-  job fast_paths_pieces 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_pieces" --n 60 --only graphs \
-      --scope step --step-graph-pieces 8
-  job paired_pieces_bf16 0 300 env COMPARE="bf16:bf16p8:short" PAIRS=200 TIME_LIMIT=20 PORT0=9095 \
-      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16p8=--load-format dummy --step-graph-pieces 8"
-  profiled_9b profile_fp8_pieces_c1 9099 9b-dummy-fp8-pieces8-profile-c1 \
-      "--load-format dummy --quantization fp8 --step-graph-pieces 8" 1 8,5 240
   touch "$S/all.done"
   log "all done"
   ;;

@@ -237,9 +237,9 @@ def main() -> int:
                     entry.capture(ctx, input_ids, positions, n, lambda i, p: original(i, p), None, CUDAGraphMode.NONE)
                 except Exception as exc:  # noqa: BLE001 - the probe reports it
                     state["errors"].append(f"{key} capture: {type(exc).__name__}: {exc}"[:800])
-                    entry.graphs = []
+                    entry.graph = None
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
-            if not entry.graphs:
+            if entry.graph is None:
                 return original(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -302,7 +302,7 @@ def main() -> int:
         return round(statistics.median(values), 3) if values else None
 
     report["capture"] = {
-        "graphs": {f"{k[0]}@{k[1]}": {"captured_at": v.captured_at, "capture_s": v.capture_s, "ok": bool(v.graphs)}
+        "graphs": {f"{k[0]}@{k[1]}": {"captured_at": v.captured_at, "capture_s": v.capture_s, "ok": v.graph is not None}
                    for k, v in state["graphs"].items()},
         "compare": comp,
         "errors": state["errors"],

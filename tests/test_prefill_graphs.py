@@ -369,12 +369,8 @@ def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_grou
     view = runner._views[l2]
     view.ssm_state.zero_()
     before = len(used)
-    cuts = []
-    runner.cut = cuts.append            # a step graph captured in pieces begins its next one here
     step({l2: md(1, False), l0: md(1, False)}, [l2])
-    runner.cut = None
     assert len(used) == before and runner.stats.replays == 8          # no graph replayed; the body ran
-    assert cuts == [l2]
     assert view.ssm_state[1].abs().sum() > 0 and view.ssm_state[0].abs().sum() == 0
     qkv, b, a = inputs(9, seed=1)
     assert not runner.run(layers[l0], qkv, b, a, torch.zeros(9, HV, DV))

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
-from clef_vllm.worker.step_graphs import (StepGraph, StepGraphRunner, cut_prefixes, groups, refresh, static_slots,
-                                          step_reason)
+from clef_vllm.worker.step_graphs import StepGraph, StepGraphRunner, groups, refresh, static_slots, step_reason
 from test_prefill_graphs import HV, DV, inputs, make_bucket, make_layer
 
 PIECEWISE, NONE = "PIECEWISE", "NONE"
@@ -222,79 +221,6 @@ def test_each_kind_of_step_captures_its_own_graph_for_fa3s_longest_sequence(monk
     assert runner.run(lambda i, p: None, ids, pos) is None
     assert captured == [(448, 400), (4096, 400)] and set(runner._graphs) == {(448, "fresh"), (448, "context")}
     assert runner.stats.captures == 2
-
-
-def test_a_step_graph_in_pieces_cuts_before_evenly_spaced_gdn_layers():
-    """``--step-graph-pieces N``: near-equal runs of GDN layers, never a cut before the first one; more
-    pieces than GDN layers give one graph per layer."""
-    gdn_layers = [f"layers.{i}.linear_attn" for i in range(32) if i % 4 != 3]     # the 9B: 24 GDN layers
-    assert cut_prefixes(gdn_layers, 1) == frozenset()
-    assert cut_prefixes(gdn_layers, 2) == {"layers.16.linear_attn"}
-    four = cut_prefixes(gdn_layers, 4)
-    assert four == {gdn_layers[6], gdn_layers[12], gdn_layers[18]}
-    assert len(cut_prefixes(gdn_layers, 8)) == 7 and gdn_layers[0] not in cut_prefixes(gdn_layers, 8)
-    assert cut_prefixes(["a", "b"], 6) == {"b"}
-    with pytest.raises(ValueError, match="at least one piece"):
-        cut_prefixes(gdn_layers, 0)
-
-
-class FakeCapture:
-    """Stands in for ``torch.cuda.graph(...)`` (a CUDA graph capture) and records its use."""
-
-    log: list = []
-
-    def __init__(self, graph, pool=None, capture_error_mode="global"):
-        self.cuda_graph, self.pool = graph, pool
-        assert capture_error_mode == "thread_local"
-
-    def __enter__(self):
-        self.log.append(("begin", len(self.log)))
-        self.cuda_graph.index = sum(1 for e in self.log if e[0] == "begin")
-
-    def __exit__(self, kind, exc, tb):
-        self.log.append(("end", kind.__name__ if kind else None))
-
-
-class FakeGraph:
-    index = None
-
-    def replay(self):
-        FakeCapture.log.append(("replay", self.index))
-
-
-@pytest.mark.parametrize("pieces", [1, 3])
-def test_a_step_graph_is_captured_as_consecutive_graphs_and_replayed_in_order(monkeypatch, pieces):
-    """The capture ends one graph and begins the next (same memory pool) where the GDN runner reports a
-    cut layer, inside the forward; a replay launches them in order. A body that fails mid-capture ends the
-    open capture and the error propagates; the runner's cut hook is always cleared."""
-    gdn_runner, _ = runner_with_bucket(16)
-    gdn_runner.prefixes = [f"layers.{i}.linear_attn" for i in range(6)]
-    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    FakeCapture.log = []
-    graph = StepGraph(gdn_runner, max_len=4096, pieces=pieces)
-
-    def body(fail_at=None):
-        for i, prefix in enumerate(gdn_runner.prefixes):
-            if gdn_runner.cut is not None:
-                gdn_runner.cut(prefix)
-            if i == fail_at:
-                raise RuntimeError("capture broke")
-        return torch.ones(2)
-
-    graphs = graph._capture_pieces(body, pool="pool")
-    assert len(graphs) == pieces and gdn_runner.cut is None and torch.equal(graph.out, torch.ones(2))
-    assert [e[0] for e in FakeCapture.log] == ["begin", "end"] * pieces
-    FakeCapture.log = []
-    graph.graphs = graphs
-    graph.launch()
-    assert FakeCapture.log == [("replay", i + 1) for i in range(pieces)]
-
-    FakeCapture.log = []
-    with pytest.raises(RuntimeError, match="capture broke"):
-        graph._capture_pieces(lambda: body(fail_at=4), pool="pool")
-    assert FakeCapture.log[-1] == ("end", "RuntimeError") and gdn_runner.cut is None
-    assert [e[0] for e in FakeCapture.log].count("begin") == [e[0] for e in FakeCapture.log].count("end")
 
 
 def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):

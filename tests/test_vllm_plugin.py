@@ -97,10 +97,6 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["clef_prefill_graphs"]["eager_batches"] is False   # off until measured
     eager = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, eager_batches=True))
     assert eager.additional_config["clef_prefill_graphs"]["eager_batches"] is True
-    # --step-graph-pieces: one graph per step by default; more only with the step scope
-    assert cfg.additional_config["clef_prefill_graphs"]["step_pieces"] == 1
-    assert engine_kwargs(tiny_release, step_graph_pieces=4)["additional_config"]["clef_prefill_graphs"][
-        "step_pieces"] == 4
     # --prefill-graph-buckets: the graphs' padded sizes, vLLM's capture sizes with them (a comma list or ints)
     fine = engine_kwargs(tiny_release, max_model_len=16384, prefill_graph_buckets="448,416,64,16384")
     assert fine["additional_config"]["clef_prefill_graphs"]["buckets"] == [64, 416, 448, 16384]
@@ -186,13 +182,6 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"prefill_graphs": False, "eager_batches": True},
                         "'eager_batches' .* no effect with 'prefill_graphs' off"),
                        ({"eager_batches": True, "data_parallel_size": 2}, "'eager_batches' is not supported with"),
-                       ({"step_graph_pieces": 5}, "'step_graph_pieces' must be one of"),
-                       ({"step_graph_pieces": 2, "prefill_graph_scope": "core"},
-                        "'step_graph_pieces' .* no effect with the prefill graph scope 'core'"),
-                       ({"step_graph_pieces": 2, "enforce_eager": True},
-                        "'step_graph_pieces' .* no effect with the prefill graph scope 'core'"),   # auto: core
-                       ({"step_graph_pieces": 2, "prefill_graphs": False},
-                        "'step_graph_pieces' .* no effect with 'prefill_graphs' off"),
                        ({"prefill_graph_buckets": "64,100"}, "'prefill_graph_buckets': each bucket must be a multiple"),
                        ({"prefill_graph_buckets": "64;128"}, "'prefill_graph_buckets': expected token counts"),
                        ({"prefill_graphs": False, "prefill_graph_buckets": "64"}, "no effect with 'prefill_graphs' off"),

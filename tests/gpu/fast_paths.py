@@ -1,14 +1,13 @@
 """GPU checks of the two engine features on a tiny checkpoint: prefill graphs and the state cache.
 
-    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step] [--step-graph-pieces N]
+    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
    off in both): per-option probabilities compared (how many bit-identical, max |dp|, top-answer
    flips), and the worker's graph counters (replays, fallbacks by reason). ``--scope layer``: the
    prefill graphs hold vLLM's whole packed GDN op (``--prefill-graph-scope layer``); ``--scope step``:
-   single-sequence steps replay the whole backbone from one graph (``--prefill-graph-scope step``), or
-   from ``--step-graph-pieces`` consecutive ones.
+   single-sequence steps replay the whole backbone from one graph (``--prefill-graph-scope step``).
 2. **state cache** (graphs on, of ``--scope``): a hit on a whole state (B after A), a partial hit (D after C,
    which share the first 60 % of A's state and diverge), concurrent same-state requests (8 cold
    together, then 8 that hit), and eviction (a side pool of 4 blocks and a small KV cache while
@@ -33,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from clef_vllm.backends.options import VllmOptions
-from clef_vllm.contract import PREFILL_GRAPH_SCOPES, STEP_GRAPH_PIECES
+from clef_vllm.contract import PREFILL_GRAPH_SCOPES
 
 HERE = Path(__file__).resolve()
 
@@ -71,8 +70,7 @@ def run_engine(config: dict) -> dict:
     kw = engine_kwargs(ckpt, gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=2048,
                        max_model_len=4096, prefill_graphs=config["graphs"], head_graphs=config["graphs"],
                        state_cache=config["cache"],
-                       prefill_graph_scope=config.get("scope") if config["graphs"] else None,
-                       step_graph_pieces=config.get("pieces", 1) if config["graphs"] else 1)
+                       prefill_graph_scope=config.get("scope") if config["graphs"] else None)
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
         kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
@@ -159,8 +157,6 @@ def main() -> int:
                     help="the prefill graph scope of the engines with graphs (--prefill-graph-scope; default: the "
                          "server's): part 1 compares it "
                          "with vLLM's path, parts 2-3 run the state cache on it")
-    ap.add_argument("--step-graph-pieces", type=int, default=1, choices=STEP_GRAPH_PIECES,
-                    help="with --scope step, capture each step graph as this many graphs (--step-graph-pieces)")
     args = ap.parse_args()
     if args.child:
         config = json.loads(Path(args.child).read_text())
@@ -187,8 +183,8 @@ def main() -> int:
         args.n = 0
     bodies = synthetic_parity_set(args.n, seed=11, max_words=1500)
     program = [{"name": f"r{i}", "bodies": [b]} for i, b in enumerate(bodies)]
-    runs = {g: child({"ckpt": str(ckpt), "graphs": g, "cache": False, "scope": args.scope,
-                      "pieces": args.step_graph_pieces, "program": program}, work, f"graphs_{g}")
+    runs = {g: child({"ckpt": str(ckpt), "graphs": g, "cache": False, "scope": args.scope, "program": program},
+                     work, f"graphs_{g}")
             for g in (True, False)} if program else {}
     if runs and all("steps" in r for r in runs.values()):
         probs = {g: [s["results"][0]["probs"] for s in r["steps"]] for g, r in runs.items()}

@@ -22,9 +22,6 @@ PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
 #: What a prefill graph holds (``--prefill-graph-scope``): the GDN core, vLLM's whole packed GDN op, or the
 #: whole backbone of a single-sequence step (over the core graphs).
 PREFILL_GRAPH_SCOPES = ("core", "layer", "step")
-#: How many consecutive CUDA graphs a step graph may be captured as (``--step-graph-pieces``; in the
-#: prefill-graph setting as ``"step_pieces"``): the next begun before evenly spaced GDN layers.
-STEP_GRAPH_PIECES = (1, 2, 3, 4, 6, 8)
 #: ``additional_config`` key: ``{"records": N}`` turns on the joint head's CUDA graphs for steps finishing up
 #: to N requests (absent: off).
 HEAD_GRAPHS_KEY = "clef_head_graphs"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from clef_vllm.contract import (HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
-                                PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY, STEP_GRAPH_PIECES)
+                                PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -141,8 +141,7 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
     scope = opts.resolved_prefill_graph_scope
     kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope,
-                                                                      "eager_batches": opts.eager_batches,
-                                                                      "step_pieces": opts.step_graph_pieces}
+                                                                      "eager_batches": opts.eager_batches}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
@@ -263,11 +262,6 @@ class VllmOptions(_Validated):
         "multiples of 16 (default: every 64 up to 512, then 640, 768, 1024, 1280, 1536, 2048, 3072, 4096); "
         "experimental: finer buckets pad less and capture more graphs at start (docs/latency.md)",
         flags=("--prefill-graph-buckets",), kind=(str, tuple, list), metavar="N,N,...")
-    step_graph_pieces: int = option(1, "with the step scope, capture each step graph as this many consecutive CUDA "
-                                    "graphs, cut before evenly spaced GDN layers, so that the GPU starts on the first "
-                                    "while the host launches the rest (1, 2, 3, 4, 6 or 8; default 1; experimental, "
-                                    "docs/latency.md)", flags=("--step-graph-pieces",), kind=int,
-                                    choices=STEP_GRAPH_PIECES)
     eager_batches: bool = option(False, "with the prefill graphs on, run a step of several sequences and more than "
                                  "2,048 tokens without vLLM's piecewise graphs when a capture size would pad it by "
                                  "more than an eighth (default off until measured; docs/latency.md)",
@@ -300,7 +294,7 @@ class VllmOptions(_Validated):
     #: Options that only mean something while a switch is on: a value other than the default with the
     #: switch off is an error, not silently ignored.
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "eager_batches": "prefill_graphs",
-                    "prefill_graph_buckets": "prefill_graphs", "step_graph_pieces": "prefill_graphs",
+                    "prefill_graph_buckets": "prefill_graphs",
                     "head_graph_records": "head_graphs",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
@@ -326,9 +320,6 @@ class VllmOptions(_Validated):
             # chosen for this one; that combination has not run yet
             raise OptionError("vllm backend option 'eager_batches' is not supported with data_parallel_size > 1 "
                               "yet: leave it out or serve one engine", "eager_batches")
-        if self.step_graph_pieces != 1 and self.resolved_prefill_graph_scope != "step":
-            self._no_effect("step_graph_pieces", f"the prefill graph scope {self.resolved_prefill_graph_scope!r} (only "
-                            "step graphs are captured in pieces)", "use the step scope or leave step_graph_pieces out")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "

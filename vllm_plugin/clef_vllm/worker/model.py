@@ -205,11 +205,9 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
         if self.prefill_graphs is None or not isinstance(setting, dict) or setting.get("scope") != "step":
             return None
-        runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len,
-                                 pieces=int(setting.get("step_pieces", 1)))
+        runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len)
         log.info("clef step graphs: single-sequence prefill steps padded to %s tokens replay the whole backbone "
-                 "from %s", list(runner.sizes), "one CUDA graph" if runner.pieces == 1 else
-                 f"{runner.pieces} consecutive CUDA graphs (--step-graph-pieces)")
+                 "from one CUDA graph", list(runner.sizes))
         return runner
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -318,9 +318,6 @@ class GdnGraphRunner:
         #: A (layer, bucket) without a graph yet still falls back.
         self.inline = False
         self.inline_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        #: In inline mode, called with a GDN layer's prefix before its body runs (a step graph captured in
-        #: pieces ends one graph and begins the next there: :class:`clef_vllm.worker.step_graphs.StepGraph`).
-        self.cut: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ installation
 
@@ -437,8 +434,6 @@ class GdnGraphRunner:
         found = self._eligible(layer, "core", mixed_qkv)
         if found is None:
             return False
-        if self.inline and self.cut is not None:
-            self.cut(layer.prefix)
         self._replay(found, (("qkv", mixed_qkv), ("b", b), ("a", a)), core_attn_out)
         return True
 

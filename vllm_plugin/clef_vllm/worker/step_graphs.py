@@ -116,16 +116,6 @@ def step_kind(md_all: dict, size: int) -> str:
     return FRESH if longest <= size else CONTEXT
 
 
-def cut_prefixes(prefixes: Sequence[str], pieces: int) -> frozenset[str]:
-    """The GDN layers (by prefix, in model order) before which a step graph captured as ``pieces``
-    consecutive graphs begins a new one: near-equal runs of GDN layers, none before the first layer.
-    More pieces than GDN layers give one graph per GDN layer (and the layers before the first)."""
-    if pieces < 1:
-        raise ValueError(f"a step graph has at least one piece, not {pieces}")
-    n = len(prefixes)
-    return frozenset(prefixes[i * n // pieces] for i in range(1, pieces) if 0 < i * n // pieces < n)
-
-
 def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
     """Copy a step's tensor into its static buffer; a shorter 1-D slot mapping leaves -1 (no KV write)
     in the padded rows after it."""
@@ -157,10 +147,9 @@ def static_slots(given: torch.Tensor, rows: int) -> torch.Tensor:
 class StepGraph:
     """The backbone's forward for one padded size, captured on static inputs (see the module docstring)."""
 
-    def __init__(self, gdn: GdnGraphRunner, max_len: int, pieces: int = 1):
-        self.gdn, self.max_len, self.pieces = gdn, max_len, pieces
-        #: the captured graphs, replayed in order: one, or ``pieces`` cut before GDN layers (:func:`cut_prefixes`)
-        self.graphs: list[torch.cuda.CUDAGraph] = []
+    def __init__(self, gdn: GdnGraphRunner, max_len: int):
+        self.gdn, self.max_len = gdn, max_len
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.captured_at: int | None = None
         self.capture_s: float | None = None
@@ -239,47 +228,16 @@ class StepGraph:
             with torch.cuda.stream(side):
                 forward(self.ids, self.pos)
             torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
             t0 = time.perf_counter()
-            graphs = self._capture_pieces(lambda: forward(self.ids, self.pos), pool)
-            self.graphs, self.captured_at, self.capture_s = graphs, n, round(time.perf_counter() - t0, 3)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.out = forward(self.ids, self.pos)
+            self.graph, self.captured_at, self.capture_s = graph, n, round(time.perf_counter() - t0, 3)
         finally:
             ctx.attn_metadata, ctx.slot_mapping, ctx.cudagraph_runtime_mode = saved
             self.gdn.inline = False
             self.gdn.inline_sources.clear()
             self.forget()
-
-    def _capture_pieces(self, body: Callable[[], torch.Tensor], pool) -> list[torch.cuda.CUDAGraph]:
-        """Capture ``body()`` (its result becomes ``self.out``) as one CUDA graph, or as ``pieces``
-        consecutive graphs in one memory pool, the next begun before each GDN layer of
-        :func:`cut_prefixes` (the GDN runner calls :attr:`GdnGraphRunner.cut` there). Replayed in order they
-        run the same kernels as one graph; the GPU can start on the first while the host launches the
-        rest (a launch call of ~1,100 kernels took 1.6-1.8 ms, profiled, before the first one ran)."""
-        def open_piece() -> None:
-            capture = torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, capture_error_mode="thread_local")
-            capture.__enter__()
-            captures.append(capture)
-
-        def cut(prefix: str) -> None:
-            if prefix in cuts:
-                captures[-1].__exit__(None, None, None)
-                open_piece()
-
-        captures: list = []
-        cuts = cut_prefixes(self.gdn.prefixes, self.pieces) if self.pieces > 1 else frozenset()
-        open_piece()
-        self.gdn.cut = cut if cuts else None
-        try:
-            self.out = body()
-        except BaseException as exc:
-            try:
-                captures[-1].__exit__(type(exc), exc, exc.__traceback__)
-            except Exception:  # noqa: BLE001 - the capture is broken already; report what broke it
-                pass
-            raise
-        finally:
-            self.gdn.cut = None
-        captures[-1].__exit__(None, None, None)
-        return [capture.cuda_graph for capture in captures]
 
     def feed(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int) -> None:
         """Refresh the static inputs from this step and point the GDN bucket's mask at ``n`` real rows."""
@@ -309,8 +267,7 @@ class StepGraph:
 
     def launch(self) -> torch.Tensor:
         """Replay on the static inputs as :meth:`feed` left them; the backbone's hidden states."""
-        for graph in self.graphs:
-            graph.replay()
+        self.graph.replay()
         self.forget()
         return self.out
 
@@ -326,10 +283,9 @@ class StepGraphRunner:
     """Captures and replays :class:`StepGraph` per padded size and kind (:func:`step_kind`); wraps nothing,
     the model's ``forward`` calls :meth:`run` first."""
 
-    def __init__(self, gdn: GdnGraphRunner, max_len: int, sizes: Sequence[int] | None = None, pieces: int = 1):
+    def __init__(self, gdn: GdnGraphRunner, max_len: int, sizes: Sequence[int] | None = None):
         self.gdn = gdn
         self.max_len = max_len
-        self.pieces = pieces
         self.sizes = tuple(sorted(set(sizes if sizes is not None else gdn.buckets)))
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, str], StepGraph] = {}
@@ -363,7 +319,7 @@ class StepGraphRunner:
                 return self._fallback("gdn_uncaptured")      # this step's per-layer path captures them
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = StepGraph(self.gdn, size if key[1] == FRESH else self.max_len, self.pieces)
+            graph = StepGraph(self.gdn, size if key[1] == FRESH else self.max_len)
             try:
                 graph.capture(ctx, input_ids, positions, n, forward, self._pool, CUDAGraphMode.NONE)
             except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
@@ -392,6 +348,6 @@ class StepGraphRunner:
 
     def describe(self) -> dict:
         kinds = Counter(kind for _, kind in self._graphs)
-        return {"sizes": list(self.sizes), "pieces": self.pieces, "graphs": len(self._graphs), "fresh_graphs": kinds[FRESH],
+        return {"sizes": list(self.sizes), "graphs": len(self._graphs), "fresh_graphs": kinds[FRESH],
                 "context_graphs": kinds[CONTEXT], "replays": self.stats.replays,
                 "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
