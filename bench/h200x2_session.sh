@@ -125,6 +125,8 @@
 #        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
 #        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.
+#        (--eager-batches was removed after these runs, which measured no gain: thirtyfifth1's and thirtysixth2's
+#        jobs with it are the record of what ran, and fail now.)
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
 # DRY=1 replaces every job by a short sleep (to test this script without a GPU).

@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, EAGER_BATCH_MIN_TOKENS, MAX_BATCH_PADDING, Bucket,
-                                             GdnDims, GdnGraphRunner, batch_runs_eager, choose_bucket,
+from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, Bucket, GdnDims, GdnGraphRunner, choose_bucket,
                                              cudagraph_capture_sizes, fallback_reason, single_sequence_core,
                                              single_sequence_layer)
 from support.gdn_reference import KERNELS
@@ -78,54 +77,6 @@ def test_capture_sizes_cover_the_buckets_and_vllms_own_sizes():
     assert [s for s in step if s > 64] == [b for b in DEFAULT_BUCKETS if b > 64]
     assert {1, 2, 4, 8, 56, 64} <= set(step) and 104 not in step and 400 not in step
     assert 400 in cudagraph_capture_sizes(8192, max_num_seqs=256)      # vLLM's own sizes go up to 512 here
-
-
-def test_a_large_batch_runs_at_its_own_size_where_a_capture_size_would_pad_it_much():
-    sizes = cudagraph_capture_sizes(16384, max_num_seqs=128, between_buckets=False)
-    assert batch_runs_eager(3200, 8, sizes)                 # 8 short decisions: 4,096 would add 28 %
-    assert batch_runs_eager(2100, 5, sizes)                 # 3,072: +46 %
-    assert not batch_runs_eager(4000, 10, sizes)            # 4,096: +2.4 %, the graph is kept
-    assert not batch_runs_eager(1100, 3, sizes)             # +40 %, but a batch this small is host-bound eagerly
-    assert not batch_runs_eager(EAGER_BATCH_MIN_TOKENS, 5, sizes)
-    assert batch_runs_eager(EAGER_BATCH_MIN_TOKENS + 1, 5, sizes)
-    assert not batch_runs_eager(3200, 1, sizes)             # one sequence keeps its bucket (its step graph)
-    assert not batch_runs_eager(5600, 14, sizes)            # above every capture size: no graph anyway
-    assert not batch_runs_eager(4096, 2, reversed(sizes))   # a capture run: exactly a capture size
-    edge = 4096 / (1 + MAX_BATCH_PADDING)                   # the largest share of padding still graphed
-    assert not batch_runs_eager(int(edge) + 1, 9, sizes) and batch_runs_eager(int(edge) - 1, 9, sizes)
-
-
-def test_the_batch_rule_sets_force_eager_on_vllms_own_call(monkeypatch):
-    """``install_batch_padding`` wraps vLLM's ``_determine_batch_execution_and_padding``: a batch the rule
-    sends to eager reaches vLLM's method with ``force_eager=True``, anything else unchanged; vLLM's
-    execute path calls it with keywords, the only form the wrapper reads."""
-    import inspect
-
-    pytest.importorskip("vllm")
-    from support import vllm_cpu
-
-    vllm_cpu.setup_env()
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from clef_vllm.worker import prefill_graphs
-
-    real = GPUModelRunner.__dict__["_determine_batch_execution_and_padding"]
-    assert {"num_tokens", "num_reqs", "force_eager"} <= set(inspect.signature(real).parameters)
-    source = inspect.getsource(GPUModelRunner)
-    calls = source.split("self._determine_batch_execution_and_padding(")[1:]
-    assert calls and all(call.lstrip().startswith("num_tokens=") for call in calls)
-    seen = []
-    monkeypatch.setattr(GPUModelRunner, "_determine_batch_execution_and_padding",
-                        lambda self, **kw: seen.append(kw.get("force_eager", False)))
-    assert prefill_graphs.install_batch_padding() and prefill_graphs.install_batch_padding()   # idempotent
-    runner = SimpleNamespace(compilation_config=SimpleNamespace(
-        cudagraph_capture_sizes=cudagraph_capture_sizes(16384, max_num_seqs=128, between_buckets=False)))
-    step = GPUModelRunner._determine_batch_execution_and_padding
-    step(runner, num_tokens=3200, num_reqs=8, use_cascade_attn=False)
-    step(runner, num_tokens=400, num_reqs=1, use_cascade_attn=False)
-    step(runner, num_tokens=4000, num_reqs=10, use_cascade_attn=False)
-    step(runner, num_tokens=5600, num_reqs=14, force_eager=True)
-    assert seen == [True, False, False, True]
 
 
 def make_layer(dim_first: bool, seed: int = 0):

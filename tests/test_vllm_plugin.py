@@ -94,9 +94,6 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert cfg.additional_config["gdn_prefill_backend"] == "triton"
     assert cfg.additional_config["clef_prefill_graphs"]["buckets"][-1] <= cfg.scheduler_config.max_num_batched_tokens
     assert cfg.additional_config["clef_head_graphs"] == {"records": 16}    # on by default, up to 16 requests a step
-    assert cfg.additional_config["clef_prefill_graphs"]["eager_batches"] is False   # off until measured
-    eager = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, eager_batches=True))
-    assert eager.additional_config["clef_prefill_graphs"]["eager_batches"] is True
     # --prefill-graph-buckets: the graphs' padded sizes, vLLM's capture sizes with them (a comma list or ints)
     fine = engine_kwargs(tiny_release, max_model_len=16384, prefill_graph_buckets="448,416,64,16384")
     assert fine["additional_config"]["clef_prefill_graphs"]["buckets"] == [64, 416, 448, 16384]
@@ -179,9 +176,7 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                         "'prefill_graph_scope' .* no effect with 'prefill_graphs' off"),
                        # a sub-option whose switch is off would be silently ignored: refused instead
                        ({"head_graphs": False, "head_graph_records": 4}, "no effect with 'head_graphs' off"),
-                       ({"prefill_graphs": False, "eager_batches": True},
-                        "'eager_batches' .* no effect with 'prefill_graphs' off"),
-                       ({"eager_batches": True, "data_parallel_size": 2}, "'eager_batches' is not supported with"),
+                       ({"eager_batches": True}, "unknown option 'eager_batches'"),   # measured, no gain: removed
                        ({"prefill_graph_buckets": "64,100"}, "'prefill_graph_buckets': each bucket must be a multiple"),
                        ({"prefill_graph_buckets": "64;128"}, "'prefill_graph_buckets': expected token counts"),
                        ({"prefill_graphs": False, "prefill_graph_buckets": "64"}, "no effect with 'prefill_graphs' off"),

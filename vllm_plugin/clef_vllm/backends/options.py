@@ -140,8 +140,7 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     budget = kwargs["max_num_batched_tokens"]
     buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
     scope = opts.resolved_prefill_graph_scope
-    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope,
-                                                                      "eager_batches": opts.eager_batches}
+    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope}
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
@@ -262,10 +261,6 @@ class VllmOptions(_Validated):
         "multiples of 16 (default: every 64 up to 512, then 640, 768, 1024, 1280, 1536, 2048, 3072, 4096); "
         "experimental: finer buckets pad less and capture more graphs at start (docs/latency.md)",
         flags=("--prefill-graph-buckets",), kind=(str, tuple, list), metavar="N,N,...")
-    eager_batches: bool = option(False, "with the prefill graphs on, run a step of several sequences and more than "
-                                 "2,048 tokens without vLLM's piecewise graphs when a capture size would pad it by "
-                                 "more than an eighth (default off until measured; docs/latency.md)",
-                                 flags=("--eager-batches",), kind=bool)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
@@ -293,8 +288,7 @@ class VllmOptions(_Validated):
 
     #: Options that only mean something while a switch is on: a value other than the default with the
     #: switch off is an error, not silently ignored.
-    NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "eager_batches": "prefill_graphs",
-                    "prefill_graph_buckets": "prefill_graphs",
+    NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "prefill_graph_buckets": "prefill_graphs",
                     "head_graph_records": "head_graphs",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
@@ -315,11 +309,6 @@ class VllmOptions(_Validated):
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
                             "scope out")
-        if self.eager_batches and self.data_parallel_size > 1:
-            # vLLM agrees each step's graph mode and padding across data-parallel engines after the rule has
-            # chosen for this one; that combination has not run yet
-            raise OptionError("vllm backend option 'eager_batches' is not supported with data_parallel_size > 1 "
-                              "yet: leave it out or serve one engine", "eager_batches")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "

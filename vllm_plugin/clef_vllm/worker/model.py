@@ -37,8 +37,7 @@ from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
 from clef_vllm.worker import gdn_metadata
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
-from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, EAGER_BATCH_MIN_TOKENS, MAX_BATCH_PADDING,
-                                            GdnGraphRunner, install_batch_padding)
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
 from clef_vllm.worker.step_graphs import StepGraphRunner
 
 log = logging.getLogger("clef_vllm")
@@ -194,10 +193,6 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         log.info("clef prefill graphs: %d GDN layers, single-sequence steps of up to %d tokens replay from CUDA "
                  "graphs (buckets %s, scope %s)", count, runner.buckets[-1] if runner.buckets else 0,
                  list(runner.buckets), scope)
-        if isinstance(setting, dict) and setting.get("eager_batches") and install_batch_padding():
-            log.info("clef prefill graphs: a step of several sequences and more than %d tokens that a capture size "
-                     "would pad by more than %d %% runs at its own size, without piecewise graphs (--eager-batches)",
-                     EAGER_BATCH_MIN_TOKENS, round(100 * MAX_BATCH_PADDING))
         return runner
 
     def _step_graphs(self, vllm_config: VllmConfig) -> StepGraphRunner | None:

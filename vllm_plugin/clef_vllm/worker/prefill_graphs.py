@@ -523,8 +523,8 @@ def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BU
     vLLM pads a step to the next capture size, and a whole-step graph (scope ``step``) exists only for
     bucket sizes: ``between_buckets=False`` drops vLLM's finer sizes above the smallest bucket, so that
     every single-sequence step of up to the largest bucket pads to one (a 100-token decision to 128,
-    not to 104). Steps of several sequences pad to these sizes only as long as the padding is small
-    (with ``--eager-batches on``: :func:`batch_runs_eager`).
+    not to 104). Steps of several sequences pad to these sizes too (running such a step at its own
+    size instead did not pay: docs/latency.md).
     """
     top = min(2 * max_num_seqs, 512)
     sizes = {1, 2, 4} | set(range(8, min(top, 256) + 1, 8)) | set(range(256, top + 1, 16))
@@ -532,55 +532,3 @@ def cudagraph_capture_sizes(max_tokens: int, buckets: Sequence[int] = DEFAULT_BU
         sizes = {s for s in sizes if s <= min(buckets)}
     sizes |= set(buckets)
     return sorted(s for s in sizes if s <= max_tokens)
-
-
-#: With ``--eager-batches on``, a step of several sequences and more than :data:`EAGER_BATCH_MIN_TOKENS` tokens
-#: that vLLM would pad to a capture size by more than this share of its tokens runs at its own size without
-#: piecewise graphs (as raw vLLM runs every step above its default sizes). The buckets are there for
-#: single-sequence steps and lie up to 1,024 tokens apart: a 3,200-token batch padded to 4,096 computes 28 %
-#: more in every linear layer (in a profiled c=16 run the server's GEMMs took the most GPU time per token).
-MAX_BATCH_PADDING = 0.125
-#: Below this many tokens a batch stays on its graph however much it is padded: vLLM's eager step is bound by
-#: its host (tens of ms for the 9B: raw vLLM's one short decision took 39-81 ms across sessions), a graph's
-#: padded GPU work is not (about 23 us a token).
-EAGER_BATCH_MIN_TOKENS = 2048
-
-
-def batch_runs_eager(num_tokens: int, num_reqs: int, capture_sizes: Sequence[int]) -> bool:
-    """Whether a step of ``num_reqs`` sequences and ``num_tokens`` tokens runs without vLLM's piecewise
-    graphs (``--eager-batches on``): several sequences, more than :data:`EAGER_BATCH_MIN_TOKENS` tokens, and
-    the capture size vLLM would pad it to (the smallest of ``capture_sizes`` that holds it) adds more than
-    :data:`MAX_BATCH_PADDING` of its tokens. A single-sequence step keeps its bucket (the step graphs are
-    captured for bucket sizes only); a step larger than every capture size runs without graphs anyway."""
-    if num_reqs <= 1 or num_tokens <= EAGER_BATCH_MIN_TOKENS:
-        return False
-    padded = choose_bucket(num_tokens, sorted(capture_sizes))
-    return padded is not None and padded - num_tokens > MAX_BATCH_PADDING * num_tokens
-
-
-def install_batch_padding() -> bool:
-    """Apply :func:`batch_runs_eager` to vLLM's choice of CUDA-graph mode and padding for each step
-    (``GPUModelRunner._determine_batch_execution_and_padding``, which vLLM 0.28 calls with keyword
-    arguments: the step's ``force_eager`` is set for such a batch). Idempotent; called in the engine
-    process that serves Clef with ``--eager-batches on``, so a raw vLLM baseline keeps vLLM's own padding.
-    ``False`` when this vLLM has no such method."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
-    except ImportError:
-        return False
-    original = Runner.__dict__.get("_determine_batch_execution_and_padding")
-    if original is None:
-        return False
-    if getattr(original, "clef", False):
-        return True
-
-    def determine(self, *args, **kwargs):
-        if (not args and not kwargs.get("force_eager")
-                and batch_runs_eager(kwargs["num_tokens"], kwargs["num_reqs"],
-                                     self.compilation_config.cudagraph_capture_sizes or ())):
-            kwargs["force_eager"] = True
-        return original(self, *args, **kwargs)
-
-    determine.clef = True
-    Runner._determine_batch_execution_and_padding = determine
-    return True
