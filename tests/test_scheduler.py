@@ -367,6 +367,20 @@ def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, caps
     out = capsys.readouterr().out
     assert "## <= 1,024 tokens" in out and "## warm-up" in out
     assert "submit -> sent" in out and "2.00 ms" in out and "(2 requests)" in out
+    # The worker's per-step events split the engine time of a request that ran in one step; a request of
+    # two steps (clef-2 here) keeps its engine time whole.
+    steps = [ev(0.0045, "step_forward", "*"), ev(0.0065, "step_head", "*"), ev(0.0075, "step_pooled", "*"),
+             ev(1.006, "step_forward", "*"), ev(1.007, "step_head", "*"), ev(1.008, "step_pooled", "*"),
+             ev(1.020, "step_forward", "*"), ev(1.021, "step_head", "*"), ev(1.022, "step_pooled", "*")]
+    rows = trace.summary(lines + steps)["<= 1,024 tokens"]
+    assert list(rows)[3:9] == ["engine_scheduled -> engine_done"] + [f"{a} -> {b}" for a, b, _ in trace.STEP_SEGMENTS] + [
+        "engine_done -> received"]
+    assert rows["engine_scheduled -> step_forward"] == {"what": trace.STEP_SEGMENTS[0][2], "requests": 1,
+                                                        "p50_ms": 1.5}
+    assert rows["step_forward -> step_head"]["p50_ms"] == 2.0 and rows["step_head -> step_pooled"]["p50_ms"] == 1.0
+    assert rows["step_pooled -> engine_done"]["p50_ms"] == 25.5
+    assert rows["engine_scheduled -> engine_done"]["requests"] == 2      # the whole still counts both
+    assert "engine_scheduled -> step_forward" not in trace.summary(lines)["<= 1,024 tokens"]   # none: no rows
 
 
 def test_the_trace_summary_says_which_graphs_each_request_replayed(tmp_path, capsys):

@@ -319,6 +319,42 @@ def test_pooler_chunked_prefill_matches_single_pass(release_model, encoder):
         assert torch.all(results[i] > 0)
 
 
+def test_the_pooler_marks_each_step_in_the_request_trace(release_model, encoder, tmp_path, monkeypatch):
+    """With ``CLEF_VLLM_TRACE`` on, the model's forward writes ``step_forward``, the pooler ``step_head`` when
+    it begins and ``step_pooled`` when it returns (request ``*``): the trace summary splits a one-step
+    request's engine time with them."""
+    import json
+
+    from clef_vllm import trace
+    from vllm.v1.pool.metadata import PoolingStates
+
+    m = release_model
+    specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
+    md = vllm_cpu.pooling_metadata(specs, [s.num_tokens for s in specs], [s.num_tokens for s in specs],
+                                   [PoolingStates() for _ in specs])
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(trace, "PATH", str(path))
+    out = m.pooler(torch.cat(hidden), md)
+    assert all(o is not None for o in out)
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["event"], e["request"]) for e in events] == [("step_head", "*"), ("step_pooled", "*")]
+    assert events[0]["t"] <= events[1]["t"]
+    # and the model's forward writes step_forward before the backbone runs (here a stand-in model)
+    from types import SimpleNamespace
+
+    from clef_vllm.worker.model import ClefFlashForDecision
+
+    seen = []
+    stand_in = SimpleNamespace(_steps=0, step_graphs=None, graph_runners=dict,
+                               model=lambda *a: seen.append(path.read_text().count("step_forward")) or "hidden")
+    assert ClefFlashForDecision.forward(stand_in, torch.zeros(4, dtype=torch.long), torch.arange(4)) == "hidden"
+    assert seen == [1]
+    monkeypatch.setattr(trace, "PATH", None)
+    m.pooler(torch.cat(hidden), md)
+    ClefFlashForDecision.forward(stand_in, torch.zeros(4, dtype=torch.long), torch.arange(4))
+    assert len(path.read_text().splitlines()) == 3                 # off: nothing written
+
+
 @torch.inference_mode()
 def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_the_eager_head(release_model,
                                                                                             encoder):

@@ -14,6 +14,13 @@ Off unless ``CLEF_VLLM_TRACE`` names a file. Then each event appends one JSON li
 - ``received`` (server process): AsyncLLM's output handler got the final output;
 - ``answer``: the backend's call returned (with the ``cached`` tokens it started from).
 
+Inside the engine core, per step rather than per request (request ``*``: :data:`STEP`), the worker adds
+``step_forward`` (the model's forward begins: vLLM has prepared the step's inputs and attention metadata),
+``step_head`` (the pooler begins: the backbone is launched) and ``step_pooled`` (the pooler returned: the
+head is launched). A request that had the engine to itself and ran in one step (a short decision at c=1)
+gets them as its own, splitting ``its steps`` without a profiler (:data:`STEP_SEGMENTS`), which slows
+every host op and graph launch it records.
+
 Wall-clock time is comparable across the processes of one machine.
 ``python -m clef_vllm.trace FILE`` prints the median of each segment between them, per group of
 requests (warm-up; prompt length; whether it started from the state cache).
@@ -175,6 +182,16 @@ def instrument(engine) -> None:
     outputs.process_outputs = process_outputs
 
 
+#: The request of the worker's per-step events.
+STEP = "*"
+#: The worker's per-step events, in the order a step meets them.
+STEP_EVENTS = ("step_forward", "step_head", "step_pooled")
+#: ``its steps`` split by them, for a request of one step.
+STEP_SEGMENTS = (("engine_scheduled", "step_forward", "  vLLM's input preparation and metadata"),
+                 ("step_forward", "step_head", "  the backbone's launch (the step graph's feed and replay)"),
+                 ("step_head", "step_pooled", "  the pooler: the head's inputs and launch"),
+                 ("step_pooled", "engine_done", "  the GPU's remaining work, the output to the host, the update"))
+
 #: The segments of one request's timeline, between consecutive events.
 SEGMENTS = (("submit", "sent", "AsyncLLM's input processing"),
             ("sent", "engine_add", "to the engine core's scheduler (IPC, request setup, hashing)"),
@@ -204,8 +221,11 @@ def timelines(lines) -> dict[str, dict]:
     ours = {e["request"] for e in events if e["event"] in ("submit", "answer")}       # the backend's ids
     out: dict[str, dict] = {}
     graphs: dict = {}
+    steps = [e for e in events if e["request"] == STEP]
     for e in events:
         rid = e["request"]
+        if rid == STEP:
+            continue
         if rid not in ours:
             base = rid.rsplit("-", 1)[0]
             rid = base if base in ours else rid
@@ -215,6 +235,11 @@ def timelines(lines) -> dict[str, dict]:
         if e["event"] == "engine_done" and "graphs" in e:
             entry["graph_delta"] = graph_delta(graphs, e["graphs"])
             graphs = e["graphs"]
+    for entry in out.values():          # the worker's step events, for a request of exactly one step
+        if "engine_scheduled" in entry and "engine_done" in entry:
+            inside = [e for e in steps if entry["engine_scheduled"] <= e["t"] <= entry["engine_done"]]
+            if [e["event"] for e in inside] == list(STEP_EVENTS):
+                entry.update((e["event"], e["t"]) for e in inside)
     return out
 
 
@@ -271,7 +296,9 @@ def summary(lines, alone: bool = False) -> dict[str, dict]:
     out = {}
     for name, per in grouped(lines, alone).items():
         rows = {}
-        for a, b, what in SEGMENTS + (("submit", "answer", "the backend's engine call"),):
+        split = any(STEP_EVENTS[0] in t for t in per)
+        for a, b, what in SEGMENTS[:4] + (STEP_SEGMENTS if split else ()) + SEGMENTS[4:] + (
+                ("submit", "answer", "the backend's engine call"),):
             values = [(t[b] - t[a]) * 1000 for t in per if a in t and b in t]
             rows[f"{a} -> {b}"] = {"what": what, "requests": len(values),
                                    "p50_ms": round(statistics.median(values), 3) if values else None}

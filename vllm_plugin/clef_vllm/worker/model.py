@@ -216,6 +216,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         """Final-norm hidden states of every scheduled token (what the head consumes)."""
+        if trace.PATH is not None:
+            trace.event("step_forward", trace.STEP)
         self._steps += 1
         if self._steps % GRAPH_REPORT_EVERY == 0:
             for name, runner in self.graph_runners().items():

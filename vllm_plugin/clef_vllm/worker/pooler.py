@@ -184,6 +184,16 @@ class ClefPooler(Pooler):
             acc.stored = end
 
     def forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
+        if trace.PATH is not None:
+            trace.event("step_head", trace.STEP)
+        out = self._forward(hidden_states, pooling_metadata)
+        if trace.PATH is not None:
+            trace.event("step_pooled", trace.STEP)
+        return out
+
+    forward = trace.phased(trace.PHASE_HEAD, forward)
+
+    def _forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
         cursor = pooling_metadata.get_pooling_cursor()
         scheduled = cursor.num_scheduled_tokens_cpu.tolist()
         seq_lens = cursor.seq_lens_cpu.tolist()
@@ -218,5 +228,3 @@ class ClefPooler(Pooler):
                 out[i] = p
                 states[i].clef = None
         return out
-
-    forward = trace.phased(trace.PHASE_HEAD, forward)
