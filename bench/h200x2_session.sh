@@ -123,6 +123,8 @@
 #        buckets every 32 tokens from 256 to 512 (--prefill-graph-buckets: a ~400-token decision padded to 416, not
 #        448) paired against the default at c=1, BF16 and online FP8; with FP8 also the small bodies' CPU work in the
 #        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
+# PLAN=thirtyseventh1 (one GPU; ~700 s): one short decision's engine time at c=1 split by the worker's step events
+#        (CLEF_VLLM_TRACE; no profiler), FP8 and BF16 with the state cache on (its 16k follow-ups too).
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
 #        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.
 #        (--eager-batches was removed after these runs, which measured no gain: thirtyfifth1's and thirtysixth2's
@@ -448,6 +450,15 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyseventh1_queue0)   # ~700 s: launch with `wait 520` in the staging's last call, then `wait 300`
+  # one short decision's engine time split without a profiler (the worker's step events, clef_vllm.trace): the
+  # default FP8 server, then the default BF16 server with the state cache on (short, then 4k / 16k follow-ups)
+  traced_9b trace_fp8_steps 300 9101 9b-dummy-fp8-trace-steps-c1 1 WORKLOADS=short "BENCH_ARGS=" \
+      "SERVER_ARGS=--load-format dummy --quantization fp8"
+  traced_9b trace_bf16_cache_steps 360 9102 9b-dummy-bf16-cache-on-trace-steps-c1 1
   touch "$S/all.done"
   log "all done"
   ;;
