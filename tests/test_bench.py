@@ -1055,3 +1055,23 @@ def test_the_gemm_sweep_times_exactly_the_backbones_linear_weights(tiny_release)
                           if ".language_model.layers." in k and "_proj" in k and k.endswith(".weight"))
     assert sum(out * inp * layers for _, out, inp, layers in shapes) == stored
     assert sweep.parse_tokens("256:320:32") == [256, 288, 320] and sweep.parse_tokens("400,448") == [400, 448]
+
+
+def test_the_launch_probe_cuts_a_graph_into_near_equal_runs_of_layers():
+    """``bench/graph_launch_probe.py`` compares one graph with the same layers cut into N consecutive graphs:
+    every layer in exactly one piece, in order, the pieces' sizes differing by at most one."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("clef_bench_graph_launch_probe", root / "bench/graph_launch_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.split_points(32, 1) == [(0, 32)]
+    for layers, pieces in ((32, 5), (24, 4), (32, 32), (7, 3)):
+        parts = probe.split_points(layers, pieces)
+        assert len(parts) == pieces and parts[0][0] == 0 and parts[-1][1] == layers
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert max(e - s for s, e in parts) - min(e - s for s, e in parts) <= 1
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="pieces must be between 1 and the layer count"):
+            probe.split_points(32, bad)
