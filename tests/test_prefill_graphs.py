@@ -186,6 +186,35 @@ def test_bucket_length_mask_and_tail():
     assert bucket.tail.tolist() == [7, 8, 9]
 
 
+def test_padded_gate_inputs_are_minus_inf_whatever_a_longer_step_left():
+    """A padded row's gate inputs are -inf, so the gating prep gives it g = 0 and beta = 0 exactly (no mask
+    multiply in the body): set_length restores them after a longer step wrote real rows there, and a
+    shorter step after a longer one on the same bucket equals the same rows unpadded."""
+    layer, exact = make_layer(False), make_layer(False)
+    bucket = make_bucket(16)
+    assert torch.isneginf(bucket.a).all() and torch.isneginf(bucket.b).all()     # from the start
+    q, k, v, g, beta = KERNELS.prep(torch.zeros(2, CONV_DIM), torch.full((2, HV), float("-inf")),
+                                    torch.full((2, HV), float("-inf")), layer)
+    assert torch.equal(g, torch.zeros_like(g)) and torch.equal(beta, torch.zeros_like(beta))
+    for n, seed in ((14, 1), (9, 2)):                   # a longer step, then a shorter one, same bucket
+        qkv, b, a = inputs(n, seed=seed)
+        bucket.set_length(n)
+        bucket.qkv[:n], bucket.b[:n], bucket.a[:n] = qkv, b, a
+        bucket.lines.fill_(1)
+        bucket.has_init.fill_(False)
+        single_sequence_core(layer, bucket, KERNELS)
+        assert torch.isneginf(bucket.a[n:]).all() and torch.isneginf(bucket.b[n:]).all()
+    want = run_chunk(exact, 9, qkv, b, a, line=1, has_init=False)
+    torch.testing.assert_close(bucket.out[:9], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.ssm_state[1], exact.ssm_state[1], rtol=1e-5, atol=1e-6)
+    bucket.packed(QKVZ_DIM, 2 * HV)                     # scope "layer": the packed gate inputs too
+    assert torch.isneginf(bucket.ba).all()
+    bucket.qkvz.fill_(1.0)
+    bucket.ba.fill_(1.0)
+    bucket.set_length(5)
+    assert torch.isneginf(bucket.ba[5:]).all() and (bucket.ba[:5] == 1).all()
+
+
 # --------------------------------------------------------------------------- scope "layer"
 
 
@@ -338,14 +367,16 @@ def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_grou
     qkv, b, a = inputs(12, seed=5)                       # 9 real rows padded to 12 by vLLM
     # Inside a step graph the padded rows hold whatever the graph's memory held: FA3 writes no row after
     # the last sequence's, so they can be NaN or Inf (the tiny parity's warm-up, twentyninth GPU round).
-    # 0 * NaN is NaN: the mask multiplies, so such rows must be zeroed on the way in, not just masked.
+    # The delta rule mixes rows through products (0 * NaN is NaN), so such rows are replaced on the way in:
+    # zeros for the conv input, -inf for the gate inputs (g = 0 and beta = 0 for a padded row).
     for t, junk in ((qkv, float("nan")), (b, float("inf")), (a, float("-inf"))):
         t[9:] = junk
     out = torch.full((12, HV, DV), float("nan"))
     assert runner.run(layers[l2], qkv, b, a, out)
     assert view.ssm_state[2].abs().sum() > 0 and view.ssm_state[1].abs().sum() == 0
     assert torch.isfinite(view.ssm_state[2]).all() and torch.isfinite(out).all() and bucket.length == 9
-    assert torch.equal(bucket.qkv[:9], qkv[:9]) and not bucket.qkv[9:12].any() and not bucket.a[9:12].any()
+    assert torch.equal(bucket.qkv[:9], qkv[:9]) and not bucket.qkv[9:12].any()
+    assert torch.isneginf(bucket.a[9:12]).all() and torch.isneginf(bucket.b[9:12]).all()
     exact = make_layer(False, seed=2)                    # the 9 real rows alone, unpadded
     want = run_chunk(exact, 9, qkv[:9], b[:9], a[:9], line=2, has_init=False)
     torch.testing.assert_close(out[:9], want, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,11 @@ Padding is made exact, not approximate:
   padded rows after them;
 * padded rows get gate ``g = 0`` (decay ``exp(0) = 1``) and ``beta = 0`` (no write), so the
   recurrent state after the padded rows equals the state after the last real row, bit for bit
-  (the WY factors of a ``beta = 0`` row are zero rows);
+  (the WY factors of a ``beta = 0`` row are zero rows). Their gate inputs ``a`` and ``b`` are
+  ``-inf``: the gating prep computes ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+  ``beta = sigmoid(b)``, and ``softplus(-inf) = 0``, ``sigmoid(-inf) = 0`` exactly (vLLM's fused
+  post-conv kernel selects ``log(1 + exp(x))`` for ``x <= 0``), the same bits a mask multiply gave,
+  without two kernels per layer;
 * the conv state the kernel stores (the last ``width - 1`` inputs of the *padded* sequence) is
   replaced by the last ``width - 1`` real inputs.
 
@@ -57,6 +61,8 @@ CHUNK_SIZE = 64
 SCRATCH_LINE = 0
 #: What a graph holds: the GDN core, or the whole packed GDN op (split + core + gated norm).
 SCOPES = ("core", "layer")
+#: The bucket buffers that hold gate inputs (``a``, ``b``, packed ``ba``): -inf in padded rows.
+GATE_INPUTS = frozenset({"a", "b", "ba"})
 
 
 def choose_bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -155,16 +161,19 @@ class Bucket:
     def __init__(self, size: int, dims: "GdnDims", device, dtype, conv_meta: Any, chunk_indices, chunk_offsets):
         self.size = size
         zeros = dict(device=device)
-        # Inputs start as zeros: padded rows then only ever hold earlier real (finite) inputs.
+        # ``qkv`` starts as zeros: its padded rows then only ever hold earlier real (finite) inputs. The
+        # gate inputs ``a`` and ``b`` start as -inf and :meth:`set_length` keeps their padded rows so:
+        # a padded row's gate is then g = 0 and beta = 0 (the module docstring).
         self.qkv = torch.zeros(size, dims.conv_dim, dtype=dtype, **zeros)
-        self.b = torch.zeros(size, dims.num_v_heads, dtype=dtype, **zeros)
-        self.a = torch.zeros(size, dims.num_v_heads, dtype=dtype, **zeros)
+        self.b = torch.full((size, dims.num_v_heads), float("-inf"), dtype=dtype, **zeros)
+        self.a = torch.full((size, dims.num_v_heads), float("-inf"), dtype=dtype, **zeros)
         self.out = torch.zeros(size, dims.num_v_heads, dims.head_v_dim, dtype=dtype, **zeros)
         self.lines = torch.zeros(1, dtype=torch.int32, **zeros)          # the sequence's state line
         self.has_init = torch.zeros(1, dtype=torch.bool, **zeros)        # read its state first?
         self.query_start_loc = torch.tensor([0, size], dtype=torch.int32, **zeros)
         self.real = torch.zeros(size, 1, dtype=torch.bool, **zeros)      # True for real rows, False for padding
         self.zero = torch.zeros((), dtype=dtype, **zeros)                 # what a padded row selects
+        self.minus_inf = torch.full((), float("-inf"), dtype=dtype, **zeros)   # ... of a gate input
         self.positions = torch.arange(size, dtype=torch.int64, **zeros)
         self.tail_offsets = torch.arange(-(dims.conv_width - 1), 0, dtype=torch.int64, **zeros)
         self.tail = torch.zeros(dims.conv_width - 1, dtype=torch.int64, **zeros)
@@ -182,15 +191,20 @@ class Bucket:
         """Allocate the packed-input buffers of scope ``layer`` (once; zeros, like the others)."""
         if self.qkvz is None:
             self.qkvz = torch.zeros(self.size, qkvz_dim, dtype=self.qkv.dtype, device=self.qkv.device)
-            self.ba = torch.zeros(self.size, ba_dim, dtype=self.qkv.dtype, device=self.qkv.device)
+            self.ba = torch.full((self.size, ba_dim), float("-inf"), dtype=self.qkv.dtype, device=self.qkv.device)
+            self.length = None                 # set_length() fills its padded rows too
         return self
 
     def set_length(self, n: int) -> None:
-        """Point the padding mask and the conv-tail rows at ``n`` real tokens (two small ops)."""
+        """Point the padding mask and the conv-tail rows at ``n`` real tokens, and set the gate inputs of
+        the padded rows to -inf (a longer step may have left real ones there). A few small ops."""
         if self.length == n:
             return
         torch.lt(self.positions[:, None], n, out=self.real)
         torch.add(self.tail_offsets, n, out=self.tail)
+        for gate in (self.a, self.b, self.ba):
+            if gate is not None:
+                gate[n:].fill_(float("-inf"))
         self.length = n
 
 
@@ -234,9 +248,8 @@ def single_sequence_core(view, bucket: Bucket, kernels: GdnKernels, x: torch.Ten
     tail = x.index_select(0, bucket.tail)                                 # [width-1, dim]
     view.conv_state_raw[bucket.lines] = (tail.transpose(0, 1) if view.conv_dim_first else tail).unsqueeze(0).to(
         view.conv_state_raw.dtype)
+    # padded rows: a = b = -inf, so g = 0 (the state passes them unchanged) and beta = 0 (no write)
     q, k, v, g, beta = kernels.prep(y, a, b, view)
-    g.mul_(bucket.real)          # log decay 0: the state passes padded rows unchanged
-    beta.mul_(bucket.real)       # no write from padded rows
     h0 = view.ssm_state[bucket.lines]
     h0 = torch.where(bucket.has_init.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
     o, final = kernels.rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), h0,
@@ -419,9 +432,11 @@ class GdnGraphRunner:
         for name, given in inputs:
             if self.inline:
                 # The step graph's padded rows hold whatever its memory held (FA3 writes no row after the
-                # last sequence's), NaN and Inf included; the body masks them by multiplying (0 * NaN is
-                # NaN, in the state and in the real rows of the last chunk): select zeros for them instead.
-                torch.where(bucket.real[:rows], given[:rows], bucket.zero, out=getattr(bucket, name)[:rows])
+                # last sequence's), NaN and Inf included, and the chunked delta rule mixes rows through
+                # products (0 * NaN is NaN, in the state and in the real rows of the last chunk): select
+                # zeros for them instead, or -inf for the gate inputs (as set_length keeps them outside).
+                pad = bucket.minus_inf if name in GATE_INPUTS else bucket.zero
+                torch.where(bucket.real[:rows], given[:rows], pad, out=getattr(bucket, name)[:rows])
             else:
                 getattr(bucket, name)[:rows].copy_(given[:rows])
         graph.replay()
