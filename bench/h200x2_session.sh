@@ -123,9 +123,10 @@
 #        buckets every 32 tokens from 256 to 512 (--prefill-graph-buckets: a ~400-token decision padded to 416, not
 #        448) paired against the default at c=1, BF16 and online FP8; with FP8 also the small bodies' CPU work in the
 #        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
-# PLAN=thirtyseventh1 (one GPU; ~1,100 s): the GDN bodies without mask multiplies checked against vLLM's path (tiny)
-#        and profiled (FP8 c=1: 48 fewer kernels a step expected), then one short decision's engine time at c=1 split
-#        by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16 with the state cache on.
+# PLAN=thirtyseventh1 (one GPU; ~1,300 s): the GDN bodies without mask multiplies checked against vLLM's path (tiny);
+#        one FP8 decision in process vs with the engine core apart (bench/latency.py, step scope); one short
+#        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
+#        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
 #        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.
 #        (--eager-batches was removed after these runs, which measured no gain: thirtyfifth1's and thirtysixth2's
@@ -454,17 +455,25 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyseventh1_queue0)   # ~1,100 s: launch with `wait 520` in the staging's last call, then `wait 540`
+thirtyseventh1_queue0)   # ~1,300 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
   # the GDN bodies without their mask multiplies (padded gate inputs -inf): the step graphs against vLLM's path,
-  # one request at a time (tiny; expect bit-identical rows as before), and the FP8 step's kernels profiled
+  # one request at a time (tiny; expect bit-identical rows as before)
   job fast_paths_step_gates 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step_gates" --n 60 \
       --only graphs --scope step
-  profiled_9b profile_fp8_gates_c1 9103 9b-dummy-fp8-gates-profile-c1 "--load-format dummy --quantization fp8" 1 8,5 240
+  # what the engine core's own process costs one FP8 decision with today's defaults (the step scope): in process
+  # (profiled too), then the engine core apart as in the server (eleventh session, before the step graphs:
+  # 18.1 vs 20.7 ms); if it is still ~2.5 ms, an in-process engine for the server is FP8's way to 20 ms
+  job latency_fp8_step 0 300 python3 bench/latency.py --modes step --quantization fp8 --ckpt "$NINE" \
+      --out "$S/latency_fp8_step/latency.json"
+  job latency_fp8_step_process 0 300 python3 bench/latency.py --modes step --quantization fp8 --engine-process \
+      --ckpt "$NINE" --out "$S/latency_fp8_step_process/latency.json"
   # one short decision's engine time split without a profiler (the worker's step events, clef_vllm.trace): the
   # default FP8 server, then the default BF16 server with the state cache on (short, then 4k / 16k follow-ups)
   traced_9b trace_fp8_steps 300 9101 9b-dummy-fp8-trace-steps-c1 1 WORKLOADS=short "BENCH_ARGS=" \
       "SERVER_ARGS=--load-format dummy --quantization fp8"
   traced_9b trace_bf16_cache_steps 360 9102 9b-dummy-bf16-cache-on-trace-steps-c1 1
+  # the FP8 step's kernels after the mask change (48 fewer element-wise kernels expected)
+  profiled_9b profile_fp8_gates_c1 9103 9b-dummy-fp8-gates-profile-c1 "--load-format dummy --quantization fp8" 1 8,5 240
   touch "$S/all.done"
   log "all done"
   ;;
