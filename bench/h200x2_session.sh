@@ -123,8 +123,8 @@
 #        buckets every 32 tokens from 256 to 512 (--prefill-graph-buckets: a ~400-token decision padded to 416, not
 #        448) paired against the default at c=1, BF16 and online FP8; with FP8 also the small bodies' CPU work in the
 #        thread pool (--cpu-inline-bytes 0) against the new default (on the event loop).
-# PLAN=thirtyseventh1 (one GPU; ~1,300 s): the GDN bodies without mask multiplies checked against vLLM's path (tiny);
-#        one FP8 decision in process vs with the engine core apart (bench/latency.py, step scope); one short
+# PLAN=thirtyseventh1 (one GPU; ~1,500 s): the GDN bodies without mask multiplies checked against vLLM's path (tiny);
+#        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
@@ -455,18 +455,17 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyseventh1_queue0)   # ~1,300 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
+thirtyseventh1_queue0)   # ~1,500 s: launch with `wait 520` in the staging's last call, then `wait 540`, then the rest
   # the GDN bodies without their mask multiplies (padded gate inputs -inf): the step graphs against vLLM's path,
   # one request at a time (tiny; expect bit-identical rows as before)
   job fast_paths_step_gates 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_step_gates" --n 60 \
       --only graphs --scope step
-  # what the engine core's own process costs one FP8 decision with today's defaults (the step scope): in process
-  # (profiled too), then the engine core apart as in the server (eleventh session, before the step graphs:
-  # 18.1 vs 20.7 ms); if it is still ~2.5 ms, an in-process engine for the server is FP8's way to 20 ms
-  job latency_fp8_step 0 300 python3 bench/latency.py --modes step --quantization fp8 --ckpt "$NINE" \
-      --out "$S/latency_fp8_step/latency.json"
-  job latency_fp8_step_process 0 300 python3 bench/latency.py --modes step --quantization fp8 --engine-process \
-      --ckpt "$NINE" --out "$S/latency_fp8_step_process/latency.json"
+  # the engine core in a thread of the server's process (--engine-core thread) against its own process (the
+  # default), FP8: one decision at c=1 (in process 18.1 vs 20.7 ms apart in the eleventh session, before the step
+  # graphs), then short c=16/64 (both share one interpreter lock in thread mode)
+  job paired_engine_thread_fp8 0 480 env COMPARE="fp8:fp8thread:short fp8:fp8thread:short:16,64" PAIRS=200 \
+      TIME_LIMIT=20 PORT0=9110 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8thread=--load-format dummy --quantization fp8 --engine-core thread"
   # one short decision's engine time split without a profiler (the worker's step events, clef_vllm.trace): the
   # default FP8 server, then the default BF16 server with the state cache on (short, then 4k / 16k follow-ups)
   traced_9b trace_fp8_steps 300 9101 9b-dummy-fp8-trace-steps-c1 1 WORKLOADS=short "BENCH_ARGS=" \

@@ -279,6 +279,10 @@ class VllmOptions(_Validated):
                                     "unit) or 'block' (at the last whole KV block in it, 528 tokens at 9B)",
                                     flags=("--state-cache-match",), kind=str,
                                     choices=("unit", "block"))
+    engine_core: str = option("process", "where vLLM's engine core runs: 'process' (its own, as AsyncLLM runs it; "
+                              "default) or 'thread' (a thread of the server's process: no trip between processes "
+                              "per request, one interpreter lock for both; experimental, one engine only; "
+                              "docs/latency.md)", flags=("--engine-core",), kind=str, choices=("process", "thread"))
     async_scheduling: bool = option(False, "schedule and prepare the next engine step while the GPU runs the "
                                     "current one (vLLM's async scheduling; default off, as vLLM's for pooling "
                                     "models; docs/latency.md)", flags=("--async-scheduling",), engine=_scheduling,
@@ -309,6 +313,10 @@ class VllmOptions(_Validated):
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
                             "scope out")
+        if self.engine_core == "thread" and self.data_parallel_size > 1:
+            # data-parallel engines each need their own process (vLLM's DP coordinator)
+            raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "
+                              "at 1 or use 'process'", "engine_core")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "

@@ -263,8 +263,14 @@ class VllmBackend(Backend):
 
             kwargs["profiler_config"] = ProfilerConfig(**self._profile.profiler_config())
         args = AsyncEngineArgs(**kwargs)
-        self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
-        trace.instrument(self.engine)
+        if self.options.engine_core == "thread":
+            from clef_vllm.backends.inproc import ThreadedEngine
+
+            self.engine = ThreadedEngine.from_engine_args(args, self._loop, UsageContext.OPENAI_API_SERVER)
+            log.info("vLLM engine core in this process, stepped by a thread (--engine-core thread, experimental)")
+        else:
+            self.engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+            trace.instrument(self.engine)
         tasks = await self.engine.get_supported_tasks()
         if POOLING_TASK not in tasks:
             raise EngineError(f"engine supports {tasks}, not the {POOLING_TASK!r} pooling task: is the clef plugin "

@@ -1,0 +1,167 @@
+"""``--engine-core thread`` (clef_vllm.backends.inproc): vLLM's engine stepped by one thread of the server's
+process behind AsyncLLM's surface. The engine here is a stand-in with LLMEngine's methods (the real one
+needs a GPU: bench/latency.py measures it there); what is tested is the thread, the hand-offs and the
+failure paths."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from clef_vllm.backends.inproc import EngineThreadError, ThreadedEngine
+
+
+class StandInEngine:
+    """LLMEngine's add_request / abort_request / has_unfinished_requests / step: a request finishes in its
+    ``steps``-th step, giving one output per step; records the threads it was called from."""
+
+    def __init__(self, steps: int = 2, fail_on: str | None = None, fail_step: bool = False):
+        self.steps, self.fail_on, self.fail_step = steps, fail_on, fail_step
+        self.pending: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.threads: set[str] = {threading.current_thread().name}
+        self.profiling = None
+
+    def add_request(self, request_id, prompt, params):
+        self.threads.add(threading.current_thread().name)
+        if request_id == self.fail_on:
+            raise ValueError(f"bad request {request_id}")
+        self.pending[request_id] = 0
+
+    def abort_request(self, request_ids, internal=False):
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+            self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(0.001)                                  # a step takes a while, as on a GPU
+        if self.fail_step:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        outs = []
+        for rid in list(self.pending):
+            self.pending[rid] += 1
+            finished = self.pending[rid] >= self.steps
+            outs.append(SimpleNamespace(request_id=rid, finished=finished, step=self.pending[rid]))
+            if finished:
+                del self.pending[rid]
+        return outs
+
+    def get_supported_tasks(self):
+        self.threads.add(threading.current_thread().name)
+        return ("embed", "token_embed")
+
+    def start_profile(self):
+        self.profiling = threading.current_thread().name
+
+    def stop_profile(self):
+        self.profiling = None
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(engine, request_id):
+    return [(o.request_id, o.step, o.finished) async for o in engine.encode([1, 2, 3], None, request_id=request_id)]
+
+
+def test_requests_are_stepped_in_the_engine_thread_and_answered_on_the_callers_loop():
+    async def main():
+        engine = ThreadedEngine(lambda: StandInEngine(steps=2), asyncio.get_running_loop())   # built in its thread
+        stand_in = engine.engine
+        try:
+            a, b = await asyncio.gather(collect(engine, "a"), collect(engine, "b"))
+            assert a == [("a", 1, False), ("a", 2, True)] and b == [("b", 1, False), ("b", 2, True)]
+            assert await engine.get_supported_tasks() == ("embed", "token_embed")
+            await engine.start_profile()
+            assert stand_in.profiling == "clef-engine-core"
+            await engine.stop_profile()
+            # the engine was built, stepped and asked in the engine thread only
+            assert stand_in.threads == {"clef-engine-core"} and not engine.errored
+        finally:
+            engine.shutdown()
+        assert engine.errored                               # its thread is gone after shutdown
+
+    run(main())
+
+
+def test_a_cancelled_caller_aborts_its_request_and_a_refused_one_gets_its_own_error():
+    async def main():
+        engine = ThreadedEngine(lambda: StandInEngine(steps=10**9, fail_on="bad"), asyncio.get_running_loop())
+        stand_in = engine.engine
+        try:
+            task = asyncio.create_task(collect(engine, "slow"))
+            while "slow" not in stand_in.pending:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while "slow" not in stand_in.aborted:
+                await asyncio.sleep(0.01)
+            assert not stand_in.pending
+            with pytest.raises(ValueError, match="bad request bad"):
+                await collect(engine, "bad")
+            stand_in.steps = 1
+            assert await collect(engine, "next") == [("next", 1, True)]     # the engine goes on
+            assert not engine.errored
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
+def test_an_engine_that_fails_a_step_fails_every_waiting_and_later_request():
+    async def main():
+        engine = ThreadedEngine(lambda: StandInEngine(steps=10**9), asyncio.get_running_loop())
+        stand_in = engine.engine
+        try:
+            first = asyncio.create_task(collect(engine, "a"))
+            second = asyncio.create_task(collect(engine, "b"))
+            while len(stand_in.pending) < 2:
+                await asyncio.sleep(0.01)
+            stand_in.fail_step = True
+            for task in (first, second):
+                with pytest.raises(EngineThreadError, match="illegal memory access"):
+                    await task
+            assert engine.errored
+            with pytest.raises(EngineThreadError):
+                await collect(engine, "c")
+            with pytest.raises(EngineThreadError):
+                await engine.get_supported_tasks()
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
+def test_an_engine_that_cannot_start_raises_its_own_error():
+    def broken():
+        raise RuntimeError("not enough GPU memory")
+
+    async def main():
+        with pytest.raises(RuntimeError, match="not enough GPU memory"):
+            ThreadedEngine(broken, asyncio.get_running_loop())
+
+    run(main())
+
+
+def test_engine_core_thread_is_a_backend_option_for_one_engine(tiny_release):
+    pytest.importorskip("vllm")
+    from clef_vllm.backends.options import OptionError, VllmOptions
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    assert VllmOptions().engine_core == "process"
+    kwargs = engine_kwargs(tiny_release, engine_core="thread")
+    assert "engine_core" not in kwargs                     # ours, not an engine argument
+    with pytest.raises(OptionError, match="'engine_core' 'thread' runs one engine"):
+        engine_kwargs(tiny_release, engine_core="thread", data_parallel_size=2)
+    with pytest.raises(OptionError, match="'engine_core' must be one of"):
+        engine_kwargs(tiny_release, engine_core="inline")
