@@ -165,3 +165,56 @@ def test_engine_core_thread_is_a_backend_option_for_one_engine(tiny_release):
         engine_kwargs(tiny_release, engine_core="thread", data_parallel_size=2)
     with pytest.raises(OptionError, match="'engine_core' must be one of"):
         engine_kwargs(tiny_release, engine_core="inline")
+
+
+def test_the_vllm_backend_answers_through_the_engine_thread_and_reports_its_death(tiny_release):
+    """VllmBackend over a ThreadedEngine (stand-in engine): an answer comes back through the thread; a step
+    that raises is the backend's 'engine core died' for the request and for /health."""
+    pytest.importorskip("vllm")
+    import itertools
+
+    import torch
+
+    from clef_vllm.backends.base import BackendDeadError
+    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.protocol import parse_request
+
+    body = {"model": "clef-flash", "state": {"ticket": "printer on fire"},
+            "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}
+    encoded = RequestEncoder.from_pretrained(tiny_release).encode(parse_request(body))
+
+    class Pooling(StandInEngine):
+        def add_request(self, request_id, prompt, params):
+            super().add_request(request_id, prompt, params)
+            self.prompts = getattr(self, "prompts", {})
+            self.prompts[request_id] = list(prompt["prompt_token_ids"])
+
+        def step(self):
+            outs = super().step()
+            return [SimpleNamespace(request_id=o.request_id, finished=o.finished, num_cached_tokens=0,
+                                    prompt_token_ids=self.prompts[o.request_id],
+                                    outputs=SimpleNamespace(data=torch.tensor([0.25, 0.75])))
+                    for o in outs]
+
+    backend = object.__new__(VllmBackend)
+    backend._ids = itertools.count()
+    backend._loop = asyncio.new_event_loop()
+    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
+    backend._thread.start()
+    backend.kwargs = {"max_num_seqs": 8, "data_parallel_size": 1}
+    backend.state_cache = False
+    backend.engine = ThreadedEngine(lambda: Pooling(steps=1), backend._loop)
+    try:
+        [probs] = backend.decide_batch([encoded])
+        assert torch.equal(probs, torch.tensor([0.25, 0.75]))
+        backend.check_health()
+        backend.engine.engine.fail_step = True
+        with pytest.raises(BackendDeadError, match="engine core died"):
+            backend.decide_batch([encoded])
+        with pytest.raises(BackendDeadError, match="engine core died"):
+            backend.check_health()
+    finally:
+        backend.engine.shutdown()
+        backend._loop.call_soon_threadsafe(backend._loop.stop)
+        backend._thread.join(10)

@@ -357,6 +357,8 @@ class VllmBackend(Backend):
         (``warmup``: a warm-up prompt, so marked in the trace)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        from clef_vllm.backends.inproc import EngineThreadError
+
         reads = self.state_cache and use_cache and bool(spec.state_keys)
         params = pooling_params(spec, reads=reads)
         request_id = f"clef-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -370,7 +372,7 @@ class VllmBackend(Backend):
         async with profiled:
             try:
                 final = await self._final_output(engine, engine_input(ids), params, request_id, rank)
-            except EngineDeadError as exc:
+            except (EngineDeadError, EngineThreadError) as exc:     # its process, or its thread (--engine-core)
                 raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
         if final is None:
             raise EngineError("engine returned no output")
