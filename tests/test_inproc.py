@@ -171,12 +171,10 @@ def test_the_vllm_backend_answers_through_the_engine_thread_and_reports_its_deat
     """VllmBackend over a ThreadedEngine (stand-in engine): an answer comes back through the thread; a step
     that raises is the backend's 'engine core died' for the request and for /health."""
     pytest.importorskip("vllm")
-    import itertools
-
     import torch
+    from support import vllm_cpu
 
     from clef_vllm.backends.base import BackendDeadError
-    from clef_vllm.backends.vllm_backend import VllmBackend
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.protocol import parse_request
 
@@ -197,24 +195,16 @@ def test_the_vllm_backend_answers_through_the_engine_thread_and_reports_its_deat
                                     outputs=SimpleNamespace(data=torch.tensor([0.25, 0.75])))
                     for o in outs]
 
-    backend = object.__new__(VllmBackend)
-    backend._ids = itertools.count()
-    backend._loop = asyncio.new_event_loop()
-    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
-    backend._thread.start()
-    backend.kwargs = {"max_num_seqs": 8, "data_parallel_size": 1}
-    backend.state_cache = False
-    backend.engine = ThreadedEngine(lambda: Pooling(steps=1), backend._loop)
-    try:
-        [probs] = backend.decide_batch([encoded])
-        assert torch.equal(probs, torch.tensor([0.25, 0.75]))
-        backend.check_health()
-        backend.engine.engine.fail_step = True
-        with pytest.raises(BackendDeadError, match="engine core died"):
-            backend.decide_batch([encoded])
-        with pytest.raises(BackendDeadError, match="engine core died"):
+    with vllm_cpu.bare_vllm_backend(max_num_seqs=8, data_parallel_size=1) as backend:
+        backend.engine = ThreadedEngine(lambda: Pooling(steps=1), backend._loop)
+        try:
+            [probs] = backend.decide_batch([encoded])
+            assert torch.equal(probs, torch.tensor([0.25, 0.75]))
             backend.check_health()
-    finally:
-        backend.engine.shutdown()
-        backend._loop.call_soon_threadsafe(backend._loop.stop)
-        backend._thread.join(10)
+            backend.engine.engine.fail_step = True
+            with pytest.raises(BackendDeadError, match="engine core died"):
+                backend.decide_batch([encoded])
+            with pytest.raises(BackendDeadError, match="engine core died"):
+                backend.check_health()
+        finally:
+            backend.engine.shutdown()

@@ -1068,12 +1068,10 @@ def test_micro_batcher_drops_cancelled_requests_and_reports_batch_stats():
 
 def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_release):
     """The vLLM backend's request path against a stand-in AsyncLLM (no GPU here)."""
-    import itertools
-
+    from support import vllm_cpu
     from vllm.v1.engine.exceptions import EngineDeadError
 
     from clef_vllm.backends.base import BackendDeadError
-    from clef_vllm.backends.vllm_backend import VllmBackend
     from clef_vllm.encoding import RequestEncoder
     from clef_vllm.protocol import parse_request
 
@@ -1097,24 +1095,17 @@ def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_relea
             yield
 
     encoded = RequestEncoder.from_pretrained(tiny_release).encode(parse_request(REQUEST))
-    backend = object.__new__(VllmBackend)
-    backend._ids = itertools.count()
-    backend._loop = asyncio.new_event_loop()
-    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
-    backend._thread.start()
-    backend.kwargs = {"max_num_seqs": 48, "data_parallel_size": 2}
-    backend.state_cache = False                     # set by __init__ from the engine settings
-    backend.engine = StandInEngine(dead=False)
+    with vllm_cpu.bare_vllm_backend(max_num_seqs=48, data_parallel_size=2) as backend:
+        backend.engine = StandInEngine(dead=False)
 
-    async def cancel_in_flight():
-        task = asyncio.ensure_future(backend.decide(encoded))
-        assert await asyncio.to_thread(started.wait, 60)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert await asyncio.to_thread(cancelled.wait, 60)
+        async def cancel_in_flight():
+            task = asyncio.ensure_future(backend.decide(encoded))
+            assert await asyncio.to_thread(started.wait, 60)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(cancelled.wait, 60)
 
-    try:
         asyncio.run(cancel_in_flight())
         backend.engine = StandInEngine(dead=True)
         with pytest.raises(BackendDeadError, match="engine core died"):
@@ -1124,9 +1115,6 @@ def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_relea
         with pytest.raises(BackendDeadError, match="AsyncLLM.errored"):
             backend.check_health()
         assert backend.suggested_max_in_flight() == 96
-    finally:
-        backend._loop.call_soon_threadsafe(backend._loop.stop)
-        backend._thread.join(10)
 
 
 def test_a_clean_sigterm_exits_0_every_time(tiny_release):

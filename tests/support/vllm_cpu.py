@@ -10,6 +10,7 @@ attention kernels); the pooler and head are tested on synthetic hidden states in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -236,3 +237,28 @@ def run_scheduler(scheduler, requests, max_steps: int = 50, depth: int = 1) -> d
     for rid in scheduler.requests:
         chunks[rid].append(-1)
     return chunks
+
+
+@contextlib.contextmanager
+def bare_vllm_backend(**kwargs):
+    """A ``VllmBackend`` made without ``__init__`` (no engine: the test sets ``engine`` to a stand-in for
+    AsyncLLM) whose request path runs on its own loop thread; ``kwargs``: its engine settings. The loop
+    stops on exit."""
+    import asyncio
+    import itertools
+    import threading
+
+    from clef_vllm.backends.vllm_backend import VllmBackend
+
+    backend = object.__new__(VllmBackend)
+    backend._ids = itertools.count()
+    backend._loop = asyncio.new_event_loop()
+    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
+    backend._thread.start()
+    backend.kwargs = kwargs
+    backend.state_cache = False                     # set by __init__ from the engine settings
+    try:
+        yield backend
+    finally:
+        backend._loop.call_soon_threadsafe(backend._loop.stop)
+        backend._thread.join(10)
