@@ -28,9 +28,6 @@ from clef_vllm import trace
 
 log = logging.getLogger("clef_vllm")
 
-#: How long the idle engine thread waits for work before it checks whether it should stop (seconds).
-IDLE_POLL_S = 0.5
-
 
 class EngineThreadError(RuntimeError):
     """The engine thread stopped on an error; every request in flight and every later one gets it."""
@@ -48,7 +45,6 @@ class ThreadedEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}        # request id -> its caller's queue
         self._error: BaseException | None = None
-        self._stop = threading.Event()
         self._lock = threading.Lock()          # orders a caller's send against the thread closing its inbox
         self._closed = False
         self.engine: Any = None
@@ -108,7 +104,6 @@ class ThreadedEngine:
         self._send(("abort", request_id), quiet=True)
 
     def shutdown(self) -> None:
-        self._stop.set()
         self._send(("stop",), quiet=True)
         self._thread.join(timeout=30)
         engine = self.engine
@@ -142,10 +137,7 @@ class ThreadedEngine:
             return
         ready.set_result(None)
         try:
-            while not self._stop.is_set():
-                busy = self.engine.has_unfinished_requests()
-                if not self._drain(block=not busy):
-                    break
+            while self._drain(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         if out.finished:
@@ -175,13 +167,13 @@ class ThreadedEngine:
                 item[2].set_exception(error)
 
     def _drain(self, block: bool) -> bool:
-        """Apply what the callers sent (adds, aborts, calls); with ``block``, wait for the first item.
-        ``False`` when told to stop."""
+        """Apply what the callers sent (adds, aborts, calls); with ``block`` (nothing to step), wait for
+        the first item. ``False`` when told to stop."""
         while True:
             try:
-                item = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+                item = self._inbox.get() if block else self._inbox.get_nowait()
             except queue.Empty:
-                return not self._stop.is_set()
+                return True
             block = False
             kind = item[0]
             if kind == "stop":
