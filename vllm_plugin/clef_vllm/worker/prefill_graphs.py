@@ -188,7 +188,8 @@ class Bucket:
         self.ba: torch.Tensor | None = None
 
     def packed(self, qkvz_dim: int, ba_dim: int) -> "Bucket":
-        """Allocate the packed-input buffers of scope ``layer`` (once; zeros, like the others)."""
+        """Allocate the packed-input buffers of scope ``layer`` (once; ``ba`` holds gate inputs: -inf, like
+        ``a`` and ``b``)."""
         if self.qkvz is None:
             self.qkvz = torch.zeros(self.size, qkvz_dim, dtype=self.qkv.dtype, device=self.qkv.device)
             self.ba = torch.full((self.size, ba_dim), float("-inf"), dtype=self.qkv.dtype, device=self.qkv.device)
