@@ -56,6 +56,17 @@ def tiny_short_tokens(tiny_encoder) -> int:
     return max(factory.min_total_tokens(short), 400) + 100
 
 
+def bench_script(name: str):
+    """``bench/NAME.py`` as a module (the bench scripts are not a package; tests must not import them by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"clef_bench_{name}", Path(__file__).resolve().parents[1]
+                                                  / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -878,11 +889,7 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     # gaps: 3.995 ms from the copy to the graph's first kernel, 9 x 20 µs inside it (short), 2.82 ms to the head,
     # 50 µs from the head to the Triton kernel (not short)
     assert step["gpu_idle_split"] == {"short_gaps_ms": 0.18, "before_host_copies_ms": 0.0, "other_ms": 6.865}
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("clef_bench_step_timeline", root / "bench/step_timeline.py")
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = bench_script("step_timeline")
     kernels = [x("kernel", "a", 0, 100), x("kernel", "b", 120, 100), x("gpu_memcpy", "Memcpy HtoD (Pinned)", 400, 5),
                x("kernel", "c", 390, 10), x("kernel", "d", 600, 10)]         # c overlaps the copy's start
     assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.02, "before_host_copies_ms": 0.0, "other_ms": 0.365}
@@ -913,13 +920,7 @@ def test_the_stepped_engine_batches_like_vllm_steps():
     import asyncio
     import time
 
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "clef_bench_instant_server", Path(__file__).resolve().parents[1] / "bench/instant_server.py")
-    instant_server = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(instant_server)
-    SteppedEngine = instant_server.SteppedEngine
+    SteppedEngine = bench_script("instant_server").SteppedEngine
 
     engine = SteppedEngine(fixed_ms=30, per_token_us=10, budget=1000)
     assert engine.step_seconds(2000) == pytest.approx(0.05)
@@ -1039,14 +1040,9 @@ def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
 def test_the_gemm_sweep_times_exactly_the_backbones_linear_weights(tiny_release):
     """``bench/gemm_sizes.py`` derives the backbone's linear layers from a config: on the tiny release
     checkpoint they hold as many weights as its projection tensors (the LM head and convolutions aside)."""
-    import importlib.util
-
     from safetensors import safe_open
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("clef_bench_gemm_sizes", root / "bench/gemm_sizes.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = bench_script("gemm_sizes")
     shapes = sweep.linear_shapes(json.loads((tiny_release / "config.json").read_text()))
     stored = 0
     for path in tiny_release.glob("*.safetensors"):
@@ -1060,12 +1056,7 @@ def test_the_gemm_sweep_times_exactly_the_backbones_linear_weights(tiny_release)
 def test_the_launch_probe_cuts_a_graph_into_near_equal_runs_of_layers():
     """``bench/graph_launch_probe.py`` compares one graph with the same layers cut into N consecutive graphs:
     every layer in exactly one piece, in order, the pieces' sizes differing by at most one."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("clef_bench_graph_launch_probe", root / "bench/graph_launch_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = bench_script("graph_launch_probe")
     assert probe.split_points(32, 1) == [(0, 32)]
     for layers, pieces in ((32, 5), (24, 4), (32, 32), (7, 3)):
         parts = probe.split_points(layers, pieces)
