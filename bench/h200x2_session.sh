@@ -127,6 +127,9 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
+#        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand);
+#        --engine-core thread paired against the default with BF16 at c=1.
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
 #        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.
 #        (--eager-batches was removed after these runs, which measured no gain: thirtyfifth1's and thirtysixth2's
@@ -452,6 +455,17 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyseventh2_queue0)   # ~600 s: launch with `wait 540` in the staging's last call, then `wait` for the rest
+  # vLLM's input preparation (3.85 ms of a short FP8 step in thirtyseventh1) split at the model runner's methods, and
+  # where its Python time goes (py-spy on the engine core, without stopping it)
+  traced_9b trace_fp8_runner 330 9131 9b-dummy-fp8-trace-runner-c1 1 WORKLOADS=short "BENCH_ARGS=" TIME_LIMIT=10 \
+      "SERVER_ARGS=--load-format dummy --quantization fp8" PYSPY=1000,9 "PYSPY_BIN=${PYSPY_BIN:-py-spy}"
+  # the engine core in a thread with BF16 (FP8 gained 0.919x at c=1 in thirtyseventh1)
+  job paired_engine_thread_bf16 0 420 env COMPARE="bf16:bf16thread:short" PAIRS=200 TIME_LIMIT=20 PORT0=9120 \
+      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16thread=--load-format dummy --engine-core thread"
   touch "$S/all.done"
   log "all done"
   ;;

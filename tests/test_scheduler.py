@@ -373,13 +373,30 @@ def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, caps
              ev(1.006, "step_forward", "*"), ev(1.007, "step_head", "*"), ev(1.008, "step_pooled", "*"),
              ev(1.020, "step_forward", "*"), ev(1.021, "step_head", "*"), ev(1.022, "step_pooled", "*")]
     rows = trace.summary(lines + steps)["<= 1,024 tokens"]
-    assert list(rows)[3:9] == ["engine_scheduled -> engine_done"] + [f"{a} -> {b}" for a, b, _ in trace.STEP_SEGMENTS] + [
+    segments = trace.step_segments({"step_forward", "step_head", "step_pooled"})
+    assert list(rows)[3:9] == ["engine_scheduled -> engine_done"] + [f"{a} -> {b}" for a, b, _ in segments] + [
         "engine_done -> received"]
-    assert rows["engine_scheduled -> step_forward"] == {"what": trace.STEP_SEGMENTS[0][2], "requests": 1,
-                                                        "p50_ms": 1.5}
+    assert rows["engine_scheduled -> step_forward"] == {"what": "  vLLM's input preparation and metadata",
+                                                        "requests": 1, "p50_ms": 1.5}
     assert rows["step_forward -> step_head"]["p50_ms"] == 2.0 and rows["step_head -> step_pooled"]["p50_ms"] == 1.0
     assert rows["step_pooled -> engine_done"]["p50_ms"] == 25.5
     assert rows["engine_scheduled -> engine_done"]["requests"] == 2      # the whole still counts both
+    # The model runner's events (instrument_runner) split vLLM's input preparation further.
+    runner = [ev(0.0031, "step_runner", "*"), ev(0.0032, "step_batch", "*"), ev(0.0034, "step_padding", "*"),
+              ev(0.0035, "step_metadata", "*"), ev(0.0040, "step_inputs", "*")]
+    rows = trace.summary(lines + steps + runner)["<= 1,024 tokens"]
+    assert [k for k in rows if k.startswith(("engine_scheduled ->", "step_"))] == [
+        "engine_scheduled -> engine_done", "engine_scheduled -> step_runner", "step_runner -> step_batch",
+        "step_batch -> step_padding", "step_padding -> step_metadata", "step_metadata -> step_inputs",
+        "step_inputs -> step_forward", "step_forward -> step_head", "step_head -> step_pooled",
+        "step_pooled -> engine_done"]
+    assert rows["engine_scheduled -> step_runner"]["p50_ms"] == pytest.approx(0.1)
+    assert rows["step_metadata -> step_inputs"] == {"what": "  the attention metadata (the FA3 and GDN builders)",
+                                                    "requests": 1, "p50_ms": 0.5}
+    assert rows["step_inputs -> step_forward"]["p50_ms"] == pytest.approx(0.5)
+    # events out of order (two steps' interleaved) split nothing
+    shuffled = [ev(0.0031, "step_batch", "*"), ev(0.0032, "step_runner", "*")]
+    assert "step_runner -> step_batch" not in trace.summary(lines + steps + shuffled)["<= 1,024 tokens"]
     assert "engine_scheduled -> step_forward" not in trace.summary(lines)["<= 1,024 tokens"]   # none: no rows
 
 

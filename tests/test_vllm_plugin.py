@@ -355,6 +355,50 @@ def test_the_pooler_marks_each_step_in_the_request_trace(release_model, encoder,
     assert len(path.read_text().splitlines()) == 3                 # off: nothing written
 
 
+def test_the_trace_marks_the_model_runners_input_preparation(tmp_path, monkeypatch, caplog):
+    """``instrument_runner`` marks the start of vLLM's model-runner methods that prepare a step, in the order
+    ``execute_model`` calls them; vLLM 0.28's runner has all of them; a second call wraps nothing twice;
+    with tracing off it changes nothing."""
+    import json
+
+    from clef_vllm import trace
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class Runner(GPUModelRunner):        # a subclass: the wrappers land on it, vLLM's class stays as it is
+        pass
+
+    monkeypatch.setattr(trace, "PATH", None)
+    assert trace.instrument_runner(Runner) == [] and "execute_model" not in vars(Runner)
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(trace, "PATH", str(path))
+    methods = [m for _, m in trace.RUNNER_EVENTS]
+    assert trace.instrument_runner(Runner) == methods and all(m in vars(Runner) for m in methods)
+    wrapped = {m: vars(Runner)[m] for m in methods}
+    assert trace.instrument_runner(Runner) == methods and {m: vars(Runner)[m] for m in methods} == wrapped
+
+    class Stand:                          # a runner whose execute_model calls the others, as vLLM's does
+        def execute_model(self, out):
+            for m in methods[1:]:
+                getattr(self, m)(out)
+            return "done"
+
+    for m in methods[1:]:
+        setattr(Stand, m, lambda self, out, m=m: out.append(m))
+    calls: list = []
+    assert trace.instrument_runner(Stand) == methods
+    assert Stand().execute_model(calls) == "done" and calls == methods[1:]
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["event"], e["request"]) for e in events] == [(name, "*") for name, _ in trace.RUNNER_EVENTS]
+
+    class Old:                            # a vLLM without one of the methods: skipped, said once
+        def execute_model(self):
+            return 1
+
+    with caplog.at_level("WARNING", logger="clef_vllm"):
+        assert trace.instrument_runner(Old) == ["execute_model"]
+    assert "no _prepare_inputs" in caplog.text
+
+
 @torch.inference_mode()
 def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_the_eager_head(release_model,
                                                                                             encoder):

@@ -18,8 +18,10 @@ Inside the engine core, per step rather than per request (request ``*``: :data:`
 ``step_forward`` (the model's forward begins: vLLM has prepared the step's inputs and attention metadata),
 ``step_head`` (the pooler begins: the backbone is launched) and ``step_pooled`` (the pooler returned: the
 head is launched). A request that had the engine to itself and ran in one step (a short decision at c=1)
-gets them as its own, splitting ``its steps`` without a profiler (:data:`STEP_SEGMENTS`), which slows
-every host op and graph launch it records.
+gets them as its own, splitting ``its steps`` without a profiler (:func:`step_segments`), which slows
+every host op and graph launch it records. Before ``step_forward``, the starts of vLLM's model-runner
+methods that prepare the step (:data:`RUNNER_EVENTS`: ``step_runner``, ``step_batch``, ``step_padding``,
+``step_metadata``, ``step_inputs``) split vLLM's input preparation the same way.
 
 Wall-clock time is comparable across the processes of one machine.
 ``python -m clef_vllm.trace FILE`` prints the median of each segment between them, per group of
@@ -182,15 +184,75 @@ def instrument(engine) -> None:
     outputs.process_outputs = process_outputs
 
 
+_runner_marked: set = set()
+
+
+def instrument_runner(runner_cls=None) -> list[str]:
+    """With tracing on, mark the start of each of :data:`RUNNER_EVENTS`' methods of vLLM's model runner
+    (the class, once per process; the worker calls this where the model is built) with its step event.
+    Returns the methods marked; a method this vLLM lacks is skipped with a warning."""
+    if PATH is None:
+        return []
+    import functools
+
+    if runner_cls is None:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as runner_cls
+    marked = []
+    for name, method in RUNNER_EVENTS:
+        fn = getattr(runner_cls, method, None)
+        if (runner_cls, method) in _runner_marked:
+            marked.append(method)
+            continue
+        if fn is None:
+            logging.getLogger("clef_vllm").warning("CLEF_VLLM_TRACE: vLLM's model runner has no %s; no %s events",
+                                                   method, name)
+            continue
+
+        def marking(fn=fn, name=name):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                event(name, STEP)
+                return fn(*args, **kwargs)
+            return wrapper
+
+        setattr(runner_cls, method, marking())
+        _runner_marked.add((runner_cls, method))
+        marked.append(method)
+    return marked
+
+
 #: The request of the worker's per-step events.
 STEP = "*"
+#: vLLM's model-runner methods whose start the worker marks, in the order a step calls them (event, method):
+#: they split vLLM's input preparation (:func:`instrument_runner`).
+RUNNER_EVENTS = (("step_runner", "execute_model"), ("step_batch", "_prepare_inputs"),
+                 ("step_padding", "_determine_batch_execution_and_padding"),
+                 ("step_metadata", "_build_attention_metadata"), ("step_inputs", "_preprocess"))
 #: The worker's per-step events, in the order a step meets them.
-STEP_EVENTS = ("step_forward", "step_head", "step_pooled")
-#: ``its steps`` split by them, for a request of one step.
-STEP_SEGMENTS = (("engine_scheduled", "step_forward", "  vLLM's input preparation and metadata"),
-                 ("step_forward", "step_head", "  the backbone's launch (the step graph's feed and replay)"),
-                 ("step_head", "step_pooled", "  the pooler: the head's inputs and launch"),
-                 ("step_pooled", "engine_done", "  the GPU's remaining work, the output to the host, the update"))
+STEP_EVENTS = tuple(name for name, _ in RUNNER_EVENTS) + ("step_forward", "step_head", "step_pooled")
+#: What the time up to each step event (and from the last one to ``engine_done``) is spent on.
+_STEP_WHAT = {"step_runner": "the executor's hand-off to the model runner",
+              "step_batch": "the runner's request states and input batch (_update_states)",
+              "step_padding": "positions, token ids, block tables, slot mapping (_prepare_inputs)",
+              "step_metadata": "the step's padding and graph mode, the state copies and slot mappings",
+              "step_inputs": "the attention metadata (the FA3 and GDN builders)",
+              "step_forward": "the model's inputs and the forward context",
+              "step_head": "the backbone's launch (the step graph's feed and replay)",
+              "step_pooled": "the pooler: the head's inputs and launch",
+              "engine_done": "the GPU's remaining work, the output to the host, the update"}
+
+
+def step_segments(present) -> tuple[tuple[str, str, str], ...]:
+    """``its steps`` split at the step events in ``present`` (traces without the runner's events split at
+    ``step_forward`` and after)."""
+    chain = ["engine_scheduled"] + [e for e in STEP_EVENTS if e in present] + ["engine_done"]
+    out = []
+    for a, b in zip(chain, chain[1:]):
+        what = _STEP_WHAT[b] if (a, b) != ("engine_scheduled", "step_forward") else \
+            "vLLM's input preparation and metadata"
+        out.append((a, b, "  " + what))
+    return tuple(out)
+
 
 #: The segments of one request's timeline, between consecutive events.
 SEGMENTS = (("submit", "sent", "AsyncLLM's input processing"),
@@ -237,8 +299,10 @@ def timelines(lines) -> dict[str, dict]:
             graphs = e["graphs"]
     for entry in out.values():          # the worker's step events, for a request of exactly one step
         if "engine_scheduled" in entry and "engine_done" in entry:
-            inside = [e for e in steps if entry["engine_scheduled"] <= e["t"] <= entry["engine_done"]]
-            if [e["event"] for e in inside] == list(STEP_EVENTS):
+            inside = sorted((e for e in steps if entry["engine_scheduled"] <= e["t"] <= entry["engine_done"]),
+                            key=lambda e: e["t"])
+            names = [e["event"] for e in inside]
+            if "step_forward" in names and names == [n for n in STEP_EVENTS if n in names]:   # one step's, in order
                 entry.update((e["event"], e["t"]) for e in inside)
     return out
 
@@ -296,8 +360,8 @@ def summary(lines, alone: bool = False) -> dict[str, dict]:
     out = {}
     for name, per in grouped(lines, alone).items():
         rows = {}
-        split = any(STEP_EVENTS[0] in t for t in per)
-        for a, b, what in SEGMENTS[:4] + (STEP_SEGMENTS if split else ()) + SEGMENTS[4:] + (
+        present = {e for t in per for e in STEP_EVENTS if e in t}
+        for a, b, what in SEGMENTS[:4] + (step_segments(present) if present else ()) + SEGMENTS[4:] + (
                 ("submit", "answer", "the backend's engine call"),):
             values = [(t[b] - t[a]) * 1000 for t in per if a in t and b in t]
             rows[f"{a} -> {b}"] = {"what": what, "requests": len(values),

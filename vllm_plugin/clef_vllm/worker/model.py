@@ -132,8 +132,9 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
         self.step_graphs = self._step_graphs(vllm_config)
         self._steps = 0
-        if trace.PATH is not None:          # engine_done events carry their counters
+        if trace.PATH is not None:          # engine_done events carry their counters; steps their runner events
             trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
+            trace.instrument_runner()
 
     def graph_runners(self) -> dict:
         """The graph runners that are on (prefill, step, head), by name (their counters: ``describe()``)."""
