@@ -26,9 +26,6 @@
 #   SERVER_WRAP       a command the server runs under (e.g. "taskset -c 0-3": its CPUs) []
 #   THREADS           1: sample the busiest threads (CPU each ran on, %CPU) every second of the server's
 #                     bench into threads.txt [0]
-#   PYSPY             RATE,SECONDS: sample vLLM's engine-core process with py-spy (RATE per second, without
-#                     stopping it, idle samples kept, per thread) for SECONDS from the start of the server's
-#                     bench into pyspy.txt (collapsed stacks); PYSPY_BIN names py-spy [py-spy] []
 # The vLLM server runs with --gdn-prefill-backend triton (Hopper). Exit status is
 # non-zero if any phase failed; each phase's rc is in $OUT/run.json.
 set -uo pipefail
@@ -56,8 +53,6 @@ LABEL=${LABEL:-$(basename "$CKPT")}
 READY_TIMEOUT=${READY_TIMEOUT:-420}
 SERVER_WRAP=${SERVER_WRAP:-}
 THREADS=${THREADS:-0}
-PYSPY=${PYSPY:-}
-PYSPY_BIN=${PYSPY_BIN:-py-spy}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 URL="http://127.0.0.1:$PORT"
 
@@ -151,16 +146,6 @@ if has_phase server || has_phase parity; then
       if [ "$THREADS" = 1 ]; then
         sample_threads "$OUT/threads.txt" 1 12 &
         sampler=$!
-      fi
-      if [ -n "$PYSPY" ]; then
-        core=$(engine_core_pid "$SERVER_PID")
-        if [ -n "$core" ]; then
-          log "py-spy on the engine core (pid $core): ${PYSPY%%,*}/s for ${PYSPY##*,}s"
-          "$PYSPY_BIN" record --nonblocking --idle --threads --rate "${PYSPY%%,*}" --duration "${PYSPY##*,}" \
-              --format raw --pid "$core" --output "$OUT/pyspy.txt" >"$OUT/pyspy.log" 2>&1 &
-        else
-          log "PYSPY: no engine-core process under the server (pid $SERVER_PID)"
-        fi
       fi
       # shellcheck disable=SC2046
       run_phase bench_server "$BENCH_TIMEOUT" "$PY" -m clef_vllm.bench.bench_cli "$URL" --tokenizer "$CKPT" \

@@ -128,7 +128,8 @@
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
 # PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
-#        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand);
+#        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand;
+#        it saw one unchanging stack per thread, so gpu_bench.sh's PYSPY knob was removed and is ignored now);
 #        --engine-core thread paired against the default with BF16 at c=1.
 # PLAN=thirtysixth1, thirtysixth2 (one GPU, after thirtyfifth1 on the same machine; ~650 s and ~300 s): the FP8 server's
 #        engine core profiled at c=1 and the state cache with FP8 beside BF16 on one 16k state; --eager-batches at c=64.

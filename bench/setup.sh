@@ -2,7 +2,7 @@
 # working folder (ROOT), the output folder ($OUT, default ./bench-out), the staged vLLM on the GPU
 # machine (tests/gpu/env.sh) or else this tree's plugin on PYTHONPATH, and the environment every
 # run wants; `healthy URL`, the one readiness check (/health answers 200), `wait_healthy` (a server's
-# start-up), `engine_core_pid` and `sample_threads`.
+# start-up) and `sample_threads`.
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT=${OUT:-$ROOT/bench-out}
@@ -28,11 +28,6 @@ wait_healthy() {  # wait_healthy URL PID SECONDS: 0 once URL is healthy, 1 if pr
     (( SECONDS - t0 < $3 )) || return 2
     sleep 1
   done
-}
-
-engine_core_pid() {  # engine_core_pid SERVER_PID: vLLM's engine-core process in the server's process group
-  # (the server leads its own group), else the server's first child
-  pgrep -g "$1" -f "EngineCore" | head -1 | grep . || pgrep -P "$1" | head -1
 }
 
 sample_threads() {  # sample_threads FILE SECONDS LINES: every SECONDS, the LINES busiest threads (CPU each ran on,
