@@ -127,6 +127,9 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=thirtyeighth1 (one GPU; ~700 s; not run yet): --engine-thread-switch-ms 0.5 with the engine core in a thread,
+#        paired against the default (its own process) at c=16/64 (where the thread lost 12-15 %), then against the
+#        thread at Python's 5 ms at c=1 (where the thread won).
 # PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
 #        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand;
 #        it saw one unchanging stack per thread, so gpu_bench.sh's PYSPY knob was removed and is ignored now);
@@ -456,6 +459,14 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   job paired_cache_fp8 0 330 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9010 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyeighth1_queue0)   # ~700 s: launch with `wait 540` in the staging's last call, then `wait` for the rest
+  job paired_thread_switch_fp8 0 600 env COMPARE="fp8:fp8switch:short:16,64 fp8thread:fp8switch:short" PAIRS=200 \
+      TIME_LIMIT=20 PORT0=9140 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
+      "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
   touch "$S/all.done"
   log "all done"
   ;;

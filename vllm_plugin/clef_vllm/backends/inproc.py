@@ -10,8 +10,9 @@ the part of ``AsyncLLM`` it uses: ``encode`` (an async generator of outputs), ``
 
 The price: the engine core's Python work (scheduling, input preparation, the pooler's host work) shares
 one interpreter lock with the HTTP front end. It is released while the thread waits for the GPU, so at
-c=1 nothing contends; under load the front end and the engine core slow each other. Experimental, off by
-default, one engine only (no data parallelism); docs/latency.md.
+c=1 nothing contends; under load the front end and the engine core slow each other. Measured on the
+H200 (nineteenth session): one short decision 0.92x the default's time, 0.85-0.88x its req/s at
+c=16/64; so off by default, one engine only (no data parallelism); docs/latency.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ from typing import Any, Callable
 from clef_vllm import trace
 
 log = logging.getLogger("clef_vllm")
+
+
+def set_switch_interval(ms: float) -> float:
+    """Python's interpreter-lock switch interval set to ``ms`` milliseconds, for the whole process
+    (``--engine-thread-switch-ms``); returns the previous one, in milliseconds."""
+    import sys
+
+    previous = sys.getswitchinterval() * 1000.0
+    sys.setswitchinterval(ms / 1000.0)
+    return previous
 
 
 class EngineThreadError(RuntimeError):
