@@ -127,9 +127,10 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=thirtyeighth1 (one GPU; ~700 s; not run yet): --engine-thread-switch-ms 0.5 with the engine core in a thread,
-#        paired against the default (its own process) at c=16/64 (where the thread lost 12-15 %), then against the
-#        thread at Python's 5 ms at c=1 (where the thread won).
+# PLAN=thirtyeighth1 (one GPU; ~1,000 s; not run yet): the GDN metadata memo checked (tiny: repeats bit-identical on
+#        vLLM's path and with the graphs) and its share of a short FP8 step traced (runner events); then
+#        --engine-thread-switch-ms 0.5 with the engine core in a thread, paired against the default (its own process)
+#        at c=16/64 (where the thread lost 12-15 %), then against the thread at Python's 5 ms at c=1 (where it won).
 # PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
 #        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand;
 #        it saw one unchanging stack per thread, so gpu_bench.sh's PYSPY knob was removed and is ignored now);
@@ -462,9 +463,12 @@ thirtythird1_queue0)   # ~1,650 s: launch with `wait 520` in a 600 s call, then 
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyeighth1_queue0)   # ~700 s: launch with `wait 540` in the staging's last call, then `wait` for the rest
+thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last call, then `wait 540`
+  job fast_paths_memo 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_memo" --only memo --scope step
+  traced_9b trace_fp8_memo 330 9141 9b-dummy-fp8-trace-memo-c1 1 WORKLOADS=short "BENCH_ARGS=" TIME_LIMIT=10 \
+      "SERVER_ARGS=--load-format dummy --quantization fp8"
   job paired_thread_switch_fp8 0 600 env COMPARE="fp8:fp8switch:short:16,64 fp8thread:fp8switch:short" PAIRS=200 \
-      TIME_LIMIT=20 PORT0=9140 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
   touch "$S/all.done"

@@ -82,7 +82,7 @@ def test_a_later_group_gets_what_its_own_build_would(builders, mode, case):
     assert first.supports_update_block_table and second.supports_update_block_table
     built = first.build(0, common(query_lens, computed, table1))
     group2 = common(query_lens, computed, table2)
-    want = second.build(0, group2)
+    want = type(second)._clef_build(second, 0, group2)                           # vLLM's own build
     got = second.update_block_table(built, group2.block_table_tensor, group2.slot_mapping)
     differs = [f.name for f in dataclasses.fields(want) if not same(getattr(want, f.name), getattr(got, f.name))]
     assert differs == []
@@ -90,6 +90,68 @@ def test_a_later_group_gets_what_its_own_build_would(builders, mode, case):
     assert got.chunk_indices is built.chunk_indices                             # and the rest is shared
     again = second.update_block_table(got, group2.block_table_tensor, group2.slot_mapping)   # from an update
     assert same(again.prefill_state_indices, want.prefill_state_indices)
+
+
+def differing(want, got) -> list[str]:
+    return [f.name for f in dataclasses.fields(want) if not same(getattr(want, f.name), getattr(got, f.name))]
+
+
+@pytest.mark.parametrize("mode", ["align", "none"])
+def test_a_single_prefill_of_a_length_seen_before_gets_what_vllms_own_build_would(builders, mode):
+    """The first group's builder keeps the metadata of a one-sequence prefill and answers a later step of the
+    same new-token count and context flag with it: after builds of other lengths, with other block tables
+    and other context lengths, every field equals vLLM's own build of that step."""
+    from clef_vllm.worker import gdn_metadata
+
+    builder = builders[mode][0]
+    own = type(builder)._clef_build
+    builder.__dict__.pop(gdn_metadata.MEMO, None)
+    width = 1 if mode == "none" else 4
+
+    def table(start):
+        return [[start + i for i in range(width)]]
+
+    steps = [([37], [0], table(5)), ([50], [0], table(9)), ([30], [40], table(13)), ([37], [0], table(17)),
+             ([30], [70], table(21)), ([30], [0], table(25)), ([37], [0], table(29))]
+    kept = {}
+    reused_before, built_before = gdn_metadata.STATS["reused"], gdn_metadata.STATS["built"]
+    for query_lens, computed, blocks in steps:
+        step = common(query_lens, computed, blocks)
+        got = builder.build(0, step)
+        want = own(builder, 0, common(query_lens, computed, blocks))
+        assert differing(want, got) == [], (query_lens, computed)
+        key = (query_lens[0], computed[0] > 0)
+        if key in kept:                                   # a hit: the kept tensors, this step's state lines
+            assert got.chunk_indices is kept[key].chunk_indices and got.batch_ptr is kept[key].batch_ptr
+            assert got.non_spec_query_start_loc is step.query_start_loc
+        else:
+            kept[key] = got
+        assert got.__dict__[gdn_metadata.SEQ_LENS] is step.seq_lens   # later groups update from this step's
+    assert set(builder.__dict__[gdn_metadata.MEMO]) == {(37, False), (50, False), (30, True), (30, False)}
+    assert gdn_metadata.STATS["reused"] - reused_before == 3 and gdn_metadata.STATS["built"] - built_before == 4
+    assert same(kept[(30, True)].has_initial_state, torch.tensor([True]))
+    assert same(kept[(30, False)].has_initial_state, torch.tensor([False]))
+
+
+def test_only_single_prefills_are_kept_and_the_oldest_goes_first(builders, monkeypatch):
+    from clef_vllm.worker import gdn_metadata
+
+    builder = builders["none"][0]
+    own = type(builder)._clef_build
+    builder.__dict__.pop(gdn_metadata.MEMO, None)
+    batch = common([37, 12], [0, 64], [[5], [6]])
+    assert differing(own(builder, 0, common([37, 12], [0, 64], [[5], [6]])), builder.build(0, batch)) == []
+    decode = common([1], [40], [[7]])
+    assert differing(own(builder, 0, common([1], [40], [[7]])), builder.build(0, decode)) == []
+    assert builder.__dict__.get(gdn_metadata.MEMO, {}) == {}            # several sequences, a decode: not kept
+    monkeypatch.setattr(gdn_metadata, "MEMO_SIZE", 2)
+    for n in (20, 21, 22):
+        builder.build(0, common([n], [0], [[3]]))
+    assert list(builder.__dict__[gdn_metadata.MEMO]) == [(21, False), (22, False)]
+    spec = SimpleNamespace(use_spec_decode=True, use_full_cuda_graph=False)
+    assert gdn_metadata.memo_key(spec, common([20], [0], [[3]]), (), {}) is None
+    assert gdn_metadata.memo_key(builder, common([20], [0], [[3]]), (None, None), {"fast_build": True}) == (20, False)
+    assert gdn_metadata.memo_key(builder, common([20], [0], [[3]]), (torch.ones(1),), {}) is None   # accepted tokens
 
 
 def test_only_plain_steps_share_a_build():

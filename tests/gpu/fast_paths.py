@@ -1,6 +1,6 @@
 """GPU checks of the two engine features on a tiny checkpoint: prefill graphs and the state cache.
 
-    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step]
+    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step] [--only graphs,cache,eviction,memo,api]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
@@ -13,7 +13,11 @@
    together, then 8 that hit), and eviction (a side pool of 4 blocks and a small KV cache while
    6 other states pass through) -- every cached answer against the same request recomputed with
    ``skip_reading_prefix_cache`` in the same engine.
-3. **offline API**: ``Clef(backend="vllm")`` (AsyncLLM: leader/follower and affinity) answers 12
+3. **metadata memo**: a short and a long (chunked) request, another length between, then both again, one
+   at a time, on vLLM's path and with the graphs: the repeats take their GDN metadata from the memo of
+   one-sequence prefills (``clef_vllm/worker/gdn_metadata.py``; the worker's ``built`` / ``reused``
+   counts say so) and must answer bit-identically.
+4. **offline API**: ``Clef(backend="vllm")`` (AsyncLLM: leader/follower and affinity) answers 12
    requests about one state in one batch; how many read the state from the cache, and the answers
    against the reference backend.
 
@@ -93,9 +97,12 @@ def run_engine(config: dict) -> dict:
             for r, e in zip(results, encs)]})
 
     def report(worker):
+        from clef_vllm.worker import gdn_metadata
+
         model = worker.model_runner.model
         rep = {"block_size": worker.vllm_config.cache_config.block_size,
-               "num_gpu_blocks": worker.vllm_config.cache_config.num_gpu_blocks}
+               "num_gpu_blocks": worker.vllm_config.cache_config.num_gpu_blocks,
+               "gdn_metadata_memo": dict(gdn_metadata.STATS)}
         rep.update((f"{name}_graphs", runner.describe()) for name, runner in model.graph_runners().items())
         return rep
 
@@ -152,7 +159,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="graphs,cache,eviction,api", help="which parts to run")
+    ap.add_argument("--only", default="graphs,cache,eviction,memo,api", help="which parts to run")
     ap.add_argument("--scope", default=VllmOptions().resolved_prefill_graph_scope, choices=PREFILL_GRAPH_SCOPES,
                     help="the prefill graph scope of the engines with graphs (--prefill-graph-scope; default: the "
                          "server's): part 1 compares it "
@@ -256,10 +263,31 @@ def main() -> int:
         report["eviction"] = ev
     print(json.dumps(report["eviction"]), flush=True)
     save()
+    # 3. the GDN metadata memo: a one-sequence prefill of a length built before takes its metadata from the
+    # memo (state lines recomputed); the same request again must answer bit-identically, on vLLM's path (which
+    # reads every field) and with the graphs
+    if "memo" in parts:
+        short, long_, other = req(state(150, 50), 50), req(state(1400, 51), 51), req(state(400, 52), 52)
+        program = [{"name": name, "bodies": [body]} for name, body in
+                   (("short1", short), ("long1", long_), ("other", other), ("short2", short), ("long2", long_))]
+        report["metadata_memo"] = {}
+        for graphs in (False, True):
+            run = child({"ckpt": str(ckpt), "graphs": graphs, "cache": False, "scope": args.scope, "program": program},
+                        work, f"memo_{'graphs' if graphs else 'vllm_path'}")
+            if "steps" not in run:
+                report["metadata_memo"]["graphs" if graphs else "vllm_path"] = run
+                continue
+            got = {st["name"]: st["results"][0] for st in run["steps"]}
+            report["metadata_memo"]["graphs" if graphs else "vllm_path"] = {
+                "short": {"tokens": got["short1"]["tokens"], **compare([got["short1"]["probs"]], [got["short2"]["probs"]])},
+                "long": {"tokens": got["long1"]["tokens"], **compare([got["long1"]["probs"]], [got["long2"]["probs"]])},
+                "memo": run["worker"]["gdn_metadata_memo"]}
+        print(json.dumps(report["metadata_memo"]), flush=True)
+        save()
     if "api" not in parts:
         return 0
 
-    # 3. the offline API: leader/follower through AsyncLLM, answers vs the reference backend
+    # 4. the offline API: leader/follower through AsyncLLM, answers vs the reference backend
     from clef_vllm import Clef
 
     batch = [req(state(1500, 7), 40 + i) for i in range(12)]

@@ -16,6 +16,19 @@ Found in the step server's engine-core trace (``bench/step_timeline.py``): the b
 launched 8-12 ms (profiled) into a short step, three ~1 ms stretches of it one repeated build.
 ``tests/test_gdn_metadata.py`` checks the update against vLLM's own build of the later group, field
 by field, on CPU.
+
+**One build per prefill length.** For a step of one prefill sequence, everything the GDN build derives
+besides the state indices depends only on the sequence's new-token count and on whether it continues
+from a state: the FLA chunk indices and offsets and the causal-conv metadata come from the query start
+locations ``[0, n]``, the initial-state flags from ``context > 0``. Those are a dozen host ops, two pinned
+allocations and their host-to-device copies per step (the nineteenth session's trace put vLLM's attention
+metadata at ~1.9 ms of a short step), and the step graphs read only the state line and the flag of it. So
+the first group's builder keeps the metadata of such steps (:data:`MEMO_SIZE` of them, per builder) and
+answers a later step of the same key with it, its state indices recomputed from this step's block table
+as :func:`update_block_table` does, its query start locations this step's (the same persistent buffer).
+Every tensor the kept metadata owns was made by its own build and is never written afterwards (vLLM's
+causal-conv op only reads the conv metadata when it is given). The tests compare such a hit with vLLM's
+own build, field by field, after builds of other lengths.
 """
 
 from __future__ import annotations
@@ -24,6 +37,12 @@ import dataclasses
 
 #: where a build keeps its step's sequence lengths (the update needs them in vLLM's ``align`` mode)
 SEQ_LENS = "_clef_seq_lens"
+#: where a builder keeps its single-prefill metadata, by :func:`memo_key`
+MEMO = "_clef_memo"
+#: how many single-prefill keys a builder keeps (oldest first out)
+MEMO_SIZE = 64
+#: this process's single-prefill builds (``built``) and answers from a memo (``reused``), for GPU tests
+STATS = {"built": 0, "reused": 0}
 
 
 def shareable(builder) -> bool:
@@ -35,21 +54,60 @@ def shareable(builder) -> bool:
 
 def update_block_table(self, metadata, blk_table, slot_mapping):
     """``metadata`` (built for another KV-cache group in this step) with this group's state indices."""
-    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
-
     seq_lens = metadata.__dict__.get(SEQ_LENS)
     if seq_lens is None or metadata.spec_sequence_masks is not None:
         raise RuntimeError("clef GDN metadata: update_block_table got metadata it did not build "
                            "(speculative decoding, or built before the plugin was installed)")
-    table = mamba_get_block_table_tensor(blk_table, seq_lens, self.kv_cache_spec,
-                                         self.vllm_config.cache_config.mamba_cache_mode)
+    return with_state_indices(self, metadata, blk_table, seq_lens)
+
+
+def with_state_indices(builder, metadata, blk_table, seq_lens, **fields):
+    """A copy of ``metadata`` (with ``fields`` replaced) whose state indices are those of ``blk_table``
+    for ``seq_lens``, as ``builder``'s own build derives them."""
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+
+    table = mamba_get_block_table_tensor(blk_table, seq_lens, builder.kv_cache_spec,
+                                         builder.vllm_config.cache_config.mamba_cache_mode)
     non_spec = table[:, 0]
     prefill = None
     if metadata.num_prefills > 0:
         prefill = non_spec[metadata.num_decodes:] if metadata.num_decodes > 0 else non_spec
-    updated = dataclasses.replace(metadata, non_spec_state_indices_tensor=non_spec, prefill_state_indices=prefill)
+    updated = dataclasses.replace(metadata, non_spec_state_indices_tensor=non_spec, prefill_state_indices=prefill,
+                                  **fields)
     updated.__dict__[SEQ_LENS] = seq_lens
     return updated
+
+
+def memo_key(builder, common, extra: tuple, kwargs: dict) -> tuple | None:
+    """The key of a step of one prefill sequence (its new tokens, whether it continues from a state), or
+    ``None`` for any other step (several sequences, speculative decoding, full CUDA graphs)."""
+    if common.num_reqs != 1 or not shareable(builder) or any(a is not None for a in extra) or \
+            any(v is not None for k, v in kwargs.items() if k != "fast_build"):
+        return None
+    n = int(common.query_start_loc_cpu[1])
+    if n < 2 or n != common.num_actual_tokens:          # one token is a decode; padded tokens: not ours
+        return None
+    return n, common.max_seq_len > n
+
+
+def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
+    """``build``'s metadata for this step, from the builder's memo when a step of its key was built before."""
+    key = memo_key(builder, common, extra, kwargs)
+    memo = builder.__dict__.setdefault(MEMO, {}) if key is not None else None
+    if memo is not None and key in memo:
+        STATS["reused"] += 1
+        return with_state_indices(builder, memo[key], common.block_table_tensor, common.seq_lens,
+                                  non_spec_query_start_loc=common.query_start_loc,
+                                  prefill_query_start_loc=common.query_start_loc)
+    metadata = build(builder, common_prefix_len, common, *extra, **kwargs)
+    metadata.__dict__[SEQ_LENS] = common.seq_lens
+    if memo is not None and metadata.num_prefills == 1 and metadata.num_decodes == 0 and \
+            metadata.spec_sequence_masks is None:
+        STATS["built"] += 1
+        if len(memo) >= MEMO_SIZE:
+            memo.pop(next(iter(memo)))
+        memo[key] = metadata
+    return metadata
 
 
 def install() -> bool:
@@ -69,11 +127,10 @@ def install() -> bool:
         self.supports_update_block_table = shareable(self)
 
     def shared_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-        metadata = build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-        metadata.__dict__[SEQ_LENS] = common_attn_metadata.seq_lens
-        return metadata
+        return memo_build(self, build, common_prefix_len, common_attn_metadata, *args, **kwargs)
 
     Builder.__init__ = __init__
+    Builder._clef_build = build                         # vLLM's own (the tests compare with it)
     Builder.build = shared_build
     Builder.update_block_table = update_block_table
     Builder._clef_shared = True
