@@ -128,7 +128,8 @@
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
 # PLAN=thirtyeighth1 (one GPU; ~1,000 s; not run yet): the GDN metadata memo checked (tiny: repeats bit-identical on
-#        vLLM's path and with the graphs) and its share of a short FP8 step traced (runner events); then
+#        vLLM's path and with the graphs) and its share of a short FP8 step traced (runner and output events); the
+#        step's Python calls profiled (CLEF_VLLM_PROFILE=...,stack, bench/py_calls.py); then
 #        --engine-thread-switch-ms 0.5 with the engine core in a thread, paired against the default (its own process)
 #        at c=16/64 (where the thread lost 12-15 %), then against the thread at Python's 5 ms at c=1 (where it won).
 # PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
@@ -253,6 +254,9 @@ profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS [CONC [WINDOW [LIMIT_
   local trace
   for trace in "$S/$name"/profile/*.pt.trace.json*; do    # when each step launches its graphs (bench/step_timeline.py)
     [ -f "$trace" ] && python3 bench/step_timeline.py "$trace" --json "$S/$name/timeline.json" >"$S/$name/timeline.txt" 2>&1
+    # a window recorded with Python stacks (WINDOW ending in ",stack"): which Python code the steps' host time goes to
+    [[ -f "$trace" && $window == *,stack ]] && python3 bench/py_calls.py "$trace" --depth 6 \
+        --json "$S/$name/py_calls.json" >"$S/$name/py_calls.txt" 2>&1
   done
   find "$S/$name/profile" -type f -size +20M -delete 2>/dev/null
 }
@@ -467,6 +471,9 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   job fast_paths_memo 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_memo" --only memo --scope step
   traced_9b trace_fp8_memo 330 9141 9b-dummy-fp8-trace-memo-c1 1 WORKLOADS=short "BENCH_ARGS=" TIME_LIMIT=10 \
       "SERVER_ARGS=--load-format dummy --quantization fp8"
+  # which Python code vLLM's input preparation runs (the profiler's Python tracer, two steps; bench/py_calls.py)
+  profiled_9b profile_fp8_stack_c1 9142 9b-dummy-fp8-stack-profile-c1 "--load-format dummy --quantization fp8" 1 \
+      8,2,stack 240
   job paired_thread_switch_fp8 0 600 env COMPARE="fp8:fp8switch:short:16,64 fp8thread:fp8switch:short" PAIRS=200 \
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \

@@ -1066,3 +1066,63 @@ def test_the_launch_probe_cuts_a_graph_into_near_equal_runs_of_layers():
     for bad in (0, 33):
         with pytest.raises(ValueError, match="pieces must be between 1 and the layer count"):
             probe.split_points(32, bad)
+
+
+def _traced_steps(n_steps: int) -> None:       # module-level, so the profiler's Python tracer names them
+    from torch.profiler import record_function
+
+    for i in range(n_steps):
+        with record_function(f"execute_context_1({400 + i})_generation_0(0)"):
+            execute_model(heavy=2000 * (i + 1))
+
+
+def execute_model(heavy: int) -> int:           # the root the script looks for (vLLM's runner method's name)
+    return _prepare(heavy) + _prepare(heavy // 10) + _launch()
+
+
+def _prepare(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def _launch() -> int:
+    return 1
+
+
+def test_py_calls_sums_a_steps_python_calls_by_path_from_the_runner(tmp_path):
+    """bench/py_calls.py on a real torch-profiler trace recorded with Python stacks: per step range, the calls
+    under ``execute_model`` as a tree of paths, with the median over steps of inclusive ms and calls."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        _traced_steps(3)
+    plain = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(plain))
+    trace = tmp_path / "trace.json.gz"
+    trace.write_bytes(gzip.compress(plain.read_bytes()))
+    calls = bench_script("py_calls")
+    summary = calls.summarise(calls.load(str(trace)))
+    assert summary["steps"] == 3
+    paths = summary["paths"]
+    top = [p for p in paths if len(p) == 1]
+    assert len(top) == 1 and top[0][0].startswith("execute_model (test_bench.py:")
+    prepare = [p for p in paths if len(p) == 2 and p[1].startswith("_prepare (")]
+    launch = [p for p in paths if len(p) == 2 and p[1].startswith("_launch (")]
+    assert len(prepare) == 1 and len(launch) == 1
+    assert paths[prepare[0]]["calls"] == 2 and paths[launch[0]]["calls"] == 1
+    assert paths[top[0]]["ms"] >= paths[prepare[0]]["ms"] > paths[launch[0]]["ms"]
+    lines = calls.render(summary, depth=2, min_ms=0.0)
+    assert lines[0].startswith("3 steps;") and "execute_model" in lines[1] and lines[2].split("x  ")[1].startswith(
+        "  _prepare (")
+    out = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"), str(trace),
+                           "--depth", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "_prepare (test_bench.py:" in proc.stdout and json.loads(out.read_text())["steps"] == 3
+    stackless = tmp_path / "stackless.json"
+    stackless.write_text(json.dumps({"traceEvents": [e for e in json.loads(plain.read_text())["traceEvents"]
+                                                     if e.get("cat") != "python_function"]}))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"),
+                           str(stackless)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "record with CLEF_VLLM_PROFILE=DIR,START,COUNT,stack" in proc.stderr

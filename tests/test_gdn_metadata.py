@@ -133,7 +133,7 @@ def test_a_single_prefill_of_a_length_seen_before_gets_what_vllms_own_build_woul
     assert same(kept[(30, False)].has_initial_state, torch.tensor([False]))
 
 
-def test_only_single_prefills_are_kept_and_the_oldest_goes_first(builders, monkeypatch):
+def test_only_single_prefills_are_kept_and_the_least_recently_used_goes_first(builders, monkeypatch):
     from clef_vllm.worker import gdn_metadata
 
     builder = builders["none"][0]
@@ -145,9 +145,9 @@ def test_only_single_prefills_are_kept_and_the_oldest_goes_first(builders, monke
     assert differing(own(builder, 0, common([1], [40], [[7]])), builder.build(0, decode)) == []
     assert builder.__dict__.get(gdn_metadata.MEMO, {}) == {}            # several sequences, a decode: not kept
     monkeypatch.setattr(gdn_metadata, "MEMO_SIZE", 2)
-    for n in (20, 21, 22):
+    for n in (20, 21, 20, 22):                                      # 20 used again: 21 is the oldest
         builder.build(0, common([n], [0], [[3]]))
-    assert list(builder.__dict__[gdn_metadata.MEMO]) == [(21, False), (22, False)]
+    assert list(builder.__dict__[gdn_metadata.MEMO]) == [(20, False), (22, False)]
     spec = SimpleNamespace(use_spec_decode=True, use_full_cuda_graph=False)
     assert gdn_metadata.memo_key(spec, common([20], [0], [[3]]), (), {}) is None
     assert gdn_metadata.memo_key(builder, common([20], [0], [[3]]), (None, None), {"fast_build": True}) == (20, False)

@@ -394,6 +394,16 @@ def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, caps
     assert rows["step_metadata -> step_inputs"] == {"what": "  the attention metadata (the FA3 and GDN builders)",
                                                     "requests": 1, "p50_ms": 0.5}
     assert rows["step_inputs -> step_forward"]["p50_ms"] == pytest.approx(0.5)
+    # the output's way back, split where the engine core sent it and where the server decoded it
+    out = [ev(0.0331, "engine_sent", "clef-1-aa-1234abcd"), ev(0.0345, "client_decoded", "clef-1-aa-1234abcd")]
+    rows = trace.summary(lines + out)["<= 1,024 tokens"]
+    names = list(rows)
+    assert names[names.index("engine_done -> received") + 1:][:4] == [
+        "engine_done -> engine_sent", "engine_sent -> client_decoded", "client_decoded -> received",
+        "received -> answer"]
+    assert rows["engine_sent -> client_decoded"] == {"what": "  ZMQ to the server process, decoded there",
+                                                     "requests": 1, "p50_ms": pytest.approx(1.4)}
+    assert rows["engine_done -> received"]["requests"] == 2
     # events out of order (two steps' interleaved) split nothing
     shuffled = [ev(0.0031, "step_batch", "*"), ev(0.0032, "step_runner", "*")]
     assert "step_runner -> step_batch" not in trace.summary(lines + steps + shuffled)["<= 1,024 tokens"]

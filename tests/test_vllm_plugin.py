@@ -399,6 +399,40 @@ def test_the_trace_marks_the_model_runners_input_preparation(tmp_path, monkeypat
     assert "no _prepare_inputs" in caplog.text
 
 
+def test_the_trace_marks_an_output_where_the_engine_core_sends_it_and_where_the_server_decodes_it(tmp_path,
+                                                                                                 monkeypatch):
+    """vLLM's msgpack encoder (the engine core's output thread) and decoder (AsyncLLM's output socket), wrapped
+    once per process with tracing on, write ``engine_sent`` / ``client_decoded`` for each finished request
+    of the outputs they carry, and nothing for unfinished ones or other messages."""
+    import json
+
+    from clef_vllm import trace
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    monkeypatch.setattr(MsgpackEncoder, "encode_into", MsgpackEncoder.encode_into)    # restored afterwards
+    monkeypatch.setattr(MsgpackDecoder, "decode", MsgpackDecoder.decode)
+    monkeypatch.setattr(trace, "_output_marked", set())
+    monkeypatch.setattr(trace, "PATH", None)
+    assert not trace.instrument_output("engine")                     # off: nothing wrapped
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(trace, "PATH", str(path))
+    assert trace.instrument_output("engine") and trace.instrument_output("client")
+    assert not trace.instrument_output("engine")                     # once per process
+    outs = EngineCoreOutputs(outputs=[
+        EngineCoreOutput(request_id="clef-1-aa-1234abcd", new_token_ids=[], pooling_output=torch.tensor([0.5, 0.5]),
+                         finish_reason=FinishReason.STOP),
+        EngineCoreOutput(request_id="clef-2-bb-99999999", new_token_ids=[])])
+    frames = MsgpackEncoder().encode_into(outs, bytearray())
+    back = MsgpackDecoder(EngineCoreOutputs).decode(frames)
+    assert [o.request_id for o in back.outputs] == ["clef-1-aa-1234abcd", "clef-2-bb-99999999"]
+    assert torch.equal(back.outputs[0].pooling_output, torch.tensor([0.5, 0.5]))
+    MsgpackDecoder(dict).decode(MsgpackEncoder().encode({"not": "outputs"}))
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["event"], e["request"]) for e in events] == [("engine_sent", "clef-1-aa-1234abcd"),
+                                                           ("client_decoded", "clef-1-aa-1234abcd")]
+
+
 @torch.inference_mode()
 def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_the_eager_head(release_model,
                                                                                             encoder):
@@ -792,7 +826,11 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
     assert (window.directory, window.start, window.count) == (str(tmp_path), 8, 10)
     config = ProfilerConfig(**window.profiler_config())             # what the backend hands vLLM
     assert config.profiler == "torch" and config.torch_profiler_dir == str(tmp_path) and config.ignore_frontend
-    for bad in ("d,x", "d,-1", "d,0,0", ",3"):
+    assert not config.torch_profiler_with_stack
+    stacked = trace.ProfileWindow.from_env(f"{tmp_path},8,3,stack")
+    assert (stacked.start, stacked.count, stacked.stack) == (8, 3, True)
+    assert ProfilerConfig(**stacked.profiler_config()).torch_profiler_with_stack
+    for bad in ("d,x", "d,-1", "d,0,0", ",3", "d,8,3,stacks", "d,8,3,stack,1"):
         with pytest.raises(ValueError, match="CLEF_VLLM_PROFILE"):
             trace.ProfileWindow.from_env(bad)
 

@@ -11,6 +11,9 @@ Off unless ``CLEF_VLLM_TRACE`` names a file. Then each event appends one JSON li
   the request reached the scheduler, was first scheduled, and finished; ``engine_done`` carries the
   worker's graph counters (``graphs``: :data:`REPORTERS`, cumulative), so the difference between two
   requests at c=1 says whether a request's step replayed the prefill and head graphs or fell back, and why;
+- ``engine_sent`` (engine-core process, its output thread) and ``client_decoded`` (server process,
+  AsyncLLM's output socket): the finished output was serialised for the socket, and decoded on the other
+  side (:func:`instrument_output`; absent with the engine core in a thread, which has no sockets);
 - ``received`` (server process): AsyncLLM's output handler got the final output;
 - ``answer``: the backend's call returned (with the ``cached`` tokens it started from).
 
@@ -59,12 +62,15 @@ class ProfileWindow:
     """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: torch-profile vLLM's engine core (vLLM's own profiler: its
     traces and a per-op table, ``profiler_out_0.txt``, sorted by GPU time with each op's host time, in DIR)
     over client decisions ``START .. START+COUNT-1`` after the warm-up (default 8 and 10), so the engine
-    core of a running server can be compared with ``bench/latency.py``'s in-process profile."""
+    core of a running server can be compared with ``bench/latency.py``'s in-process profile.
+    ``CLEF_VLLM_PROFILE=DIR,START,COUNT,stack`` also records every Python call (the profiler's Python
+    tracer: ``python_function`` events), to see which Python code a step's host time goes to; it slows
+    every call, so its times rank the code rather than measure it."""
 
-    def __init__(self, directory: str, start: int = 8, count: int = 10):
+    def __init__(self, directory: str, start: int = 8, count: int = 10, stack: bool = False):
         if not directory or start < 0 or count < 1:
-            raise ValueError(f"need DIR[,START>=0[,COUNT>=1]], got {directory!r}, {start}, {count}")
-        self.directory, self.start, self.count = directory, start, count
+            raise ValueError(f"need DIR[,START>=0[,COUNT>=1[,stack]]], got {directory!r}, {start}, {count}")
+        self.directory, self.start, self.count, self.stack = directory, start, count, stack
         self._seen = 0
         self._running = False
 
@@ -73,16 +79,20 @@ class ProfileWindow:
         value = os.environ.get("CLEF_VLLM_PROFILE") if value is None else value
         if not value:
             return None
-        directory, *numbers = value.split(",")
+        directory, *rest = value.split(",")
+        stack = len(rest) == 3 and rest[2] == "stack"
         try:
-            return cls(directory, *(int(n) for n in numbers[:2]))
+            if len(rest) > 3 or (len(rest) == 3 and not stack):
+                raise ValueError(f"need DIR[,START[,COUNT[,stack]]], got {len(rest) + 1} fields")
+            return cls(directory, *(int(n) for n in rest[:2]), stack=stack)
         except ValueError as exc:
             raise ValueError(f"CLEF_VLLM_PROFILE={value!r}: {exc}") from None
 
     def profiler_config(self) -> dict:
         """vLLM's ``ProfilerConfig`` fields: the engine core only (not AsyncLLM's front end, which would
-        add its own overhead to the server process), and no Python stacks (they would dominate host times)."""
-        return {"profiler": "torch", "torch_profiler_dir": self.directory, "torch_profiler_with_stack": False,
+        add its own overhead to the server process), and Python stacks only when asked (they dominate host
+        times)."""
+        return {"profiler": "torch", "torch_profiler_dir": self.directory, "torch_profiler_with_stack": self.stack,
                 "ignore_frontend": True}
 
     async def begin(self, engine) -> int:
@@ -182,8 +192,54 @@ def instrument(engine) -> None:
 
     core.add_request_async = add_request_async
     outputs.process_outputs = process_outputs
+    instrument_output("client")
 
 
+def _finished_ids(outputs) -> list[str]:
+    """The request ids of the finished requests in an ``EngineCoreOutputs`` (none for anything else)."""
+    if type(outputs).__name__ != "EngineCoreOutputs":
+        return []
+    return [o.request_id for o in outputs.outputs or () if getattr(o, "finish_reason", None) is not None]
+
+
+def instrument_output(side: str) -> bool:
+    """With tracing on, mark a finished request's output where it leaves the engine core (``side="engine"``:
+    vLLM's msgpack encoder, in its output thread: ``engine_sent``) and where the server process decoded it
+    (``side="client"``: the decoder of AsyncLLM's output socket: ``client_decoded``). Class-level and
+    once per process; the engine core in a thread (no sockets) meets neither."""
+    if PATH is None or side in _output_marked:
+        return False
+    import functools
+
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    if side == "engine":
+        encode_into = MsgpackEncoder.encode_into
+
+        @functools.wraps(encode_into)
+        def encode_into_marked(self, obj, buf):
+            out = encode_into(self, obj, buf)
+            for rid in _finished_ids(obj):
+                event("engine_sent", rid)
+            return out
+
+        MsgpackEncoder.encode_into = encode_into_marked
+    else:
+        decode = MsgpackDecoder.decode
+
+        @functools.wraps(decode)
+        def decode_marked(self, bufs):
+            out = decode(self, bufs)
+            for rid in _finished_ids(out):
+                event("client_decoded", rid)
+            return out
+
+        MsgpackDecoder.decode = decode_marked
+    _output_marked.add(side)
+    return True
+
+
+_output_marked: set = set()
 _runner_marked: set = set()
 
 
@@ -252,6 +308,22 @@ def step_segments(present) -> tuple[tuple[str, str, str], ...]:
             "vLLM's input preparation and metadata"
         out.append((a, b, "  " + what))
     return tuple(out)
+
+
+#: The output's way back, split where the engine core serialised it (``engine_sent``, its output thread) and
+#: where the server process decoded it (``client_decoded``, AsyncLLM's socket task): :func:`instrument_output`.
+OUTPUT_EVENTS = ("engine_sent", "client_decoded")
+_OUTPUT_WHAT = {"engine_sent": "the engine core's output thread: the step's outputs serialised",
+                "client_decoded": "ZMQ to the server process, decoded there",
+                "received": "AsyncLLM's output queue, to its output handler"}
+
+
+def output_segments(present) -> tuple[tuple[str, str, str], ...]:
+    """``engine_done -> received`` split at the output events in ``present`` (none: nothing to split)."""
+    chain = ["engine_done"] + [e for e in OUTPUT_EVENTS if e in present] + ["received"]
+    if len(chain) == 2:
+        return ()
+    return tuple((a, b, "  " + _OUTPUT_WHAT[b]) for a, b in zip(chain, chain[1:]))
 
 
 #: The segments of one request's timeline, between consecutive events.
@@ -360,8 +432,9 @@ def summary(lines, alone: bool = False) -> dict[str, dict]:
     out = {}
     for name, per in grouped(lines, alone).items():
         rows = {}
-        present = {e for t in per for e in STEP_EVENTS if e in t}
-        for a, b, what in SEGMENTS[:4] + (step_segments(present) if present else ()) + SEGMENTS[4:] + (
+        present = {e for t in per for e in STEP_EVENTS + OUTPUT_EVENTS if e in t}
+        steps = step_segments(present) if present & set(STEP_EVENTS) else ()
+        for a, b, what in SEGMENTS[:4] + steps + SEGMENTS[4:5] + output_segments(present) + SEGMENTS[5:] + (
                 ("submit", "answer", "the backend's engine call"),):
             values = [(t[b] - t[a]) * 1000 for t in per if a in t and b in t]
             rows[f"{a} -> {b}"] = {"what": what, "requests": len(values),

@@ -23,7 +23,7 @@ from a state: the FLA chunk indices and offsets and the causal-conv metadata com
 locations ``[0, n]``, the initial-state flags from ``context > 0``. Those are a dozen host ops, two pinned
 allocations and their host-to-device copies per step (the nineteenth session's trace put vLLM's attention
 metadata at ~1.9 ms of a short step), and the step graphs read only the state line and the flag of it. So
-the first group's builder keeps the metadata of such steps (:data:`MEMO_SIZE` of them, per builder) and
+the first group's builder keeps the metadata of such steps (the :data:`MEMO_SIZE` most recently used keys) and
 answers a later step of the same key with it, its state indices recomputed from this step's block table
 as :func:`update_block_table` does, its query start locations this step's (the same persistent buffer).
 Every tensor the kept metadata owns was made by its own build and is never written afterwards (vLLM's
@@ -39,8 +39,9 @@ import dataclasses
 SEQ_LENS = "_clef_seq_lens"
 #: where a builder keeps its single-prefill metadata, by :func:`memo_key`
 MEMO = "_clef_memo"
-#: how many single-prefill keys a builder keeps (oldest first out)
-MEMO_SIZE = 64
+#: how many single-prefill keys a builder keeps, the least recently used going first (one key holds ~20 KB
+#: of GPU memory: the causal-conv op's two 2,048-entry program tables, the chunk indices, the flags)
+MEMO_SIZE = 512
 #: this process's single-prefill builds (``built``) and answers from a memo (``reused``), for GPU tests
 STATS = {"built": 0, "reused": 0}
 
@@ -96,7 +97,8 @@ def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
     memo = builder.__dict__.setdefault(MEMO, {}) if key is not None else None
     if memo is not None and key in memo:
         STATS["reused"] += 1
-        return with_state_indices(builder, memo[key], common.block_table_tensor, common.seq_lens,
+        memo[key] = kept = memo.pop(key)                  # the most recently used now
+        return with_state_indices(builder, kept, common.block_table_tensor, common.seq_lens,
                                   non_spec_query_start_loc=common.query_start_loc,
                                   prefill_query_start_loc=common.query_start_loc)
     metadata = build(builder, common_prefix_len, common, *extra, **kwargs)

@@ -135,6 +135,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if trace.PATH is not None:          # engine_done events carry their counters; steps their runner events
             trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
             trace.instrument_runner()
+            trace.instrument_output("engine")
 
     def graph_runners(self) -> dict:
         """The graph runners that are on (prefill, step, head), by name (their counters: ``describe()``)."""
