@@ -472,6 +472,10 @@ def test_the_front_ends_hand_offs_are_traced_on_asyncllms_own_objects(tmp_path, 
             calls.append(("process", [o.request_id for o in outs]))
             return "processed"
 
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    # instrument() also wraps vLLM's decoder class (client_decoded): restored after this test
+    monkeypatch.setattr(MsgpackDecoder, "decode", MsgpackDecoder.decode)
     engine = SimpleNamespace(engine_core=Core(), output_processor=Outputs())
     monkeypatch.setattr(trace, "PATH", None)
     trace.instrument(engine)                                        # off: nothing wrapped
@@ -487,6 +491,7 @@ def test_the_front_ends_hand_offs_are_traced_on_asyncllms_own_objects(tmp_path, 
     events = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(e["event"], e["request"]) for e in events] == [("sent", "clef-1-aa-1234abcd"),
                                                            ("received", "clef-1-aa-1234abcd")]
+    assert getattr(MsgpackDecoder.decode, trace.MARKED, False)      # the decoder is marked too
 
 
 def test_every_override_accepts_what_vllm_passes():

@@ -404,15 +404,15 @@ def test_the_trace_marks_an_output_where_the_engine_core_sends_it_and_where_the_
     """vLLM's msgpack encoder (the engine core's output thread) and decoder (AsyncLLM's output socket), wrapped
     once per process with tracing on, write ``engine_sent`` / ``client_decoded`` for each finished request
     of the outputs they carry, and nothing for unfinished ones or other messages."""
+    import inspect
     import json
 
     from clef_vllm import trace
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    monkeypatch.setattr(MsgpackEncoder, "encode_into", MsgpackEncoder.encode_into)    # restored afterwards
-    monkeypatch.setattr(MsgpackDecoder, "decode", MsgpackDecoder.decode)
-    monkeypatch.setattr(trace, "_output_marked", set())
+    for cls, attr in ((MsgpackEncoder, "encode_into"), (MsgpackDecoder, "decode")):   # vLLM's own, restored after
+        monkeypatch.setattr(cls, attr, inspect.unwrap(getattr(cls, attr)))
     monkeypatch.setattr(trace, "PATH", None)
     assert not trace.instrument_output("engine")                     # off: nothing wrapped
     path = tmp_path / "trace.jsonl"

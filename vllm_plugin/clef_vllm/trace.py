@@ -205,42 +205,36 @@ def _finished_ids(outputs) -> list[str]:
 def instrument_output(side: str) -> bool:
     """With tracing on, mark a finished request's output where it leaves the engine core (``side="engine"``:
     vLLM's msgpack encoder, in its output thread: ``engine_sent``) and where the server process decoded it
-    (``side="client"``: the decoder of AsyncLLM's output socket: ``client_decoded``). Class-level and
-    once per process; the engine core in a thread (no sockets) meets neither."""
-    if PATH is None or side in _output_marked:
+    (``side="client"``: the decoder of AsyncLLM's output socket: ``client_decoded``). Class-level, once
+    (a wrapper already in place is kept); the engine core in a thread (no sockets) meets neither. Returns
+    whether it wrapped."""
+    if PATH is None:
         return False
     import functools
 
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    if side == "engine":
-        encode_into = MsgpackEncoder.encode_into
+    cls, attr, name = ((MsgpackEncoder, "encode_into", "engine_sent") if side == "engine"
+                       else (MsgpackDecoder, "decode", "client_decoded"))
+    original = getattr(cls, attr)
+    if getattr(original, MARKED, False):
+        return False
+    sent = side == "engine"
 
-        @functools.wraps(encode_into)
-        def encode_into_marked(self, obj, buf):
-            out = encode_into(self, obj, buf)
-            for rid in _finished_ids(obj):
-                event("engine_sent", rid)
-            return out
+    @functools.wraps(original)
+    def marked(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        for rid in _finished_ids(args[0] if sent else out):
+            event(name, rid)
+        return out
 
-        MsgpackEncoder.encode_into = encode_into_marked
-    else:
-        decode = MsgpackDecoder.decode
-
-        @functools.wraps(decode)
-        def decode_marked(self, bufs):
-            out = decode(self, bufs)
-            for rid in _finished_ids(out):
-                event("client_decoded", rid)
-            return out
-
-        MsgpackDecoder.decode = decode_marked
-    _output_marked.add(side)
+    setattr(marked, MARKED, True)
+    setattr(cls, attr, marked)
     return True
 
 
-_output_marked: set = set()
-_runner_marked: set = set()
+#: the attribute that says a vLLM method is already wrapped by this module
+MARKED = "_clef_trace"
 
 
 def instrument_runner(runner_cls=None) -> list[str]:
@@ -256,7 +250,7 @@ def instrument_runner(runner_cls=None) -> list[str]:
     marked = []
     for name, method in RUNNER_EVENTS:
         fn = getattr(runner_cls, method, None)
-        if (runner_cls, method) in _runner_marked:
+        if getattr(fn, MARKED, False):                   # wrapped before (here or in a base class)
             marked.append(method)
             continue
         if fn is None:
@@ -269,10 +263,10 @@ def instrument_runner(runner_cls=None) -> list[str]:
             def wrapper(*args, **kwargs):
                 event(name, STEP)
                 return fn(*args, **kwargs)
+            setattr(wrapper, MARKED, True)
             return wrapper
 
         setattr(runner_cls, method, marking())
-        _runner_marked.add((runner_cls, method))
         marked.append(method)
     return marked
 
