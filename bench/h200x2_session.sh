@@ -130,8 +130,9 @@
 # PLAN=thirtyeighth1 (one GPU; ~1,000 s; not run yet): the GDN metadata memo checked (tiny: repeats bit-identical on
 #        vLLM's path and with the graphs) and its share of a short FP8 step traced (runner and output events); the
 #        step's Python calls profiled (CLEF_VLLM_PROFILE=...,stack, bench/py_calls.py); then
-#        --engine-thread-switch-ms 0.5 with the engine core in a thread, paired against the default (its own process)
-#        at c=16/64 (where the thread lost 12-15 %), then against the thread at Python's 5 ms at c=1 (where it won).
+#        the engine core in a thread (its engine requests now built in the caller's thread) and with
+#        --engine-thread-switch-ms 0.5, each paired against the default (its own process) at c=16/64 (where the
+#        thread lost 12-15 %), then the two threads against each other at c=1 (where the thread won).
 # PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
 #        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand;
 #        it saw one unchanging stack per thread, so gpu_bench.sh's PYSPY knob was removed and is ignored now);
@@ -474,7 +475,9 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   # which Python code vLLM's input preparation runs (the profiler's Python tracer, two steps; bench/py_calls.py)
   profiled_9b profile_fp8_stack_c1 9142 9b-dummy-fp8-stack-profile-c1 "--load-format dummy --quantization fp8" 1 \
       8,2,stack 240
-  job paired_thread_switch_fp8 0 600 env COMPARE="fp8:fp8switch:short:16,64 fp8thread:fp8switch:short" PAIRS=200 \
+  # (fp8:fp8thread at c=16/64 again: the engine request is now built in the caller's thread; 0.880/0.851 before)
+  job paired_thread_switch_fp8 0 600 env \
+      COMPARE="fp8:fp8thread:short:16,64 fp8:fp8switch:short:16,64 fp8thread:fp8switch:short" PAIRS=200 \
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"

@@ -93,6 +93,71 @@ def test_requests_are_stepped_in_the_engine_thread_and_answered_on_the_callers_l
     run(main())
 
 
+class StandInLLMEngine(StandInEngine):
+    """The stand-in with LLMEngine's parts behind add_request: an input processor (builds the engine request,
+    assigns the internal id), an output processor and an engine core that take the built request."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.where: dict[str, list[str]] = {"process_inputs": [], "output_add": [], "core_add": []}
+        outer = self
+
+        class InputProcessor:
+            def process_inputs(self, request_id, prompt, params, supported_tasks):
+                outer.where["process_inputs"].append(threading.current_thread().name)
+                assert supported_tasks == ("embed", "token_embed")
+                if request_id == outer.fail_on:
+                    raise ValueError(f"bad request {request_id}")
+                return SimpleNamespace(request_id=request_id, prompt=prompt, external_req_id=None)
+
+            @staticmethod
+            def assign_request_id(request):
+                request.external_req_id, request.request_id = request.request_id, request.request_id + "-1234abcd"
+
+        class OutputProcessor:
+            def add_request(self, request, prompt_text, parent, index):
+                outer.where["output_add"].append(threading.current_thread().name)
+                assert request.request_id.endswith("-1234abcd") and (prompt_text, parent, index) == (None, None, 0)
+
+        class Core:
+            def add_request(self, request):
+                outer.where["core_add"].append(threading.current_thread().name)
+                outer.pending[request.external_req_id] = 0
+
+        self.input_processor, self.output_processor, self.engine_core = InputProcessor(), OutputProcessor(), Core()
+
+    def add_request(self, request_id, prompt, params):
+        self.where.setdefault("add_request", []).append(threading.current_thread().name)
+        super().add_request(request_id, prompt, params)
+
+
+def test_the_engine_request_is_built_in_the_callers_thread_once_the_tasks_are_known():
+    """With vLLM's input processor at hand and the supported tasks known, a request's input processing runs
+    in the caller's thread (it can overlap a step's wait for the GPU); the engine thread only hands the
+    built request to the output processor and the engine core. A prompt vLLM refuses fails in the caller,
+    alone; before the tasks are known, the engine thread adds the prompt itself."""
+    async def main():
+        engine = ThreadedEngine(lambda: StandInLLMEngine(steps=1, fail_on="bad"), asyncio.get_running_loop())
+        stand_in = engine.engine
+        caller = threading.current_thread().name
+        try:
+            assert await collect(engine, "early") == [("early", 1, True)]        # tasks not asked yet
+            assert stand_in.where["add_request"] == ["clef-engine-core"] and not stand_in.where["process_inputs"]
+            await engine.get_supported_tasks()
+            got = await asyncio.gather(collect(engine, "a"), collect(engine, "b"))
+            assert got == [[("a", 1, True)], [("b", 1, True)]]
+            assert stand_in.where["process_inputs"] == [caller, caller]
+            assert stand_in.where["output_add"] == stand_in.where["core_add"] == ["clef-engine-core"] * 2
+            with pytest.raises(ValueError, match="bad request bad"):
+                await collect(engine, "bad")
+            assert stand_in.where["core_add"] == ["clef-engine-core"] * 2 and not engine.errored
+            assert await collect(engine, "after") == [("after", 1, True)]
+        finally:
+            engine.shutdown()
+
+    run(main())
+
+
 def test_a_cancelled_caller_aborts_its_request_and_a_refused_one_gets_its_own_error():
     async def main():
         engine = ThreadedEngine(lambda: StandInEngine(steps=10**9, fail_on="bad"), asyncio.get_running_loop())

@@ -8,6 +8,10 @@ server. vLLM has no asyncio client for an in-process engine core, so this module
 the part of ``AsyncLLM`` it uses: ``encode`` (an async generator of outputs), ``abort``, ``errored``,
 ``shutdown``, ``get_supported_tasks`` and the profiler switches.
 
+Each request's input processing (vLLM's engine request from the prompt) runs in the caller's thread, as
+AsyncLLM runs it in the server process, so that it can overlap a step's wait for the GPU; the engine
+thread only registers the request with the output processor and the engine core between steps.
+
 The price: the engine core's Python work (scheduling, input preparation, the pooler's host work) shares
 one interpreter lock with the HTTP front end. It is released while the thread waits for the GPU, so at
 c=1 nothing contends; under load the front end and the engine core slow each other. Measured on the
@@ -58,6 +62,7 @@ class ThreadedEngine:
         self._error: BaseException | None = None
         self._lock = threading.Lock()          # orders a caller's send against the thread closing its inbox
         self._closed = False
+        self._tasks = None                     # the engine's supported tasks, once asked (the backend asks at start)
         self.engine: Any = None
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, ready), name="clef-engine-core",
@@ -85,7 +90,8 @@ class ThreadedEngine:
         return self._error is not None or not self._thread.is_alive()
 
     async def get_supported_tasks(self):
-        return await self._call(lambda engine: engine.get_supported_tasks())
+        self._tasks = await self._call(lambda engine: engine.get_supported_tasks())
+        return self._tasks
 
     async def start_profile(self) -> None:
         await self._call(lambda engine: engine.start_profile())
@@ -96,8 +102,9 @@ class ThreadedEngine:
     async def encode(self, prompt, params, request_id: str):
         """The request's outputs as the engine produces them, the last one ``finished``. Cancelling the
         consumer aborts the request in the engine."""
+        prepared = self._prepare(request_id, prompt, params)    # the request's own error, if vLLM refuses it
         outputs: asyncio.Queue = asyncio.Queue()
-        self._send(("add", request_id, prompt, params, outputs))
+        self._send(("add", request_id, prompt, params, outputs, prepared))
         done = False
         try:
             while not done:
@@ -121,6 +128,19 @@ class ThreadedEngine:
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+    def _prepare(self, request_id: str, prompt, params):
+        """vLLM's engine request for ``prompt``, built here in the caller's thread (as AsyncLLM builds it in
+        the server process) rather than in the engine thread between steps: the same steps as
+        ``LLMEngine.add_request`` up to the engine request (input processing, the internal request id). Only
+        once the supported tasks are known (the backend asks at start), and only for an engine that has
+        vLLM's input processor; ``None`` otherwise (the engine thread then adds the prompt itself)."""
+        processor = getattr(self.engine, "input_processor", None)
+        if processor is None or self._tasks is None:
+            return None
+        request = processor.process_inputs(request_id, prompt, params, supported_tasks=self._tasks)
+        processor.assign_request_id(request)
+        return request
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -190,10 +210,14 @@ class ThreadedEngine:
             if kind == "stop":
                 return False
             if kind == "add":
-                _, request_id, prompt, params, outputs = item
+                _, request_id, prompt, params, outputs, prepared = item
                 self._queues[request_id] = outputs
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    if prepared is None:
+                        self.engine.add_request(request_id, prompt, params)
+                    else:    # the rest of LLMEngine.add_request for one request (vLLM 0.28), on the engine's state
+                        self.engine.output_processor.add_request(prepared, None, None, 0)
+                        self.engine.engine_core.add_request(prepared)
                 except Exception as exc:  # noqa: BLE001 - this request's error, not the engine's
                     self._deliver(request_id, exc, True)
                 else:
