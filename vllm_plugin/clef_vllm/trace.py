@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import time
+from typing import Callable
 
 PATH = os.environ.get("CLEF_VLLM_TRACE") or None
 #: ``CLEF_VLLM_PROFILE_PHASES=1``: the worker marks its phases as profiler ranges (``clef_gdn_core``: a
@@ -202,6 +203,24 @@ def _finished_ids(outputs) -> list[str]:
     return [o.request_id for o in outputs.outputs or () if getattr(o, "finish_reason", None) is not None]
 
 
+#: the attribute that says a vLLM method is already wrapped by this module
+MARKED = "_clef_trace"
+
+
+def _wrap_once(cls, attr: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace ``cls.attr`` by ``make(original)``, marked, unless the method found there (its own or a base
+    class's) is marked already. Returns whether it wrapped."""
+    import functools
+
+    original = getattr(cls, attr)
+    if getattr(original, MARKED, False):
+        return False
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, MARKED, True)
+    setattr(cls, attr, wrapper)
+    return True
+
+
 def instrument_output(side: str) -> bool:
     """With tracing on, mark a finished request's output where it leaves the engine core (``side="engine"``:
     vLLM's msgpack encoder, in its output thread: ``engine_sent``) and where the server process decoded it
@@ -210,31 +229,28 @@ def instrument_output(side: str) -> bool:
     whether it wrapped."""
     if PATH is None:
         return False
-    import functools
-
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    cls, attr, name = ((MsgpackEncoder, "encode_into", "engine_sent") if side == "engine"
-                       else (MsgpackDecoder, "decode", "client_decoded"))
-    original = getattr(cls, attr)
-    if getattr(original, MARKED, False):
-        return False
-    sent = side == "engine"
+    if side == "engine":
+        def make(encode_into):
+            def marked(self, obj, *args, **kwargs):
+                out = encode_into(self, obj, *args, **kwargs)
+                for rid in _finished_ids(obj):
+                    event("engine_sent", rid)
+                return out
+            return marked
 
-    @functools.wraps(original)
-    def marked(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        for rid in _finished_ids(args[0] if sent else out):
-            event(name, rid)
-        return out
+        return _wrap_once(MsgpackEncoder, "encode_into", make)
 
-    setattr(marked, MARKED, True)
-    setattr(cls, attr, marked)
-    return True
+    def make(decode):
+        def marked(self, *args, **kwargs):
+            out = decode(self, *args, **kwargs)
+            for rid in _finished_ids(out):
+                event("client_decoded", rid)
+            return out
+        return marked
 
-
-#: the attribute that says a vLLM method is already wrapped by this module
-MARKED = "_clef_trace"
+    return _wrap_once(MsgpackDecoder, "decode", make)
 
 
 def instrument_runner(runner_cls=None) -> list[str]:
@@ -243,30 +259,22 @@ def instrument_runner(runner_cls=None) -> list[str]:
     Returns the methods marked; a method this vLLM lacks is skipped with a warning."""
     if PATH is None:
         return []
-    import functools
-
     if runner_cls is None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner as runner_cls
     marked = []
     for name, method in RUNNER_EVENTS:
-        fn = getattr(runner_cls, method, None)
-        if getattr(fn, MARKED, False):                   # wrapped before (here or in a base class)
-            marked.append(method)
-            continue
-        if fn is None:
+        if getattr(runner_cls, method, None) is None:
             logging.getLogger("clef_vllm").warning("CLEF_VLLM_TRACE: vLLM's model runner has no %s; no %s events",
                                                    method, name)
             continue
 
-        def marking(fn=fn, name=name):
-            @functools.wraps(fn)
-            def wrapper(*args, **kwargs):
+        def make(fn, name=name):
+            def marking(*args, **kwargs):
                 event(name, STEP)
                 return fn(*args, **kwargs)
-            setattr(wrapper, MARKED, True)
-            return wrapper
+            return marking
 
-        setattr(runner_cls, method, marking())
+        _wrap_once(runner_cls, method, make)             # wrapped before (here or in a base class): kept
         marked.append(method)
     return marked
 
