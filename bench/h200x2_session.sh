@@ -127,11 +127,14 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=thirtyeighth1 (one GPU; ~1,000 s; not run yet): the GDN metadata memo checked (tiny: repeats bit-identical on
+# PLAN=thirtyeighth2 (one GPU; ~560 s): the memo test again, comparing two replays (a step that captures a step
+#        graph runs the per-layer path itself); the default FP8 server paired against --gdn-metadata-memo off at c=1.
+# PLAN=thirtyeighth1 (one GPU; ~1,000 s; ran in the twentieth session): the GDN metadata memo checked (tiny: repeats bit-identical on
 #        vLLM's path and with the graphs) and its share of a short FP8 step traced (runner and output events); the
 #        step's Python calls profiled (CLEF_VLLM_PROFILE=...,stack, bench/py_calls.py); then
 #        the engine core in a thread (its engine requests now built in the caller's thread) and with
-#        --engine-thread-switch-ms 0.5, each paired against the default (its own process) at c=16/64 (where the
+#        --engine-thread-switch-ms 0.5 (ran in the twentieth session; the option was removed after it, so that server
+#        fails now), each paired against the default (its own process) at c=16/64 (where the
 #        thread lost 12-15 %), then the two threads against each other at c=1 (where the thread won).
 # PLAN=thirtyseventh2 (one GPU; ~600 s): one FP8 decision's engine time at c=1 split by the model runner's own steps
 #        (CLEF_VLLM_TRACE's runner events) with py-spy sampling the engine core (PYSPY_BIN: py-spy, staged by hand;
@@ -481,6 +484,16 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyeighth2_queue0)   # ~560 s: launch with `wait 540` in the staging's last call, then `wait` for the rest
+  # the memo's repeats compared between two replays (thirtyeighth1 compared a capturing run with a replay)
+  job fast_paths_memo2 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_memo2" --only memo --scope step
+  # what the memo saves: the default FP8 server against the same with --gdn-metadata-memo off, short c=1
+  job paired_memo_fp8 0 360 env COMPARE="fp8:fp8nomemo:short" PAIRS=200 TIME_LIMIT=20 PORT0=9160 \
+      bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8nomemo=--load-format dummy --quantization fp8 --gdn-metadata-memo off"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -154,6 +154,26 @@ def test_only_single_prefills_are_kept_and_the_least_recently_used_goes_first(bu
     assert gdn_metadata.memo_key(builder, common([20], [0], [[3]]), (torch.ones(1),), {}) is None   # accepted tokens
 
 
+def test_with_the_memo_off_every_step_is_vllms_own_build_and_nothing_is_kept(builders):
+    from clef_vllm.worker import gdn_metadata
+
+    builder = builders["none"][0]
+    own = type(builder)._clef_build
+    builder.__dict__.pop(gdn_metadata.MEMO, None)
+    try:
+        assert gdn_metadata.install(memo=False)
+        for n in (20, 20):
+            step = common([n], [0], [[3]])
+            got = builder.build(0, step)
+            assert differing(own(builder, 0, common([n], [0], [[3]])), got) == []
+            assert got.__dict__[gdn_metadata.SEQ_LENS] is step.seq_lens     # the shared build still works
+        assert builder.__dict__.get(gdn_metadata.MEMO) is None
+    finally:
+        gdn_metadata.install()
+    builder.build(0, common([20], [0], [[3]]))
+    assert list(builder.__dict__[gdn_metadata.MEMO]) == [(20, False)]
+
+
 def test_only_plain_steps_share_a_build():
     from clef_vllm.worker.gdn_metadata import shareable, update_block_table
 
@@ -171,9 +191,10 @@ def test_the_model_installs_it_before_vllm_makes_its_builders(tiny_release, monk
     from clef_vllm.worker import gdn_metadata
 
     calls = []
-    monkeypatch.setattr(gdn_metadata, "install", lambda: calls.append("install") or True)
+    monkeypatch.setattr(gdn_metadata, "install", lambda memo=True: calls.append(memo) or True)
     vllm_cpu.load_model(tiny_release)
-    assert calls == ["install"]
+    vllm_cpu.load_model(tiny_release, additional_config={"clef_gdn_metadata_memo": False})    # the option off
+    assert calls == [True, False]
     # the plugin's entry point alone (every vLLM process, raw baselines included) leaves the builder alone
     code = ("from clef_vllm import register; register(); "
             "from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as B; "

@@ -230,27 +230,6 @@ def test_engine_core_thread_is_a_backend_option_for_one_engine(tiny_release):
         engine_kwargs(tiny_release, engine_core="thread", data_parallel_size=2)
     with pytest.raises(OptionError, match="'engine_core' must be one of"):
         engine_kwargs(tiny_release, engine_core="inline")
-    # the interpreter-lock switch interval: only with the thread, within its range, not an engine argument
-    assert VllmOptions(engine_core="thread", engine_thread_switch_ms=0.5).engine_thread_switch_ms == 0.5
-    assert "engine_thread_switch_ms" not in engine_kwargs(tiny_release, engine_core="thread",
-                                                          engine_thread_switch_ms=1)
-    with pytest.raises(OptionError, match="'engine_thread_switch_ms' .* has no effect with 'engine_core' 'process'"):
-        VllmOptions(engine_thread_switch_ms=0.5)
-    with pytest.raises(OptionError, match="'engine_thread_switch_ms' must be >= 0.05"):
-        VllmOptions(engine_core="thread", engine_thread_switch_ms=0.01)
-
-
-def test_set_switch_interval_sets_the_process_wide_interval_and_returns_the_old_one():
-    import sys
-
-    from clef_vllm.backends.inproc import set_switch_interval
-
-    before = sys.getswitchinterval()
-    try:
-        assert set_switch_interval(0.5) == pytest.approx(before * 1000)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)
 
 
 def test_the_vllm_backend_answers_through_the_engine_thread_and_reports_its_death(tiny_release):

@@ -103,6 +103,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
         "clef_prefill_graphs"]["buckets"] == [64, 128]
     one = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=1))
     assert one.additional_config["clef_head_graphs"] == {"records": 1}
+    # the GDN metadata memo: on unless told (the worker reads an explicit False)
+    assert "clef_gdn_metadata_memo" not in one.additional_config
+    assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
                                           prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"

@@ -13,10 +13,12 @@
    together, then 8 that hit), and eviction (a side pool of 4 blocks and a small KV cache while
    6 other states pass through) -- every cached answer against the same request recomputed with
    ``skip_reading_prefix_cache`` in the same engine.
-3. **metadata memo**: a short and a long (chunked) request, another length between, then both again, one
-   at a time, on vLLM's path and with the graphs: the repeats take their GDN metadata from the memo of
-   one-sequence prefills (``clef_vllm/worker/gdn_metadata.py``; the worker's ``built`` / ``reused``
-   counts say so) and must answer bit-identically.
+3. **metadata memo**: a short and a long (chunked) request one at a time (with the graphs: their step
+   graphs captured, for a capturing step runs the per-layer path), the memo emptied, both again (the
+   metadata built), another length, both a third time: the third runs take their GDN metadata from the
+   memo of one-sequence prefills (``clef_vllm/worker/gdn_metadata.py``; the worker's ``built`` /
+   ``reused`` counts say so) and must answer bit-identically to the second, on vLLM's path and with the
+   graphs.
 4. **offline API**: ``Clef(backend="vllm")`` (AsyncLLM: leader/follower and affinity) answers 12
    requests about one state in one batch; how many read the state from the cache, and the answers
    against the reference backend.
@@ -82,8 +84,23 @@ def run_engine(config: dict) -> dict:
         kw["num_gpu_blocks_override"] = config["num_gpu_blocks"]
     llm = LLM(**kw)
     encoder = RequestEncoder.from_pretrained(ckpt, max_length=4096)
-    out: dict = {"config": {k: v for k, v in config.items() if k != "program"}, "steps": []}
+    out: dict = {"config": {k: v for k, v in config.items() if k != "program"}, "steps": [], "forgotten": []}
+
+    def forget_memo(worker) -> int:
+        """Empty the GDN builders' memos of one-sequence prefills; how many builders had one."""
+        from clef_vllm.worker import gdn_metadata
+
+        emptied = 0
+        for groups in worker.model_runner.attn_groups:
+            for group in groups:
+                for builder in group.metadata_builders:
+                    emptied += builder.__dict__.pop(gdn_metadata.MEMO, None) is not None
+        return emptied
+
     for step in config["program"]:                   # a step: requests submitted together
+        if step.get("forget_memo"):
+            out["forgotten"].append(llm.collective_rpc(forget_memo)[0])
+            continue
         prompts, params, encs = [], [], []
         for body, skip in zip(step["bodies"], step.get("skip", [False] * len(step["bodies"]))):
             enc, spec = encode(encoder, body, keyed=config["cache"])
@@ -268,8 +285,10 @@ def main() -> int:
     # reads every field) and with the graphs
     if "memo" in parts:
         short, long_, other = req(state(150, 50), 50), req(state(1400, 51), 51), req(state(400, 52), 52)
-        program = [{"name": name, "bodies": [body]} for name, body in
-                   (("short1", short), ("long1", long_), ("other", other), ("short2", short), ("long2", long_))]
+        runs = (("short0", short), ("long0", long_), ("forget", None), ("short1", short), ("long1", long_),
+                ("other", other), ("short2", short), ("long2", long_))
+        program = [{"name": name, "forget_memo": True} if body is None else {"name": name, "bodies": [body]}
+                   for name, body in runs]
         report["metadata_memo"] = {}
         for graphs in (False, True):
             run = child({"ckpt": str(ckpt), "graphs": graphs, "cache": False, "scope": args.scope, "program": program},
@@ -281,7 +300,8 @@ def main() -> int:
             report["metadata_memo"]["graphs" if graphs else "vllm_path"] = {
                 "short": {"tokens": got["short1"]["tokens"], **compare([got["short1"]["probs"]], [got["short2"]["probs"]])},
                 "long": {"tokens": got["long1"]["tokens"], **compare([got["long1"]["probs"]], [got["long2"]["probs"]])},
-                "memo": run["worker"]["gdn_metadata_memo"]}
+                "memo": run["worker"]["gdn_metadata_memo"], "memos_emptied": run["forgotten"],
+                "step_graphs": run["worker"].get("step_graphs")}
         print(json.dumps(report["metadata_memo"]), flush=True)
         save()
     if "api" not in parts:

@@ -94,8 +94,10 @@ def init_distributed(vllm_config) -> None:
     _dist_ready = True
 
 
-def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 512, **model_kwargs):
-    """A CPU ``VllmConfig`` serving ``checkpoint`` as ClefFlashForDecision."""
+def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 512,
+                    additional_config: dict | None = None, **model_kwargs):
+    """A CPU ``VllmConfig`` serving ``checkpoint`` as ClefFlashForDecision (``additional_config``: the
+    engine's, as the backend's options set it)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
     from clef_vllm import ARCHITECTURE
@@ -103,7 +105,8 @@ def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 
     model_kwargs.setdefault("hf_overrides", {"architectures": [ARCHITECTURE]})
     mc = ModelConfig(model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                      max_model_len=max_model_len, runner="pooling", **model_kwargs)
-    return VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format=load_format))
+    return VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"), load_config=LoadConfig(load_format=load_format),
+                      additional_config=additional_config or {})
 
 
 def load_model(checkpoint, load_format: str = "auto", **model_kwargs):

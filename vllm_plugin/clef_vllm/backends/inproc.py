@@ -34,16 +34,6 @@ from clef_vllm import trace
 log = logging.getLogger("clef_vllm")
 
 
-def set_switch_interval(ms: float) -> float:
-    """Python's interpreter-lock switch interval set to ``ms`` milliseconds, for the whole process
-    (``--engine-thread-switch-ms``); returns the previous one, in milliseconds."""
-    import sys
-
-    previous = sys.getswitchinterval() * 1000.0
-    sys.setswitchinterval(ms / 1000.0)
-    return previous
-
-
 class EngineThreadError(RuntimeError):
     """The engine thread stopped on an error; every request in flight and every later one gets it."""
 

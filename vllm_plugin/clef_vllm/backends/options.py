@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
+from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
                                 PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
@@ -146,6 +146,13 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
             budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
 
 
+def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
+    """The GDN metadata memo of single-prefill steps (:mod:`clef_vllm.worker.gdn_metadata`) is on unless
+    the worker is told otherwise."""
+    if not opts.gdn_metadata_memo:
+        kwargs.setdefault("additional_config", {})[GDN_MEMO_KEY] = False
+
+
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
@@ -261,6 +268,10 @@ class VllmOptions(_Validated):
         "multiples of 16 (default: every 64 up to 512, then 640, 768, 1024, 1280, 1536, 2048, 3072, 4096); "
         "experimental: finer buckets pad less and capture more graphs at start (docs/latency.md)",
         flags=("--prefill-graph-buckets",), kind=(str, tuple, list), metavar="N,N,...")
+    gdn_metadata_memo: bool = option(True, "answer a single-sequence prefill step of a length seen before with "
+                                     "the GDN attention metadata built then (its state indices this step's; "
+                                     "default on; docs/latency.md)", flags=("--gdn-metadata-memo",),
+                                     engine=_gdn_memo, kind=bool)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
@@ -284,11 +295,6 @@ class VllmOptions(_Validated):
                               "per request, one interpreter lock for both: one decision in 0.92x the time, "
                               "0.85-0.88x the req/s at c=16/64; one engine only; docs/latency.md)",
                               flags=("--engine-core",), kind=str, choices=("process", "thread"))
-    engine_thread_switch_ms: float | None = option(
-        None, "with --engine-core thread: the milliseconds a thread may keep Python's interpreter lock while "
-        "another waits for it (sys.setswitchinterval; default Python's 5): shorter hands it sooner between the "
-        "HTTP front end and the engine thread; experimental (docs/latency.md)",
-        flags=("--engine-thread-switch-ms",), kind=float, minimum=0.05, maximum=50.0, metavar="MS")
     async_scheduling: bool = option(False, "schedule and prepare the next engine step while the GPU runs the "
                                     "current one (vLLM's async scheduling; default off, as vLLM's for pooling "
                                     "models; docs/latency.md)", flags=("--async-scheduling",), engine=_scheduling,
@@ -323,10 +329,6 @@ class VllmOptions(_Validated):
             # data-parallel engines each need their own process (vLLM's DP coordinator)
             raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "
                               "at 1 or use 'process'", "engine_core")
-        if self.engine_thread_switch_ms is not None and self.engine_core != "thread":
-            # the lock is only contended when the engine core shares the server's process
-            self._no_effect("engine_thread_switch_ms", f"'engine_core' {self.engine_core!r} (the engine core has "
-                            "its own process and interpreter lock)", "use --engine-core thread or leave it out")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "

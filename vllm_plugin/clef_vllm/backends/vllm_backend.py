@@ -264,12 +264,8 @@ class VllmBackend(Backend):
             kwargs["profiler_config"] = ProfilerConfig(**self._profile.profiler_config())
         args = AsyncEngineArgs(**kwargs)
         if self.options.engine_core == "thread":
-            from clef_vllm.backends.inproc import ThreadedEngine, set_switch_interval
+            from clef_vllm.backends.inproc import ThreadedEngine
 
-            if self.options.engine_thread_switch_ms is not None:
-                was = set_switch_interval(self.options.engine_thread_switch_ms)
-                log.info("interpreter-lock switch interval %.3g ms (was %.3g ms; --engine-thread-switch-ms)",
-                         self.options.engine_thread_switch_ms, was)
             self.engine = ThreadedEngine.from_engine_args(args, self._loop, UsageContext.OPENAI_API_SERVER)
             log.info("vLLM engine core in this process, stepped by a thread (--engine-core thread)")
         else:

@@ -28,7 +28,8 @@ answers a later step of the same key with it, its state indices recomputed from 
 as :func:`update_block_table` does, its query start locations this step's (the same persistent buffer).
 Every tensor the kept metadata owns was made by its own build and is never written afterwards (vLLM's
 causal-conv op only reads the conv metadata when it is given). The tests compare such a hit with vLLM's
-own build, field by field, after builds of other lengths.
+own build, field by field, after builds of other lengths. ``--gdn-metadata-memo off`` (the engine's
+``additional_config`` key ``GDN_MEMO_KEY``) turns the memo off; the shared build stays.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ MEMO = "_clef_memo"
 #: how many single-prefill keys a builder keeps, the least recently used going first (one key holds ~20 KB
 #: of GPU memory: the causal-conv op's two 2,048-entry program tables, the chunk indices, the flags)
 MEMO_SIZE = 512
+#: the builder class's switch for the memo (set by :func:`install`)
+MEMO_ON = "_clef_memo_on"
 #: this process's single-prefill builds (``built``) and answers from a memo (``reused``), for GPU tests
 STATS = {"built": 0, "reused": 0}
 
@@ -93,7 +96,7 @@ def memo_key(builder, common, extra: tuple, kwargs: dict) -> tuple | None:
 
 def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
     """``build``'s metadata for this step, from the builder's memo when a step of its key was built before."""
-    key = memo_key(builder, common, extra, kwargs)
+    key = memo_key(builder, common, extra, kwargs) if getattr(builder, MEMO_ON, True) else None
     memo = builder.__dict__.setdefault(MEMO, {}) if key is not None else None
     if memo is not None and key in memo:
         STATS["reused"] += 1
@@ -112,14 +115,16 @@ def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
     return metadata
 
 
-def install() -> bool:
+def install(memo: bool = True) -> bool:
     """Teach vLLM's GDN metadata builder ``update_block_table`` (idempotent; in the engine process that
-    serves Clef, from the model's constructor, so raw vLLM baselines stay vLLM's own). ``False`` when
-    this vLLM has no such builder."""
+    serves Clef, from the model's constructor, so raw vLLM baselines stay vLLM's own), and keep the
+    metadata of single-prefill steps when ``memo`` (each call sets it). ``False`` when this vLLM has no
+    such builder."""
     try:
         from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as Builder
     except ImportError:
         return False
+    setattr(Builder, MEMO_ON, bool(memo))
     if Builder.__dict__.get("_clef_shared"):
         return True
     build, init = Builder.build, Builder.__init__

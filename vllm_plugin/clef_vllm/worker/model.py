@@ -28,7 +28,8 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY
+from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY,
+                                STATE_CACHE_KEY)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
@@ -109,8 +110,11 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         config = model_config.hf_text_config
         if vllm_config.cache_config.mamba_cache_mode == "all":
             raise NotImplementedError("Clef-Flash (Qwen3.5) does not support mamba_cache_mode='all'")
-        if gdn_metadata.install():          # before vLLM makes its metadata builders (at KV-cache init)
-            log.info("clef GDN metadata: built once per step and shared by the GDN KV-cache groups")
+        memo = (vllm_config.additional_config or {}).get(GDN_MEMO_KEY, True) is not False
+        if gdn_metadata.install(memo):      # before vLLM makes its metadata builders (at KV-cache init)
+            log.info("clef GDN metadata: built once per step and shared by the GDN KV-cache groups%s",
+                     "; single-prefill steps of a length seen before reuse it" if memo else
+                     " (--gdn-metadata-memo off: every step builds its own)")
         self.config = config
         self.dummy = vllm_config.load_config.load_format == "dummy"
         self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)
