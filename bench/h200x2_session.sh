@@ -127,7 +127,9 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=thirtyeighth2 (one GPU; ~560 s): the memo test again, comparing two replays (a step that captures a step
+# PLAN=thirtyninth1 (one GPU; ~420 s; not run yet): the scheduler's rule 4 (no engine step only to drop finished
+#        requests) paired against --idle-cleanup-step on (vLLM's step), FP8 short c=1; the default FP8 server traced.
+# PLAN=thirtyeighth2 (one GPU; ~560 s; ran in the twentieth session): the memo test again, comparing two replays (a step that captures a step
 #        graph runs the per-layer path itself); the default FP8 server paired against --gdn-metadata-memo off at c=1.
 # PLAN=thirtyeighth1 (one GPU; ~1,000 s; ran in the twentieth session): the GDN metadata memo checked (tiny: repeats bit-identical on
 #        vLLM's path and with the graphs) and its share of a short FP8 step traced (runner and output events); the
@@ -484,6 +486,17 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+thirtyninth1_queue0)   # ~420 s: launch with `wait 540` in the staging's last call
+  # what the empty step after the last finished request costs: the default (rule 4: no such step) against
+  # --idle-cleanup-step on (vLLM's step), FP8, short c=1; then the default traced (engine_done -> engine_sent)
+  job paired_cleanup_fp8 0 360 env COMPARE="fp8:fp8cleanup:short" PAIRS=200 TIME_LIMIT=20 PORT0=9170 \
+      bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8cleanup=--load-format dummy --quantization fp8 --idle-cleanup-step on"
+  traced_9b trace_fp8_nocleanup 200 9175 9b-dummy-fp8-trace-nocleanup-c1 1 WORKLOADS=short "BENCH_ARGS=" \
+      TIME_LIMIT=10 "SERVER_ARGS=--load-format dummy --quantization fp8"
   touch "$S/all.done"
   log "all done"
   ;;

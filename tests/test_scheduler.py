@@ -67,6 +67,34 @@ def test_under_async_scheduling_every_prompt_finishes_and_no_step_runs_a_finishe
     assert vllm_cpu.run_scheduler(sync, again) == chunks
 
 
+@pytest.mark.parametrize("cls", [CLEF, CLEF_ASYNC], ids=["sync", "async"])
+def test_finished_requests_alone_make_no_step_and_ride_on_the_next_one(tiny_release, cls):
+    """Rule 4: once the last request finished, the engine core has nothing to step (vLLM would step once
+    more only to hand the finished id to the workers); the next step that schedules work hands it over,
+    beside the new request. ``--idle-cleanup-step on`` keeps vLLM's step. The finished request's KV
+    blocks are back in the pool at once either way."""
+    from clef_vllm.contract import IDLE_CLEANUP_KEY
+
+    sched = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128)
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert vllm_cpu.run_scheduler(sched, [vllm_cpu.pooling_request(sched, "a", ids(100))]) == {"a": [100]}
+    assert sched.finished_req_ids == {"a"} and not sched.has_requests()      # no step only to drop it
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    sched.add_request(vllm_cpu.pooling_request(sched, "b", ids(40, 1)))
+    assert sched.has_requests()
+    out = sched.schedule(False)
+    assert out.finished_req_ids == {"a"} and out.num_scheduled_tokens == {"b": 40}
+    assert not sched.finished_req_ids
+    while_running = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128)   # others still running: vLLM's way
+    reqs = [vllm_cpu.pooling_request(while_running, "c", ids(40, 2)), vllm_cpu.pooling_request(while_running, "d", ids(200, 3))]
+    assert vllm_cpu.run_scheduler(while_running, reqs, max_steps=1) == {"c": [40], "d": [88, -1]}
+    assert while_running.finished_req_ids == {"c"} and while_running.has_finished_requests()
+    vllms = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128, additional_config={IDLE_CLEANUP_KEY: True})
+    vllm_cpu.run_scheduler(vllms, [vllm_cpu.pooling_request(vllms, "a", ids(100))])
+    assert vllms.finished_req_ids == {"a"} and vllms.has_requests()          # --idle-cleanup-step on
+    assert vllms.schedule(False).finished_req_ids == {"a"} and not vllms.has_requests()
+
+
 def test_a_context_filling_state_cache_request_stops_at_its_reuse_boundary_and_finishes(tiny_release):
     """The 9B server's warm-up step that never finished: a prompt of exactly max_model_len tokens, one
     step's budget, split at the reuse boundary (the last block boundary before the first span)."""

@@ -134,7 +134,8 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
 
 
 def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: int, block: int = 32,
-                  state_cache: bool = False, num_blocks: int = 256, unit: int | None = None):
+                  state_cache: bool = False, num_blocks: int = 256, unit: int | None = None,
+                  additional_config: dict | None = None):
     """vLLM 0.28's real scheduler (class ``scheduler_cls``) for ``checkpoint`` on CPU, with a hybrid KV
     cache config of one attention and one GDN group (``align`` mode and prefix caching when
     ``state_cache``; ``unit``: vLLM's ``prefix_match_unit``, as ``--state-cache-match unit`` sets it).
@@ -152,7 +153,7 @@ def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: in
 
     clef_vllm.register()
     mode = "align" if state_cache else "none"
-    vc = vllm_config_for(checkpoint, max_model_len=max_model_len)
+    vc = vllm_config_for(checkpoint, max_model_len=max_model_len, additional_config=additional_config)
     vc.cache_config = CacheConfig(block_size=block, enable_prefix_caching=state_cache, mamba_cache_mode=mode,
                                   prefix_match_unit=unit)
     vc.cache_config.num_gpu_blocks = num_blocks

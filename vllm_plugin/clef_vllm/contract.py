@@ -33,6 +33,9 @@ SCHEDULER_CLASSES = {False: "clef_vllm.worker.scheduler.ClefScheduler",
                      True: "clef_vllm.worker.scheduler.ClefAsyncScheduler"}
 #: ``additional_config`` key: present (a dict) when the state cache is on (prefix caching + side rows).
 STATE_CACHE_KEY = "clef_state_cache"
+#: ``additional_config`` key: ``True`` keeps vLLM's engine step that only drops finished requests from the
+#: workers once no request is left (``--idle-cleanup-step on``; absent: the next scheduled step drops them).
+IDLE_CLEANUP_KEY = "clef_idle_cleanup_step"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
+from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, IDLE_CLEANUP_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
                                 PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
@@ -182,6 +182,12 @@ def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
     kwargs["scheduler_cls"] = SCHEDULER_CLASSES[opts.async_scheduling]
 
 
+def _idle_cleanup(opts: "VllmOptions", kwargs: dict) -> None:
+    """vLLM's engine step that only drops finished requests, kept when asked (the scheduler's rule 4)."""
+    if opts.idle_cleanup_step:
+        kwargs.setdefault("additional_config", {})[IDLE_CLEANUP_KEY] = True
+
+
 #: ``--prefill-graph-buckets``: each a multiple of this (vLLM's capture sizes; Triton specialises on it), at most
 #: :data:`MAX_BUCKET` (the step's token budget caps them further)
 BUCKET_MULTIPLE, MAX_BUCKET = 16, 16384
@@ -299,6 +305,10 @@ class VllmOptions(_Validated):
                                     "current one (vLLM's async scheduling; default off, as vLLM's for pooling "
                                     "models; docs/latency.md)", flags=("--async-scheduling",), engine=_scheduling,
                                     kind=bool)
+    idle_cleanup_step: bool = option(False, "when the last request finishes, step the engine once more only to "
+                                     "drop it from the workers, as vLLM does (default off: the next step that "
+                                     "schedules work drops it; docs/latency.md)", flags=("--idle-cleanup-step",),
+                                     engine=_idle_cleanup, kind=bool)
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 

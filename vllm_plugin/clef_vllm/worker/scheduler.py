@@ -36,6 +36,15 @@ sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
 
 Requests that are not Clef requests (vLLM's profiling, other pooling tasks) get vLLM's own prefix-cache
 lookup and chunk split; rule 0 holds for them too.
+
+4. **No step only to drop finished requests** (every request; ``--idle-cleanup-step on`` restores vLLM's
+   way). When the last unfinished request finishes, vLLM's engine core steps once more: a step that
+   schedules nothing and only hands the finished ids to the workers (``SchedulerOutput.finished_req_ids``),
+   which drop the requests' cached state. It runs right after the finishing step, in the engine core's
+   main thread, while its output thread serialises and sends that very answer, and both need the
+   interpreter lock. Here the finished ids wait for the next step that schedules work (vLLM's
+   ``schedule`` hands them over whatever else it schedules; the model runner drops finished requests
+   before it adds new ones). Their KV blocks are freed at finish either way, by the scheduler.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from clef_vllm import trace
-from clef_vllm.contract import PARAMS_KEY
+from clef_vllm.contract import IDLE_CLEANUP_KEY, PARAMS_KEY
 from clef_vllm.state_keys import KEY_UNIT
 from clef_vllm.worker import state_cache
 
@@ -173,6 +182,12 @@ class ClefScheduler(Scheduler):
         self._align_side_cache_tails()
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
+        self._idle_cleanup = bool((self.vllm_config.additional_config or {}).get(IDLE_CLEANUP_KEY, False))
+
+    def has_finished_requests(self) -> bool:
+        """Rule 4: finished ids alone do not make the engine core step (vLLM's ``has_requests`` asks this
+        beside ``has_unfinished_requests``); the next step that schedules work carries them."""
+        return super().has_finished_requests() and (self._idle_cleanup or self.has_unfinished_requests())
 
     def _align_side_cache_tails(self) -> None:
         """vLLM's own flag decides whether a prefix may end inside a block; the side cache keeps tails
