@@ -86,7 +86,8 @@ def test_finished_requests_alone_make_no_step_and_ride_on_the_next_one(tiny_rele
     assert out.finished_req_ids == {"a"} and out.num_scheduled_tokens == {"b": 40}
     assert not sched.finished_req_ids
     while_running = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128)   # others still running: vLLM's way
-    reqs = [vllm_cpu.pooling_request(while_running, "c", ids(40, 2)), vllm_cpu.pooling_request(while_running, "d", ids(200, 3))]
+    reqs = [vllm_cpu.pooling_request(while_running, "c", ids(40, 2)),
+            vllm_cpu.pooling_request(while_running, "d", ids(200, 3))]
     assert vllm_cpu.run_scheduler(while_running, reqs, max_steps=1) == {"c": [40], "d": [88, -1]}
     assert while_running.finished_req_ids == {"c"} and while_running.has_finished_requests()
     vllms = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128, additional_config={IDLE_CLEANUP_KEY: True})

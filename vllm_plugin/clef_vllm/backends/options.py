@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, IDLE_CLEANUP_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, PREFILL_GRAPH_SCOPES,
-                                PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
+from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY,
+                                PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
