@@ -1126,3 +1126,32 @@ def test_py_calls_sums_a_steps_python_calls_by_path_from_the_runner(tmp_path):
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"),
                            str(stackless)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "record with CLEF_VLLM_PROFILE=DIR,START,COUNT,stack" in proc.stderr
+
+
+def test_the_bucket_plan_keeps_each_lengths_cheapest_bucket_and_prints_a_valid_flag(tmp_path, capsys):
+    """bench/bucket_plan.py: a swept size is kept exactly when it is cheaper than every larger one (so each
+    length pads to its cheapest bucket at or above it); sizes outside the sweep keep the defaults; pruning
+    keeps the range's top; the printed value is what --prefill-graph-buckets accepts."""
+    from clef_vllm.backends.options import bucket_list
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+
+    plan = bench_script("bucket_plan")
+    gemm = {256: 5.0, 272: 9.0, 288: 8.0, 304: 6.0, 320: 7.0}             # 304 beats 272, 288 and 320 minus padding
+    rows = [{"tokens": t, "backbone_gemm_ms": ms} for t, ms in gemm.items()]
+    costs = plan.step_costs(rows, scale=1.0, other_us=0.0)
+    planned = plan.plan(costs)
+    assert [b for b in planned if 256 <= b <= 320] == [256, 304, 320]
+    assert [b for b in planned if b < 256 or b > 320] == [b for b in DEFAULT_BUCKETS if b < 256 or b > 320]
+    assert plan.modelled(260, planned, costs) == (304, 6.0)                # padded past 272 and 288: cheaper
+    with_rows = plan.step_costs(rows, scale=1.0, other_us=100.0)          # 0.1 ms a padded token: padding costs,
+    assert [b for b in plan.plan(with_rows) if 256 <= b <= 320] == [256, 272, 304, 320]    # 272 beats 304 now
+    assert plan.prune(planned, costs, keep=1, lengths=range(257, 321)) == [b for b in planned if b not in (256, 304)]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rows": rows}))
+    assert plan.main([str(sweep), "--profiled", "304:6.0:9.0"]) == 0
+    out = capsys.readouterr().out
+    flag = next(line for line in out.splitlines() if line.startswith("--prefill-graph-buckets "))
+    assert list(bucket_list(flag.split()[1])) == planned
+    assert "model: 1.000 x the sweep's GEMM ms + 9.9 us per padded token" in out
+    with pytest.raises(SystemExit):
+        plan.main([str(sweep), "--profiled", "300:6.0:9.0"])               # not a swept size
