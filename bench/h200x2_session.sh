@@ -127,8 +127,9 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=thirtyninth1 (one GPU; ~1,250 s; not run yet): the scheduler's rule 4 (no engine step only to drop finished
-#        requests) paired against --idle-cleanup-step on (vLLM's step), FP8 short c=1; buckets from bench/bucket_plan.py
+# PLAN=thirtyninth1 (one GPU; ~1,600 s; not run yet): the scheduler's rule 4 (no engine step only to drop finished
+#        requests) paired against --idle-cleanup-step on (vLLM's step), FP8 short c=1; rule 5 (--batch-wait-ms 2)
+#        paired against the default, BF16 short c=16/64; buckets from bench/bucket_plan.py
 #        paired against the default at c=1 (BF16: 400 added, FP8: 464 for 448); the default FP8 server traced.
 # PLAN=thirtyeighth2 (one GPU; ~560 s; ran in the twentieth session): the memo test again, comparing two replays (a step that captures a step
 #        graph runs the per-layer path itself); the default FP8 server paired against --gdn-metadata-memo off at c=1.
@@ -490,12 +491,16 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-thirtyninth1_queue0)   # ~1,250 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
+thirtyninth1_queue0)   # ~1,600 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
   # what the empty step after the last finished request costs: the default (rule 4: no such step) against
   # --idle-cleanup-step on (vLLM's step), FP8, short c=1; then the default traced (engine_done -> engine_sent)
   job paired_cleanup_fp8 0 360 env COMPARE="fp8:fp8cleanup:short" PAIRS=200 TIME_LIMIT=20 PORT0=9170 \
       bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8cleanup=--load-format dummy --quantization fp8 --idle-cleanup-step on"
+  # the scheduler's rule 5: an idle engine holds a few new requests up to 2 ms to batch them (BF16, short,
+  # c=16/64 in time blocks: where the server reaches 90.5 / 92.8 % of raw vLLM)
+  job paired_batch_wait_bf16 0 420 env COMPARE="bf16:bf16wait:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9190 \
+      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16wait=--load-format dummy --batch-wait-ms 2"
   # buckets where the GEMMs are cheap (bench/bucket_plan.py on the GEMM sweeps): BF16 pads ~397 tokens to 400
   # instead of 448 (modelled -1.8 ms a step), FP8 to 464 instead of 448 (modelled -0.2 ms)
   job paired_buckets_bf16 0 360 env COMPARE="bf16:bf16b400:short" PAIRS=200 TIME_LIMIT=20 PORT0=9180 \

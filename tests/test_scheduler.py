@@ -96,6 +96,108 @@ def test_finished_requests_alone_make_no_step_and_ride_on_the_next_one(tiny_rele
     assert vllms.schedule(False).finished_req_ids == {"a"} and not vllms.has_requests()
 
 
+def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_release, monkeypatch):
+    """Rule 5 (``--batch-wait-ms``): with nothing running, fewer waiting requests than half the largest step
+    of the last second are held (an empty step, vLLM's PAUSED_NEW for that call only) until enough have
+    arrived or the oldest has waited the limit; one request at a time never waits, a running request
+    is never held, and without the option nothing is."""
+    import torch
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from clef_vllm.contract import BATCH_WAIT_KEY
+    from clef_vllm.worker import scheduler as clef_scheduler
+
+    clock = [100.0]
+    monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, additional_config={BATCH_WAIT_KEY: 3})
+
+    def finish(out):
+        rids = list(out.num_scheduled_tokens)
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+                                                        pooler_output=[torch.zeros(1) for _ in rids]))
+
+    def submit(*names):
+        for name in names:
+            sched.add_request(vllm_cpu.pooling_request(sched, name, ids(20, ord(name))))
+
+    submit("a")                                  # one at a time: the peak is 0, then 1: never held
+    out = sched.schedule(False)
+    assert list(out.num_scheduled_tokens) == ["a"] and sched.held_steps == 0
+    finish(out)
+    submit("b")
+    out = sched.schedule(False)
+    assert list(out.num_scheduled_tokens) == ["b"] and sched.held_steps == 0
+    finish(out)
+    submit(*"cdefgh")                            # a step of six: half of it, three, now make a batch
+    out = sched.schedule(False)
+    assert len(out.num_scheduled_tokens) == 6
+    finish(out)
+    clock[0] += 0.01
+    submit("i")                                  # the first of the next wave: held
+    out = sched.schedule(False)
+    assert out.num_scheduled_tokens == {} and sched.held_steps == 1
+    assert sched.get_num_unfinished_requests() == 1 and sched._pause_state == PauseState.UNPAUSED
+    clock[0] += 0.001
+    submit("j")                                  # two waiting, fewer than three: still held
+    assert sched.schedule(False).num_scheduled_tokens == {} and sched.held_steps == 2
+    submit("k")                                  # three: a batch
+    out = sched.schedule(False)
+    assert sorted(out.num_scheduled_tokens) == ["i", "j", "k"] and sched.held_steps == 2
+    finish(out)
+    clock[0] += 0.01
+    submit("l")
+    assert sched.schedule(False).num_scheduled_tokens == {}                 # held ...
+    clock[0] += 0.0031
+    out = sched.schedule(False)                                              # ... until it waited 3 ms
+    assert list(out.num_scheduled_tokens) == ["l"] and sched.held_steps == 3
+    finish(out)
+    clock[0] += 1.5                                                          # the large step is older than 1 s:
+    submit("m")                                                              # the peak is 1, no wait
+    out = sched.schedule(False)
+    assert list(out.num_scheduled_tokens) == ["m"] and sched.held_steps == 3
+    assert len(sched._steps) == 1                                            # steps older than a second forgotten
+    off = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN)
+    for name in "nopqrs":
+        off.add_request(vllm_cpu.pooling_request(off, name, ids(20, 5)))
+    assert len(off.schedule(False).num_scheduled_tokens) == 6
+    off.add_request(vllm_cpu.pooling_request(off, "t", ids(20, 6)))
+    assert list(off.schedule(False).num_scheduled_tokens) == ["t"] and off.held_steps == 0
+    assert not off._steps                                                    # without the wait nothing is kept
+
+
+def test_a_busy_engine_holds_nothing_back(tiny_release, monkeypatch):
+    """Rule 5 holds requests only while nothing runs: a prompt in chunks keeps running, and a request that
+    arrives meanwhile joins its next step (the clock standing still, so an idle engine would hold it)."""
+    import torch
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from clef_vllm.contract import BATCH_WAIT_KEY
+    from clef_vllm.worker import scheduler as clef_scheduler
+
+    clock = [50.0]
+    monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, additional_config={BATCH_WAIT_KEY: 10})
+    sched._steps.append((50.0, 16))                                          # a large step just ran
+    lengths = {"long": 150, "short": 20}
+    sched.add_request(vllm_cpu.pooling_request(sched, "long", ids(150)))
+    assert sched.schedule(False).num_scheduled_tokens == {}                 # new and alone: held
+    clock[0] += 0.011                                                        # it waited 11 ms: it runs
+    steps = []
+    for _ in range(4):                                                       # (a held request would stay held)
+        if not sched.requests:
+            break
+        out = sched.schedule(False)
+        steps.append(dict(out.num_scheduled_tokens))
+        rids = list(out.num_scheduled_tokens)
+        done = [sched.requests[r].num_computed_tokens >= lengths[r] for r in rids]
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+                                                        pooler_output=[torch.zeros(1) if d else None for d in done]))
+        if len(steps) == 1:
+            sched.add_request(vllm_cpu.pooling_request(sched, "short", ids(20, 1)))
+    assert steps == [{"long": 128}, {"long": 22, "short": 20}] and sched.held_steps == 1
+
+
 def test_a_context_filling_state_cache_request_stops_at_its_reuse_boundary_and_finishes(tiny_release):
     """The 9B server's warm-up step that never finished: a prompt of exactly max_model_len tokens, one
     step's budget, split at the reuse boundary (the last block boundary before the first span)."""

@@ -103,6 +103,10 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
         "clef_prefill_graphs"]["buckets"] == [64, 128]
     one = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=1))
     assert one.additional_config["clef_head_graphs"] == {"records": 1}
+    # the scheduler's rules 4 and 5: vLLM's cleanup step only when asked, no batch wait unless asked
+    assert not {"clef_idle_cleanup_step", "clef_batch_wait_ms"} & set(one.additional_config)
+    asked = engine_kwargs(tiny_release, idle_cleanup_step=True, batch_wait_ms=2.5)["additional_config"]
+    assert asked["clef_idle_cleanup_step"] is True and asked["clef_batch_wait_ms"] == 2.5
     # the GDN metadata memo: on unless told (the worker reads an explicit False)
     assert "clef_gdn_metadata_memo" not in one.additional_config
     assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
@@ -184,7 +188,11 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"prefill_graph_buckets": "64;128"}, "'prefill_graph_buckets': expected token counts"),
                        ({"prefill_graphs": False, "prefill_graph_buckets": "64"}, "no effect with 'prefill_graphs' off"),
                        ({"state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
-                       ({"state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off")):
+                       ({"state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off"),
+                       ({"engine_thread_switch_ms": 0.5}, "unknown option 'engine_thread_switch_ms'"),   # removed
+                       ({"batch_wait_ms": 2, "data_parallel_size": 2}, "'batch_wait_ms' is for one engine in its own"),
+                       ({"batch_wait_ms": 2, "engine_core": "thread"}, "'batch_wait_ms' is for one engine in its own"),
+                       ({"batch_wait_ms": 60}, "'batch_wait_ms' must be <= 50")):
         with pytest.raises(OptionError, match=match):
             engine_kwargs(tiny_release, **bad)
 

@@ -36,6 +36,9 @@ STATE_CACHE_KEY = "clef_state_cache"
 #: ``additional_config`` key: ``True`` keeps vLLM's engine step that only drops finished requests from the
 #: workers once no request is left (``--idle-cleanup-step on``; absent: the next scheduled step drops them).
 IDLE_CLEANUP_KEY = "clef_idle_cleanup_step"
+#: ``additional_config`` key: milliseconds an idle engine may hold new requests to batch them
+#: (``--batch-wait-ms``; absent: none).
+BATCH_WAIT_KEY = "clef_batch_wait_ms"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY,
+from clef_vllm.contract import (BATCH_WAIT_KEY, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY,
                                 PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
@@ -182,6 +182,12 @@ def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
     kwargs["scheduler_cls"] = SCHEDULER_CLASSES[opts.async_scheduling]
 
 
+def _batch_wait(opts: "VllmOptions", kwargs: dict) -> None:
+    """The scheduler's rule 5: an idle engine may hold a few new requests up to this long to batch them."""
+    if opts.batch_wait_ms:
+        kwargs.setdefault("additional_config", {})[BATCH_WAIT_KEY] = float(opts.batch_wait_ms)
+
+
 def _idle_cleanup(opts: "VllmOptions", kwargs: dict) -> None:
     """vLLM's engine step that only drops finished requests, kept when asked (the scheduler's rule 4)."""
     if opts.idle_cleanup_step:
@@ -309,6 +315,11 @@ class VllmOptions(_Validated):
                                      "drop it from the workers, as vLLM does (default off: the next step that "
                                      "schedules work drops it; docs/latency.md)", flags=("--idle-cleanup-step",),
                                      engine=_idle_cleanup, kind=bool)
+    batch_wait_ms: float = option(0.0, "experimental: while nothing runs and fewer requests wait than half the "
+                                  "largest step of the last second, hold them up to this many milliseconds to "
+                                  "batch them (default 0: never; one engine in its own process; docs/latency.md)",
+                                  flags=("--batch-wait-ms",), engine=_batch_wait, kind=float, minimum=0.0,
+                                  maximum=50.0, metavar="MS")
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 
@@ -339,6 +350,11 @@ class VllmOptions(_Validated):
             # data-parallel engines each need their own process (vLLM's DP coordinator)
             raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "
                               "at 1 or use 'process'", "engine_core")
+        if self.batch_wait_ms and (self.data_parallel_size > 1 or self.engine_core == "thread"):
+            # the empty steps of a wait: vLLM's DP loop answers them with dummy batches on the GPU, and the
+            # engine thread steps again at once (no idle sleep), so it would spin
+            raise OptionError("vllm backend option 'batch_wait_ms' is for one engine in its own process: leave "
+                              "data_parallel_size at 1 and engine_core 'process', or the wait at 0", "batch_wait_ms")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "
