@@ -101,9 +101,7 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
     of the last second are held (an empty step, vLLM's PAUSED_NEW for that call only) until enough have
     arrived or the oldest has waited the limit; one request at a time never waits, a running request
     is never held, and without the option nothing is."""
-    import torch
     from vllm.v1.core.sched.interface import PauseState
-    from vllm.v1.outputs import ModelRunnerOutput
 
     from clef_vllm.contract import BATCH_WAIT_KEY
     from clef_vllm.worker import scheduler as clef_scheduler
@@ -113,9 +111,7 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
     sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, additional_config={BATCH_WAIT_KEY: 3})
 
     def finish(out):
-        rids = list(out.num_scheduled_tokens)
-        sched.update_from_output(out, ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                                                        pooler_output=[torch.zeros(1) for _ in rids]))
+        sched.update_from_output(out, vllm_cpu.runner_output(sched, out))
 
     def submit(*names):
         for name in names:
@@ -169,9 +165,6 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
 def test_a_busy_engine_holds_nothing_back(tiny_release, monkeypatch):
     """Rule 5 holds requests only while nothing runs: a prompt in chunks keeps running, and a request that
     arrives meanwhile joins its next step (the clock standing still, so an idle engine would hold it)."""
-    import torch
-    from vllm.v1.outputs import ModelRunnerOutput
-
     from clef_vllm.contract import BATCH_WAIT_KEY
     from clef_vllm.worker import scheduler as clef_scheduler
 
@@ -179,7 +172,6 @@ def test_a_busy_engine_holds_nothing_back(tiny_release, monkeypatch):
     monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
     sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, additional_config={BATCH_WAIT_KEY: 10})
     sched._steps.append((50.0, 16))                                          # a large step just ran
-    lengths = {"long": 150, "short": 20}
     sched.add_request(vllm_cpu.pooling_request(sched, "long", ids(150)))
     assert sched.schedule(False).num_scheduled_tokens == {}                 # new and alone: held
     clock[0] += 0.011                                                        # it waited 11 ms: it runs
@@ -189,10 +181,7 @@ def test_a_busy_engine_holds_nothing_back(tiny_release, monkeypatch):
             break
         out = sched.schedule(False)
         steps.append(dict(out.num_scheduled_tokens))
-        rids = list(out.num_scheduled_tokens)
-        done = [sched.requests[r].num_computed_tokens >= lengths[r] for r in rids]
-        sched.update_from_output(out, ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                                                        pooler_output=[torch.zeros(1) if d else None for d in done]))
+        sched.update_from_output(out, vllm_cpu.runner_output(sched, out))
         if len(steps) == 1:
             sched.add_request(vllm_cpu.pooling_request(sched, "short", ids(20, 1)))
     assert steps == [{"long": 128}, {"long": 22, "short": 20}] and sched.held_steps == 1
@@ -400,8 +389,6 @@ def test_an_unkeyed_request_is_scheduled_as_with_the_cache_off(tiny_release):
     """A short state is not keyed: with the state cache on, after a state was cached and hit, its request
     gets the same single step, the same number of new blocks and the same blocks to zero as with the cache
     off (the twelfth session's short c=1 cost is not in the scheduler's hands)."""
-    import torch
-    from vllm.v1.outputs import ModelRunnerOutput
 
     def steps(sched, requests):
         seen = []
@@ -409,14 +396,10 @@ def test_an_unkeyed_request_is_scheduled_as_with_the_cache_off(tiny_release):
             sched.add_request(r)
             while sched.requests:
                 out = sched.schedule(False)
-                rids = list(out.num_scheduled_tokens)
                 seen.append((r.request_id, dict(out.num_scheduled_tokens),
                              {n.req_id: [len(b) for b in n.block_ids] for n in out.scheduled_new_reqs},
                              len(out.new_block_ids_to_zero or [])))
-                done = [sched.requests[i].num_computed_tokens >= sched.requests[i].num_prompt_tokens for i in rids]
-                sched.update_from_output(out, ModelRunnerOutput(
-                    req_ids=rids, req_id_to_index={i: k for k, i in enumerate(rids)},
-                    pooler_output=[torch.zeros(1) if d else None for d in done]))
+                sched.update_from_output(out, vllm_cpu.runner_output(sched, out))
         return seen
 
     def shorts(sched):

@@ -207,6 +207,23 @@ def pooling_metadata(specs, scheduled, seq_lens, states):
     return md
 
 
+def prompt_done(scheduler, ids) -> list[bool]:
+    """Per request of ``ids``: whether its prompt is computed once the step just scheduled runs."""
+    return [scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_prompt_tokens for rid in ids]
+
+
+def runner_output(scheduler, out, done: list[bool] | None = None):
+    """What the model runner answers for step ``out``: a pooled output for each request whose prompt the
+    step completes (``done``: as :func:`prompt_done` said when the step was scheduled; default: now)."""
+    import torch
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    done = prompt_done(scheduler, ids) if done is None else done
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                             pooler_output=[torch.zeros(1) if d else None for d in done])
+
+
 def run_scheduler(scheduler, requests, max_steps: int = 50, depth: int = 1) -> dict[str, list[int]]:
     """Add ``requests``, then schedule steps, answering each with a pooled output once a request's
     prompt is computed (what the model runner does), until all finish or ``max_steps`` steps ran.
@@ -214,9 +231,6 @@ def run_scheduler(scheduler, requests, max_steps: int = 50, depth: int = 1) -> d
     previous one's output is back (the engine core's ``step_with_batch_queue``).
     Returns each request's chunk sizes; a request still unfinished has ``-1`` appended."""
     from collections import deque
-
-    import torch
-    from vllm.v1.outputs import ModelRunnerOutput
 
     chunks: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for r in requests:
@@ -229,15 +243,11 @@ def run_scheduler(scheduler, requests, max_steps: int = 50, depth: int = 1) -> d
         ids = list(out.num_scheduled_tokens)
         for rid in ids:
             chunks[rid].append(out.num_scheduled_tokens[rid])
-        # what the model runner pools: a request whose prompt this step completes
-        done = [scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_prompt_tokens for rid in ids]
-        in_flight.append((out, ids, done))
+        in_flight.append((out, prompt_done(scheduler, ids)))     # what the model runner will pool
         if len(in_flight) < depth:
             continue
-        out, ids, done = in_flight.popleft()
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            pooler_output=[torch.zeros(1) if d else None for d in done]))
+        out, done = in_flight.popleft()
+        scheduler.update_from_output(out, runner_output(scheduler, out, done))
     for rid in scheduler.requests:
         chunks[rid].append(-1)
     return chunks
