@@ -5,7 +5,8 @@ The front-end (:mod:`clef_vllm.backends.vllm_backend`) sends every request as
 engine with ``additional_config={HEAD_DTYPE_KEY: "bfloat16" | "float32", ...}`` (plus the
 prefill-graph, head-graph and state-cache settings below when they are on); the worker (:mod:`clef_vllm.worker`)
 reads exactly these names. Both sides import them from here (the engine side through
-:mod:`clef_vllm.backends.options`).
+:mod:`clef_vllm.backends.options`), and each side goes through one function: :func:`tell_worker` and
+:func:`worker_setting`.
 """
 
 #: vLLM pooling task served by :class:`clef_vllm.worker.pooler.ClefPooler` (vLLM's task for a
@@ -42,3 +43,13 @@ BATCH_WAIT_KEY = "clef_batch_wait_ms"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"
+
+
+def tell_worker(engine_kwargs: dict, key: str, value) -> None:
+    """Put the worker setting ``key`` into the engine arguments' ``additional_config``."""
+    engine_kwargs.setdefault("additional_config", {})[key] = value
+
+
+def worker_setting(vllm_config, key: str, default=None):
+    """The worker setting ``key`` from a ``VllmConfig`` (its ``additional_config`` may be ``None``)."""
+    return (vllm_config.additional_config or {}).get(key, default)

@@ -19,8 +19,9 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY,
-                                PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY)
+from clef_vllm.contract import (BATCH_WAIT_KEY, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
+                                IDLE_CLEANUP_KEY, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES,
+                                STATE_CACHE_KEY, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -127,7 +128,7 @@ def _max_num_batched_tokens(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
-    kwargs.setdefault("additional_config", {})[HEAD_DTYPE_KEY] = opts.resolved_head_dtype
+    tell_worker(kwargs, HEAD_DTYPE_KEY, opts.resolved_head_dtype)
 
 
 def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
@@ -140,7 +141,7 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     budget = kwargs["max_num_batched_tokens"]
     buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
     scope = opts.resolved_prefill_graph_scope
-    kwargs.setdefault("additional_config", {})[PREFILL_GRAPHS_KEY] = {"buckets": buckets, "scope": scope}
+    tell_worker(kwargs, PREFILL_GRAPHS_KEY, {"buckets": buckets, "scope": scope})
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
@@ -150,14 +151,14 @@ def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
     """The GDN metadata memo of single-prefill steps (:mod:`clef_vllm.worker.gdn_metadata`) is on unless
     the worker is told otherwise."""
     if not opts.gdn_metadata_memo:
-        kwargs.setdefault("additional_config", {})[GDN_MEMO_KEY] = False
+        tell_worker(kwargs, GDN_MEMO_KEY, False)
 
 
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
     if opts.head_graphs:
-        kwargs.setdefault("additional_config", {})[HEAD_GRAPHS_KEY] = {"records": opts.head_graph_records}
+        tell_worker(kwargs, HEAD_GRAPHS_KEY, {"records": opts.head_graph_records})
 
 
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
@@ -170,7 +171,7 @@ def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
         from clef_vllm.state_keys import KEY_UNIT
 
         kwargs.update(prefix_match_unit=KEY_UNIT)   # hits and GDN states at the state's end, not at a block's
-    kwargs.setdefault("additional_config", {})[STATE_CACHE_KEY] = {"on": True}
+    tell_worker(kwargs, STATE_CACHE_KEY, {"on": True})
 
 
 def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
@@ -185,13 +186,13 @@ def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
 def _batch_wait(opts: "VllmOptions", kwargs: dict) -> None:
     """The scheduler's rule 5: an idle engine may hold a few new requests up to this long to batch them."""
     if opts.batch_wait_ms:
-        kwargs.setdefault("additional_config", {})[BATCH_WAIT_KEY] = float(opts.batch_wait_ms)
+        tell_worker(kwargs, BATCH_WAIT_KEY, float(opts.batch_wait_ms))
 
 
 def _idle_cleanup(opts: "VllmOptions", kwargs: dict) -> None:
     """vLLM's engine step that only drops finished requests, kept when asked (the scheduler's rule 4)."""
     if opts.idle_cleanup_step:
-        kwargs.setdefault("additional_config", {})[IDLE_CLEANUP_KEY] = True
+        tell_worker(kwargs, IDLE_CLEANUP_KEY, True)
 
 
 #: ``--prefill-graph-buckets``: each a multiple of this (vLLM's capture sizes; Triton specialises on it), at most

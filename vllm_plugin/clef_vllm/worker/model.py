@@ -29,7 +29,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY,
-                                STATE_CACHE_KEY)
+                                STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
@@ -50,7 +50,7 @@ _FP8_NAN = (0x7F, 0xFF)
 
 
 def _head_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    name = (vllm_config.additional_config or {}).get(HEAD_DTYPE_KEY, "bfloat16")
+    name = worker_setting(vllm_config, HEAD_DTYPE_KEY, "bfloat16")
     if name not in HEAD_DTYPES:
         raise ValueError(f"additional_config[{HEAD_DTYPE_KEY!r}] must be one of {HEAD_DTYPES}, got {name!r}")
     return getattr(torch, name)
@@ -110,7 +110,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         config = model_config.hf_text_config
         if vllm_config.cache_config.mamba_cache_mode == "all":
             raise NotImplementedError("Clef-Flash (Qwen3.5) does not support mamba_cache_mode='all'")
-        memo = (vllm_config.additional_config or {}).get(GDN_MEMO_KEY, True) is not False
+        memo = worker_setting(vllm_config, GDN_MEMO_KEY, True) is not False
         if gdn_metadata.install(memo):      # before vLLM makes its metadata builders (at KV-cache init)
             log.info("clef GDN metadata: built once per step and shared by the GDN KV-cache groups%s",
                      "; single-prefill steps of a length seen before reuse it" if memo else
@@ -148,7 +148,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
         """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""
-        setting = (vllm_config.additional_config or {}).get(STATE_CACHE_KEY)
+        setting = worker_setting(vllm_config, STATE_CACHE_KEY)
         if not setting or not vllm_config.cache_config.enable_prefix_caching:
             return None
         config = self.config
@@ -164,7 +164,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def _graph_setting(vllm_config: VllmConfig, key: str, name: str):
         """The backend's setting for one of the plugin's graph runners (``None``: not asked for, or no
         CUDA device to capture on)."""
-        setting = (vllm_config.additional_config or {}).get(key)
+        setting = worker_setting(vllm_config, key)
         if not setting:
             return None
         from vllm.platforms import current_platform
@@ -203,7 +203,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def _step_graphs(self, vllm_config: VllmConfig) -> StepGraphRunner | None:
         """Whole-step graphs over the GDN runner (``--prefill-graph-scope step``: the default, through ``auto``)."""
-        setting = (vllm_config.additional_config or {}).get(PREFILL_GRAPHS_KEY)
+        setting = worker_setting(vllm_config, PREFILL_GRAPHS_KEY)
         if self.prefill_graphs is None or not isinstance(setting, dict) or setting.get("scope") != "step":
             return None
         runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len)

@@ -67,7 +67,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from clef_vllm import trace
-from clef_vllm.contract import BATCH_WAIT_KEY, IDLE_CLEANUP_KEY, PARAMS_KEY
+from clef_vllm.contract import BATCH_WAIT_KEY, IDLE_CLEANUP_KEY, PARAMS_KEY, worker_setting
 from clef_vllm.state_keys import KEY_UNIT
 from clef_vllm.worker import state_cache
 
@@ -199,8 +199,8 @@ class ClefScheduler(Scheduler):
         self._align_side_cache_tails()
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
-        self._idle_cleanup = bool((self.vllm_config.additional_config or {}).get(IDLE_CLEANUP_KEY, False))
-        self._batch_wait_s = float((self.vllm_config.additional_config or {}).get(BATCH_WAIT_KEY, 0) or 0) / 1000.0
+        self._idle_cleanup = bool(worker_setting(self.vllm_config, IDLE_CLEANUP_KEY, False))
+        self._batch_wait_s = float(worker_setting(self.vllm_config, BATCH_WAIT_KEY, 0) or 0) / 1000.0
         self._steps: deque[tuple[float, int]] = deque()      # (when, requests) of recent working steps
         self.held_steps = 0                                   # steps that held new requests back (rule 5)
 
