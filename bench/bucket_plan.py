@@ -28,10 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "vllm_plugin"))
-
-from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, choose_bucket  # noqa: E402
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, choose_bucket
 
 
 def step_costs(rows: list[dict], scale: float, other_us: float) -> dict[int, float]:
