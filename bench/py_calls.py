@@ -1,7 +1,7 @@
 """Which Python code an engine step's host time goes to, from a torch profiler trace recorded with Python
 stacks (``CLEF_VLLM_PROFILE=DIR,START,COUNT,stack``: the profiler's ``python_function`` events).
 
-    python3 bench/py_calls.py TRACE [--root NAME] [--depth 4] [--min-ms 0.05] [--json OUT]
+    python3 bench/py_calls.py TRACE [--root NAME] [--depth 4] [--min-ms 0.05] [--json OUT] [--per-step]
 
 Each step is one of vLLM's ``execute_context_*`` ranges (the whole trace when it has none). Inside a step,
 the Python calls on the step's thread form a tree (the profiler records each call's parent); the calls
@@ -87,13 +87,17 @@ def ancestors(e: dict, by_id: dict):
         parent = by_id.get(parent["args"].get("Python parent id"))
 
 
-def summarise(events: list[dict], root: str = DEFAULT_ROOT) -> dict:
-    """The median over steps of each call path's inclusive milliseconds and calls."""
+def step_trees(events: list[dict], root: str = DEFAULT_ROOT) -> list[dict]:
+    """Each step's call tree (:func:`step_tree`), in the order of the steps."""
     calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function" and "args" in e]
-    per_step = []
-    for start, end, tid in steps_of(events):
-        inside = [e for e in calls if start <= e["ts"] <= end and (tid is None or e.get("tid") == tid)]
-        per_step.append(step_tree(inside, root))
+    return [step_tree([e for e in calls if start <= e["ts"] <= end and (tid is None or e.get("tid") == tid)], root)
+            for start, end, tid in steps_of(events)]
+
+
+def summarise(events: list[dict], root: str = DEFAULT_ROOT, per_step: list[dict] | None = None) -> dict:
+    """The median over steps (``per_step``: given trees, default all of the trace's) of each call path's
+    inclusive milliseconds and calls."""
+    per_step = step_trees(events, root) if per_step is None else per_step
     paths = {p for tree in per_step for p in tree}
     rows = {}
     for p in paths:
@@ -129,12 +133,18 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=4, help="levels printed (default 4)")
     ap.add_argument("--min-ms", type=float, default=0.05, help="leave out paths below this (default 0.05)")
     ap.add_argument("--json", help="also write every path's medians here")
+    ap.add_argument("--per-step", action="store_true", help="after the medians, each step's own tree")
     a = ap.parse_args(argv)
-    summary = summarise(load(a.trace), a.root)
+    events = load(a.trace)
+    trees = step_trees(events, a.root)
+    summary = summarise(events, a.root, trees)
     if not summary["paths"]:
         print(f"{a.trace}: no Python calls (record with CLEF_VLLM_PROFILE=DIR,START,COUNT,stack)", file=sys.stderr)
         return 1
     print("\n".join(render(summary, a.depth, a.min_ms)))
+    for k, tree in enumerate(trees if a.per_step else ()):
+        lines = render(summarise(events, a.root, [tree]), a.depth, a.min_ms)
+        print(f"\nstep {k + 1} of {len(trees)}:\n" + "\n".join(lines[1:]))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"steps": summary["steps"], "root": summary["root"],

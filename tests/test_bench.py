@@ -1120,6 +1120,12 @@ def test_py_calls_sums_a_steps_python_calls_by_path_from_the_runner(tmp_path):
                            "--depth", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "_prepare (test_bench.py:" in proc.stdout and json.loads(out.read_text())["steps"] == 3
+    trees = calls.step_trees(calls.load(str(trace)))                     # --per-step: each step's own tree
+    assert len(trees) == 3 and all(tree[top[0]][1] == 1 and tree[prepare[0]][1] == 2 for tree in trees)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"), str(trace),
+                           "--depth", "2", "--per-step"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and [line for line in proc.stdout.splitlines() if line.startswith("step ")] == [
+        "step 1 of 3:", "step 2 of 3:", "step 3 of 3:"]
     stackless = tmp_path / "stackless.json"
     stackless.write_text(json.dumps({"traceEvents": [e for e in json.loads(plain.read_text())["traceEvents"]
                                                      if e.get("cat") != "python_function"]}))
