@@ -127,7 +127,9 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=thirtyninth1 (one GPU; ~1,600 s; not run yet): the scheduler's rule 4 (no engine step only to drop finished
+# PLAN=fortieth1 (one GPU; ~560 s): the defaults after thirtyninth1 (buckets by the linear kernels: BF16 adds 400,
+#        online FP8 pads to 464 instead of 448; the 2 ms batch wait) next to raw vLLM: short BF16 c=1/16/64, FP8 c=1.
+# PLAN=thirtyninth1 (one GPU; ~1,600 s; ran in the twenty-first session): the scheduler's rule 4 (no engine step only to drop finished
 #        requests) paired against --idle-cleanup-step on (vLLM's step), FP8 short c=1; rule 5 (--batch-wait-ms 2)
 #        paired against the default, BF16 short c=16/64; buckets from bench/bucket_plan.py
 #        paired against the default at c=1 (BF16: 400 added, FP8: 464 for 448); the default FP8 server traced.
@@ -488,6 +490,15 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortieth1_queue0)   # ~560 s: launch with `wait 540` in the staging's last call, then `wait 540`
+  # issue 12's targets with the new defaults: one decision (BF16 and FP8) and short c=16/64 against raw vLLM
+  job short_9b_bf16_defaults 0 420 env "${SHORT[@]}" LABEL=9b-dummy-bf16-defaults40-short \
+      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 9201
+  job short_9b_fp8_defaults 0 360 env "${SHORT[@]}" CONC=1 LABEL=9b-dummy-fp8-defaults40-c1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8" RAW_ARGS="--raw-quantization fp8" bash bench/gpu_bench.sh "$NINE" 9202
   touch "$S/all.done"
   log "all done"
   ;;

@@ -40,6 +40,13 @@ def test_choose_bucket_is_the_smallest_that_fits():
     assert choose_bucket(512, buckets) == 512
     assert choose_bucket(513, buckets) is None
     assert list(DEFAULT_BUCKETS) == sorted(DEFAULT_BUCKETS)
+    from clef_vllm.backends.options import bucket_list
+    from clef_vllm.worker.prefill_graphs import LINEAR_BUCKETS, default_buckets
+
+    for linear, buckets in LINEAR_BUCKETS.items():                 # valid --prefill-graph-buckets values
+        assert bucket_list(buckets) == buckets and default_buckets(linear) == buckets
+    assert default_buckets(None) == LINEAR_BUCKETS["bf16"]          # unquantized
+    assert default_buckets("compressed-tensors") == DEFAULT_BUCKETS  # not swept
 
 
 def metadata(**over):

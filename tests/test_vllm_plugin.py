@@ -103,10 +103,14 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
         "clef_prefill_graphs"]["buckets"] == [64, 128]
     one = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=1))
     assert one.additional_config["clef_head_graphs"] == {"records": 1}
-    # the scheduler's rules 4 and 5: vLLM's cleanup step only when asked, no batch wait unless asked
-    assert not {"clef_idle_cleanup_step", "clef_batch_wait_ms"} & set(one.additional_config)
+    # the scheduler's rules 4 and 5: vLLM's cleanup step only when asked; a 2 ms batch wait by default for one
+    # engine in its own process, none with data parallelism or the engine thread, none when set to 0
+    assert "clef_idle_cleanup_step" not in one.additional_config
+    assert one.additional_config["clef_batch_wait_ms"] == 2.0
     asked = engine_kwargs(tiny_release, idle_cleanup_step=True, batch_wait_ms=2.5)["additional_config"]
     assert asked["clef_idle_cleanup_step"] is True and asked["clef_batch_wait_ms"] == 2.5
+    for no_wait in ({"batch_wait_ms": 0}, {"data_parallel_size": 2}, {"engine_core": "thread"}):
+        assert "clef_batch_wait_ms" not in engine_kwargs(tiny_release, **no_wait)["additional_config"], no_wait
     # the GDN metadata memo: on unless told (the worker reads an explicit False)
     assert "clef_gdn_metadata_memo" not in one.additional_config
     assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
@@ -123,6 +127,32 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # the worker beside the scheduler, with data parallelism too (vLLM's CPU platform swaps in "mp" here)
     assert engine_kwargs(tiny_release, data_parallel_size=2)["distributed_executor_backend"] == "uni"
     assert not {"clef_prefill_graphs", "clef_head_graphs", "clef_state_cache"} & set(off.additional_config)
+
+
+def test_default_buckets_follow_the_backbones_linear_kernels(tiny_release, tmp_path):
+    """Unset ``--prefill-graph-buckets``: a BF16 backbone adds 400, online FP8 pads to 464 instead of 448 (the
+    H200's cheap GEMM sizes), a quantized checkpoint keeps the generic list; vLLM's capture sizes follow."""
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, LINEAR_BUCKETS
+
+    def planned(model_dir, **opts):
+        kwargs = engine_kwargs(model_dir, max_model_len=4096, **opts)
+        return kwargs["additional_config"]["clef_prefill_graphs"]["buckets"], kwargs["compilation_config"][
+            "cudagraph_capture_sizes"]
+
+    bf16, sizes = planned(tiny_release)
+    assert bf16 == [b for b in LINEAR_BUCKETS["bf16"] if b <= 8192] and 400 in bf16 and 448 in bf16
+    assert {400, 448} <= set(sizes)
+    fp8, sizes = planned(tiny_release, quantization="fp8")
+    assert 464 in fp8 and 448 not in fp8 and 464 in sizes and 448 not in sizes
+    assert set(fp8) ^ set(DEFAULT_BUCKETS) == {448, 464}
+    quantized = tmp_path / "quantized"
+    shutil.copytree(tiny_release, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    assert planned(quantized)[0] == list(DEFAULT_BUCKETS)
+    assert planned(tiny_release, prefill_graph_buckets="64,400")[0] == [64, 400]    # given: as given
 
 
 def test_the_plugins_graphs_need_the_backends_setting_and_a_cuda_device(monkeypatch, caplog):

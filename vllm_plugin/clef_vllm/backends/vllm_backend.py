@@ -191,11 +191,23 @@ class StateAffinity:
             self.in_flight[rank] -= 1
 
 
+def linear_method(files, opts: VllmOptions) -> str | None:
+    """What the backbone's linear layers run: the checkpoint's quantization method, else the online one
+    (``--quantization``), else ``None`` (unquantized BF16)."""
+    return (files.quantization_config or {}).get("quant_method") or opts.quantization
+
+
 def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **kwargs: Any) -> dict:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable):
-    :data:`FIXED_ENGINE_SETTINGS` + what the options produce (:func:`~clef_vllm.backends.options.engine_args`)."""
+    :data:`FIXED_ENGINE_SETTINGS` + what the options produce (:func:`~clef_vllm.backends.options.engine_args`).
+    Unset prefill-graph buckets become the defaults of the checkpoint's linear kernels
+    (:func:`~clef_vllm.worker.prefill_graphs.default_buckets`)."""
     opts = options if options is not None else backend_options("vllm", kwargs)
     files = locate_checkpoint(model_dir, require_weights=opts.load_format != "dummy")
+    if opts.prefill_graphs and opts.prefill_graph_buckets is None:
+        from clef_vllm.worker.prefill_graphs import default_buckets
+
+        opts = replace(opts, prefill_graph_buckets=default_buckets(linear_method(files, opts)))
     architectures = files.config.get("architectures") or []
     out = dict(FIXED_ENGINE_SETTINGS)
     out["model"] = str(files.root)
@@ -493,7 +505,7 @@ class VllmBackend(Backend):
         return {"backend": self.name, "layout": self.files.layout, "dtype": self.options.dtype,
                 "head_dtype": self.options.resolved_head_dtype, "max_model_len": self.max_model_len,
                 "data_parallel_size": self.kwargs["data_parallel_size"],
-                "quantization": (self.files.quantization_config or {}).get("quant_method") or self.options.quantization,
+                "quantization": linear_method(self.files, self.options),
                 "kernels": self.kernels.get("summary")}
 
     def close(self) -> None:

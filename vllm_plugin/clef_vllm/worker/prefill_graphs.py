@@ -55,6 +55,13 @@ log = logging.getLogger("clef_vllm")
 #: Padded token counts a single-sequence prefill step can replay from a graph. A step with more
 #: tokens (or several sequences) runs vLLM's own path.
 DEFAULT_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
+#: The buckets per linear-layer kernel where the backbone's GEMMs make a different size cheaper (the H200's
+#: GEMM sweeps, ``bench/results/h200_gemm_sizes_{bf16,fp8}.json``, planned by ``bench/bucket_plan.py`` and
+#: paired against DEFAULT_BUCKETS at c=1: 0.969x and 0.975x the p50). Unquantized BF16 (cuBLAS: 9.2 ms of
+#: GEMMs at 400 rows, 10.5 at 448) adds 400; online FP8 (vLLM's cutlass kernel: 7.8 ms at 448, 7.2 at 464)
+#: pads to 464 instead of 448.
+LINEAR_BUCKETS = {"bf16": tuple(sorted({*DEFAULT_BUCKETS, 400})),
+                  "fp8": tuple(sorted(set(DEFAULT_BUCKETS) - {448} | {464}))}
 #: FLA's chunk length: chunk metadata is built per bucket for this size.
 CHUNK_SIZE = 64
 #: The null block's state line: scratch for warm-up and capture (vLLM pads with it too).
@@ -63,6 +70,13 @@ SCRATCH_LINE = 0
 SCOPES = ("core", "layer")
 #: The bucket buffers that hold gate inputs (``a``, ``b``, packed ``ba``): -inf in padded rows.
 GATE_INPUTS = frozenset({"a", "b", "ba"})
+
+
+def default_buckets(linear: str | None) -> tuple[int, ...]:
+    """The default buckets of a backbone whose linear layers run ``linear``: ``None`` for unquantized BF16,
+    else vLLM's quantization method (``"fp8"`` online). Other methods, a quantized checkpoint's own among
+    them, keep DEFAULT_BUCKETS: their kernels were not swept."""
+    return LINEAR_BUCKETS.get(linear or "bf16", DEFAULT_BUCKETS)
 
 
 def choose_bucket(value: int, buckets: Sequence[int]) -> int | None:
