@@ -4,6 +4,8 @@ every prompt finishes, however its chunks fall, and a state-cache hit comes from
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from support import vllm_cpu
@@ -96,7 +98,7 @@ def test_finished_requests_alone_make_no_step_and_ride_on_the_next_one(tiny_rele
     assert vllms.schedule(False).finished_req_ids == {"a"} and not vllms.has_requests()
 
 
-def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_release, monkeypatch):
+def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_release, monkeypatch, caplog):
     """Rule 5 (``--batch-wait-ms``): with nothing running, fewer waiting requests than half the largest step
     of the last second are held (an empty step, vLLM's PAUSED_NEW for that call only) until enough have
     arrived or the oldest has waited the limit; one request at a time never waits, a running request
@@ -108,7 +110,10 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
 
     clock = [100.0]
     monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
-    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, additional_config={BATCH_WAIT_KEY: 3})
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN,
+                                       additional_config={BATCH_WAIT_KEY: 3})
+    assert "holds up to 3 ms for a batch" in caplog.text                     # said at start
 
     def finish(out):
         sched.update_from_output(out, vllm_cpu.runner_output(sched, out))

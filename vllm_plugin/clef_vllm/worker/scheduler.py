@@ -45,7 +45,8 @@ lookup and chunk split; rule 0 holds for them too.
    interpreter lock. Here the finished ids wait for the next step that schedules work (vLLM's
    ``schedule`` hands them over whatever else it schedules; the model runner drops finished requests
    before it adds new ones). Their KV blocks are freed at finish either way, by the scheduler.
-5. **An idle engine may wait briefly for a batch** (``--batch-wait-ms MS``, experimental, off by default).
+5. **An idle engine may wait briefly for a batch** (``--batch-wait-ms MS``; 2 ms by default for one engine in
+   its own process, none with data parallelism or the engine thread).
    Under load a closed loop of clients resubmits over a few milliseconds after a large step answers
    them; an idle engine starts the first one or two at once, and each such step runs padded to a graph
    bucket for one request (the seventeenth session's c=16 profile: steps of 14, 1, 1, 2, 14, ...
@@ -53,7 +54,8 @@ lookup and chunk split; rule 0 holds for them too.
    largest step of the last second (:data:`PEAK_WINDOW_S`) and the oldest has waited less than MS
    (counted from its arrival at this scheduler), new requests are held for this step (vLLM's own
    ``PAUSED_NEW`` state for the one ``schedule`` call): the engine core steps empty and polls again a
-   millisecond later (vLLM's idle sleep). One request at a time (a peak of 1) never waits.
+   millisecond later (vLLM's idle sleep). One request at a time (a peak of 1) never waits. Measured on
+   the H200 (BF16, short decisions, 2 ms against none): 1.062x the req/s at c=16, 1.001x at c=64.
 """
 
 from __future__ import annotations
@@ -203,6 +205,10 @@ class ClefScheduler(Scheduler):
         self._batch_wait_s = float(worker_setting(self.vllm_config, BATCH_WAIT_KEY, 0) or 0) / 1000.0
         self._steps: deque[tuple[float, int]] = deque()      # (when, requests) of recent working steps
         self.held_steps = 0                                   # steps that held new requests back (rule 5)
+        if self._batch_wait_s > 0:
+            log.info("clef scheduler: an idle engine holds up to %g ms for a batch while fewer requests wait than "
+                     "half the largest step of the last second (--batch-wait-ms; 0 turns it off)",
+                     self._batch_wait_s * 1000.0)
 
     def _hold_new(self, now: float) -> bool:
         """Rule 5: whether this step should leave the waiting requests waiting."""
