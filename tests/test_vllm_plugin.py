@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import shutil
+import struct
 import threading
 from pathlib import Path
 from importlib.metadata import entry_points
@@ -516,6 +517,33 @@ def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_
     info = runner.describe()
     # 2 steps + one self-check per record bucket (1, 2, 4), all at the first finishing step
     assert info["replays"] == 2 + 3 and not info["failed"] and not info["fallbacks"]
+
+
+def test_the_wire_spec_round_trips_packed_and_refuses_what_it_did_not_write(encoder):
+    """A head spec crosses to the engine core as one int32 buffer (plus the state cache's limit and keys): it
+    comes back equal, vLLM's deep copy of the parameters shares the buffer instead of copying ints one by
+    one, and a damaged wire raises one of the errors the pooler turns into a NaN answer."""
+    from clef_vllm.backends.vllm_backend import pooling_params
+    from clef_vllm.contract import PARAMS_KEY
+    from clef_vllm.features import HeadSpec
+
+    for request in _requests():
+        encoded = encoder.encode(request)
+        for spec in (HeadSpec.from_encoded(encoded), HeadSpec.from_encoded(encoded, state_keys=True)):
+            wire = spec.to_wire()
+            assert HeadSpec.from_wire(wire) == spec
+            assert set(wire) == ({"a", "r", "k"} if spec.reuse_limit else {"a"})
+    assert spec.reuse_limit and spec.state_keys                               # the keyed case ran
+    params = pooling_params(spec)
+    copy = params.clone()
+    assert copy.extra_kwargs[PARAMS_KEY]["a"] is params.extra_kwargs[PARAMS_KEY]["a"]
+    assert HeadSpec.from_wire(copy.extra_kwargs[PARAMS_KEY]) == spec
+    packed = spec.to_wire()["a"]
+    header = struct.unpack("<4i", packed[:16])
+    for damaged in ({"a": packed[:-2]}, {"a": packed[:-4]}, {"a": packed + packed[-4:]}, {"a": packed[:12]},
+                    {"a": struct.pack("<4i", header[0], -1, 0, 0)}, {"a": "text"}, {"b": packed}):
+        with pytest.raises((KeyError, TypeError, ValueError)):
+            HeadSpec.from_wire(damaged)
 
 
 @torch.inference_mode()

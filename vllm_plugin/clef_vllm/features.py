@@ -10,6 +10,7 @@ of finished records.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -60,18 +61,36 @@ class HeadSpec:
         return min(a for a, _ in self.spans())
 
     def to_wire(self) -> dict:
-        """A msgpack-friendly dict (lists of ints, keys as bytes) for ``PoolingParams.extra_kwargs``."""
-        wire = {"L": self.num_tokens, "t": list(self.type_ids), "q": [list(s) for s in self.question_spans],
-                "o": [list(s) for s in self.option_spans], "n": list(self.options_per_field),
-                "x": list(self.lexical_ids)}
+        """A msgpack-friendly dict for ``PoolingParams.extra_kwargs``: every int of the spec in one
+        little-endian int32 buffer (``"a"``: the token count, the field, option and lexical counts, then
+        type ids, options per field, question spans, option spans, lexical ids), and with a reusable state
+        its limit (``"r"``) and keys (``"k"``). vLLM deep-copies every request's parameters; a bytes object
+        copies for free where lists of ints copy element by element (a short decision: ~55 -> ~9 us)."""
+        flat = [self.num_tokens, self.num_fields, self.num_options, len(self.lexical_ids), *self.type_ids,
+                *self.options_per_field, *(v for s in self.question_spans for v in s),
+                *(v for s in self.option_spans for v in s), *self.lexical_ids]
+        wire = {"a": struct.pack(f"<{len(flat)}i", *flat)}
         if self.reuse_limit:
             wire.update(r=self.reuse_limit, k=list(self.state_keys))
         return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> "HeadSpec":
-        return cls(int(d["L"]), tuple(d["t"]), tuple(tuple(s) for s in d["q"]), tuple(tuple(s) for s in d["o"]),
-                   tuple(d["n"]), tuple(d["x"]), int(d.get("r", 0)), tuple(bytes(k) for k in d.get("k", ())))
+        """The spec :meth:`to_wire` wrote. ValueError / TypeError / KeyError for a malformed one."""
+        packed = d["a"]
+        if len(packed) % 4 or len(packed) < 16:
+            raise ValueError(f"head spec: {len(packed)} bytes are no int32 header and body")
+        ints = struct.unpack(f"<{len(packed) // 4}i", packed)
+        num_tokens, fields, options, lexical = ints[:4]
+        if min(fields, options, lexical) < 0 or len(ints) != 4 + 4 * fields + 2 * options + lexical:
+            raise ValueError(f"head spec: {len(ints)} ints for {fields} fields, {options} options, "
+                             f"{lexical} lexical ids")
+        n_at, q_at = 4 + fields, 4 + 2 * fields
+        o_at = q_at + 2 * fields
+        x_at = o_at + 2 * options
+        q, o = ints[q_at:o_at], ints[o_at:x_at]
+        return cls(num_tokens, ints[4:n_at], tuple(zip(q[::2], q[1::2])), tuple(zip(o[::2], o[1::2])),
+                   ints[n_at:q_at], ints[x_at:], int(d.get("r", 0)), tuple(bytes(k) for k in d.get("k", ())))
 
     @property
     def num_fields(self) -> int:

@@ -12,7 +12,7 @@ first non-None output). With the head graphs on, a step that finishes client req
 (:mod:`clef_vllm.worker.head_graphs`).
 
 Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]``
-(:data:`clef_vllm.contract.PARAMS_KEY`; plain lists, msgpack safe). vLLM's memory profiling and
+(:data:`clef_vllm.contract.PARAMS_KEY`; one packed int32 buffer, msgpack safe). vLLM's memory profiling and
 warm-up call the pooler without them: those requests get a synthetic spec so the profiler sees
 representative head work.
 """
