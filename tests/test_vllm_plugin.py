@@ -538,6 +538,11 @@ def test_the_wire_spec_round_trips_packed_and_refuses_what_it_did_not_write(enco
     copy = params.clone()
     assert copy.extra_kwargs[PARAMS_KEY]["a"] is params.extra_kwargs[PARAMS_KEY]["a"]
     assert HeadSpec.from_wire(copy.extra_kwargs[PARAMS_KEY]) == spec
+    from vllm import PoolingParams
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    sent = MsgpackDecoder(PoolingParams).decode(MsgpackEncoder().encode(params))   # vLLM's IPC encoding
+    assert HeadSpec.from_wire(sent.extra_kwargs[PARAMS_KEY]) == spec
     packed = spec.to_wire()["a"]
     header = struct.unpack("<4i", packed[:16])
     for damaged in ({"a": packed[:-2]}, {"a": packed[:-4]}, {"a": packed + packed[-4:]}, {"a": packed[:12]},
