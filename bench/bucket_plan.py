@@ -11,13 +11,14 @@ padding costs. This script models a step's GPU time at ``b`` padded tokens as
 (``scale``: the GEMMs' time inside the step graph over the sweep's, ``other_us``: the rest of the step's GPU
 time per padded token; both from a profiled step, ``--profiled TOKENS:GEMM_MS:BUSY_MS``), and keeps every
 swept size that is cheaper than every larger one: then each length's cheapest bucket at or above it is in
-the set. Sizes below and above the sweep keep the default buckets.
+the set. Sizes below and above the sweep keep the generic buckets (``DEFAULT_BUCKETS``; the server's defaults
+per linear kernel, ``LINEAR_BUCKETS``, came from this script's plans, measured in pairs).
 
     python3 bench/bucket_plan.py bench/results/h200_gemm_sizes_fp8.json --profiled 448:6.3:12.1 [--lengths 300:700]
         [--keep N]        # at most N buckets inside the sweep's range, dropped greedily by the mean cost
 
 Prints the planned ``--prefill-graph-buckets`` value and, per length class, the modelled step time with the
-default buckets and with the plan. A model, not a measurement: pair the plan against the default on the GPU
+generic buckets and with the plan. A model, not a measurement: pair the plan against the default on the GPU
 (``bench/paired.sh``) before trusting it.
 """
 
@@ -38,7 +39,7 @@ def step_costs(rows: list[dict], scale: float, other_us: float) -> dict[int, flo
 
 
 def plan(costs: dict[int, float], defaults: tuple[int, ...] = DEFAULT_BUCKETS) -> list[int]:
-    """The default buckets outside the swept range, and inside it every size cheaper than all larger swept
+    """The generic buckets outside the swept range, and inside it every size cheaper than all larger swept
     sizes (so a length's cheapest swept bucket at or above it is always kept). The largest swept size is
     always kept: lengths up to it must still find a bucket in the range."""
     lo, hi = min(costs), max(costs)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         planned = prune(planned, costs, args.keep, range(lo, hi + 1))
     print(f"model: {scale:.3f} x the sweep's GEMM ms + {other_us:.1f} us per padded token (from {args.profiled})")
     print("--prefill-graph-buckets " + ",".join(str(b) for b in planned))
-    print(f"{'length':>6}  {'default':>7} {'ms':>6}  {'planned':>7} {'ms':>6}  {'saved ms':>8}")
+    print(f"{'length':>6}  {'generic':>7} {'ms':>6}  {'planned':>7} {'ms':>6}  {'saved ms':>8}")
     saved = []
     for n in range(lo, hi + 1, 16):
         b0, c0 = modelled(n, list(DEFAULT_BUCKETS), costs)
