@@ -65,7 +65,8 @@ class HeadSpec:
         little-endian int32 buffer (``"a"``: the token count, the field, option and lexical counts, then
         type ids, options per field, question spans, option spans, lexical ids), and with a reusable state
         its limit (``"r"``) and keys (``"k"``). vLLM deep-copies every request's parameters; a bytes object
-        copies for free where lists of ints copy element by element (a short decision: ~55 -> ~9 us)."""
+        copies for free where lists of ints copy element by element (a short decision's parameters cost the
+        front end 0.021 ms instead of 0.077: ``bench/pooler_host.py``)."""
         flat = [self.num_tokens, self.num_fields, self.num_options, len(self.lexical_ids), *self.type_ids,
                 *self.options_per_field, *(v for s in self.question_spans for v in s),
                 *(v for s in self.option_spans for v in s), *self.lexical_ids]
