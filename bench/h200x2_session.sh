@@ -127,11 +127,12 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyfirst1 (one GPU; ~1,500 s; not run yet): the 240-request parity with today's defaults (both layouts; the
+# PLAN=fortyfirst1 (one GPU; ~1,400 s; not run yet): the 240-request parity with today's defaults (both layouts; the
 #        twenty-first session's last call finished only the release layout's 120), the FP8 default paired against
 #        the previous defaults (generic buckets, vLLM's cleanup step) at c=1 for the default's own p50 next to the
-#        20 ms target, the engine cores of the default server and of raw vLLM profiled at c=64 (where the server
-#        reaches 90.8 % of raw), and the BF16 batch wait paired again against none at c=16/64.
+#        20 ms target, the 9B-shaped Hybrid (FP8 W8A8 layers 0-16, NVFP4 17-31 as Marlin W4A16 on Hopper;
+#        --load-format clef-dummy) next to raw vLLM for the first time (short c=1/16/64), and the engine cores of
+#        the default server and of raw vLLM profiled at c=64 (where the server reaches 90.8 % of raw).
 # PLAN=fortieth1 (one GPU; ~560 s; ran in the twenty-first session): the defaults after thirtyninth1 (buckets by the linear kernels: BF16 adds 400,
 #        online FP8 pads to 464 instead of 448; the 2 ms batch wait) next to raw vLLM: short BF16 c=1/16/64, FP8 c=1.
 # PLAN=thirtyninth1 (one GPU; ~1,600 s; ran in the twenty-first session): the scheduler's rule 4 (no engine step only to drop finished
@@ -187,6 +188,7 @@ job() {  # job NAME GPUS LIMIT_S CMD... : runs CMD with OUT=$S/NAME, records rc 
 
 TINY=$S/ckpt/tiny
 NINE=$S/ckpt/9b
+HYBRID=$S/ckpt/9b-hybrid   # the 9B config with the Hybrid's compressed-tensors config (split 17), no weights
 NINE_SWEEP=(WORKLOADS=short,long,fanout CONC=1,16,64 "CONC_OVERRIDES=long=1,8 fanout=1,8" TIME_LIMIT=6 WARMUP=4
             READY_TIMEOUT=360 BENCH_TIMEOUT=240)
 TINY_SWEEP=(WORKLOADS=short,long CONC=1,16,64 "CONC_OVERRIDES=long=1,8" TIME_LIMIT=5 WARMUP=4
@@ -498,16 +500,17 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortyfirst1_queue0)   # ~1,500 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
+fortyfirst1_queue0)   # ~1,400 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
   job parity_tiny 0 330 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   job paired_defaults_fp8 0 360 env COMPARE="fp8:fp8before:short" PAIRS=200 TIME_LIMIT=20 PORT0=9210 \
       bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8before=--load-format dummy --quantization fp8 --idle-cleanup-step on --prefill-graph-buckets 64,128,192,256,320,384,448,512,640,768,1024,1280,1536,2048,3072,4096"
+  # the release's own layout: its start-up lines (kernels, Marlin W4A16), one decision and c=16/64 beside raw vLLM
+  job short_9b_hybrid 0 480 env "${SHORT[@]}" LABEL=9b-dummy-hybrid-short SERVER_ARGS="--load-format clef-dummy" \
+      bash bench/gpu_bench.sh "$HYBRID" 9240
   # the c=64 gap: steps, GPU busy and idle per step, the server's and raw vLLM's (decisions 96-127)
   profiled_9b profile_c64 9230 9b-dummy-bf16-defaults-profile-c64 "--load-format dummy" 64 96,32 330
   PROFILE_PHASES=raw profiled_9b profile_raw_c64 9231 9b-dummy-bf16-raw-profile-c64 "--load-format dummy" 64 96,32 300
-  job paired_batch_wait_bf16_2 0 420 env COMPARE="bf16:bf16nowait:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9220 \
-      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16nowait=--load-format dummy --batch-wait-ms 0"
   touch "$S/all.done"
   log "all done"
   ;;
@@ -814,7 +817,8 @@ ninth1_queue0)
   ;;
 launch)
   rm -f "$S"/*.done "$S"/phase_a.*
-  python3 bench/make_ckpt.py tiny "$TINY" && python3 bench/make_ckpt.py 9b "$NINE" || exit 1
+  python3 bench/make_ckpt.py tiny "$TINY" && python3 bench/make_ckpt.py 9b "$NINE" &&
+      python3 bench/make_ckpt.py 9b "$HYBRID" --hybrid 17 || exit 1
   for q in queue0 queue1; do
     PLAN=$PLAN setsid nohup bash "$0" "$q" >"$S/$q.log" 2>&1 </dev/null &
   done

@@ -230,7 +230,7 @@ def test_bench_modules_import_without_torch_or_vllm():
 
 def test_raw_vllm_engine_settings(tiny_release, tiny_repacked, tmp_path):
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
-    from clef_vllm.release import write_config_only_checkpoint
+    from clef_vllm.release import clef_flash_config, write_config_only_checkpoint
 
     release = raw_engine_kwargs(tiny_release, max_model_len=4096)
     repacked = raw_engine_kwargs(tiny_repacked, extra={"max_num_seqs": 7})
@@ -251,6 +251,10 @@ def test_raw_vllm_engine_settings(tiny_release, tiny_repacked, tmp_path):
     # A 9B-shaped config-only folder: nothing to load, so dummy weights.
     config_only = raw_engine_kwargs(write_config_only_checkpoint(tmp_path / "9b", tiny_release))
     assert config_only["load_format"] == "dummy" and config_only["language_model_only"] is True
+    # ... and a quantized config-only folder gets the dummy weights whose scales are tame
+    quantized = dict(clef_flash_config(), quantization_config={"quant_method": "compressed-tensors"})
+    hybrid = write_config_only_checkpoint(tmp_path / "9b-hybrid", tiny_release, config=quantized)
+    assert raw_engine_kwargs(hybrid)["load_format"] == "clef-dummy"
 
 
 # --------------------------------------------------------------------------- parity math

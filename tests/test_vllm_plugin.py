@@ -71,8 +71,12 @@ def test_entry_point_registers_the_architecture_idempotently():
     register()
     register()  # idempotent
     from vllm import ModelRegistry
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
 
     assert clef_vllm.ARCHITECTURE in ModelRegistry.get_supported_archs()
+    # --load-format clef-dummy, in every process that loads the plugin
+    assert type(get_model_loader(LoadConfig(load_format="clef-dummy"))).__name__ == "ClefDummyLoader"
 
 
 def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(tiny_release):
@@ -775,6 +779,82 @@ def test_hybrid_fp8_nvfp4_checkpoint_loads_with_one_scheme_per_layer_group(hybri
     report = kernel_report(m)
     assert any("CompressedTensorsW4A4Fp4" in line for line in report)
     assert any("CompressedTensorsW8A8Fp8" in line for line in report)
+
+
+def test_clef_dummy_gives_a_quantized_layout_tame_scales_and_leaves_other_checkpoints_alone(hybrid_checkpoint,
+                                                                                            tiny_release):
+    """``--load-format clef-dummy``: vLLM's dummy fill, then the Hybrid's scales set to constants, before vLLM's
+    processing. With vLLM's plain ``dummy`` the NVFP4 layers' output multiplier comes out in the millions (on a
+    GPU, times whatever memory the packed weights held); with ``clef-dummy`` every quantized layer answers a
+    random input with small finite values, and the packed weights are seeded random bytes. An unquantized
+    checkpoint gets exactly vLLM's dummy weights."""
+    from types import SimpleNamespace
+
+    from clef_vllm.worker.dummy_loader import BLOCK_SCALE, checkpoint_quantized, is_dummy, register_loader
+
+    register_loader()
+    assert is_dummy("dummy") and is_dummy("clef-dummy") and not is_dummy("auto")
+    # online quantization (--quantization fp8) computes its scales from the dummy values: they are kept
+    online = SimpleNamespace(hf_config=SimpleNamespace(), hf_text_config=SimpleNamespace(), quantization="fp8")
+    assert not checkpoint_quantized(online)
+    assert checkpoint_quantized(SimpleNamespace(hf_config=SimpleNamespace(quantization_config={"quant_method": "x"})))
+
+    def quantized_outputs(model):
+        torch.manual_seed(0)
+        out = {}
+        for name, module in model.named_modules():
+            if hasattr(module, "scheme"):
+                x = torch.randn(4, module.input_size_per_partition, dtype=torch.bfloat16)
+                out[name] = module.quant_method.apply(module, x).float()
+        return out
+
+    plain = vllm_cpu.load_model(hybrid_checkpoint, load_format="dummy")
+    alphas = [float(p.max()) for n, p in plain.named_parameters() if n.endswith(".alpha")]
+    assert alphas and min(alphas) > 1e4                                       # vLLM's dummy: a huge multiplier
+    tame = vllm_cpu.load_model(hybrid_checkpoint, load_format="clef-dummy")
+    params = dict(tame.named_parameters())
+    outputs = quantized_outputs(tame)
+    assert len(outputs) == 16 and all(torch.isfinite(y).all() and 0 < y.abs().max() < 2 for y in outputs.values())
+    nvfp4 = "model.layers.2.mlp.gate_up_proj."
+    assert float(params[nvfp4 + "alpha"]) == 1.0 and float(params[nvfp4 + "weight_global_scale"]) == 1.0
+    assert params[nvfp4 + "weight_scale"].float().unique().tolist() == [BLOCK_SCALE]
+    packed = params[nvfp4 + "weight"]
+    assert packed.dtype == torch.uint8 and len(packed.unique()) > 200                # random bytes, not zeros
+    again = dict(vllm_cpu.load_model(hybrid_checkpoint, load_format="clef-dummy").named_parameters())
+    assert torch.equal(again[nvfp4 + "weight"], packed)                               # seeded
+    fp8 = "model.layers.0.mlp.gate_up_proj."
+    assert params[fp8 + "weight_scale"].float().unique().tolist() == [1.0]
+    bf16 = dict(vllm_cpu.load_model(tiny_release, load_format="dummy").named_parameters())
+    for name, value in vllm_cpu.load_model(tiny_release, load_format="clef-dummy").named_parameters():
+        assert torch.equal(value, bf16[name]), name
+
+
+def test_a_9b_shaped_hybrid_folder_resolves_like_the_release_and_needs_no_weights_with_clef_dummy(tmp_path):
+    """``bench/make_ckpt.py 9b DIR --hybrid 17``: the 9B config with the Hybrid's compressed-tensors config
+    (17 FP8 layers, 15 NVFP4, in_proj_ba BF16) and no weights; the engine settings take it with
+    ``clef-dummy`` (the generic buckets: its kernels were not swept) and refuse it without a dummy format."""
+    import subprocess
+    import sys
+
+    from support.vllm_cpu import REPO
+
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.quant.schemes import scheme_table, summarize_schemes
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+
+    folder = tmp_path / "9b-hybrid"
+    subprocess.run([sys.executable, str(REPO / "bench/make_ckpt.py"), "9b", str(folder), "--hybrid", "17"], check=True,
+                   capture_output=True, text=True)
+    assert summarize_schemes(scheme_table(folder)) == {"fp8_w8a8": 68, "nvfp4_w4a4": 60, "unquantized": 24}
+    kwargs = engine_kwargs(folder, load_format="clef-dummy", max_model_len=4096)
+    assert kwargs["load_format"] == "clef-dummy"
+    assert kwargs["additional_config"]["clef_prefill_graphs"]["buckets"] == list(DEFAULT_BUCKETS)
+    with pytest.raises(CheckpointError):
+        engine_kwargs(folder, max_model_len=4096)                    # real weights needed
+    bad = subprocess.run([sys.executable, str(REPO / "bench/make_ckpt.py"), "tiny", str(tmp_path / "t"), "--hybrid",
+                          "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--hybrid is for the 9b kind" in bad.stderr
 
 
 def _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path):

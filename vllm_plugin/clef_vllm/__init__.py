@@ -29,10 +29,12 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from clef_vllm.stacks import enable_stack_dumps
+    from clef_vllm.worker.dummy_loader import register_loader as register_dummy_loader
     from clef_vllm.worker.scheduler import install_block_hasher
 
     enable_stack_dumps()   # kill -USR1 <engine core pid> prints where it is (vLLM loads this in every process)
     install_block_hasher()  # a Clef request's state keys are its prefix-cache block hashes
+    register_dummy_loader()  # --load-format clef-dummy (benchmarks of quantized layouts without weights)
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "clef_vllm.worker.model:ClefFlashForDecision")

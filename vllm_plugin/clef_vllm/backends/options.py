@@ -268,7 +268,9 @@ class VllmOptions(_Validated):
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
                                       kind=str)
-    load_format: str = option("auto", "vLLM load format; 'dummy' = random weights for benchmarks (configs only)",
+    load_format: str = option("auto", "vLLM load format; 'dummy' = random weights for benchmarks (configs only); "
+                              "'clef-dummy' = the same with a quantized checkpoint's scales set to tame constants "
+                              "(docs/bench.md)",
                               flags=("--load-format",), engine="load_format", kind=str)
     seed: int = option(0, "engine seed", engine="seed", kind=int)
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "

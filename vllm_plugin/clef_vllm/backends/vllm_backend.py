@@ -30,6 +30,7 @@ from clef_vllm import ARCHITECTURE, trace
 from clef_vllm.backends.base import Backend, BackendDeadError
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
+from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
@@ -203,7 +204,7 @@ def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **k
     Unset prefill-graph buckets become the defaults of the checkpoint's linear kernels
     (:func:`~clef_vllm.worker.prefill_graphs.default_buckets`)."""
     opts = options if options is not None else backend_options("vllm", kwargs)
-    files = locate_checkpoint(model_dir, require_weights=opts.load_format != "dummy")
+    files = locate_checkpoint(model_dir, require_weights=not is_dummy(opts.load_format))
     if opts.prefill_graphs and opts.prefill_graph_buckets is None:
         from clef_vllm.worker.prefill_graphs import default_buckets
 
@@ -234,7 +235,7 @@ class VllmBackend(Backend):
         from clef_vllm import register
 
         register()
-        self.files = locate_checkpoint(model_dir, require_weights=self.options.load_format != "dummy")
+        self.files = locate_checkpoint(model_dir, require_weights=not is_dummy(self.options.load_format))
         load_head_config(self.files)  # version marker, checked in the front-end too
         self.max_model_len = self.options.max_model_len
         self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)

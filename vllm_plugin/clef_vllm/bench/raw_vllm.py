@@ -50,10 +50,10 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
     caching off) and change only what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
     head options, and the architecture. ``arch="auto"`` keeps a stock Qwen3.5 architecture and
     otherwise (our ``ClefFlashForDecision``) uses ``Qwen3_5ForCausalLM``; ``"none"`` keeps whatever
-    config.json declares. ``load_format="auto"`` becomes ``dummy`` for a repacked checkpoint (its
-    embedding and lm_head live in ``clef_head/`` int8 tables that a stock class cannot load) and for
-    a config-only folder (the 9B-shaped benchmark checkpoints); throughput does not depend on
-    weight values.
+    config.json declares. ``load_format="auto"`` becomes ``dummy`` (``clef-dummy`` for a quantized
+    layout) for a repacked checkpoint (its embedding and lm_head live in ``clef_head/`` int8 tables that
+    a stock class cannot load) and for a config-only folder (the 9B-shaped benchmark checkpoints);
+    throughput does not depend on weight values.
     """
     from clef_vllm.backends.vllm_backend import engine_kwargs
 
@@ -66,7 +66,8 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
         arch = None
     effective = arch or declared or ""
     if load_format == "auto" and ((model_dir / "clef_head").is_dir() or not any(model_dir.glob("*.safetensors"))):
-        load_format = "dummy"
+        # vLLM's dummy weights; a quantized layout's scales made tame (clef_vllm/worker/dummy_loader.py)
+        load_format = "clef-dummy" if config.get("quantization_config") else "dummy"
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
               if v is not None}
     kwargs = engine_kwargs(model_dir, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,

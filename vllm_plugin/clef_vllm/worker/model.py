@@ -36,6 +36,7 @@ from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
 from clef_vllm.worker import gdn_metadata
+from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
@@ -116,7 +117,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                      "; single-prefill steps of a length seen before reuse it" if memo else
                      " (--gdn-metadata-memo off: every step builds its own)")
         self.config = config
-        self.dummy = vllm_config.load_config.load_format == "dummy"
+        self.dummy = is_dummy(vllm_config.load_config.load_format)
         self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)
         head_config = load_head_config(self.files)          # checks requires_clef_vllm in every worker
         if head_config.hidden_size != config.hidden_size:
