@@ -1,4 +1,4 @@
-"""Plan the prefill-graph buckets from a GEMM sweep: pad each length to the bucket that costs the least GPU time.
+"""Plan the prefill-graph buckets from a sweep: pad each length to the bucket that costs the least time.
 
 A single-sequence prefill step runs padded to a bucket (``--prefill-graph-buckets``). The backbone's GEMMs
 are not proportional to the rows (``bench/gemm_sizes.py``; ``bench/results/h200_gemm_sizes_{bf16,fp8}.json``):
@@ -9,17 +9,20 @@ padding costs. This script models a step's GPU time at ``b`` padded tokens as
     scale * gemm(b) + other_us * b / 1000          (milliseconds)
 
 (``scale``: the GEMMs' time inside the step graph over the sweep's, ``other_us``: the rest of the step's GPU
-time per padded token; both from a profiled step, ``--profiled TOKENS:GEMM_MS:BUSY_MS``), and keeps every
+time per padded token; both from a profiled step, ``--profiled TOKENS:GEMM_MS:BUSY_MS``). A step sweep from
+``bench/latency.py --sweep LO:HI:STEP`` (one request of exactly each size, a bucket at each, any checkpoint's
+kernels) needs no model: its p50s are the costs. Either way the plan keeps every
 swept size that is cheaper than every larger one: then each length's cheapest bucket at or above it is in
 the set. Sizes below and above the sweep keep the generic buckets (``DEFAULT_BUCKETS``; the server's defaults
 per linear kernel, ``LINEAR_BUCKETS``, came from this script's plans, measured in pairs).
 
     python3 bench/bucket_plan.py bench/results/h200_gemm_sizes_fp8.json --profiled 448:6.3:12.1 [--lengths 300:700]
         [--keep N]        # at most N buckets inside the sweep's range, dropped greedily by the mean cost
+    python3 bench/bucket_plan.py LATENCY_SWEEP.json [--lengths LO:HI] [--keep N]
 
-Prints the planned ``--prefill-graph-buckets`` value and, per length class, the modelled step time with the
-generic buckets and with the plan. A model, not a measurement: pair the plan against the default on the GPU
-(``bench/paired.sh``) before trusting it.
+Prints the planned ``--prefill-graph-buckets`` value and, per length class, the step time (modelled or
+measured) with the generic buckets and with the plan. Either way a plan, not a result: pair it against the
+default on the GPU (``bench/paired.sh``) before trusting it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ def step_costs(rows: list[dict], scale: float, other_us: float) -> dict[int, flo
     """Modelled GPU ms of a step padded to each swept token count."""
     return {int(r["tokens"]): scale * float(r["backbone_gemm_ms"]) + other_us * int(r["tokens"]) / 1000.0
             for r in rows}
+
+
+def measured_costs(data: dict) -> dict[int, float] | None:
+    """The step costs of ``bench/latency.py --sweep``'s output (its first result with a sweep: one request of
+    exactly each size, p50 ms), or ``None`` for another file (a GEMM sweep)."""
+    for result in data.get("results", []):
+        if result.get("sweep"):
+            return {int(r["tokens"]): float(r["p50_ms"]) for r in result["sweep"]}
+    return None
 
 
 def plan(costs: dict[int, float], defaults: tuple[int, ...] = DEFAULT_BUCKETS) -> list[int]:
@@ -78,27 +90,39 @@ def modelled(n: int, buckets: list[int], costs: dict[int, float]) -> tuple[int |
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep", help="bench/gemm_sizes.py's JSON")
-    ap.add_argument("--profiled", required=True, metavar="TOKENS:GEMM_MS:BUSY_MS",
-                    help="one profiled step of the same dtype: its padded tokens, its GEMMs' ms, its GPU busy ms")
+    ap.add_argument("sweep", help="bench/gemm_sizes.py's JSON (a model: needs --profiled) or bench/latency.py "
+                                  "--sweep's (measured step costs)")
+    ap.add_argument("--profiled", default=None, metavar="TOKENS:GEMM_MS:BUSY_MS",
+                    help="with a GEMM sweep: one profiled step of the same dtype: its padded tokens, its GEMMs' ms, "
+                         "its GPU busy ms")
     ap.add_argument("--lengths", default=None, metavar="LO:HI",
                     help="the lengths to tabulate and to prune for (default: the sweep's range), every 16 tokens")
     ap.add_argument("--keep", type=int, default=None, metavar="N",
                     help="keep at most N buckets inside the sweep's range (fewer graphs to capture at start)")
     args = ap.parse_args(argv)
-    rows = json.loads(Path(args.sweep).read_text())["rows"]
-    tokens, gemm_ms, busy_ms = (float(x) for x in args.profiled.split(":"))
-    swept = {int(r["tokens"]): float(r["backbone_gemm_ms"]) for r in rows}
-    if int(tokens) not in swept:
-        ap.error(f"--profiled: {int(tokens)} tokens is not a swept size")
-    scale = gemm_ms / swept[int(tokens)]
-    other_us = (busy_ms - gemm_ms) / tokens * 1000.0
-    costs = step_costs(rows, scale, other_us)
+    data = json.loads(Path(args.sweep).read_text())
+    measured = measured_costs(data)
+    if measured is not None:
+        if args.profiled:
+            ap.error("--profiled is for a GEMM sweep; this file holds measured step costs")
+        costs = measured
+        print(f"measured: one request of each swept size, p50 ms ({len(costs)} sizes)")
+    else:
+        if not args.profiled:
+            ap.error("a GEMM sweep needs --profiled TOKENS:GEMM_MS:BUSY_MS (a model of the step)")
+        rows = data["rows"]
+        tokens, gemm_ms, busy_ms = (float(x) for x in args.profiled.split(":"))
+        swept = {int(r["tokens"]): float(r["backbone_gemm_ms"]) for r in rows}
+        if int(tokens) not in swept:
+            ap.error(f"--profiled: {int(tokens)} tokens is not a swept size")
+        scale = gemm_ms / swept[int(tokens)]
+        other_us = (busy_ms - gemm_ms) / tokens * 1000.0
+        costs = step_costs(rows, scale, other_us)
+        print(f"model: {scale:.3f} x the sweep's GEMM ms + {other_us:.1f} us per padded token (from {args.profiled})")
     lo, hi = (int(x) for x in args.lengths.split(":")) if args.lengths else (min(costs) - 15, max(costs))
     planned = plan(costs)
     if args.keep is not None:
         planned = prune(planned, costs, args.keep, range(lo, hi + 1))
-    print(f"model: {scale:.3f} x the sweep's GEMM ms + {other_us:.1f} us per padded token (from {args.profiled})")
     print("--prefill-graph-buckets " + ",".join(str(b) for b in planned))
     print(f"{'length':>6}  {'generic':>7} {'ms':>6}  {'planned':>7} {'ms':>6}  {'saved ms':>8}")
     saved = []

@@ -127,6 +127,10 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fortysecond1 (one GPU; ~900 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
+#        bucket at every 16 tokens, one request of each size; read by bench/bucket_plan.py): the 9B-shaped Hybrid
+#        (--load-format clef-dummy: its buckets are the generic ones, its kernels never swept) and BF16 (against the
+#        GEMM model's plan, whose 400 bucket won in pairs).
 # PLAN=fortyfirst1 (one GPU; ~1,400 s; not run yet): the 240-request parity with today's defaults (both layouts; the
 #        twenty-first session's last call finished only the release layout's 120), the FP8 default paired against
 #        the previous defaults (generic buckets, vLLM's cleanup step) at c=1 for the default's own p50 next to the
@@ -497,6 +501,15 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortysecond1_queue0)   # ~900 s: launch with `wait 540` in the staging's last call, then `wait 540`
+  mkdir -p "$S/sweep_hybrid" "$S/sweep_bf16"
+  job sweep_hybrid 0 540 python3 bench/latency.py --modes step --sweep 256:1024:16 --ckpt "$HYBRID" \
+      --out "$S/sweep_hybrid/latency.json"
+  job sweep_bf16 0 480 python3 bench/latency.py --modes step --sweep 256:1024:16 --ckpt "$NINE" \
+      --out "$S/sweep_bf16/latency.json"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -28,7 +28,15 @@ JSON object per mode (and --out FILE).
 AsyncLLM do (the profiler cannot see into it: no profile, timings only). It separates what the
 process split costs from what the engine costs.
 
+``--sweep LO:HI:STEP`` (modes ``graphs`` and ``step``) measures buckets instead: the prefill graphs get a
+bucket at every size from LO to HI (the generic buckets outside that range), and one request of exactly
+each size runs 10 times (p50 in ``sweep``: one row per size). ``bench/bucket_plan.py`` reads that sweep
+as measured step costs, for any checkpoint's kernels (the Hybrid's too), where ``bench/gemm_sizes.py``
+times only BF16 and vLLM's cutlass FP8 GEMMs. The checkpoint's weights are made up (``dummy``;
+``clef-dummy`` for a quantized checkpoint).
+
     python3 bench/latency.py [--modes graphs,nographs] [--quantization fp8] [--engine-process] [--ckpt DIR] [--out FILE]
+    python3 bench/latency.py --modes step --sweep 256:1024:16 --ckpt DIR --out FILE
 """
 
 from __future__ import annotations
@@ -51,24 +59,47 @@ STATE_TOKENS = 15872      # mode cache: the shared state of the follow-up reques
 BURST_STATE, BURST_NEW = 4096, 330     # mode cache: bursts of follow-ups on one 4k state
 
 
-def engine_settings(mode: str, ckpt: Path, quantization: str | None) -> dict:
+def sweep_sizes(spec: str) -> list[int]:
+    """``--sweep LO:HI:STEP`` as token counts (each a valid bucket). ValueError saying what is wrong."""
+    from clef_vllm.backends.options import bucket_list
+
+    try:
+        lo, hi, step = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"expected LO:HI:STEP, got {spec!r}") from None
+    if not 0 < lo <= hi or step <= 0:
+        raise ValueError(f"expected 0 < LO <= HI and STEP > 0, got {spec!r}")
+    return list(bucket_list(list(range(lo, hi + 1, step))))
+
+
+def sweep_buckets(sizes: list[int]) -> list[int]:
+    """The prefill-graph buckets of a sweep: every swept size, the generic buckets outside the swept range."""
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+
+    return sorted(set(sizes) | {b for b in DEFAULT_BUCKETS if b < sizes[0] or b > sizes[-1]})
+
+
+def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list[int] | None = None) -> dict:
     from clef_vllm.backends.vllm_backend import engine_kwargs
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
     from clef_vllm.contract import PREFILL_GRAPHS_KEY
+    from clef_vllm.worker.dummy_loader import dummy_format_for
 
+    load_format = dummy_format_for(json.loads((Path(ckpt) / "config.json").read_text()))
     common = dict(max_model_len=16384, gpu_memory_utilization=0.85, max_num_seqs=128)
     if mode == "raw":
-        kw = raw_engine_kwargs(ckpt, load_format="dummy", max_model_len=16384, gpu_memory_utilization=0.85,
+        kw = raw_engine_kwargs(ckpt, load_format=load_format, max_model_len=16384, gpu_memory_utilization=0.85,
                                max_num_seqs=128, quantization=quantization)
         # vLLM's offline LLM builds its pooling input processors from the tokenizer, so it needs one even
         # for token-id prompts (AsyncLLM, which clef-bench's raw phase uses, does not)
         kw["skip_tokenizer_init"] = False
     else:
         cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
-        kw = engine_kwargs(ckpt, load_format="dummy", prefill_graphs=mode != "nographs",
+        buckets = {"prefill_graph_buckets": sweep_buckets(sweep)} if sweep else {}
+        kw = engine_kwargs(ckpt, load_format=load_format, prefill_graphs=mode != "nographs",
                            head_graphs=mode not in ("nographs", "eagerhead"),
                            prefill_graph_scope=mode if mode in ("layer", "step") else
-                           None if mode == "nographs" else "core", **cache, **common)
+                           None if mode == "nographs" else "core", **cache, **buckets, **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:
@@ -116,7 +147,7 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
 
 
 def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False,
-             engine_process: bool = False) -> dict:
+             engine_process: bool = False, sweep: list[int] | None = None) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     if engine_process:      # the worker report below sends a function to the engine core's process
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -129,7 +160,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     from clef_vllm.features import HeadSpec, synthetic_spec
 
     register()
-    kw = engine_settings(mode, ckpt, quantization)
+    kw = engine_settings(mode, ckpt, quantization, sweep)
     if isinstance(kw.get("pooler_config"), dict):
         from vllm.config import PoolerConfig
 
@@ -163,7 +194,13 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     res = {"mode": mode, "quantization": quantization, "engine_process": engine_process,
            "engine_start_s": round(start_s, 1)}
     profile = (lambda request, n=5: {}) if engine_process else profiled    # the profiler sees this process only
-    if not followups_only:
+    if sweep:                   # one request of exactly each bucket size: its step's cost
+        for n in sweep:
+            once([prompt(n, 30000 + n)])
+        res["sweep"] = [{"tokens": n, "p50_ms": round(statistics.median(once([prompt(n, 40000 + 16 * n + i)])
+                                                                         for i in range(10)), 3)}
+                        for n in sweep]
+    elif not followups_only:
         for n in LENGTHS:
             walls = [once([prompt(n, 1000 + i)]) for i in range(20)]
             res[f"single_{n}_p50_ms"] = round(statistics.median(walls), 1)
@@ -218,14 +255,24 @@ def main() -> int:
                     help="cache modes: only the follow-ups and bursts (no single lengths, batch or 400-token profile)")
     ap.add_argument("--engine-process", action="store_true",
                     help="the engine core in its own process, as in the server (timings only, no profile)")
+    ap.add_argument("--sweep", default=None, metavar="LO:HI:STEP",
+                    help="modes graphs and step: a bucket at every size LO..HI, each timed alone (bench/bucket_plan.py)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON
     a = ap.parse_args()
     unknown = sorted(set(a.modes.split(",")) - set(MODES))
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+    sweep = None
+    if a.sweep:
+        if set(a.modes.split(",")) - {"graphs", "step"}:
+            ap.error("--sweep is for the modes graphs and step (the prefill graphs hold the buckets)")
+        try:
+            sweep = sweep_sizes(a.sweep)
+        except ValueError as exc:
+            ap.error(f"--sweep: {exc}")
     if a.one:
         print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization, a.followups_only,
-                                                        a.engine_process)), flush=True)
+                                                        a.engine_process, sweep)), flush=True)
         return 0
     ckpt = a.ckpt
     if ckpt is None:
@@ -242,6 +289,8 @@ def main() -> int:
             cmd.append("--followups-only")
         if a.engine_process:
             cmd.append("--engine-process")
+        if a.sweep:
+            cmd += ["--sweep", a.sweep]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         res = json.loads(lines[-1]) if lines else {"mode": mode, "error": proc.returncode,

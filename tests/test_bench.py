@@ -1165,3 +1165,38 @@ def test_the_bucket_plan_keeps_each_lengths_cheapest_bucket_and_prints_a_valid_f
     assert "model: 1.000 x the sweep's GEMM ms + 9.9 us per padded token" in out
     with pytest.raises(SystemExit):
         plan.main([str(sweep), "--profiled", "300:6.0:9.0"])               # not a swept size
+    with pytest.raises(SystemExit):
+        plan.main([str(sweep)])                                             # a GEMM sweep needs the model
+
+
+def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(tmp_path, capsys):
+    """``bench/latency.py --sweep LO:HI:STEP`` gives the prefill graphs a bucket at every swept size (the generic
+    ones outside) and writes one p50 per size; ``bench/bucket_plan.py`` takes those p50s as the costs, with no
+    model, and refuses --profiled for them."""
+    from clef_vllm.backends.options import bucket_list
+    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+
+    latency, plan = bench_script("latency"), bench_script("bucket_plan")
+    sizes = latency.sweep_sizes("256:320:16")
+    assert sizes == [256, 272, 288, 304, 320]
+    buckets = latency.sweep_buckets(sizes)
+    assert [b for b in buckets if 256 <= b <= 320] == sizes
+    assert [b for b in buckets if b < 256 or b > 320] == [b for b in DEFAULT_BUCKETS if b < 256 or b > 320]
+    for bad in ("256:320", "320:256:16", "250:300:16", "a:b:c"):
+        with pytest.raises(ValueError):
+            latency.sweep_sizes(bad)
+    measured = {"command": "bench/latency.py --modes step --sweep 256:320:16", "results": [
+        {"mode": "step", "sweep": [{"tokens": t, "p50_ms": ms} for t, ms in
+                                   ((256, 10.0), (272, 14.0), (288, 13.0), (304, 11.0), (320, 12.0))]}]}
+    assert plan.measured_costs(measured) == {256: 10.0, 272: 14.0, 288: 13.0, 304: 11.0, 320: 12.0}
+    assert plan.measured_costs({"rows": []}) is None
+    path = tmp_path / "latency_sweep.json"
+    path.write_text(json.dumps(measured))
+    assert plan.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    flag = next(line for line in out.splitlines() if line.startswith("--prefill-graph-buckets "))
+    got = list(bucket_list(flag.split()[1]))
+    assert [b for b in got if 256 <= b <= 320] == [256, 304, 320]           # 272 and 288 cost more than 304
+    assert "measured: one request of each swept size" in out
+    with pytest.raises(SystemExit):
+        plan.main([str(path), "--profiled", "304:6.0:9.0"])

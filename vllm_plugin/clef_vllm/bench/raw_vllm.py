@@ -56,6 +56,7 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
     throughput does not depend on weight values.
     """
     from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.worker.dummy_loader import dummy_format_for
 
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -66,8 +67,7 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
         arch = None
     effective = arch or declared or ""
     if load_format == "auto" and ((model_dir / "clef_head").is_dir() or not any(model_dir.glob("*.safetensors"))):
-        # vLLM's dummy weights; a quantized layout's scales made tame (clef_vllm/worker/dummy_loader.py)
-        load_format = "clef-dummy" if config.get("quantization_config") else "dummy"
+        load_format = dummy_format_for(config)     # a quantized layout's scales tame (worker/dummy_loader.py)
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
               if v is not None}
     kwargs = engine_kwargs(model_dir, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,

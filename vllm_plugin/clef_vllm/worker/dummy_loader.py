@@ -43,6 +43,12 @@ def is_dummy(load_format: str | None) -> bool:
     return load_format in DUMMY_FORMATS
 
 
+def dummy_format_for(config: dict) -> str:
+    """The made-up-weights format for a checkpoint's ``config.json``: :data:`LOAD_FORMAT` when the checkpoint
+    is quantized, else vLLM's ``dummy`` (what benchmarks without weights use)."""
+    return LOAD_FORMAT if config.get("quantization_config") else "dummy"
+
+
 @torch.no_grad()
 def tame_quant_scales(model: torch.nn.Module) -> Counter:
     """Set a dummy-filled model's quantization parameters as the module docstring says; returns how many
