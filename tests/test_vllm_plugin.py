@@ -782,7 +782,7 @@ def test_hybrid_fp8_nvfp4_checkpoint_loads_with_one_scheme_per_layer_group(hybri
 
 
 def test_clef_dummy_gives_a_quantized_layout_tame_scales_and_leaves_other_checkpoints_alone(hybrid_checkpoint,
-                                                                                            tiny_release):
+                                                                                            tiny_release, caplog):
     """``--load-format clef-dummy``: vLLM's dummy fill, then the Hybrid's scales set to constants, before vLLM's
     processing. With vLLM's plain ``dummy`` the NVFP4 layers' output multiplier comes out in the millions (on a
     GPU, times whatever memory the packed weights held); with ``clef-dummy`` every quantized layer answers a
@@ -811,7 +811,10 @@ def test_clef_dummy_gives_a_quantized_layout_tame_scales_and_leaves_other_checkp
     plain = vllm_cpu.load_model(hybrid_checkpoint, load_format="dummy")
     alphas = [float(p.max()) for n, p in plain.named_parameters() if n.endswith(".alpha")]
     assert alphas and min(alphas) > 1e4                                       # vLLM's dummy: a huge multiplier
-    tame = vllm_cpu.load_model(hybrid_checkpoint, load_format="clef-dummy")
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        tame = vllm_cpu.load_model(hybrid_checkpoint, load_format="clef-dummy")
+    assert "clef-dummy: quantization parameters set to tame constants" in caplog.text
+    assert "clef kernels in use: CompressedTensorsW4A4Fp4" in caplog.text          # said as for a real load
     params = dict(tame.named_parameters())
     outputs = quantized_outputs(tame)
     assert len(outputs) == 16 and all(torch.isfinite(y).all() and 0 < y.abs().max() < 2 for y in outputs.values())

@@ -104,4 +104,14 @@ def register_loader() -> None:
                 log.info("clef-dummy: quantization parameters set to tame constants (%s)",
                          ", ".join(f"{k} {n}" for k, n in sorted(done.items())))
 
+        def load_model(self, vllm_config, model_config, *args, **kwargs):
+            """vLLM's load, then the kernels the model's linear layers run (a real checkpoint's load says
+            them too, from the model's own ``load_weights``, which a dummy load never calls)."""
+            model = super().load_model(vllm_config, model_config, *args, **kwargs)
+            from clef_vllm.worker.model import kernel_report
+
+            for line in kernel_report(model):
+                log.info("clef kernels in use: %s", line)
+            return model
+
     _registered = True
