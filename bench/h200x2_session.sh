@@ -127,12 +127,14 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortysecond1 (one GPU; ~1,150 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
+# PLAN=fortysecond1 (one GPU; ~1,350 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
 #        bucket at every 16 tokens, one request of each size; read by bench/bucket_plan.py): the 9B-shaped Hybrid
 #        (--load-format clef-dummy: its buckets are the generic ones, its kernels never swept) and BF16 (against the
 #        GEMM model's plan, whose 400 bucket won in pairs); then head graphs for steps finishing up to 64
 #        requests paired against the default 16 at c=16/64 (at c=64 steps finish 21-41 requests and run the head
-#        eagerly; unpaired, the eleventh session saw 94.5 vs 92.2 req/s and called it spread).
+#        eagerly; unpaired, the eleventh session saw 94.5 vs 92.2 req/s and called it spread); last, the 2 ms
+#        batch wait (the default since the twenty-first session) paired against none at c=4/8, where a step holds
+#        a few requests and a held request may wait up to 2 ms (measured only at c=1, 16 and 64 so far).
 # PLAN=fortyfirst1 (one GPU; ~1,400 s; not run yet): the 240-request parity with today's defaults (both layouts; the
 #        twenty-first session's last call finished only the release layout's 120), the FP8 default paired against
 #        the previous defaults (generic buckets, vLLM's cleanup step) at c=1 for the default's own p50 next to the
@@ -506,7 +508,7 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortysecond1_queue0)   # ~1,150 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
+fortysecond1_queue0)   # ~1,350 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
   mkdir -p "$S/sweep_hybrid" "$S/sweep_bf16"
   job sweep_hybrid 0 540 python3 bench/latency.py --modes step --sweep 256:1024:16 --ckpt "$HYBRID" \
       --out "$S/sweep_hybrid/latency.json"
@@ -514,6 +516,8 @@ fortysecond1_queue0)   # ~1,150 s: launch with `wait 540` in the staging's last 
       --out "$S/sweep_bf16/latency.json"
   job paired_head_records_bf16 0 420 env COMPARE="bf16:bf16r64:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9250 \
       bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16r64=--load-format dummy --head-graph-records 64"
+  job paired_batch_wait_low_bf16 0 420 env COMPARE="bf16:bf16nowait:short:4,8" PAIRS=200 TIME_LIMIT=20 PORT0=9260 \
+      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16nowait=--load-format dummy --batch-wait-ms 0"
   touch "$S/all.done"
   log "all done"
   ;;
