@@ -139,6 +139,8 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
 
     budget = kwargs["max_num_batched_tokens"]
+    # engine_kwargs has filled in the checkpoint's defaults (prefill_graphs.default_buckets); options alone,
+    # with no checkpoint to read, get the generic list
     buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
     scope = opts.resolved_prefill_graph_scope
     tell_worker(kwargs, PREFILL_GRAPHS_KEY, {"buckets": buckets, "scope": scope})
@@ -360,9 +362,7 @@ class VllmOptions(_Validated):
             # data-parallel engines each need their own process (vLLM's DP coordinator)
             raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "
                               "at 1 or use 'process'", "engine_core")
-        if self.batch_wait_ms and (self.data_parallel_size > 1 or self.engine_core == "thread"):
-            # the empty steps of a wait: vLLM's DP loop answers them with dummy batches on the GPU, and the
-            # engine thread steps again at once (no idle sleep), so it would spin
+        if self.batch_wait_ms and not self.one_engine_process:
             raise OptionError("vllm backend option 'batch_wait_ms' is for one engine in its own process: leave "
                               "data_parallel_size at 1 and engine_core 'process', or the wait at 0", "batch_wait_ms")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
@@ -380,12 +380,19 @@ class VllmOptions(_Validated):
         return self.head_dtype or self.dtype
 
     @property
+    def one_engine_process(self) -> bool:
+        """One engine in its own process: the only kind that can idle through the scheduler's batch wait (its
+        empty steps: vLLM's DP loop answers them with dummy batches on the GPU, and the engine thread steps
+        again at once, with no idle sleep, so it would spin)."""
+        return self.data_parallel_size == 1 and self.engine_core == "process"
+
+    @property
     def resolved_batch_wait_ms(self) -> float:
-        """The scheduler's batch wait: as given, else DEFAULT_BATCH_WAIT_MS for one engine in its own process
-        and none otherwise (the DP loop and the engine thread cannot idle through a wait)."""
+        """The scheduler's batch wait: as given, else DEFAULT_BATCH_WAIT_MS for :attr:`one_engine_process`
+        and none otherwise."""
         if self.batch_wait_ms is not None:
             return float(self.batch_wait_ms)
-        return DEFAULT_BATCH_WAIT_MS if self.data_parallel_size == 1 and self.engine_core == "process" else 0.0
+        return DEFAULT_BATCH_WAIT_MS if self.one_engine_process else 0.0
 
     @property
     def resolved_prefill_graph_scope(self) -> str:

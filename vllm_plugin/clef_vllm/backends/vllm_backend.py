@@ -30,12 +30,12 @@ from clef_vllm import ARCHITECTURE, trace
 from clef_vllm.backends.base import Backend, BackendDeadError
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
-from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
 from clef_vllm.stacks import dump_descendant_stacks
 from clef_vllm.state_keys import KEY_UNIT
+from clef_vllm.worker.dummy_loader import is_dummy
 
 log = logging.getLogger("clef_vllm")
 
