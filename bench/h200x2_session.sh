@@ -875,6 +875,12 @@ queue1)
   ;;
 wait)  # wait LIMIT_S: until all jobs are done or LIMIT_S passes; then pack the results into $OUT
   limit=${2:-540}; t0=$SECONDS
+  # a machine handed back between calls comes back bare: say so at once instead of waiting out the limit
+  # on nothing (the twenty-second session lost 540 s of device time that way)
+  if [ ! -f "$S/session.log" ]; then
+    echo "no session in $S: this machine is a fresh one (the previous was handed back); launch again" >&2
+    exit 3
+  fi
   while [ ! -f "$S/all.done" ] && (( SECONDS - t0 < limit )); do sleep 5; done
   cat "$S/session.log"
   for f in "$S"/*/rc.json; do [ -f "$f" ] && cat "$f"; done
