@@ -19,6 +19,8 @@ per linear kernel, ``LINEAR_BUCKETS``, came from this script's plans, measured i
     python3 bench/bucket_plan.py bench/results/h200_gemm_sizes_fp8.json --profiled 448:6.3:12.1 [--lengths 300:700]
         [--keep N]        # at most N buckets inside the sweep's range, dropped greedily by the mean cost
     python3 bench/bucket_plan.py LATENCY_SWEEP.json [--lengths LO:HI] [--keep N]
+    python3 bench/bucket_plan.py --differs N,N,... --linear fp8 --lengths LO:HI   # exit 0 if the list pads some
+                                  # length differently from the server's default for that linear kernel, else 1
 
 Prints the planned ``--prefill-graph-buckets`` value and, per length class, the step time (modelled or
 measured) with the generic buckets and with the plan. Either way a plan, not a result: pair it against the
@@ -32,7 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, choose_bucket
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, choose_bucket, default_buckets
 
 
 def step_costs(rows: list[dict], scale: float, other_us: float) -> dict[int, float]:
@@ -88,10 +90,22 @@ def modelled(n: int, buckets: list[int], costs: dict[int, float]) -> tuple[int |
     return b, costs.get(b) if b is not None else None
 
 
+def differs(buckets: list[int], linear: str | None, lengths: range) -> list[tuple[int, int | None, int | None]]:
+    """The lengths that ``buckets`` pads to another bucket than the server's default for ``linear`` does:
+    (length, default bucket, this list's bucket)."""
+    default = default_buckets(linear)
+    return [(n, choose_bucket(n, default), choose_bucket(n, buckets)) for n in lengths
+            if choose_bucket(n, default) != choose_bucket(n, buckets)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep", help="bench/gemm_sizes.py's JSON (a model: needs --profiled) or bench/latency.py "
-                                  "--sweep's (measured step costs)")
+    ap.add_argument("sweep", nargs="?", help="bench/gemm_sizes.py's JSON (a model: needs --profiled) or "
+                                             "bench/latency.py --sweep's (measured step costs)")
+    ap.add_argument("--differs", default=None, metavar="N,N,...",
+                    help="instead of planning: exit 0 if this bucket list pads some of --lengths to another bucket "
+                         "than the server's default for --linear, 1 if it pads them all alike")
+    ap.add_argument("--linear", default=None, help="with --differs: the linear kernel (fp8; default BF16)")
     ap.add_argument("--profiled", default=None, metavar="TOKENS:GEMM_MS:BUSY_MS",
                     help="with a GEMM sweep: one profiled step of the same dtype: its padded tokens, its GEMMs' ms, "
                          "its GPU busy ms")
@@ -100,6 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=int, default=None, metavar="N",
                     help="keep at most N buckets inside the sweep's range (fewer graphs to capture at start)")
     args = ap.parse_args(argv)
+    if args.differs is not None:
+        if not args.lengths:
+            ap.error("--differs needs --lengths LO:HI")
+        lo, hi = (int(x) for x in args.lengths.split(":"))
+        rows = differs(sorted(int(b) for b in args.differs.split(",")), args.linear, range(lo, hi + 1))
+        runs: list[list] = []                 # consecutive lengths padded alike: [first, last, default, this list]
+        for n, old_b, new_b in rows:
+            if runs and runs[-1][1] == n - 1 and runs[-1][2:] == [old_b, new_b]:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n, old_b, new_b])
+        for first, last, old_b, new_b in runs:
+            print(f"{first}-{last} tokens: the default pads to {old_b}, this list to {new_b}")
+        if not rows:
+            print(f"{lo}-{hi} tokens pad to the same buckets as the default")
+        return 0 if rows else 1
+    if args.sweep is None:
+        ap.error("a sweep file is needed (or --differs)")
     data = json.loads(Path(args.sweep).read_text())
     measured = measured_costs(data)
     if measured is not None:

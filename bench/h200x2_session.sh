@@ -127,6 +127,13 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fortythird1 (one GPU; ~1,200 s; not run yet): online FP8's step cost measured at every 16 tokens from 368 to
+#        528 (bench/latency.py --sweep; its default buckets came from a GEMM model) and, when the plan it gives
+#        (bench/bucket_plan.py for 384-416 tokens, the short workload) pads differently from the default, that
+#        plan paired against the default at c=1 (the 20 ms target: 20.7 ms paired); the state cache's GPU cases
+#        on the tiny checkpoint with today's code (the packed head spec with reuse fields has not run on a GPU);
+#        the default server's and raw vLLM's engine cores profiled at c=64 (90.8 % of raw); last, the 9B Hybrid
+#        served beside raw vLLM (short c=1/16/64).
 # PLAN=fortysecond1 (one GPU; ~1,350 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
 #        bucket at every 16 tokens, one request of each size; read by bench/bucket_plan.py): the 9B-shaped Hybrid
 #        (--load-format clef-dummy: its buckets are the generic ones, its kernels never swept) and BF16 (against the
@@ -265,6 +272,24 @@ traced_9b() {  # traced_9b NAME LIMIT PORT LABEL CONC [VAR=VALUE...]: the 9B BF1
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL="$label" \
       SERVER_ARGS="--load-format dummy --state-cache on" "$@" bash bench/gpu_bench.sh "$NINE" "$port"
   python3 -m clef_vllm.trace "$S/$name/trace.jsonl" >"$S/$name/trace_summary.txt" 2>&1
+}
+
+planned_pair_fp8() {  # the FP8 sweep's bucket plan for the short workload, paired against the default at c=1
+  local plan=$S/sweep_fp8/plan.txt buckets
+  if [ -n "${DRY:-}" ]; then
+    buckets=64,128,192,256,320,384,400,512,640,768,1024,1280,1536,2048,3072,4096
+  else
+    [ -f "$S/sweep_fp8/latency.json" ] || { log "no FP8 sweep: no planned pair"; return 0; }
+    python3 bench/bucket_plan.py "$S/sweep_fp8/latency.json" --lengths 384:416 --keep 3 >"$plan" 2>&1
+    buckets=$(sed -n 's/^--prefill-graph-buckets //p' "$plan")
+    if ! python3 bench/bucket_plan.py --differs "$buckets" --linear fp8 --lengths 384:416 >>"$plan" 2>&1; then
+      log "the FP8 plan pads 384-416 tokens as the default does: no planned pair"
+      return 0
+    fi
+  fi
+  job paired_planned_fp8 0 360 env COMPARE="fp8:fp8plan:short" PAIRS=200 TIME_LIMIT=20 PORT0=9270 \
+      bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8plan=--load-format dummy --quantization fp8 --prefill-graph-buckets $buckets"
 }
 
 profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS [CONC [WINDOW [LIMIT_S]]]: the 9B server, short at c=CONC (1), its
@@ -505,6 +530,19 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortythird1_queue0)   # ~1,200 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
+  mkdir -p "$S/sweep_fp8"
+  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
+      --out "$S/sweep_fp8/latency.json"
+  planned_pair_fp8
+  job cache_cases_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
+  profiled_9b profile_c64 9230 9b-dummy-bf16-defaults-profile-c64 "--load-format dummy" 64 96,32 330
+  PROFILE_PHASES=raw profiled_9b profile_raw_c64 9231 9b-dummy-bf16-raw-profile-c64 "--load-format dummy" 64 96,32 300
+  job short_9b_hybrid 0 480 env "${SHORT[@]}" LABEL=9b-dummy-hybrid-short SERVER_ARGS="--load-format clef-dummy" \
+      bash bench/gpu_bench.sh "$HYBRID" 9240
   touch "$S/all.done"
   log "all done"
   ;;
@@ -881,7 +919,16 @@ wait)  # wait LIMIT_S: until all jobs are done or LIMIT_S passes; then pack the 
     echo "no session in $S: this machine is a fresh one (the previous was handed back); launch again" >&2
     exit 3
   fi
-  while [ ! -f "$S/all.done" ] && (( SECONDS - t0 < limit )); do sleep 5; done
+  local_pack() {  # what has finished so far, into $OUT (a call cut short still brings back what is under $OUT)
+    [ -n "${OUT:-}" ] && tar -C "$S" --exclude=ckpt --exclude='*.pt' --exclude='*.safetensors' \
+        -czf "$OUT/session.tgz" . 2>/dev/null
+  }
+  ended=-1
+  while [ ! -f "$S/all.done" ] && (( SECONDS - t0 < limit )); do
+    n=$(ls "$S"/*/rc.json 2>/dev/null | wc -l)
+    (( n != ended )) && { ended=$n; local_pack; }
+    sleep 5
+  done
   cat "$S/session.log"
   for f in "$S"/*/rc.json; do [ -f "$f" ] && cat "$f"; done
   if [ -n "${OUT:-}" ]; then

@@ -1169,6 +1169,25 @@ def test_the_bucket_plan_keeps_each_lengths_cheapest_bucket_and_prints_a_valid_f
         plan.main([str(sweep)])                                             # a GEMM sweep needs the model
 
 
+def test_the_bucket_plan_says_whether_a_list_pads_some_length_unlike_the_default(capsys):
+    """``bench/bucket_plan.py --differs`` (the session script pairs a plan only when it changes something):
+    exit 0 and the differing ranges when some length of --lengths pads to another bucket than the server's
+    default for --linear does, 1 when all pad alike; --lengths is required."""
+    from clef_vllm.worker.prefill_graphs import LINEAR_BUCKETS
+
+    plan = bench_script("bucket_plan")
+    fp8 = ",".join(str(b) for b in LINEAR_BUCKETS["fp8"])
+    assert plan.main(["--differs", fp8, "--linear", "fp8", "--lengths", "384:416"]) == 1
+    assert "384-416 tokens pad to the same buckets as the default" in capsys.readouterr().out
+    other = fp8.replace("384,464", "384,400,464")
+    assert other != fp8
+    assert plan.main(["--differs", other, "--linear", "fp8", "--lengths", "384:416"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["385-400 tokens: the default pads to 464, this list to 400"]
+    assert plan.differs([400, 512], None, range(399, 402)) == [(401, 448, 512)]      # BF16's default has 400 too
+    with pytest.raises(SystemExit):
+        plan.main(["--differs", fp8])
+
+
 def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(tmp_path, capsys):
     """``bench/latency.py --sweep LO:HI:STEP`` gives the prefill graphs a bucket at every swept size (the generic
     ones outside) and writes one p50 per size; ``bench/bucket_plan.py`` takes those p50s as the costs, with no
