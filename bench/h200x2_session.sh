@@ -132,8 +132,9 @@
 #        (bench/bucket_plan.py for 384-416 tokens, the short workload) pads differently from the default, that
 #        plan paired against the default at c=1 (the 20 ms target: 20.7 ms paired); the state cache's GPU cases
 #        on the tiny checkpoint with today's code (the packed head spec with reuse fields has not run on a GPU);
-#        the default server's and raw vLLM's engine cores profiled at c=64 (90.8 % of raw); last, the 9B Hybrid
-#        served beside raw vLLM (short c=1/16/64).
+#        head graphs for steps finishing up to 64 requests paired against the default 16 at c=16/64 (at c=64
+#        steps finish 21-41 requests and run the head eagerly); the default server's and raw vLLM's engine
+#        cores profiled at c=64 (90.8 % of raw). (~1,200 s expected, limits 2,040 s: the last profile may be cut.)
 # PLAN=fortysecond1 (one GPU; ~1,350 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
 #        bucket at every 16 tokens, one request of each size; read by bench/bucket_plan.py): the 9B-shaped Hybrid
 #        (--load-format clef-dummy: its buckets are the generic ones, its kernels never swept) and BF16 (against the
@@ -538,11 +539,11 @@ fortythird1_queue0)   # ~1,200 s: launch with `wait 540` in the staging's last c
   job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
       --out "$S/sweep_fp8/latency.json"
   planned_pair_fp8
+  job paired_head_records_bf16 0 420 env COMPARE="bf16:bf16r64:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9250 \
+      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16r64=--load-format dummy --head-graph-records 64"
   job cache_cases_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
   profiled_9b profile_c64 9230 9b-dummy-bf16-defaults-profile-c64 "--load-format dummy" 64 96,32 330
   PROFILE_PHASES=raw profiled_9b profile_raw_c64 9231 9b-dummy-bf16-raw-profile-c64 "--load-format dummy" 64 96,32 300
-  job short_9b_hybrid 0 480 env "${SHORT[@]}" LABEL=9b-dummy-hybrid-short SERVER_ARGS="--load-format clef-dummy" \
-      bash bench/gpu_bench.sh "$HYBRID" 9240
   touch "$S/all.done"
   log "all done"
   ;;
