@@ -127,14 +127,16 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortythird1 (one GPU; ~1,200 s; not run yet): online FP8's step cost measured at every 16 tokens from 368 to
+# PLAN=fortythird1 (one GPU; ~1,500 s; not run yet): online FP8's step cost measured at every 16 tokens from 368 to
 #        528 (bench/latency.py --sweep; its default buckets came from a GEMM model) and, when the plan it gives
 #        (bench/bucket_plan.py for 384-416 tokens, the short workload) pads differently from the default, that
 #        plan paired against the default at c=1 (the 20 ms target: 20.7 ms paired); the state cache's GPU cases
 #        on the tiny checkpoint with today's code (the packed head spec with reuse fields has not run on a GPU);
 #        head graphs for steps finishing up to 64 requests paired against the default 16 at c=16/64 (at c=64
-#        steps finish 21-41 requests and run the head eagerly); the default server's and raw vLLM's engine
-#        cores profiled at c=64 (90.8 % of raw). (~1,200 s expected, limits 2,040 s: the last profile may be cut.)
+#        steps finish 21-41 requests and run the head eagerly) and the default paired against raw vLLM itself
+#        (bench/paired.sh's `raw`: clef-bench --versus-raw) at c=1/16/64, where single runs put the server at
+#        90.5-98.2 % of raw; the default server's and raw vLLM's engine cores profiled at c=64.
+#        (~1,500 s expected, limits 2,320 s: the profiles at the end may be cut.)
 # PLAN=fortysecond1 (one GPU; ~1,350 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
 #        bucket at every 16 tokens, one request of each size; read by bench/bucket_plan.py): the 9B-shaped Hybrid
 #        (--load-format clef-dummy: its buckets are the generic ones, its kernels never swept) and BF16 (against the
@@ -539,8 +541,11 @@ fortythird1_queue0)   # ~1,200 s: launch with `wait 540` in the staging's last c
   job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
       --out "$S/sweep_fp8/latency.json"
   planned_pair_fp8
-  job paired_head_records_bf16 0 420 env COMPARE="bf16:bf16r64:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9250 \
-      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16r64=--load-format dummy --head-graph-records 64"
+  # the 64-record head graphs against the default 16 at c=16/64, then the default against raw vLLM in turns
+  # (raw vLLM's engine in clef-bench's process, --versus-raw): issue 12's ratios from the same minutes
+  job paired_bf16_raw 0 700 env COMPARE="bf16:bf16r64:short:16,64 bf16:raw:short:1,16,64" PAIRS=200 \
+      TIME_LIMIT=20 PORT0=9250 bash bench/paired.sh "$NINE" "bf16=--load-format dummy" \
+      "bf16r64=--load-format dummy --head-graph-records 64"
   job cache_cases_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
   profiled_9b profile_c64 9230 9b-dummy-bf16-defaults-profile-c64 "--load-format dummy" 64 96,32 330
   PROFILE_PHASES=raw profiled_9b profile_raw_c64 9231 9b-dummy-bf16-raw-profile-c64 "--load-format dummy" 64 96,32 300

@@ -9,7 +9,9 @@
 # Each NAME=ARGS starts one server (ARGS: its clef-systemone flags beyond --model/--port), one after
 # the other (each waits for the one before to be ready: vLLM sizes its KV cache from the free memory
 # it sees). COMPARE: A:B:WORKLOADS[:CONCURRENCIES] entries (concurrencies default 1; above 1 the servers
-# take turns in time blocks). Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
+# take turns in time blocks). B may be `raw`: raw vLLM `embed` pooling of the same token ids on CKPT, in
+# clef-bench's own process (`clef-bench A --versus-raw CKPT --gpu-memory-utilization GPU_SHARE`; RAW_ARGS:
+# more raw options, e.g. "--raw-quantization fp8"), e.g. COMPARE="bf16:raw:short:1,16,64". Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
 # server's --gpu-memory-utilization), SERVER_FLAGS [--gdn-prefill-backend triton --gpu-memory-utilization
 # GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
 # BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
@@ -65,8 +67,17 @@ for entry in $COMPARE; do
   stem="$OUT/${a}_vs_${b}"
   [ "$conc" = 1 ] || stem="${stem}_c${conc//,/-}"
   log "$a vs $b: $workloads at c=$conc"
+  limit=300
+  if [ "$b" = raw ]; then
+    limit=540                        # the raw engine starts inside clef-bench (minutes for a 9B shape)
+    versus=(--versus-raw "$CKPT" --gpu-memory-utilization "$GPU_SHARE")
+    # shellcheck disable=SC2206
+    versus+=(${RAW_ARGS:-})
+  else
+    versus=(--versus "${URL[$b]}")
+  fi
   # shellcheck disable=SC2086
-  timeout 300 python3 -m clef_vllm.bench.bench_cli "${URL[$a]}" --versus "${URL[$b]}" --tokenizer "$CKPT" \
+  timeout "$limit" python3 -m clef_vllm.bench.bench_cli "${URL[$a]}" "${versus[@]}" --tokenizer "$CKPT" \
       --workload "$workloads" -c "$conc" -n "$PAIRS" --time-limit "$TIME_LIMIT" --warmup 4 --no-progress \
       --label "$a vs $b" -o "$stem.json" $BENCH_ARGS >"$stem.log" 2>&1
   log "$a vs $b: rc $?"

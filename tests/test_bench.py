@@ -794,6 +794,80 @@ def test_bench_versus_above_c1_takes_turns_in_time_blocks(live_server, hosted_se
     assert exit_.value.code == 2 and "--blocks >= 2" in capsys.readouterr().err
 
 
+class _StubRawEngine:
+    """Stands in for clef_vllm.bench.raw_vllm.RawVllmEngine (vLLM's engine needs a GPU): answers at once and
+    records what it was sent, started and closed."""
+
+    made: list["_StubRawEngine"] = []
+
+    def __init__(self, engine_kwargs: dict):
+        self.engine_kwargs, self.sent, self.started, self.closed, self.start_s = engine_kwargs, [], False, False, None
+        _StubRawEngine.made.append(self)
+
+    async def start(self):
+        self.started, self.start_s = True, 0.01
+
+    def describe(self) -> dict:
+        return {"engine_kwargs": {"model": self.engine_kwargs["model"]}, "engine_start_s": self.start_s}
+
+    async def send(self, req):
+        import asyncio
+
+        from clef_vllm.bench.loadgen import Outcome
+
+        assert self.started and not self.closed
+        self.sent.append((req.body, list(req.input_ids)))
+        await asyncio.sleep(0.002)
+        return Outcome("200", 0.002, input_tokens=len(req.input_ids))
+
+    async def finish_profile(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_bench_versus_raw_pairs_a_server_with_raw_vllm_in_this_process(live_server, tiny_release, tiny_short_tokens,
+                                                                       tmp_path, monkeypatch, capsys):
+    """``--versus-raw MODEL_DIR``: A is the server over HTTP, B raw vLLM's embed pooling of the same token ids in
+    this process (started once, closed at the end), paired at c=1 and in time blocks above, with the raw
+    options passed to the engine; refused without a URL or beside --versus."""
+    from clef_vllm.bench import raw_vllm
+    from clef_vllm.encoding import RequestEncoder
+
+    _StubRawEngine.made.clear()
+    monkeypatch.setattr(raw_vllm, "RawVllmEngine", _StubRawEngine)
+    rc, res = _bench([live_server.url, "--versus-raw", str(tiny_release), "--short-tokens", str(tiny_short_tokens),
+                      "-c", "1,2", "-n", "4", "--blocks", "2", "--block-seconds", "0.3", "--warmup", "1",
+                      "--raw-load-format", "dummy", "--gpu-memory-utilization", "0.4", "--fail-on-error"],
+                     tmp_path / "raw.json")
+    assert rc == 0 and res["mode"] == "paired" and res["complete"] is True
+    [engine] = _StubRawEngine.made
+    assert engine.started and engine.closed
+    assert engine.engine_kwargs["load_format"] == "dummy" and engine.engine_kwargs["gpu_memory_utilization"] == 0.4
+    assert res["target"] == {"a": live_server.url + "/v1/systemone", "b": f"raw vLLM embed on {tiny_release}"}
+    assert res["server"]["b"]["kind"] == "raw-vllm" and res["server"]["b"]["engine_start_s"] == 0.01
+    one, two = res["variants"]
+    assert one["concurrency"] == 1 and one["pairs"] == 4 and one["unpaired"] == 0
+    assert one["a"]["statuses"] == one["b"]["statuses"] == {"200": 4}
+    assert two["concurrency"] == 2 and [b["side"] for b in two["blocks"]] == ["a", "b"]
+    assert len(two["pair_ratios"]) == 1 and two["unanswered"] == 0
+    # B embedded exactly the token ids the server encodes for those requests (the tokenizer: MODEL_DIR's)
+    from clef_vllm.protocol import parse_request
+
+    encoder = RequestEncoder.from_pretrained(str(tiny_release))
+    assert len(engine.sent) >= 1 + 4 + 1                   # warm-up, the pairs, at least one block request
+    for body, ids in engine.sent:
+        assert ids == list(encoder.encode(parse_request(body, limits=encoder.request_limits())).input_ids)
+    assert "B = raw vLLM embed on" in (tmp_path / "raw.txt").read_text()
+    for argv in (["--versus-raw", str(tiny_release), "--raw-vllm", str(tiny_release)],
+                 [live_server.url, "--versus", live_server.url, "--versus-raw", str(tiny_release)]):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(argv)
+        assert exit_.value.code == 2
+    assert "--versus-raw needs a server URL (A) and no --versus" in capsys.readouterr().err
+
+
 def test_bench_versus_a_dead_server_leaves_every_request_unpaired(live_server, tiny_release, tmp_path, capsys):
     dead = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     rc, res = _bench([live_server.url, "--versus", dead, "--tokenizer", str(tiny_release), "--short-tokens", "600",

@@ -3,6 +3,8 @@
   clef-bench http://127.0.0.1:8000 --tokenizer CKPT --workload short,long --concurrency 1,4,16,64
   clef-bench --raw-vllm CKPT --workload short,long --concurrency 1,4,16,64      # backbone baseline
   clef-bench --compare raw.json server.json                                     # side by side
+  clef-bench URL_A --versus URL_B -c 1,16,64                                    # paired, in turns
+  clef-bench URL --versus-raw CKPT -c 1,16,64 --gpu-memory-utilization 0.3      # paired with raw vLLM
 
 Requests are generated deterministically (``--seed``) with the checkpoint's tokenizer, so each
 one's ``usage.input_tokens`` is known in advance and checked. For every (variant, concurrency)
@@ -99,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "alternating order (-n pairs per variant, default 200; B's p50 over A's); at c>1 the "
                            "two take turns in time blocks (--blocks, --block-seconds; B's req/s over A's). "
                            "-c defaults to 1 here")
+    mode.add_argument("--versus-raw", metavar="MODEL_DIR",
+                      help="paired A/B against raw vLLM: the server at URL (A) and vLLM embed pooling of the same "
+                           "token ids on MODEL_DIR in this process (B), in turns as --versus does (pairs at c=1, "
+                           "time blocks above), so both sample the same minutes of the machine; the raw options "
+                           "below apply (leave GPU memory for both: the server's and this engine's "
+                           "--gpu-memory-utilization)")
     mode.add_argument("--compare", nargs=2, metavar=("BASELINE.json", "RESULT.json"),
                       help="print RESULT next to BASELINE (e.g. raw-vLLM vs server) and exit; with -o, JSON + .txt")
 
@@ -365,11 +373,67 @@ def _wait_until_ready(urls, seconds: float, headers: dict, log: Callable[[str], 
             raise SystemExit(f"clef-bench: {exc}") from None
 
 
+def _raw_engine(args, model_dir: str):
+    """The in-process raw vLLM engine of ``--raw-vllm`` / ``--versus-raw`` (not started), from the raw options."""
+    from clef_vllm.bench.raw_vllm import RawVllmEngine, parse_engine_arg, raw_engine_kwargs
+
+    extra = dict(parse_engine_arg(a) for a in args.raw_engine_arg)
+    return RawVllmEngine(raw_engine_kwargs(model_dir, arch=args.raw_arch, load_format=args.raw_load_format,
+                                           max_model_len=args.max_model_len,
+                                           gpu_memory_utilization=args.gpu_memory_utilization,
+                                           enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                           quantization=args.raw_quantization, linear_backend=args.linear_backend,
+                                           extra=extra))
+
+
+def _embeddable_only(plan: list["PlanItem"]) -> None:
+    """Raw vLLM embeds token ids: requests the server would refuse (e.g. 413) have none and are dropped."""
+    for item in plan:
+        item.pool = [r for r in item.pool if r.input_ids is not None]
+        item.warm = [r for r in item.warm if r.input_ids is not None]
+        item.counts = {c: min(n, len(item.pool) - item.offsets.get(c, 0)) for c, n in item.counts.items()}
+
+
+class _HttpSide:
+    """One side of a paired run: a server, a fresh HTTP sender per point."""
+
+    def __init__(self, url: str, args, headers: dict):
+        self.url, self.args, self.headers = url, args, headers
+
+    def describe(self) -> tuple[str, dict | None]:
+        return systemone_url(self.url), server_info(self.url, self.headers)
+
+    @contextlib.asynccontextmanager
+    async def sender(self, c: int):
+        sender = HttpSender(self.url, concurrency=c, timeout=self.args.timeout, headers=self.headers)
+        try:
+            yield sender.send
+        finally:
+            await sender.aclose()
+
+
+class _RawSide:
+    """The raw vLLM side of ``--versus-raw``: one engine in this process for the whole run."""
+
+    def __init__(self, engine, model_dir: str):
+        self.engine, self.model_dir = engine, model_dir
+
+    def describe(self) -> tuple[str, dict | None]:
+        return f"raw vLLM embed on {self.model_dir}", {"kind": "raw-vllm", "model_dir": self.model_dir,
+                                                       **self.engine.describe()}
+
+    @contextlib.asynccontextmanager
+    async def sender(self, c: int):
+        yield self.engine.send
+
+
 def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callable[[str], None]) -> int:
-    """``--versus``: the same requests on two servers, interleaved (clef_vllm.bench.paired)."""
+    """``--versus`` / ``--versus-raw``: the same requests on two targets, in turns (clef_vllm.bench.paired)."""
     from clef_vllm.bench.paired import blocks_summary, paired_table, run_blocks, run_pairs, summarize_variant
 
-    _wait_until_ready((args.url, args.versus), args.wait_ready, headers, log)
+    raw = args.versus_raw is not None
+    _wait_until_ready((args.url,) if raw else (args.url, args.versus), args.wait_ready, headers, log)
     if args.blocks < 2 or args.block_seconds <= 0:
         build_parser().error("--versus needs --blocks >= 2 and --block-seconds > 0 (blocks are compared in pairs)")
     if args.concurrency == DEFAULT_CONCURRENCY:
@@ -379,43 +443,55 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
     # c > 1 takes fresh requests for every block: enough for ~3 s blocks at ~16 requests/s per client
     args.num_requests = args.num_requests or (200 if top == 1 else max(200, 48 * top))
     plan = make_plan(args, factory, log)
-    results.update(mode="paired", variants=[],
-                   target={"a": systemone_url(args.url), "b": systemone_url(args.versus)},
-                   server={"a": server_info(args.url, headers), "b": server_info(args.versus, headers)})
+    if raw:
+        _embeddable_only(plan)
+    engine = _raw_engine(args, args.versus_raw) if raw else None
+    sides = (_HttpSide(args.url, args, headers),
+             _RawSide(engine, args.versus_raw) if raw else _HttpSide(args.versus, args, headers))
     results["schema"] = f"clef-bench-paired/{RESULT_SCHEMA_VERSION}"
 
+    def describe_sides() -> None:
+        (a, a_info), (b, b_info) = (side.describe() for side in sides)
+        results.update(target={"a": a, "b": b}, server={"a": a_info, "b": b_info})
+
+    results.update(mode="paired", variants=[])
+    describe_sides()
+
     async def point(item, c: int) -> dict:
-        senders = [HttpSender(u, concurrency=c, timeout=args.timeout, headers=headers)
-                   for u in (args.url, args.versus)]
-        try:
+        async with sides[0].sender(c) as send_a, sides[1].sender(c) as send_b:
             reqs = item.point_requests(c)
             if c == 1:
                 bar = progress_bar(len(reqs), f"{item.name} pairs", args.progress)
-                a, b = await run_pairs(reqs, senders[0].send, senders[1].send, time_limit=args.time_limit,
-                                       on_done=bar.update)
+                a, b = await run_pairs(reqs, send_a, send_b, time_limit=args.time_limit, on_done=bar.update)
                 bar.close()
                 return summarize_variant(item.name, a, b)
             bar = progress_bar(args.blocks, f"{item.name} c={c} blocks", args.progress)
-            blocks, wrapped = await run_blocks(reqs, c, senders[0].send, senders[1].send, blocks=args.blocks,
+            blocks, wrapped = await run_blocks(reqs, c, send_a, send_b, blocks=args.blocks,
                                                block_s=args.block_seconds, on_done=bar.update)
             bar.close()
             return {"variant": item.name, "concurrency": c, "requests": len(reqs), "block_seconds": args.block_seconds,
                     "wrapped": wrapped, **blocks_summary(blocks), "blocks": blocks}
-        finally:
-            for sender in senders:
-                await sender.aclose()
 
     async def go():
-        for item in plan:
-            for url in (args.url, args.versus):
-                if item.warm:
-                    sender = HttpSender(url, concurrency=1, timeout=args.timeout, headers=headers)
-                    await closed_loop(item.warm, 1, sender.send)
-                    await sender.aclose()
-            for c in item.concurrencies:
-                results["variants"].append(await point(item, c))
-                log(f"{item.name} c={c}: B/A {results['variants'][-1]['ratio']}")
-                out.write_text(dumps(results) + "\n")
+        if engine is not None:
+            log(f"starting vLLM (raw embed pooling) on {args.versus_raw}")
+            await engine.start()
+            log(f"engine ready in {engine.start_s:.1f}s")
+            describe_sides()
+        try:
+            for item in plan:
+                for side in sides:
+                    if item.warm:
+                        async with side.sender(1) as send:
+                            await closed_loop(item.warm, 1, send)
+                for c in item.concurrencies:
+                    results["variants"].append(await point(item, c))
+                    log(f"{item.name} c={c}: B/A {results['variants'][-1]['ratio']}")
+                    out.write_text(dumps(results) + "\n")
+        finally:
+            if engine is not None:
+                await engine.finish_profile()
+                engine.close()
 
     asyncio.run(go())
     results["complete"] = True
@@ -438,23 +514,26 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(args)
     if bool(args.url) == bool(args.raw_vllm):
         build_parser().error("give a server URL or --raw-vllm MODEL_DIR (not both)")
+    if args.versus_raw and (args.versus or not args.url):
+        build_parser().error("--versus-raw needs a server URL (A) and no --versus")
     raw = args.raw_vllm is not None
+    raw_dir = args.raw_vllm or args.versus_raw          # whose engine embeds token ids (the requests keep them)
     headers = parse_headers(args.header)
-    tokenizer = args.tokenizer or (args.raw_vllm if raw else None)
+    tokenizer = args.tokenizer or raw_dir
     factory = None
     if tokenizer:
         from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
         from clef_vllm.encoding import RequestEncoder
 
         tokenizer = resolve_model_dir(tokenizer)       # "demo" -> the demo checkpoint; never a model hub
-        if is_demo(args.tokenizer or args.raw_vllm):
+        if is_demo(args.tokenizer or raw_dir):
             log(describe_demo(tokenizer))
         if not tokenizer.is_dir():
             build_parser().error(f"--tokenizer {tokenizer}: no such folder (give a checkpoint folder or 'demo'; "
                                  "names are never looked up on a model hub)")
         tokenizer = str(tokenizer)
         encoder = RequestEncoder.from_pretrained(tokenizer, max_length=args.max_model_len)
-        factory = RequestFactory(encoder, seed=args.seed, model=args.model_name, keep_ids=raw)
+        factory = RequestFactory(encoder, seed=args.seed, model=args.model_name, keep_ids=raw_dir is not None)
     elif raw:
         build_parser().error("--raw-vllm needs a tokenizer")
 
@@ -484,30 +563,17 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(dumps(results) + "\n")
         out.with_suffix(".txt").write_text(bench_table(results) + "\n")
 
-    if args.versus:
+    if args.versus or args.versus_raw:
         if raw or not args.url:
             build_parser().error("--versus needs a server URL (A) and compares it with URL_B")
         return _paired(args, factory, headers, results, out, log)
     plan = make_plan(args, factory, log)
-    if raw:  # requests the server would refuse (e.g. 413) have nothing to embed
-        for item in plan:
-            item.pool = [r for r in item.pool if r.input_ids is not None]
-            item.warm = [r for r in item.warm if r.input_ids is not None]
-            item.counts = {c: min(n, len(item.pool) - item.offsets.get(c, 0)) for c, n in item.counts.items()}
+    if raw:
+        _embeddable_only(plan)
     results["variants"] = [item.describe() for item in plan]
 
     if raw:
-        from clef_vllm.bench.raw_vllm import RawVllmEngine, parse_engine_arg, raw_engine_kwargs
-
-        extra = dict(parse_engine_arg(a) for a in args.raw_engine_arg)
-        kwargs = raw_engine_kwargs(args.raw_vllm, arch=args.raw_arch, load_format=args.raw_load_format,
-                                   max_model_len=args.max_model_len,
-                                   gpu_memory_utilization=args.gpu_memory_utilization,
-                                   enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                   quantization=args.raw_quantization, linear_backend=args.linear_backend,
-                                   extra=extra)
-        engine = RawVllmEngine(kwargs)
+        engine = _raw_engine(args, args.raw_vllm)
 
         @contextlib.asynccontextmanager
         async def session(c: int):
