@@ -45,9 +45,10 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
     """``AsyncEngineArgs`` keyword arguments for the baseline (pure data; no vLLM import).
 
     They start from the server's own vLLM settings (:func:`clef_vllm.backends.vllm_backend.engine_kwargs`:
-    chunked prefill, fp32 SSM cache, Triton GDN prefill, the same batch limits) without the plugin's
-    own engine features (no prefill graphs, vLLM's default CUDA-graph sizes, no state cache: prefix
-    caching off) and change only what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
+    chunked prefill, fp32 SSM cache, Triton GDN prefill, the same batch limits, the same scheduler class
+    with its fixes for pooling engines but no batch wait) without the plugin's own engine features (no
+    prefill graphs, vLLM's default CUDA-graph sizes, no state cache: prefix caching off) and change only
+    what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
     head options, and the architecture. ``arch="auto"`` keeps a stock Qwen3.5 architecture and
     otherwise (our ``ClefFlashForDecision``) uses ``Qwen3_5ForCausalLM``; ``"none"`` keeps whatever
     config.json declares. ``load_format="auto"`` becomes ``dummy`` (``clef-dummy`` for a quantized
