@@ -140,9 +140,8 @@
 # PLAN=fortysecond1 (one GPU; ~1,350 s; not run yet): measured bucket sweeps (bench/latency.py --sweep 256:1024:16, a
 #        bucket at every 16 tokens, one request of each size; read by bench/bucket_plan.py): the 9B-shaped Hybrid
 #        (--load-format clef-dummy: its buckets are the generic ones, its kernels never swept) and BF16 (against the
-#        GEMM model's plan, whose 400 bucket won in pairs); then head graphs for steps finishing up to 64
-#        requests paired against the default 16 at c=16/64 (at c=64 steps finish 21-41 requests and run the head
-#        eagerly; unpaired, the eleventh session saw 94.5 vs 92.2 req/s and called it spread); last, the 2 ms
+#        GEMM model's plan, whose 400 bucket won in pairs); then the state cache's follow-ups with online FP8
+#        (step scope; not measured since it became the default); last, the 2 ms
 #        batch wait (the default since the twenty-first session) paired against none at c=4/8, where a step holds
 #        a few requests and a held request may wait up to 2 ms (measured only at c=1, 16 and 64 so far).
 # PLAN=fortyfirst1 (one GPU; ~1,400 s; not run yet): the 240-request parity with today's defaults (both layouts; the
@@ -558,8 +557,9 @@ fortysecond1_queue0)   # ~1,350 s: launch with `wait 540` in the staging's last 
       --out "$S/sweep_hybrid/latency.json"
   job sweep_bf16 0 480 python3 bench/latency.py --modes step --sweep 256:1024:16 --ckpt "$NINE" \
       --out "$S/sweep_bf16/latency.json"
-  job paired_head_records_bf16 0 420 env COMPARE="bf16:bf16r64:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9250 \
-      bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16r64=--load-format dummy --head-graph-records 64"
+  # the state cache's FP8 follow-ups with the step scope (44.0-44.8 ms before it; the 40 ms target), c=1
+  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
   job paired_batch_wait_low_bf16 0 420 env COMPARE="bf16:bf16nowait:short:4,8" PAIRS=200 TIME_LIMIT=20 PORT0=9260 \
       bash bench/paired.sh "$NINE" "bf16=--load-format dummy" "bf16nowait=--load-format dummy --batch-wait-ms 0"
   touch "$S/all.done"
