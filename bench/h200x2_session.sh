@@ -127,7 +127,11 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortythird1 (one GPU; ~1,500 s; not run yet): online FP8's step cost measured at every 16 tokens from 368 to
+# PLAN=fortythird1 (one GPU; ~1,900 s by priority, the last jobs may be cut; not run yet): first the NVFP4 layers as
+#        BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): the tiny Hybrid's answers against Marlin's
+#        (tests/gpu/fast_paths.py --only nvfp4) and the 9B Hybrid in process (against this session's Marlin run:
+#        22.4 ms, 31,853 tok/s); then the rest below, after the pairs with raw vLLM moved up:
+#        online FP8's step cost measured at every 16 tokens from 368 to
 #        528 (bench/latency.py --sweep; its default buckets came from a GEMM model) and, when the plan it gives
 #        (bench/bucket_plan.py for 384-416 tokens, the short workload) pads differently from the default, that
 #        plan paired against the default at c=1 (the 20 ms target: 20.7 ms paired); the state cache's GPU cases
@@ -535,16 +539,22 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortythird1_queue0)   # ~1,200 s: launch with `wait 540` in the staging's last call, then `wait 540` twice
-  mkdir -p "$S/sweep_fp8"
-  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
-      --out "$S/sweep_fp8/latency.json"
-  planned_pair_fp8
+fortythird1_queue0)   # ~1,900 s in all, by priority (the last jobs may be cut): launch with `wait 540` in the
+  # staging's last call, then `wait 540` until "all done"
+  # --nvfp4-kernel bf16: the tiny Hybrid's answers against Marlin's, then the 9B Hybrid in process with it
+  job nvfp4_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
+  mkdir -p "$S/latency_hybrid_bf16"
+  job latency_hybrid_bf16 0 330 python3 bench/latency.py --modes step --ckpt "$HYBRID" --nvfp4-kernel bf16 \
+      --out "$S/latency_hybrid_bf16/latency.json"
   # the 64-record head graphs against the default 16 at c=16/64, then the default against raw vLLM in turns
   # (raw vLLM's engine in clef-bench's process, --versus-raw): issue 12's ratios from the same minutes
   job paired_bf16_raw 0 700 env COMPARE="bf16:bf16r64:short:16,64 bf16:raw:short:1,16,64" PAIRS=200 \
       TIME_LIMIT=20 PORT0=9250 bash bench/paired.sh "$NINE" "bf16=--load-format dummy" \
       "bf16r64=--load-format dummy --head-graph-records 64"
+  mkdir -p "$S/sweep_fp8"
+  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
+      --out "$S/sweep_fp8/latency.json"
+  planned_pair_fp8
   job cache_cases_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
   profiled_9b profile_c64 9230 9b-dummy-bf16-defaults-profile-c64 "--load-format dummy" 64 96,32 330
   PROFILE_PHASES=raw profiled_9b profile_raw_c64 9231 9b-dummy-bf16-raw-profile-c64 "--load-format dummy" 64 96,32 300

@@ -79,7 +79,8 @@ def sweep_buckets(sizes: list[int]) -> list[int]:
     return sorted(set(sizes) | {b for b in DEFAULT_BUCKETS if b < sizes[0] or b > sizes[-1]})
 
 
-def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list[int] | None = None) -> dict:
+def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list[int] | None = None,
+                    nvfp4_kernel: str = "vllm") -> dict:
     from clef_vllm.backends.vllm_backend import engine_kwargs
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
     from clef_vllm.contract import PREFILL_GRAPHS_KEY
@@ -99,7 +100,8 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list
         kw = engine_kwargs(ckpt, load_format=load_format, prefill_graphs=mode != "nographs",
                            head_graphs=mode not in ("nographs", "eagerhead"),
                            prefill_graph_scope=mode if mode in ("layer", "step") else
-                           None if mode == "nographs" else "core", **cache, **buckets, **common)
+                           None if mode == "nographs" else "core", nvfp4_kernel=nvfp4_kernel, **cache, **buckets,
+                           **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
             kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
         if quantization:
@@ -147,7 +149,7 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
 
 
 def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bool = False,
-             engine_process: bool = False, sweep: list[int] | None = None) -> dict:
+             engine_process: bool = False, sweep: list[int] | None = None, nvfp4_kernel: str = "vllm") -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     if engine_process:      # the worker report below sends a function to the engine core's process
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -160,7 +162,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     from clef_vllm.features import HeadSpec, synthetic_spec
 
     register()
-    kw = engine_settings(mode, ckpt, quantization, sweep)
+    kw = engine_settings(mode, ckpt, quantization, sweep, nvfp4_kernel)
     if isinstance(kw.get("pooler_config"), dict):
         from vllm.config import PoolerConfig
 
@@ -191,7 +193,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     for n in (64, 300, 400, 417, 1000, 1024, 4096):          # every kernel specialisation and graph bucket
         once([prompt(n, n)])
         once([prompt(n, n + 1)])
-    res = {"mode": mode, "quantization": quantization, "engine_process": engine_process,
+    res = {"mode": mode, "quantization": quantization, "nvfp4_kernel": nvfp4_kernel, "engine_process": engine_process,
            "engine_start_s": round(start_s, 1)}
     profile = (lambda request, n=5: {}) if engine_process else profiled    # the profiler sees this process only
     if sweep:                   # one request of exactly each bucket size: its step's cost
@@ -257,6 +259,9 @@ def main() -> int:
                     help="the engine core in its own process, as in the server (timings only, no profile)")
     ap.add_argument("--sweep", default=None, metavar="LO:HI:STEP",
                     help="modes graphs and step: a bucket at every size LO..HI, each timed alone (bench/bucket_plan.py)")
+    ap.add_argument("--nvfp4-kernel", default="vllm", choices=("vllm", "bf16"),
+                    help="a quantized checkpoint's NVFP4 layers: vLLM's kernel or BF16 GEMMs on weights dequantized "
+                         "at load (the server's --nvfp4-kernel; raw mode keeps vLLM's)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON
     a = ap.parse_args()
     unknown = sorted(set(a.modes.split(",")) - set(MODES))
@@ -272,7 +277,7 @@ def main() -> int:
             ap.error(f"--sweep: {exc}")
     if a.one:
         print("RESULT " + json.dumps(run_mode(a.one, a.ckpt, a.quantization, a.followups_only,
-                                                        a.engine_process, sweep)), flush=True)
+                                                        a.engine_process, sweep, a.nvfp4_kernel)), flush=True)
         return 0
     ckpt = a.ckpt
     if ckpt is None:
@@ -291,6 +296,8 @@ def main() -> int:
             cmd.append("--engine-process")
         if a.sweep:
             cmd += ["--sweep", a.sweep]
+        if a.nvfp4_kernel != "vllm":
+            cmd += ["--nvfp4-kernel", a.nvfp4_kernel]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         res = json.loads(lines[-1]) if lines else {"mode": mode, "error": proc.returncode,

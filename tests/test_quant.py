@@ -172,6 +172,11 @@ def test_kernel_prediction():
     assert kernels.predict_kernel(schemes.NVFP4_W4A4, "10.0", flashinfer=False).kernel == "CutlassNvFp4LinearKernel"
     assert kernels.predict_kernel(schemes.NVFP4_W4A4, "12.0").kernel == "FlashInferCutlassNvFp4LinearKernel"
     assert kernels.predict_kernel(schemes.NVFP4_W4A4, "9.0", linear_backend="emulation").kernel == "EmulationNvFp4LinearKernel"
+    # --nvfp4-kernel bf16: the plugin's kernel for W4A4 layers on any GPU; weight-only NVFP4 keeps Marlin
+    bf16 = kernels.predict_kernel(schemes.NVFP4_W4A4, "9.0", nvfp4_kernel="bf16")
+    assert bf16.kernel == "Bf16NvFp4LinearKernel" and bf16.numerics == "W4A16 (weights dequantized to BF16)"
+    assert kernels.predict_kernel(schemes.NVFP4_W4A4, "10.0", nvfp4_kernel="bf16").kernel == "Bf16NvFp4LinearKernel"
+    assert kernels.predict_kernel(schemes.NVFP4_W4A16, "9.0", nvfp4_kernel="bf16").kernel == "MarlinNvFp4LinearKernel"
     assert kernels.predict_kernel(schemes.UNQUANTIZED, "9.0").scheme_class == "UnquantizedLinearMethod"
     assert not kernels.predict_kernel(schemes.FP8_W8A8, "7.0").supported
     assert kernels.parse_capability("sm_90") == kernels.parse_capability(90) == kernels.parse_capability("9.0") == (9, 0)
@@ -200,6 +205,13 @@ def test_nvfp4_and_fp8_roundtrip_errors():
     assert scale.dtype == torch.float8_e4m3fn and scale.shape == (64, 16) and g.dtype == torch.float32
     rel = float((numerics.nvfp4_dequantize(packed, scale, g) - w.float()).norm() / w.float().norm())
     assert 0.05 < rel < 0.12                             # NVFP4: ~9.4 % on Gaussian weights
+    # vLLM keeps the global scale as a multiplier (1 / divisor) after loading: the same weights from it; with a
+    # power-of-two multiplier every E2M1 value times its E4M3 block scale is exact in BF16
+    m = (1.0 / g).float()
+    assert torch.allclose(numerics.nvfp4_dequantize(packed, scale, m, divisor=False),
+                          numerics.nvfp4_dequantize(packed, scale, g), rtol=1e-6, atol=0)
+    exact = numerics.nvfp4_dequantize(packed, scale, torch.tensor([2.0 ** -3]), divisor=False)
+    assert torch.equal(exact.to(torch.bfloat16).float(), exact)
     q, s = numerics.fp8_quantize_channel(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 1)
     assert float((q.float() * s.float() - w.float()).norm() / w.float().norm()) < 0.04

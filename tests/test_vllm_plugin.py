@@ -119,6 +119,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # the GDN metadata memo: on unless told (the worker reads an explicit False)
     assert "clef_gdn_metadata_memo" not in one.additional_config
     assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
+    # NVFP4 layers: vLLM's kernel unless --nvfp4-kernel bf16 (the worker's nvfp4_bf16.install reads the key)
+    assert "clef_nvfp4_kernel" not in one.additional_config
+    assert engine_kwargs(tiny_release, nvfp4_kernel="bf16")["additional_config"]["clef_nvfp4_kernel"] == "bf16"
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
                                           prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
@@ -227,7 +230,10 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"engine_thread_switch_ms": 0.5}, "unknown option 'engine_thread_switch_ms'"),   # removed
                        ({"batch_wait_ms": 2, "data_parallel_size": 2}, "'batch_wait_ms' is for one engine in its own"),
                        ({"batch_wait_ms": 2, "engine_core": "thread"}, "'batch_wait_ms' is for one engine in its own"),
-                       ({"batch_wait_ms": 60}, "'batch_wait_ms' must be <= 50")):
+                       ({"batch_wait_ms": 60}, "'batch_wait_ms' must be <= 50"),
+                       ({"nvfp4_kernel": "marlin"}, "'nvfp4_kernel' must be one of"),
+                       # --linear-backend filters vLLM's kernel list down to its own: the two cannot both choose
+                       ({"nvfp4_kernel": "bf16", "linear_backend": "emulation"}, "'nvfp4_kernel' 'bf16' chooses")):
         with pytest.raises(OptionError, match=match):
             engine_kwargs(tiny_release, **bad)
 
@@ -1050,3 +1056,53 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
     assert "the engine stops after 2 of the window's 5 requests" in caplog.text
     assert not backend._thread.is_alive()
     backend.close()                                                   # closing twice is harmless
+
+
+def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hybrid_checkpoint, caplog):
+    """``--nvfp4-kernel bf16`` (the engine's ``additional_config``): every NVFP4 layer of the Hybrid gets the
+    plugin's kernel, whose weight is the BF16 dequantization of what vLLM's scheme left for its own kernel
+    (packed E2M1, FP8 block scales, the fused module's global multiplier) and whose forward is a BF16 GEMM;
+    the FP8 layers keep theirs, the FP4-only parameters are freed, and a later load without the option gets
+    vLLM's kernel again. The weights match the checkpoint's own NVFP4 tensors (W4A16) to BF16 rounding."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    from clef_vllm.contract import NVFP4_KERNEL_KEY
+    from clef_vllm.quant.numerics import nvfp4_dequantize
+    from clef_vllm.worker.model import kernel_report
+    from clef_vllm.worker.nvfp4_bf16 import install
+
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        bf16 = vllm_cpu.load_model(hybrid_checkpoint, additional_config={NVFP4_KERNEL_KEY: "bf16"})
+    assert "clef NVFP4 layers: BF16 GEMMs on weights dequantized at load" in caplog.text
+    default = vllm_cpu.load_model(hybrid_checkpoint)                       # the option off: vLLM's choice again
+    kernels = {name: type(m.scheme.kernel).__name__ for name, m in bf16.named_modules() if hasattr(m, "scheme")
+               and type(m.scheme).__name__ == "CompressedTensorsW4A4Fp4"}
+    assert len(kernels) == 8 and set(kernels.values()) == {"Bf16NvFp4LinearKernel"}
+    assert {type(m.scheme.kernel).__name__ for n, m in default.named_modules() if n in kernels} == {
+        "EmulationNvFp4LinearKernel"}
+    assert sum(type(m.scheme).__name__ == "CompressedTensorsW8A8Fp8" for _, m in bf16.named_modules()
+               if hasattr(m, "scheme")) == 8                                 # the FP8 layers keep their kernel
+    old, new = dict(default.named_modules()), dict(bf16.named_modules())
+    torch.manual_seed(0)
+    for name in kernels:
+        a, b = old[name], new[name]
+        want = nvfp4_dequantize(a.weight.data, a.weight_scale.data, a.weight_global_scale.data, torch.bfloat16,
+                                divisor=False)
+        assert b.weight.dtype == torch.bfloat16 and torch.equal(b.weight.data, want), name
+        assert not any(hasattr(b, p) for p in ("weight_scale", "weight_global_scale", "input_global_scale", "alpha"))
+        x = torch.randn(3, b.input_size_per_partition, dtype=torch.bfloat16)
+        assert torch.equal(b.quant_method.apply(b, x), F.linear(x, b.weight)), name
+    # against the checkpoint's tensors: gate_up of layer 2 = gate and up, each q * s / g (g shared: fused)
+    tensors = {}
+    for f in sorted(hybrid_checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    prefix = next(k for k in tensors if k.endswith("layers.2.mlp.gate_proj.weight_packed")).rsplit("gate_proj", 1)[0]
+    shards = [nvfp4_dequantize(tensors[prefix + f"{s}.weight_packed"], tensors[prefix + f"{s}.weight_scale"],
+                               tensors[prefix + f"{s}.weight_global_scale"]) for s in ("gate_proj", "up_proj")]
+    got = new["model.layers.2.mlp.gate_up_proj"].weight.float()
+    assert torch.allclose(got, torch.cat(shards), rtol=2 ** -8, atol=0)
+    assert any("Bf16NvFp4" in line and "x8" in line for line in kernel_report(bf16))
+    assert any("dequantized at load" in line for line in kernel_report(bf16))
+    with pytest.raises(ValueError):
+        install("marlin")

@@ -1,6 +1,7 @@
 """GPU checks of the two engine features on a tiny checkpoint: prefill graphs and the state cache.
 
-    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step] [--only graphs,cache,eviction,memo,api]
+    python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step]
+        [--only graphs,cache,eviction,memo,nvfp4,api]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
@@ -19,7 +20,11 @@
    memo of one-sequence prefills (``clef_vllm/worker/gdn_metadata.py``; the worker's ``built`` /
    ``reused`` counts say so) and must answer bit-identically to the second, on vLLM's path and with the
    graphs.
-4. **offline API**: ``Clef(backend="vllm")`` (AsyncLLM: leader/follower and affinity) answers 12
+4. **nvfp4**: a tiny Hybrid (FP8 W8A8 layers 0-1, NVFP4 W4A4 layers 2-3: ``scripts/quantize_mixed.py --engine
+   native`` and ``scripts/shrink_tables.py`` on the tiny release checkpoint) through an engine with vLLM's NVFP4
+   kernel (Marlin W4A16 on Hopper) and one with ``--nvfp4-kernel bf16`` (the weights dequantized to BF16 at
+   load): the same requests one at a time, compared as in part 1 (W4A16 both: the BF16 noise floor).
+5. **offline API**: ``Clef(backend="vllm")`` (AsyncLLM: leader/follower and affinity) answers 12
    requests about one state in one batch; how many read the state from the cache, and the answers
    against the reference backend.
 
@@ -75,7 +80,7 @@ def run_engine(config: dict) -> dict:
     ckpt = Path(config["ckpt"])
     kw = engine_kwargs(ckpt, gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=2048,
                        max_model_len=4096, prefill_graphs=config["graphs"], head_graphs=config["graphs"],
-                       state_cache=config["cache"],
+                       state_cache=config["cache"], nvfp4_kernel=config.get("nvfp4_kernel", "vllm"),
                        prefill_graph_scope=config.get("scope") if config["graphs"] else None)
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
@@ -132,6 +137,21 @@ def run_engine(config: dict) -> dict:
 # --------------------------------------------------------------------------- parent
 
 
+def tiny_hybrid(work: Path) -> Path:
+    """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 of the tiny release checkpoint, int8 tables (the scripts'
+    pipeline with the native exporter, on the CPU: seconds)."""
+    from clef_vllm.tiny import build_tiny_checkpoint
+
+    repo = HERE.parents[2]
+    release = build_tiny_checkpoint(work / "tiny-release", layout="release", hidden=256)   # Marlin-sized
+    run = lambda *a: subprocess.run([sys.executable, *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
+    run(repo / "scripts" / "build_data.py", "--out", work / "data", "--synthetic", "--synthetic-count", 60)
+    run(repo / "scripts" / "quantize_mixed.py", "--source", release, "--split", 2, "--data", work / "data",
+        "--out", work / "q", "--engine", "native", "--num-calibration-samples", 8, "--device", "cpu")
+    run(repo / "scripts" / "shrink_tables.py", work / "q", "--out", work / "hybrid")
+    return work / "hybrid"
+
+
 def child(config: dict, workdir: Path, name: str) -> dict:
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config))
@@ -176,7 +196,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="graphs,cache,eviction,memo,api", help="which parts to run")
+    ap.add_argument("--only", default="graphs,cache,eviction,memo,nvfp4,api", help="which parts to run")
     ap.add_argument("--scope", default=VllmOptions().resolved_prefill_graph_scope, choices=PREFILL_GRAPH_SCOPES,
                     help="the prefill graph scope of the engines with graphs (--prefill-graph-scope; default: the "
                          "server's): part 1 compares it "
@@ -304,10 +324,25 @@ def main() -> int:
                 "step_graphs": run["worker"].get("step_graphs")}
         print(json.dumps(report["metadata_memo"]), flush=True)
         save()
+    # 4. NVFP4 layers: vLLM's kernel against the weights dequantized to BF16 at load, on a tiny Hybrid
+    if "nvfp4" in parts:
+        hybrid = tiny_hybrid(work)
+        bodies = synthetic_parity_set(max(args.n, 24), seed=13, max_words=1500)
+        program = [{"name": f"r{i}", "bodies": [b]} for i, b in enumerate(bodies)]
+        runs = {k: child({"ckpt": str(hybrid), "graphs": True, "cache": False, "scope": args.scope,
+                          "nvfp4_kernel": k, "program": program}, work, f"nvfp4_{k}") for k in ("vllm", "bf16")}
+        if all("steps" in r for r in runs.values()):
+            probs = {k: [st["results"][0]["probs"] for st in r["steps"]] for k, r in runs.items()}
+            report["nvfp4_bf16_vs_vllm"] = {**compare(probs["vllm"], probs["bf16"]),
+                                            "tokens": [st["results"][0]["tokens"] for st in runs["bf16"]["steps"]]}
+        else:
+            report["nvfp4_bf16_vs_vllm"] = runs
+        print(json.dumps({k: v for k, v in report["nvfp4_bf16_vs_vllm"].items() if k != "tokens"}), flush=True)
+        save()
     if "api" not in parts:
         return 0
 
-    # 4. the offline API: leader/follower through AsyncLLM, answers vs the reference backend
+    # 5. the offline API: leader/follower through AsyncLLM, answers vs the reference backend
     from clef_vllm import Clef
 
     batch = [req(state(1500, 7), 40 + i) for i in range(12)]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from clef_vllm.contract import (BATCH_WAIT_KEY, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
-                                IDLE_CLEANUP_KEY, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES,
-                                STATE_CACHE_KEY, tell_worker)
+                                IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES,
+                                PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -156,6 +156,13 @@ def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
         tell_worker(kwargs, GDN_MEMO_KEY, False)
 
 
+def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
+    """NVFP4 layers as BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`) when
+    asked; vLLM's own kernel otherwise."""
+    if opts.nvfp4_kernel != "vllm":
+        tell_worker(kwargs, NVFP4_KERNEL_KEY, opts.nvfp4_kernel)
+
+
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
@@ -267,6 +274,11 @@ class VllmOptions(_Validated):
     linear_backend: str | None = option(None, "vLLM --linear-backend (e.g. emulation: true W4A4 NVFP4 numerics on "
                                         "Hopper, slow)", flags=("--linear-backend",), engine="linear_backend",
                                         kind=str)
+    nvfp4_kernel: str = option("vllm", "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin "
+                               "W4A16 before Blackwell, native W4A4 from it; default) or 'bf16' (weights dequantized "
+                               "to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill "
+                               "sizes, 4x the weights' memory; docs/latency.md)", flags=("--nvfp4-kernel",),
+                               engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
                                       kind=str)
@@ -358,6 +370,11 @@ class VllmOptions(_Validated):
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
                             "scope out")
+        if self.nvfp4_kernel != "vllm" and self.linear_backend not in (None, "auto"):
+            # --linear-backend filters vLLM's kernel list down to its own kernels
+            raise OptionError(f"vllm backend option 'nvfp4_kernel' {self.nvfp4_kernel!r} chooses the NVFP4 kernel "
+                              f"itself: leave linear_backend ({self.linear_backend!r}) out or nvfp4_kernel at 'vllm'",
+                              "nvfp4_kernel")
         if self.engine_core == "thread" and self.data_parallel_size > 1:
             # data-parallel engines each need their own process (vLLM's DP coordinator)
             raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "

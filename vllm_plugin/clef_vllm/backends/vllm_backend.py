@@ -320,7 +320,7 @@ class VllmBackend(Backend):
             if cap is None:
                 lines.append(f"{kind}{where}: no CUDA GPU visible to the front-end")
                 continue
-            pred = predict_kernel(kind, cap, linear_backend=backend)
+            pred = predict_kernel(kind, cap, linear_backend=backend, nvfp4_kernel=self.options.nvfp4_kernel)
             lines.append(f"{kind}{where}: {pred.kernel} [{pred.numerics}] - {pred.description}")
         self.kernels = {"capability": cap, "lines": lines, "summary": {k: v for k, v in kinds.items()}}
         for line in lines:

@@ -41,7 +41,8 @@ def gpu_family(capability) -> str:
             11: "Blackwell", 12: "Blackwell (consumer)"}.get(major, f"SM{major}{minor}")
 
 
-def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flashinfer: bool = True) -> KernelPrediction:
+def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flashinfer: bool = True,
+                   nvfp4_kernel: str = "vllm") -> KernelPrediction:
     """The scheme class and GEMM kernel vLLM 0.28 picks for ``kind`` on a CUDA ``capability``.
 
     Follows ``init_fp8_linear_kernel`` / ``init_nvfp4_linear_kernel`` (docs/vllm-internals.md,
@@ -49,6 +50,8 @@ def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flash
     per-channel + dynamic per-token -> CUTLASS on SM89+; NVFP4 -> Marlin W4A16 below SM100,
     FlashInfer/CUTLASS native W4A4 on SM100+. ``linear_backend="emulation"`` forces the NVFP4
     emulation kernel (true W4A4 numerics, slow). ``flashinfer``: whether FlashInfer is installed.
+    ``nvfp4_kernel="bf16"`` (``--nvfp4-kernel``) puts the plugin's kernel before vLLM's for NVFP4 W4A4 layers:
+    BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`).
     """
     cap = parse_capability(capability)
     num = cap[0] * 10 + cap[1]
@@ -73,6 +76,10 @@ def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flash
             return KernelPrediction(kind, cls, "EmulationNvFp4LinearKernel",
                                     "W4A4 (emulated)" if kind == NVFP4_W4A4 else "W4A16 (emulated)",
                                     f"NVFP4 runs through the emulation kernel (true FP4 numerics, slow) on this {family}")
+        if kind == NVFP4_W4A4 and nvfp4_kernel == "bf16":
+            return KernelPrediction(kind, cls, "Bf16NvFp4LinearKernel", "W4A16 (weights dequantized to BF16)",
+                                    f"NVFP4 W4A4 runs as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel "
+                                    f"bf16; BF16 activations, the input global scale unused) on this {family}")
         if kind == NVFP4_W4A4 and cap[0] in (10, 11):
             kernel = "FlashInferCuteDslNvFp4LinearKernel" if flashinfer else "CutlassNvFp4LinearKernel"
             return KernelPrediction(kind, cls, kernel, "W4A4",

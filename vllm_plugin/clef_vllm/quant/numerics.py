@@ -85,10 +85,12 @@ def nvfp4_quantize(weight: torch.Tensor, global_scale: torch.Tensor | None = Non
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q · s / g`` as ``[N, K]`` in ``dtype``."""
+                     dtype: torch.dtype = torch.float32, *, divisor: bool = True) -> torch.Tensor:
+    """``q · s / g`` as ``[N, K]`` in ``dtype``: ``g`` compressed-tensors' global scale, a divisor; with
+    ``divisor=False`` ``global_scale`` is the multiplier vLLM keeps after loading (``1 / g``): ``q · s · m``."""
     q = unpack_e2m1(packed)
-    s = (scale.float() / global_scale.float().reshape(())).repeat_interleave(NVFP4_GROUP, dim=1)
+    g = global_scale.float().reshape(())
+    s = (scale.float() / g if divisor else scale.float() * g).repeat_interleave(NVFP4_GROUP, dim=1)
     return (q * s).to(dtype)
 
 

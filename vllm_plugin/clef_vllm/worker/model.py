@@ -28,14 +28,14 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY,
-                                STATE_CACHE_KEY, worker_setting)
+from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, NVFP4_KERNEL_KEY,
+                                PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.worker import gdn_metadata
+from clef_vllm.worker import gdn_metadata, nvfp4_bf16
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
@@ -87,7 +87,10 @@ def kernel_report(model: nn.Module) -> list[str]:
     if any("MarlinNvFp4" in line for line in lines):
         lines.append("NVFP4 W4A4 layers run as Marlin W4A16 on this GPU: weights only, activations stay BF16 "
                      "(no native FP4 before Blackwell), and at prefill sizes ~3x slower per layer than FP8 W8A8 "
-                     "(measured on an H200: docs/latency.md)")
+                     "(measured on an H200: docs/latency.md; --nvfp4-kernel bf16 dequantizes them at load)")
+    if any("Bf16NvFp4" in line for line in lines):
+        lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): "
+                     "W4A16 numerics, activations stay BF16, the weights take 4x their packed memory")
     return lines
 
 
@@ -117,6 +120,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             log.info("clef GDN metadata: built once per step and shared by the GDN KV-cache groups%s",
                      "; single-prefill steps of a length seen before reuse it" if memo else
                      " (--gdn-metadata-memo off: every step builds its own)")
+        nvfp4_bf16.install(worker_setting(vllm_config, NVFP4_KERNEL_KEY, "vllm"))   # before the layers exist
         self.config = config
         self.dummy = is_dummy(vllm_config.load_config.load_format)
         self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)

@@ -1,0 +1,119 @@
+"""NVFP4 layers as BF16 GEMMs on weights dequantized once at load (``--nvfp4-kernel bf16``).
+
+Before Blackwell there is no FP4 arithmetic, and vLLM 0.28 runs an NVFP4 W4A4 layer as Marlin W4A16: the
+activations stay BF16 and Marlin dequantizes the 4-bit weights inside its GEMM, every step. That is
+weight-only compression, built for decoding's few rows. A Clef decision is one prefill of hundreds to
+thousands of rows, where the GEMM is bound by its arithmetic, and there Marlin is slow: on one H200 the
+9B-shaped Hybrid spent ~0.61 ms of Marlin per NVFP4 layer on a 400-token request against ~0.19 ms of
+CUTLASS per FP8 layer (``bench/results/h200_latency_9b_hybrid_step.json``), and cuBLAS's BF16 GEMMs of a
+whole 9B backbone take ~0.29 ms a layer at 400 rows (``h200_gemm_sizes_bf16.json``).
+
+This kernel computes what Marlin computes, W4A16, with the dequantization moved to load time: each
+NVFP4 weight becomes ``e2m1 · block scale · global scale`` in BF16 (the block scale FP8 E4M3 per 16
+inputs, the global scale the one vLLM's scheme kept for the fused module: the inverse of the largest
+divisor, as Marlin gets it), and a step runs ``F.linear`` on BF16 activations. The products of an E2M1
+value and an E4M3 scale fit BF16 exactly; the global scale rounds each weight once to BF16 (Marlin
+applies it inside its kernel), and cuBLAS accumulates in another order than Marlin: the answers agree
+with Marlin's at the BF16 noise floor, not bit for bit. The cost is memory: BF16 weights take 4x the
+packed ones (~3.5 GB more for the 15 NVFP4 layers of the 9B Hybrid), taken from the KV cache.
+
+vLLM picks an NVFP4 kernel per layer from a list in priority order (``_POSSIBLE_NVFP4_KERNELS``): when
+the engine was started with the option (``additional_config`` key ``NVFP4_KERNEL_KEY``), :func:`install`,
+called from the model's constructor before its layers exist, puts the kernel (:func:`kernel_class`) first
+in this process's list for its platform. Weight-only NVFP4 checkpoints (W4A16, which vLLM always gives Marlin) and a
+``--linear-backend`` (which filters the list) keep vLLM's choice; the options refuse the latter.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from clef_vllm.contract import NVFP4_KERNELS
+from clef_vllm.quant.numerics import nvfp4_dequantize
+
+log = logging.getLogger("clef_vllm")
+
+
+def dequantized_weight(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The ``[N, K]`` weight of an NVFP4 layer as vLLM's scheme leaves it for its kernel: ``layer.weight``
+    packed E2M1 (uint8 ``[N, K/2]``), ``layer.weight_scale`` FP8 E4M3 ``[N, K/16]`` and
+    ``layer.weight_global_scale`` the multiplier (the inverse of compressed-tensors' divisor)."""
+    return nvfp4_dequantize(layer.weight.data, layer.weight_scale.data, layer.weight_global_scale.data,
+                            dtype, divisor=False)
+
+
+def _kernel_base():
+    from vllm.model_executor.kernels.linear import NvFp4LinearKernel
+
+    return NvFp4LinearKernel
+
+
+def _make_kernel_class():
+    base = _kernel_base()
+
+    class Bf16NvFp4LinearKernel(base):
+        """NVFP4 W4A4 checkpoint layers as BF16 GEMMs on weights dequantized at load: W4A16 numerics (see
+        the module docstring)."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return True, None
+
+        @classmethod
+        def can_implement(cls, config) -> tuple[bool, str | None]:
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            weight = dequantized_weight(layer)
+            layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+            # what only an FP4 kernel reads: freed now (the packed weight went with the assignment above)
+            for name in ("weight_scale", "weight_global_scale", "input_global_scale", "input_global_scale_inv",
+                         "alpha"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+
+        def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+            weight = layer.weight
+            return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)      # no copies when x is BF16
+
+    return Bf16NvFp4LinearKernel
+
+
+_KERNEL = None
+
+
+def kernel_class():
+    """The kernel class (made once: it subclasses vLLM's, imported on first use)."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _make_kernel_class()
+    return _KERNEL
+
+
+def install(choice: str) -> bool:
+    """Make this process's NVFP4 layers use :class:`Bf16NvFp4LinearKernel` when ``choice`` is ``"bf16"``,
+    vLLM's own choice otherwise (idempotent either way). ``True`` when the BF16 kernel is first."""
+    if choice not in NVFP4_KERNELS:
+        raise ValueError(f"unknown NVFP4 kernel {choice!r}: one of {', '.join(NVFP4_KERNELS)}")
+    from vllm.model_executor.kernels import linear
+    from vllm.platforms import current_platform
+
+    registry = getattr(linear, "_POSSIBLE_NVFP4_KERNELS", None)
+    if registry is None:                # another vLLM than 0.28: its own choice, unless asked otherwise
+        if choice == "bf16":
+            raise RuntimeError("--nvfp4-kernel bf16 needs vLLM 0.28's NVFP4 kernel list (_POSSIBLE_NVFP4_KERNELS)")
+        return False
+    # the list vLLM's init_nvfp4_linear_kernel reads for this platform (CUDA on the GPU, CPU in the tests)
+    kernels = registry.setdefault(current_platform._enum, [])
+    cls = kernel_class()
+    kernels[:] = [k for k in kernels if k is not cls]
+    if choice == "bf16":
+        kernels.insert(0, cls)
+        log.info("clef NVFP4 layers: BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16: W4A16 "
+                 "numerics, 4x the packed weights' memory)")
+        return True
+    return False
