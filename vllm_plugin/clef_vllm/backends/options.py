@@ -277,7 +277,7 @@ class VllmOptions(_Validated):
     nvfp4_kernel: str = option("vllm", "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin "
                                "W4A16 before Blackwell, native W4A4 from it; default) or 'bf16' (weights dequantized "
                                "to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill "
-                               "sizes, 4x the weights' memory; docs/latency.md)", flags=("--nvfp4-kernel",),
+                               "sizes, 3.6x the weights' memory; docs/latency.md)", flags=("--nvfp4-kernel",),
                                engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",

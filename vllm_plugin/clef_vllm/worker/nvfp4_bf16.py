@@ -14,8 +14,9 @@ inputs, the global scale the one vLLM's scheme kept for the fused module: the in
 divisor, as Marlin gets it), and a step runs ``F.linear`` on BF16 activations. The products of an E2M1
 value and an E4M3 scale fit BF16 exactly; the global scale rounds each weight once to BF16 (Marlin
 applies it inside its kernel), and cuBLAS accumulates in another order than Marlin: the answers agree
-with Marlin's at the BF16 noise floor, not bit for bit. The cost is memory: BF16 weights take 4x the
-packed ones (~3.5 GB more for the 15 NVFP4 layers of the 9B Hybrid), taken from the KV cache.
+with Marlin's at the BF16 noise floor, not bit for bit. The cost is memory: 2 bytes a weight instead of
+0.5625 (4 bits and an FP8 scale per 16), 3.6x: ~4.7 GB more for the 3.24 billion NVFP4 weights of the 9B
+Hybrid's layers 17-31, taken from the KV cache.
 
 vLLM picks an NVFP4 kernel per layer from a list in priority order (``_POSSIBLE_NVFP4_KERNELS``): when
 the engine was started with the option (``additional_config`` key ``NVFP4_KERNEL_KEY``), :func:`install`,
@@ -114,6 +115,6 @@ def install(choice: str) -> bool:
     if choice == "bf16":
         kernels.insert(0, cls)
         log.info("clef NVFP4 layers: BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16: W4A16 "
-                 "numerics, 4x the packed weights' memory)")
+                 "numerics, 3.6x the packed weights' memory)")
         return True
     return False
