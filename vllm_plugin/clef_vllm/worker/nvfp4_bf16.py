@@ -6,7 +6,7 @@ weight-only compression, built for decoding's few rows. A Clef decision is one p
 thousands of rows, where the GEMM is bound by its arithmetic, and there Marlin is slow: on one H200 the
 9B-shaped Hybrid spent ~0.61 ms of Marlin per NVFP4 layer on a 400-token request against ~0.19 ms of
 CUTLASS per FP8 layer (``bench/results/h200_latency_9b_hybrid_step.json``), and cuBLAS's BF16 GEMMs of a
-whole 9B backbone take ~0.29 ms a layer at 400 rows (``h200_gemm_sizes_bf16.json``).
+9B layer take ~0.27-0.29 ms at 400 rows (``h200_gemm_sizes_bf16.json``, its per-layer times).
 
 This kernel computes what Marlin computes, W4A16, with the dequantization moved to load time: each
 NVFP4 weight becomes ``e2m1 · block scale · global scale`` in BF16 (the block scale FP8 E4M3 per 16
@@ -21,8 +21,8 @@ Hybrid's layers 17-31, taken from the KV cache.
 vLLM picks an NVFP4 kernel per layer from a list in priority order (``_POSSIBLE_NVFP4_KERNELS``): when
 the engine was started with the option (``additional_config`` key ``NVFP4_KERNEL_KEY``), :func:`install`,
 called from the model's constructor before its layers exist, puts the kernel (:func:`kernel_class`) first
-in this process's list for its platform. Weight-only NVFP4 checkpoints (W4A16, which vLLM always gives Marlin) and a
-``--linear-backend`` (which filters the list) keep vLLM's choice; the options refuse the latter.
+in this process's list for its platform. Weight-only NVFP4 checkpoints (W4A16, which vLLM always gives
+Marlin) and a ``--linear-backend`` (which filters the list) keep vLLM's choice; the options refuse the latter.
 """
 
 from __future__ import annotations
