@@ -127,10 +127,11 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortythird1 (one GPU; ~1,900 s by priority, the last jobs may be cut; not run yet): first the NVFP4 layers as
+# PLAN=fortythird1 (one GPU; ~2,400 s by priority, the last jobs may be cut; not run yet): first the NVFP4 layers as
 #        BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): the tiny Hybrid's answers against Marlin's
-#        (tests/gpu/fast_paths.py --only nvfp4) and the 9B Hybrid in process (against this session's Marlin run:
-#        22.4 ms, 31,853 tok/s); then the rest below, after the pairs with raw vLLM moved up:
+#        (tests/gpu/fast_paths.py --only nvfp4), the 9B Hybrid served with each, paired (c=1, c=16/64), and in
+#        process with bf16 (against the twenty-second session's Marlin run: 22.4 ms, 31,853 tok/s); then the rest
+#        below, after the pairs with raw vLLM moved up:
 #        online FP8's step cost measured at every 16 tokens from 368 to
 #        528 (bench/latency.py --sweep; its default buckets came from a GEMM model) and, when the plan it gives
 #        (bench/bucket_plan.py for 384-416 tokens, the short workload) pads differently from the default, that
@@ -539,10 +540,14 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortythird1_queue0)   # ~1,900 s in all, by priority (the last jobs may be cut): launch with `wait 540` in the
+fortythird1_queue0)   # ~2,400 s in all, by priority (the last jobs may be cut): launch with `wait 540` in the
   # staging's last call, then `wait 540` until "all done"
-  # --nvfp4-kernel bf16: the tiny Hybrid's answers against Marlin's, then the 9B Hybrid in process with it
+  # --nvfp4-kernel bf16: the tiny Hybrid's answers against Marlin's, then the 9B Hybrid served both ways, paired
+  # (short c=1, c=16/64 in time blocks), then in process with it (its GPU profile beside Marlin's)
   job nvfp4_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
+  job paired_hybrid_nvfp4 0 600 env COMPARE="marlin:bf16:short marlin:bf16:short:16,64" PAIRS=200 TIME_LIMIT=20 \
+      PORT0=9280 bash bench/paired.sh "$HYBRID" "marlin=--load-format clef-dummy" \
+      "bf16=--load-format clef-dummy --nvfp4-kernel bf16"
   mkdir -p "$S/latency_hybrid_bf16"
   job latency_hybrid_bf16 0 330 python3 bench/latency.py --modes step --ckpt "$HYBRID" --nvfp4-kernel bf16 \
       --out "$S/latency_hybrid_bf16/latency.json"
