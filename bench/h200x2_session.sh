@@ -180,7 +180,9 @@
 #        jobs with it are the record of what ran, and fail now.)
 # PLAN=twentyfirst (two GPUs; not run yet): the shared-state sweep with DP=2 (unit matching, state affinity), then
 #        short DP=2 vs raw DP=2.
-# DRY=1 replaces every job by a short sleep (to test this script without a GPU).
+# DRY=1 replaces every job by a short sleep (to test this script without a GPU). SKIP=NAME,NAME... skips those
+# jobs: after a machine was handed back mid-plan, launch the plan again on the new one without the jobs whose
+# results already came back (each `wait` packs what has finished into $OUT as jobs end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SESSION_DIR:-/root/session}
@@ -192,6 +194,10 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$S/session.log"; }
 
 job() {  # job NAME GPUS LIMIT_S CMD... : runs CMD with OUT=$S/NAME, records rc and seconds
   local name=$1 gpus=$2 limit=$3; shift 3
+  if [[ ",${SKIP:-}," == *",$name,"* ]]; then   # SKIP=a,b: jobs whose results came back from a machine since lost
+    log "job $name skipped (SKIP)"
+    return 0
+  fi
   if [ -e "$S/$name/rc.json" ]; then   # its command names its output folder too: a second run would overwrite it
     log "job $name already ran in this session: not run again (give it another name)"
     return 1
