@@ -1106,3 +1106,24 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
     assert any("dequantized at load" in line for line in kernel_report(bf16))
     with pytest.raises(ValueError):
         install("marlin")
+
+
+def test_nvfp4_kernel_bf16_on_a_checkpoint_without_nvfp4_layers_says_it_changes_nothing(tiny_release, caplog,
+                                                                                       monkeypatch):
+    """The front end's kernel report (before the engine starts) warns that ``--nvfp4-kernel bf16`` has nothing to
+    act on in a checkpoint without NVFP4 W4A4 layers, and stays quiet with the default."""
+    from clef_vllm.backends.options import backend_options
+    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.quant import kernels
+
+    monkeypatch.setattr(kernels, "cuda_capability", lambda: (9, 0))      # as on an H200
+    for choice, warned in (("bf16", True), ("vllm", False)):
+        backend = object.__new__(VllmBackend)
+        backend.options = backend_options("vllm", {"nvfp4_kernel": choice})
+        backend.kwargs, backend.files = {}, locate_checkpoint(tiny_release)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="clef_vllm"):
+            backend._report_kernels()
+        assert ("--nvfp4-kernel bf16 changes nothing here" in caplog.text) is warned, choice
+        assert "kernels: unquantized" in caplog.text and backend.kernels["capability"] == (9, 0)

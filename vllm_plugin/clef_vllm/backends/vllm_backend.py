@@ -301,7 +301,7 @@ class VllmBackend(Backend):
         This is the front-end's prediction from the checkpoint config (clef_vllm.quant); each
         worker also logs the kernels it actually instantiated ("clef kernels in use")."""
         from clef_vllm.quant.kernels import cuda_capability, predict_kernel
-        from clef_vllm.quant.schemes import FP8_W8A8, UNQUANTIZED, scheme_table, summarize_schemes
+        from clef_vllm.quant.schemes import FP8_W8A8, NVFP4_W4A4, UNQUANTIZED, scheme_table, summarize_schemes
 
         cap = cuda_capability()
         backend = self.kwargs.get("linear_backend", "auto")
@@ -314,6 +314,9 @@ class VllmBackend(Backend):
             except Exception as exc:  # noqa: BLE001 - a report must never stop the server
                 log.warning("could not resolve quantization schemes: %s", exc)
                 return
+        if self.options.nvfp4_kernel != "vllm" and NVFP4_W4A4 not in kinds:
+            log.warning("--nvfp4-kernel %s changes nothing here: this checkpoint has no NVFP4 W4A4 layers",
+                        self.options.nvfp4_kernel)
         lines = []
         for kind, count in kinds.items():
             where = f" ({count} modules)" if count else (" (online FP8)" if online else "")
