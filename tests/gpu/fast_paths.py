@@ -222,6 +222,7 @@ def main() -> int:
     def save():
         (out / "fast_paths.json").write_text(json.dumps(report, indent=1) + "\n")
 
+    requests = args.n                               # part 1's and part 4's
     # 1. graphs vs vLLM's path, one request at a time
     if "graphs" not in parts:
         args.n = 0
@@ -327,7 +328,7 @@ def main() -> int:
     # 4. NVFP4 layers: vLLM's kernel against the weights dequantized to BF16 at load, on a tiny Hybrid
     if "nvfp4" in parts:
         hybrid = tiny_hybrid(work)
-        bodies = synthetic_parity_set(max(args.n, 24), seed=13, max_words=1500)
+        bodies = synthetic_parity_set(requests, seed=13, max_words=1500)
         program = [{"name": f"r{i}", "bodies": [b]} for i, b in enumerate(bodies)]
         runs = {k: child({"ckpt": str(hybrid), "graphs": True, "cache": False, "scope": args.scope,
                           "nvfp4_kernel": k, "program": program}, work, f"nvfp4_{k}") for k in ("vllm", "bf16")}
