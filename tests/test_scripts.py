@@ -142,6 +142,10 @@ def test_pipeline_checkpoint_passes_clef_load(hybrid_pipeline):
     assert "fused NVFP4 groups: 4, all sharing one weight global scale" in out["quantize_mixed"]
     assert "relative error" in out["shrink_tables"] and "requires_clef_vllm" in out["shrink_tables"]
     assert "PASS" in out["clef_load"] and "NVFP4 W4A4 runs as Marlin W4A16" in out["clef_load"]
+    # the prediction for clef-systemone --nvfp4-kernel bf16: the NVFP4 layers dequantized at load, FP8 unchanged
+    bf16 = run_script("clef_load.py", hybrid_pipeline.checkpoint, "--capability", "9.0", "--config-only",
+                      "--nvfp4-kernel", "bf16").stdout
+    assert "Bf16NvFp4LinearKernel" in bf16 and "CutlassFP8ScaledMMLinearKernel" in bf16 and "PASS" in bf16
 
 
 def test_pipeline_checkpoint_loads_with_package_loaders(hybrid_pipeline):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clef_vllm.atomic import write_json
+from clef_vllm.contract import NVFP4_KERNELS
 from clef_vllm.layout import text_config
 from clef_vllm.quant import kernels as K
 from clef_vllm.quant import schemes as S
@@ -137,7 +138,7 @@ def _dtype_ok(want: str, got: str) -> bool:
 # --------------------------------------------------------------------------- the checks
 
 
-def check_config_only(path: str | Path, capability=None, prefix: str = "model.") -> Report:
+def check_config_only(path: str | Path, capability=None, prefix: str = "model.", nvfp4_kernel: str = "vllm") -> Report:
     """Checks that need no weights (a checkpoint whose weights are build outputs): config.json's
     quantization config and per-module schemes, the head config and marker, the kernels."""
     from clef_vllm.checkpoint import HEAD_CONFIG, HEAD_DIR, CheckpointError, check_version_marker
@@ -160,11 +161,12 @@ def check_config_only(path: str | Path, capability=None, prefix: str = "model.")
     except (OSError, HeadConfigError, CheckpointError, ValueError) as exc:
         report.add("head", ERROR, str(exc))
     _check_quantization(report, config, prefix)
-    _predict_kernels(report, capability)
+    _predict_kernels(report, capability, nvfp4_kernel)
     return report
 
 
-def check_checkpoint(path: str | Path, capability=None, check_values: bool = True, prefix: str = "model.") -> Report:
+def check_checkpoint(path: str | Path, capability=None, check_values: bool = True, prefix: str = "model.",
+                     nvfp4_kernel: str = "vllm") -> Report:
     """Run every check on the checkpoint at ``path``; never raises for a bad checkpoint."""
     from safetensors import safe_open
 
@@ -268,7 +270,7 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
     except Exception as exc:  # noqa: BLE001
         report.add("fused scales", ERROR, f"could not read global scales: {exc}")
 
-    _predict_kernels(report, capability)
+    _predict_kernels(report, capability, nvfp4_kernel)
     return report
 
 
@@ -305,14 +307,14 @@ def _check_quantization(report: Report, config: dict, prefix: str) -> list:
     return table
 
 
-def _predict_kernels(report: Report, capability) -> None:
+def _predict_kernels(report: Report, capability, nvfp4_kernel: str = "vllm") -> None:
     cap = capability if capability is not None else K.cuda_capability()
     assumed = cap is None
     cap = (9, 0) if cap is None else K.parse_capability(cap)
     for kind in sorted(set(report.schemes) or {S.UNQUANTIZED}):
         if kind == "error":
             continue
-        k = K.predict_kernel(kind, cap)
+        k = K.predict_kernel(kind, cap, nvfp4_kernel=nvfp4_kernel)
         report.kernels.append({"kind": kind, "modules": report.schemes.get(kind, 0), "scheme_class": k.scheme_class,
                                "kernel": k.kernel, "numerics": k.numerics, "description": k.description,
                                "capability": f"{cap[0]}.{cap[1]}", "assumed_capability": assumed})
@@ -337,6 +339,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--capability", help="CUDA capability to predict kernels for, e.g. 9.0 (default: this GPU)")
+    ap.add_argument("--nvfp4-kernel", default="vllm", choices=NVFP4_KERNELS,
+                    help="predict for clef-systemone's --nvfp4-kernel (default vllm: vLLM's own NVFP4 kernel)")
     ap.add_argument("--skip-values", action="store_true", help="do not read tensor values (no non-finite check)")
     ap.add_argument("--prefix", default="model.", help="vLLM module prefix ('model.' for the plugin's class, "
                                                        "'language_model.model.' for vLLM's VL class)")
@@ -358,9 +362,9 @@ def main(argv=None) -> int:
         print(f"[fix] {len(fixes)} shard(s) re-exported" if fixes else "[fix] nothing to fix")
         a.checkpoint = a.out or a.checkpoint
     if a.config_only:
-        report = check_config_only(a.checkpoint, a.capability, a.prefix)
+        report = check_config_only(a.checkpoint, a.capability, a.prefix, a.nvfp4_kernel)
     else:
-        report = check_checkpoint(a.checkpoint, a.capability, not a.skip_values, a.prefix)
+        report = check_checkpoint(a.checkpoint, a.capability, not a.skip_values, a.prefix, a.nvfp4_kernel)
     section = None
     for f in report.findings:
         if a.quiet and f.level == OK:
