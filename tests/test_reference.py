@@ -238,3 +238,55 @@ def test_inapplicable_and_unknown_options_are_errors_naming_them(tiny_release):
         make_backend(tiny_release, "reference", max_batchsize=4)
     with pytest.raises(OptionError, match="'max_batch_size' must be int"):
         ReferenceBackend(tiny_release, max_batch_size=2.5)
+
+
+def test_the_state_cache_answers_later_requests_about_a_state_from_its_kept_pass(tiny_release, cache_dir):
+    """``state_cache=True``: a request whose state is at least MIN_REUSE_TOKENS long runs the state once (its
+    transformers cache and hidden states kept under a digest of its ids), and every later request about it
+    only the rest: the same answers as one pass (float32: to ~1e-6), ``cached_state_tokens`` = the state's
+    tokens on a hit, 0 on the first sight and for short states; requests about one state in one batch share
+    the pass; the least recently used state goes first past the byte cap; off by default, and the cap alone
+    (cache off) is refused."""
+    from clef_vllm.state_keys import MIN_REUSE_TOKENS
+
+    rng = random.Random(5)
+    long_state = " ".join(rng.choice(WORDS) for _ in range(1400))
+    other_state = " ".join(rng.choice(WORDS) for _ in range(1400))
+
+    def ask(state, k):
+        return {"model": "m", "state": state, "questions": {
+            f"q{k}": {"type": "choice", "instructions": f"Which team {k}?",
+                      "criteria": {"billing": "Payments", "technical": "Outages"}},
+            "u": {"type": "noul", "instructions": "Urgent?"}}}
+
+    plain = ReferenceBackend(tiny_release, device="cpu", dtype="float32")
+    cached = ReferenceBackend(tiny_release, device="cpu", dtype="float32", state_cache=True)
+    try:
+        assert plain.states is None and plain.describe()["state_cache"] is None
+        bodies = [ask(long_state, 1), ask(long_state, 2), ask("short state", 3), ask(other_state, 4),
+                  ask(long_state, 5)]
+        enc = encode_all(cached, bodies)
+        assert enc[0].schema_offset == enc[1].schema_offset >= MIN_REUSE_TOKENS > enc[2].schema_offset
+        assert enc[0].input_ids[:enc[0].schema_offset] == enc[1].input_ids[:enc[1].schema_offset]
+        want = plain.decide_batch(encode_all(plain, bodies))
+        first = cached.decide_batch(enc[:3])                  # one batch: 1 computes the state, 2 reads it
+        assert [e.cached_state_tokens for e in enc[:3]] == [0, enc[1].schema_offset, 0]
+        later = cached.decide_batch(enc[3:])                  # another state, then the first one again
+        assert [e.cached_state_tokens for e in enc[3:]] == [0, enc[4].schema_offset]
+        for got, ref in zip(first + later, want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        stats = cached.describe()["state_cache"]
+        assert stats["states"] == 2 and stats["hits"] == 2 and stats["misses"] == 2 and stats["bytes"] > 0
+        # a cap that holds two states: a third evicts the least recently used (other_state: the long state was
+        # read after it), and other_state then computes again, evicting the third
+        cached.states.capacity = stats["bytes"] + 1
+        third = " ".join(rng.choice(WORDS) for _ in range(1400))
+        again = encode_all(cached, [ask(third, 6), ask(long_state, 7), ask(other_state, 8)])
+        cached.decide_batch(again)
+        assert [e.cached_state_tokens for e in again] == [0, again[1].schema_offset, 0]
+        assert cached.describe()["state_cache"]["evicted"] == 2 and cached.describe()["state_cache"]["states"] == 2
+    finally:
+        plain.close()
+        cached.close()
+    with pytest.raises(OptionError, match="'state_cache_mb' .* no effect with 'state_cache' off"):
+        ReferenceBackend(tiny_release, device="cpu", state_cache_mb=64)

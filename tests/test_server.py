@@ -31,6 +31,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -1159,3 +1161,33 @@ def test_free_port_never_hands_out_one_port_twice(monkeypatch):
     monkeypatch.setattr(testing_server, "_HANDED_OUT", set())
     monkeypatch.setattr(socket, "socket", lambda *a, **k: Offering())
     assert [testing_server.free_port(), testing_server.free_port()] == [47001, 47002]
+
+
+def test_the_reference_backend_state_cache_through_the_server(tiny_release):
+    """``clef-systemone --backend reference --state-cache on``: the second request about a long state reports its
+    state's tokens in ``usage.cached_state_tokens`` and in ``/metrics`` as reused prompt tokens, with the
+    answers of a server without the cache; the vLLM-only sub-options are refused for the reference backend."""
+    import random
+
+    words = "order invoice refund ticket outage payment account region cluster team".split()
+    state = " ".join(random.Random(3).choice(words) for _ in range(1300))
+    body = {"model": "m", "state": state, "questions": {"u": {"type": "noul", "instructions": "Urgent?"}}}
+    on = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--state-cache", "on",
+                     "--dtype", "float32"]).wait_ready()
+    off = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--dtype", "float32"]).wait_ready()
+    try:
+        first, second = (post(on, body).json() for _ in range(2))
+        plain = post(off, body).json()
+        assert first["usage"]["cached_state_tokens"] == 0
+        reused = second["usage"]["cached_state_tokens"]
+        assert 1024 <= reused < second["usage"]["input_tokens"]
+        assert abs(second["answers"]["u"]["noul"] - plain["answers"]["u"]["noul"]) < 1e-3
+        metrics = httpx.get(on.url + "/metrics").text
+        assert f'clef_prompt_tokens_total{{source="reused"}} {float(reused)}' in metrics
+    finally:
+        on.stop()
+        off.stop()
+    bad = subprocess.run([sys.executable, "-m", "clef_vllm.server.cli", "--model", str(tiny_release), "--backend",
+                          "reference", "--state-cache", "on", "--state-cache-match", "block"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--state-cache-match" in bad.stderr

@@ -17,6 +17,9 @@ from typing import Sequence
 
 #: Tokens per key. vLLM's KV block sizes are multiples of 16 (its attention kernels require it).
 KEY_UNIT = 16
+#: A state (the prompt before its schema) shorter than this is never kept for reuse, by either backend (a KV
+#: block of Qwen3.5-9B holds 528 tokens).
+MIN_REUSE_TOKENS = 1024
 #: Bytes per key (BLAKE2b digest size): a collision between two prefixes is out of reach (2^-128).
 KEY_BYTES = 16
 _PERSON = b"clef-state-v1"
@@ -59,6 +62,12 @@ def prefix_keys(token_ids: Sequence[int], upto: int, unit: int = KEY_UNIT) -> li
         while len(_memo) > _MEMO_SIZE:
             _memo.popitem(last=False)
     return keys
+
+
+def prefix_digest(token_ids: Sequence[int], upto: int) -> bytes:
+    """One key of exactly ``token_ids[:upto]`` (any length; the reference backend's state cache)."""
+    data = _uint32_le(token_ids[:upto])
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=b"clef-prefix-v1").digest()
 
 
 def block_keys(unit_keys: Sequence[bytes], block: int, unit: int = KEY_UNIT) -> list[bytes]:

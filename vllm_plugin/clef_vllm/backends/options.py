@@ -90,13 +90,28 @@ def _check(owner: str, f: dataclasses.Field, value: Any) -> Any:
 
 
 class _Validated:
-    """Checks every field against its :func:`option` metadata after ``__init__``."""
+    """Checks every field against its :func:`option` metadata after ``__init__``, and refuses a sub-option
+    given while its switch is off (:attr:`NEEDS_SWITCH`)."""
 
     backend: str = "?"
+    #: Options that only mean something while a switch is on: a value other than the default with the
+    #: switch off is an error, not silently ignored.
+    NEEDS_SWITCH: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, _check(f"{self.backend} backend", f, getattr(self, f.name)))
+
+    def _check_switches(self) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, switch in self.NEEDS_SWITCH.items():
+            if getattr(self, name) != defaults[name] and not getattr(self, switch):
+                self._no_effect(name, f"{switch!r} off", f"turn {switch} on or leave {name} out")
+
+    def _no_effect(self, name: str, condition: str, advice: str) -> None:
+        """Refuse option ``name``: with ``condition`` its value would be silently ignored."""
+        raise OptionError(f"{self.backend} backend option {name!r} ({getattr(self, name)!r}) has no effect with "
+                          f"{condition}: {advice}", name)
 
 
 @dataclass(frozen=True)
@@ -113,8 +128,18 @@ class ReferenceOptions(_Validated):
     device: str | None = option(None, "cpu or cuda (default: cuda if available)", flags=("--device",), kind=str)
     max_batch_size: int = option(16, "requests per micro-batch (default 16)", flags=("--max-batch-size",), kind=int,
                                  minimum=1)
+    state_cache: bool = option(False, "reuse a state computed once: the backbone's cache (K/V, conv and recurrent "
+                               "states) and hidden states at the end of each state (default off)", kind=bool)
+    state_cache_mb: int = option(2048, "with the state cache on, the megabytes of kept states (least recently used "
+                                 "go first; default 2048)", flags=("--reference-state-cache-mb",), kind=int, minimum=1)
     max_batch_tokens: int = option(32768, "padded tokens per micro-batch (at least max_model_len; default 32768)",
                                    flags=("--max-batch-tokens",), kind=int, minimum=1)
+
+    NEEDS_SWITCH = {"state_cache_mb": "state_cache"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_switches()
 
     @property
     def resolved_head_dtype(self) -> str:
@@ -313,8 +338,9 @@ class VllmOptions(_Validated):
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
                                      flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
-    state_cache: bool = option(False, "reuse a state computed once: vLLM prefix caching plus the head's memory rows "
-                               "of cached prefixes (default off until its benchmarks are in; docs/state-cache.md)",
+    state_cache: bool = option(False, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
+                               "of cached prefixes; reference: the backbone's cache at the end of each state; "
+                               "default off until its benchmarks are in; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)
     state_cache_admit: str = option("repeat", "with the state cache on, which states are kept: 'repeat' (a state "
                                     "seen before or in flight; a state's first request runs in one step and "
@@ -347,8 +373,6 @@ class VllmOptions(_Validated):
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 
-    #: Options that only mean something while a switch is on: a value other than the default with the
-    #: switch off is an error, not silently ignored.
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "prefill_graph_buckets": "prefill_graphs",
                     "head_graph_records": "head_graphs",
                     "state_cache_admit": "state_cache",
@@ -361,10 +385,7 @@ class VllmOptions(_Validated):
                 object.__setattr__(self, "prefill_graph_buckets", bucket_list(self.prefill_graph_buckets))
             except ValueError as exc:
                 raise OptionError(f"vllm backend option 'prefill_graph_buckets': {exc}", "prefill_graph_buckets") from None
-        defaults = {f.name: f.default for f in fields(self)}
-        for name, switch in self.NEEDS_SWITCH.items():
-            if getattr(self, name) != defaults[name] and not getattr(self, switch):
-                self._no_effect(name, f"{switch!r} off", f"turn {switch} on or leave {name} out")
+        self._check_switches()
         if self.prefill_graph_scope in ("layer", "step") and self.gdn_prefill_backend != "triton":
             # the prefill graphs hold vLLM's Triton GDN kernels; other backends take vLLM's path
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
@@ -386,11 +407,6 @@ class VllmOptions(_Validated):
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "
                             "qualifies)", "use 'core' or leave enforce_eager out")
-
-    def _no_effect(self, name: str, condition: str, advice: str) -> None:
-        """Refuse option ``name``: with ``condition`` its value would be silently ignored."""
-        raise OptionError(f"vllm backend option {name!r} ({getattr(self, name)!r}) has no effect with {condition}: "
-                          f"{advice}", name)
 
     @property
     def resolved_head_dtype(self) -> str:

@@ -5,13 +5,24 @@ backbone"): the bare ``Qwen3_5TextModel`` with ``use_cache=False``, right-padded
 attention mask, the final-norm hidden state of every position, then the shared joint head. Like
 the release's loader, ``dtype`` applies to the backbone and the head (``head_dtype`` overrides
 the head's alone). Options: :class:`clef_vllm.backends.options.ReferenceOptions`.
+
+With ``state_cache`` on, a request whose state (the prompt before its schema) is at least
+``MIN_REUSE_TOKENS`` long runs in two passes: the state, whose transformers cache (the attention
+layers' K/V, the GDN layers' conv and recurrent states) and final hidden states are kept under a
+digest of its token ids (:class:`StateStore`, least recently used first out past ``state_cache_mb``),
+then the rest of the prompt continuing from a copy of that cache. A later request about the same
+state runs only the second pass. The split changes the order of the float sums (GDN chunks start
+at the state's end): float32 answers differ from one pass by ~1e-6 (tests/test_reference.py).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
+from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -22,6 +33,7 @@ from clef_vllm.checkpoint import (CheckpointError, CheckpointFiles, iter_backbon
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
 from clef_vllm.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES
+from clef_vllm.state_keys import MIN_REUSE_TOKENS, prefix_digest
 from clef_vllm.tables import DenseTable, LexicalTable, load_int8_tables
 
 log = logging.getLogger("clef_vllm")
@@ -89,6 +101,62 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
     return model.eval().requires_grad_(False), lm_table
 
 
+def tensor_bytes(obj: Any, seen: set | None = None) -> int:
+    """Bytes of the tensors an object holds (attributes, lists, tuples, dicts; each tensor once)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(tensor_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+class StateStore:
+    """Kept states by digest: ``(transformers cache, final hidden states [P, H])``, least recently used
+    first out once their bytes pass ``capacity_bytes`` (a state larger than that is not kept)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self._states: OrderedDict[bytes, tuple[Any, torch.Tensor, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = self.misses = self.evicted = 0
+
+    def get(self, key: bytes):
+        with self._lock:
+            got = self._states.get(key)
+            if got is None:
+                self.misses += 1
+                return None
+            self._states.move_to_end(key)
+            self.hits += 1
+            return got[0], got[1]
+
+    def put(self, key: bytes, cache, hidden: torch.Tensor) -> None:
+        size = tensor_bytes(cache) + tensor_bytes(hidden)
+        with self._lock:
+            if key in self._states or size > self.capacity:
+                return
+            self._states[key] = (cache, hidden, size)
+            self.bytes += size
+            while self.bytes > self.capacity:
+                _, (_, _, gone) = self._states.popitem(last=False)
+                self.bytes -= gone
+                self.evicted += 1
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {"states": len(self._states), "bytes": self.bytes, "capacity_bytes": self.capacity,
+                    "hits": self.hits, "misses": self.misses, "evicted": self.evicted}
+
+
 class ReferenceBackend(Backend):
     """transformers backbone + shared head; batches requests by length with right padding."""
 
@@ -114,6 +182,7 @@ class ReferenceBackend(Backend):
         pad = self.model.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self._batcher: MicroBatcher | None = None
+        self.states = StateStore(opts.state_cache_mb * 2 ** 20) if opts.state_cache else None
         log.info("reference backend: %s layout on %s, backbone %s, head %s (transformers %s)%s", self.files.layout,
                  self.device, _dtype_name(self.dtype), _dtype_name(self.head_dtype), _tf_version(),
                  "; GDN and conv1d run transformers' reference PyTorch kernels (correct, slower; the fast ones need "
@@ -125,7 +194,8 @@ class ReferenceBackend(Backend):
                 "quantization": None,    # quantized checkpoints are refused at load
                 "kernels": {"unquantized": sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())},
                 "transformers": _tf_version(), "max_model_len": self.max_model_len,
-                "max_batch_size": self.max_batch_size}
+                "max_batch_size": self.max_batch_size,
+                "state_cache": None if self.states is None else self.states.describe()}
 
     def _batches(self, encoded: Sequence[EncodedRequest]) -> list[list[int]]:
         order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens)
@@ -152,19 +222,50 @@ class ReferenceBackend(Backend):
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
         return out.last_hidden_state
 
+    def _reuses(self, e: EncodedRequest) -> bool:
+        return self.states is not None and e.schema_offset >= MIN_REUSE_TOKENS
+
+    @torch.inference_mode()
+    def hidden_reusing_state(self, e: EncodedRequest) -> tuple[torch.Tensor, int]:
+        """Final-norm hidden states ``[1, L, H]`` of one request whose state may be kept (module docstring),
+        and how many leading tokens came from a kept state."""
+        ids = torch.tensor(e.input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
+        p = e.schema_offset
+        key = prefix_digest(e.input_ids, p)
+        kept = self.states.get(key)
+        cached = p if kept is not None else 0
+        if kept is None:
+            out = self.model(input_ids=ids[:, :p], use_cache=True)
+            kept = (out.cache, out.last_hidden_state)
+            self.states.put(key, *kept)
+        cache, state_hidden = kept
+        rest = self.model(input_ids=ids[:, p:], cache=copy.deepcopy(cache), use_cache=True)
+        return torch.cat([state_hidden, rest.last_hidden_state], dim=1), cached
+
     @torch.inference_mode()
     def decide_batch(self, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(encoded)
-        for group in self._batches(encoded):
+        plain = [i for i, e in enumerate(encoded) if not self._reuses(e)]
+        for i in (i for i, e in enumerate(encoded) if self._reuses(e)):     # one at a time: prompts differ
+            with measure_stage("backbone"):
+                hidden, encoded[i].cached_state_tokens = self.hidden_reusing_state(encoded[i])
+            results[i] = self._decide_hidden(hidden, [encoded[i]])[0]
+        for group in self._batches([encoded[i] for i in plain]):
+            group = [plain[j] for j in group]
             with measure_stage("backbone"):
                 hidden = self.hidden_states([encoded[i] for i in group])
-            accs = [RecordAccumulator(HeadSpec.from_encoded(encoded[i])) for i in group]
-            longest = hidden.shape[1]
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            accumulate(self.head, flat, [(acc, b * longest, acc.spec.num_tokens, 0) for b, acc in enumerate(accs)])
-            for i, probs in zip(group, decide_records(self.head, self.lm_table, accs)):
-                results[i] = probs.cpu()
+            for i, probs in zip(group, self._decide_hidden(hidden, [encoded[i] for i in group])):
+                results[i] = probs
         return results
+
+    def _decide_hidden(self, hidden: torch.Tensor, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
+        """The head's probabilities for the requests whose hidden states are the rows of ``hidden``
+        (``[B, Lmax, H]``, right-padded)."""
+        accs = [RecordAccumulator(HeadSpec.from_encoded(e)) for e in encoded]
+        longest = hidden.shape[1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        accumulate(self.head, flat, [(acc, b * longest, acc.spec.num_tokens, 0) for b, acc in enumerate(accs)])
+        return [probs.cpu() for probs in decide_records(self.head, self.lm_table, accs)]
 
     async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
         if self._batcher is None:

@@ -34,7 +34,7 @@ from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
 from clef_vllm.stacks import dump_descendant_stacks
-from clef_vllm.state_keys import KEY_UNIT
+from clef_vllm.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
 from clef_vllm.worker.dummy_loader import is_dummy
 
 log = logging.getLogger("clef_vllm")
@@ -68,8 +68,6 @@ def import_vllm():
     return vllm
 
 
-#: A state shorter than this is never keyed for reuse (a KV block of Qwen3.5-9B holds 528 tokens).
-MIN_REUSE_TOKENS = 1024
 #: How long a request waits for another one computing the same state before computing it too.
 FOLLOWER_WAIT_S = 30.0
 #: One warm-up step (a prompt alone, or a batch) that takes longer than this means a stuck engine: the
