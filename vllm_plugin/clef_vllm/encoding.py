@@ -15,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import threading
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from clef_vllm.errors import Kind, RequestError
+from clef_vllm.lru import SizedLRU
 from clef_vllm.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
                                 SystemOneRequest)
 
@@ -134,51 +133,21 @@ def state_pieces(text: str, size: int = STATE_PIECE_CHARS, added: Sequence[str] 
     return pieces
 
 
-class PieceCache:
+class PieceCache(SizedLRU):
     """Token ids of texts tokenized on their own (state pieces, schema segments) by content (a 16-byte
     BLAKE2b digest of the text), least recently used dropped past ``capacity`` ids in all or
     ``max_pieces`` texts (default ``capacity // 64``). Thread-safe; tokenizing such a text is a pure
     function of the text."""
 
     def __init__(self, capacity: int = STATE_PIECE_CACHE, max_pieces: int | None = None):
-        self.capacity = capacity
-        self.max_pieces = capacity // 64 if max_pieces is None else max_pieces
-        self._ids: OrderedDict[bytes, array] = OrderedDict()
-        self._size = 0                            # ids held
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        super().__init__(capacity, capacity // 64 if max_pieces is None else max_pieces)
 
     @staticmethod
     def key(piece: str) -> bytes:
         return hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
-    def get(self, key: bytes) -> array | None:
-        with self._lock:
-            ids = self._ids.get(key)
-            if ids is None:
-                self.misses += 1
-                return None
-            self._ids.move_to_end(key)
-            self.hits += 1
-            return ids
-
     def put(self, key: bytes, ids: Sequence[int]) -> None:
-        if len(ids) > self.capacity or self.max_pieces < 1:
-            return
-        with self._lock:
-            old = self._ids.pop(key, None)
-            self._size += len(ids) - (len(old) if old is not None else 0)
-            self._ids[key] = array("I", ids)
-            while self._size > self.capacity or len(self._ids) > self.max_pieces:
-                self._size -= len(self._ids.popitem(last=False)[1])
-
-    @property
-    def size(self) -> int:
-        """Token ids held."""
-        return self._size
-
-    def __len__(self) -> int:
-        return len(self._ids)
+        super().put(key, array("I", ids), len(ids))
 
 
 def render(value: Any) -> str:

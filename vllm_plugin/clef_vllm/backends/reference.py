@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,6 +31,7 @@ from clef_vllm.checkpoint import (CheckpointError, CheckpointFiles, iter_backbon
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
 from clef_vllm.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES
+from clef_vllm.lru import SizedLRU
 from clef_vllm.state_keys import MIN_REUSE_TOKENS, prefix_digest
 from clef_vllm.tables import DenseTable, LexicalTable, load_int8_tables
 
@@ -118,43 +117,16 @@ def tensor_bytes(obj: Any, seen: set | None = None) -> int:
     return 0
 
 
-class StateStore:
-    """Kept states by digest: ``(transformers cache, final hidden states [P, H])``, least recently used
-    first out once their bytes pass ``capacity_bytes`` (a state larger than that is not kept)."""
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity = capacity_bytes
-        self._states: OrderedDict[bytes, tuple[Any, torch.Tensor, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.hits = self.misses = self.evicted = 0
-
-    def get(self, key: bytes):
-        with self._lock:
-            got = self._states.get(key)
-            if got is None:
-                self.misses += 1
-                return None
-            self._states.move_to_end(key)
-            self.hits += 1
-            return got[0], got[1]
+class StateStore(SizedLRU):
+    """Kept states by digest: ``(transformers cache, final hidden states [1, P, H])``, least recently used
+    first out once their tensors' bytes pass ``capacity`` (a state larger than that is not kept)."""
 
     def put(self, key: bytes, cache, hidden: torch.Tensor) -> None:
-        size = tensor_bytes(cache) + tensor_bytes(hidden)
-        with self._lock:
-            if key in self._states or size > self.capacity:
-                return
-            self._states[key] = (cache, hidden, size)
-            self.bytes += size
-            while self.bytes > self.capacity:
-                _, (_, _, gone) = self._states.popitem(last=False)
-                self.bytes -= gone
-                self.evicted += 1
+        super().put(key, (cache, hidden), tensor_bytes(cache) + tensor_bytes(hidden))
 
     def describe(self) -> dict:
-        with self._lock:
-            return {"states": len(self._states), "bytes": self.bytes, "capacity_bytes": self.capacity,
-                    "hits": self.hits, "misses": self.misses, "evicted": self.evicted}
+        return {"states": len(self), "bytes": self.size, "capacity_bytes": self.capacity, "hits": self.hits,
+                "misses": self.misses, "evicted": self.evicted}
 
 
 class ReferenceBackend(Backend):
