@@ -217,8 +217,9 @@ class ReferenceBackend(Backend):
     @torch.inference_mode()
     def decide_batch(self, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(encoded)
-        plain = [i for i, e in enumerate(encoded) if not self._reuses(e)]
-        for i in (i for i, e in enumerate(encoded) if self._reuses(e)):     # one at a time: prompts differ
+        reusing = [self._reuses(e) for e in encoded]
+        plain = [i for i, r in enumerate(reusing) if not r]
+        for i in (i for i, r in enumerate(reusing) if r):                  # one at a time: prompts differ
             with measure_stage("backbone"):
                 hidden, encoded[i].cached_state_tokens = self.hidden_reusing_state(encoded[i])
             results[i] = self._decide_hidden(hidden, [encoded[i]])[0]

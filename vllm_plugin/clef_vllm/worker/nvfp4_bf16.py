@@ -27,6 +27,7 @@ Marlin) and a ``--linear-backend`` (which filters the list) keep vLLM's choice; 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -46,16 +47,12 @@ def dequantized_weight(layer: torch.nn.Module, dtype: torch.dtype = torch.bfloat
                             dtype, divisor=False)
 
 
-def _kernel_base():
+@functools.cache
+def kernel_class():
+    """The kernel class, made once (it subclasses vLLM's, imported on first use)."""
     from vllm.model_executor.kernels.linear import NvFp4LinearKernel
 
-    return NvFp4LinearKernel
-
-
-def _make_kernel_class():
-    base = _kernel_base()
-
-    class Bf16NvFp4LinearKernel(base):
+    class Bf16NvFp4LinearKernel(NvFp4LinearKernel):
         """NVFP4 W4A4 checkpoint layers as BF16 GEMMs on weights dequantized at load: W4A16 numerics (see
         the module docstring)."""
 
@@ -82,17 +79,6 @@ def _make_kernel_class():
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)      # no copies when x is BF16
 
     return Bf16NvFp4LinearKernel
-
-
-_KERNEL = None
-
-
-def kernel_class():
-    """The kernel class (made once: it subclasses vLLM's, imported on first use)."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _make_kernel_class()
-    return _KERNEL
 
 
 def install(choice: str) -> bool:
