@@ -749,20 +749,11 @@ def test_dummy_load_format_needs_only_configs(tiny_repacked, tmp_path):
 
 @pytest.fixture(scope="module")
 def hybrid_checkpoint(tiny_release, tmp_path_factory):
-    """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 (compressed-tensors), int8 tables: the scripts'
+    """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 (compressed-tensors), int8 tables: the tools'
     pipeline with the native exporter (llm-compressor's path is covered in test_scripts.py)."""
-    import subprocess
-    import sys
+    from clef_vllm.testing.hybrid import build_tiny_hybrid
 
-    from support.vllm_cpu import REPO
-
-    base = tmp_path_factory.mktemp("hybrid-vllm")
-    run = lambda *a: subprocess.run([sys.executable, *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
-    run(REPO / "scripts" / "build_data.py", "--out", base / "data", "--synthetic", "--synthetic-count", 60)
-    run(REPO / "scripts" / "quantize_mixed.py", "--source", tiny_release, "--split", 2, "--data", base / "data",
-        "--out", base / "q", "--engine", "native", "--num-calibration-samples", 8)
-    run(REPO / "scripts" / "shrink_tables.py", base / "q", "--out", base / "hybrid")
-    return base / "hybrid"
+    return build_tiny_hybrid(tiny_release, tmp_path_factory.mktemp("hybrid-vllm"))
 
 
 def test_hybrid_fp8_nvfp4_checkpoint_loads_with_one_scheme_per_layer_group(hybrid_checkpoint):

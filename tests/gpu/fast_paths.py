@@ -138,18 +138,13 @@ def run_engine(config: dict) -> dict:
 
 
 def tiny_hybrid(work: Path) -> Path:
-    """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 of the tiny release checkpoint, int8 tables (the scripts'
-    pipeline with the native exporter, on the CPU: seconds)."""
+    """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 of a tiny release checkpoint at Marlin-sized widths
+    (hidden 256), int8 tables (the tools' pipeline with the native exporter, on the CPU: seconds)."""
+    from clef_vllm.testing.hybrid import build_tiny_hybrid
     from clef_vllm.tiny import build_tiny_checkpoint
 
-    repo = HERE.parents[2]
-    release = build_tiny_checkpoint(work / "tiny-release", layout="release", hidden=256)   # Marlin-sized
-    run = lambda *a: subprocess.run([sys.executable, *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
-    run(repo / "scripts" / "build_data.py", "--out", work / "data", "--synthetic", "--synthetic-count", 60)
-    run(repo / "scripts" / "quantize_mixed.py", "--source", release, "--split", 2, "--data", work / "data",
-        "--out", work / "q", "--engine", "native", "--num-calibration-samples", 8, "--device", "cpu")
-    run(repo / "scripts" / "shrink_tables.py", work / "q", "--out", work / "hybrid")
-    return work / "hybrid"
+    release = build_tiny_checkpoint(work / "tiny-release", layout="release", hidden=256)
+    return build_tiny_hybrid(release, work)
 
 
 def child(config: dict, workdir: Path, name: str) -> dict:
