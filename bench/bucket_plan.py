@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.lengths:
             ap.error("--differs needs --lengths LO:HI")
         lo, hi = (int(x) for x in args.lengths.split(":"))
-        rows = differs(sorted(int(b) for b in args.differs.split(",")), args.linear, range(lo, hi + 1))
+        try:
+            buckets = sorted(int(b) for b in args.differs.split(","))
+        except ValueError:
+            ap.error(f"--differs: expected token counts separated by commas, got {args.differs!r}")
+        rows = differs(buckets, args.linear, range(lo, hi + 1))
         runs: list[list] = []                 # consecutive lengths padded alike: [first, last, default, this list]
         for n, old_b, new_b in rows:
             if runs and runs[-1][1] == n - 1 and runs[-1][2:] == [old_b, new_b]:
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("a sweep file is needed (or --differs)")
     data = json.loads(Path(args.sweep).read_text())
     measured = measured_costs(data)
+    if measured is None and "results" in data:
+        ap.error(f"{args.sweep}: bench/latency.py's file without a sweep result (did its run fail? its results: "
+                 f"{[r.get('error', 'no sweep') for r in data['results']]})")
     if measured is not None:
         if args.profiled:
             ap.error("--profiled is for a GEMM sweep; this file holds measured step costs")

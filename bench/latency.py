@@ -269,7 +269,7 @@ def main() -> int:
         ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
     sweep = None
     if a.sweep:
-        if set(a.modes.split(",")) - {"graphs", "step"}:
+        if set([a.one] if a.one else a.modes.split(",")) - {"graphs", "step"}:   # a child runs one mode
             ap.error("--sweep is for the modes graphs and step (the prefill graphs hold the buckets)")
         try:
             sweep = sweep_sizes(a.sweep)

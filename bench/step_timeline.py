@@ -29,8 +29,14 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
                        host-to-device copy: the GPU waited for the host's data), ``other_ms``
     kernels_by_name    the step's GPU time by kernel name (the first 60 characters), the 12 largest, with
                        their calls (printed with --kernels): which kernels two steps differ in
+    longest_gaps       the step's 8 longest idle gaps of at least 50 µs (printed with --gaps): the kernels
+                       before and after each, when the host called the launch of the one after (ms into the
+                       gap; negative: it was queued before the gap began) and the host ops that call sat in,
+                       outermost first (the innermost three): what
+                       kept the host from launching sooner (an ``aten::addmm`` holding the host for ms
+                       before its one kernel is a GEMM shape cuBLAS had not seen: its heuristics)
 
-    python3 bench/step_timeline.py TRACE [--json OUT.json] [--windows] [--kernels]
+    python3 bench/step_timeline.py TRACE [--json OUT.json] [--windows] [--kernels] [--gaps]
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")     # host calls that queue GPU wo
 WINDOW_MS = 0.5      # ops_before_by_window
 SHORT_GAP_US = 50    # gpu_idle_split: a gap shorter than this is one launch after another
 KERNEL_NAMES, NAME_CHARS = 12, 60   # kernels_by_name
+GAPS, GAP_OPS = 8, 3                # longest_gaps: how many, and how many enclosing host ops each
 
 
 def load(path: str | Path) -> list[dict]:
@@ -80,6 +87,29 @@ def idle_split(kernels: list[dict]) -> dict:
             split[key] += gap / 1000
         end = max(end if end is not None else k["ts"], k["ts"] + k["dur"])
     return {key: round(ms, 3) for key, ms in split.items()}
+
+
+def longest_gaps(kernels: list[dict], launches: dict, ops: list[dict], n: int = GAPS) -> list[dict]:
+    """The ``n`` longest gaps between ``kernels`` of at least :data:`SHORT_GAP_US` (see ``longest_gaps``);
+    ``launches`` maps a CUDA correlation id to the host call that launched it, ``ops`` are host ops."""
+    gaps, end, last = [], None, None
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        if end is not None and k["ts"] - end >= SHORT_GAP_US:
+            gaps.append((k["ts"] - end, end, last, k))
+        if end is None or k["ts"] + k["dur"] > end:
+            end, last = k["ts"] + k["dur"], k
+    out = []
+    for gap, start, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
+        call = launches.get(after.get("args", {}).get("correlation"))
+        row = {"ms": round(gap / 1000, 3), "before": before.get("name", "")[:NAME_CHARS],
+               "after": after.get("name", "")[:NAME_CHARS], "launch_at_ms": None, "host_ops": []}
+        if call is not None:
+            row["launch_at_ms"] = round((call["ts"] - start) / 1000, 3)
+            around = sorted((e for e in ops if e["ts"] <= call["ts"] < e["ts"] + e.get("dur", 0)),
+                            key=lambda e: (e["ts"], -e.get("dur", 0)))
+            row["host_ops"] = [f"{e['name'][:NAME_CHARS]} ({e.get('dur', 0) / 1000:.2f} ms)" for e in around[-GAP_OPS:]]
+        out.append(row)
+    return out
 
 
 def top_level(events: list[dict]) -> list[dict]:
@@ -132,6 +162,7 @@ def steps(events: list[dict]) -> list[dict]:
         t0, t1 = span["ts"], span["ts"] + span["dur"]
         inside = [e for e in host if t0 <= e["ts"] < t1]
         runtime = [e for e in inside if e.get("cat") in LAUNCH_CATS]
+        launched_by = {e.get("args", {}).get("correlation"): e for e in runtime}
         gpu = kernels_of(runtime)
         launches = [e for e in runtime if e.get("name") == "cudaGraphLaunch"]
         first = launches[0]["ts"] if launches else t1
@@ -163,6 +194,7 @@ def steps(events: list[dict]) -> list[dict]:
                                  - busy_ms(gpu), 3) if gpu else None,
             "gpu_idle_split": idle_split(gpu) if gpu else None,
             "kernels_by_name": by_name(gpu),
+            "longest_gaps": longest_gaps(gpu, launched_by, [e for e in inside if e.get("cat") == "cpu_op"]),
         })
     return out
 
@@ -203,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", action="store_true", help="also print each step's host ops before its launch, "
                     "per 0.5 ms window")
     ap.add_argument("--kernels", action="store_true", help="also print each step's GPU time by kernel name")
+    ap.add_argument("--gaps", action="store_true", help="also print each step's longest GPU idle gaps and the host "
+                    "ops its next launch waited in")
     args = ap.parse_args(argv)
     rows = steps(load(args.trace))
     if not rows:
@@ -219,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{r['requests']}-request {r['tokens']}-token step, GPU time by kernel ({KERNEL_NAMES} largest):")
             for k in r["kernels_by_name"]:
                 print(f"  {k['ms']:8.3f} ms  {k['calls']:4d}  {k['name']}")
+    if args.gaps:
+        for r in rows:
+            print(f"\n{r['requests']}-request {r['tokens']}-token step, longest GPU idle gaps "
+                  "(ms; launch called at ms into the gap; in host ops):")
+            for g in r["longest_gaps"]:
+                at = "-" if g["launch_at_ms"] is None else f"{g['launch_at_ms']:.2f}"
+                print(f"  {g['ms']:6.2f}  {g['before']} -> {g['after']}  at {at}  in {' > '.join(g['host_ops']) or '-'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "steps": rows,
                                                "summary": summary(rows)}, indent=1) + "\n")

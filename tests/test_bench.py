@@ -941,7 +941,7 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
         x("cpu_op", "aten::slice", 1500, 10), x("cpu_op", "aten::view", 1502, 2),     # nested: not top-level
         x("cuda_runtime", "cudaGraphLaunch", 5000, 2000, corr=2),
         *[x("kernel", f"k{i % 2}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
-        x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
+        x("cpu_op", "aten::addmm", 7400, 700), x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
         x("kernel", "head", 9000, 900, corr=3),
         x("cuda_driver", "cuLaunchKernelEx", 8200, 10, corr=4),       # a Triton kernel, launched by the driver
         x("kernel", "triton_k", 9950, 50, corr=4),
@@ -980,6 +980,16 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
                                        {"name": "Memcpy HtoD", "calls": 1, "ms": 0.005}]
     assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
                                             {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
+    # the longest gaps, longest first: when the next kernel's launch was called (ms into the gap; negative: queued
+    # before the gap began) and the host ops that call sat in
+    assert step["longest_gaps"] == [
+        {"ms": 3.995, "before": "Memcpy HtoD", "after": "k0", "launch_at_ms": 3.795, "host_ops": []},
+        {"ms": 2.82, "before": "k1", "after": "head", "launch_at_ms": 1.32, "host_ops": ["aten::addmm (0.70 ms)"]},
+        {"ms": 0.05, "before": "head", "after": "triton_k", "launch_at_ms": -1.7, "host_ops": []}]
+    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--gaps"],
+                          capture_output=True, text=True, timeout=60)
+    assert "1-request 400-token step, longest GPU idle gaps" in proc.stdout
+    assert "2.82  k1 -> head  at 1.32  in aten::addmm (0.70 ms)" in proc.stdout
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows", "--kernels"],
                           capture_output=True, text=True, timeout=60)
     assert "1-request 400-token step, GPU time by kernel (12 largest):\n     0.900 ms     1  head" in proc.stdout
@@ -1261,6 +1271,9 @@ def test_the_bucket_plan_says_whether_a_list_pads_some_length_unlike_the_default
     assert plan.differs([400, 512], None, range(399, 402)) == [(401, 448, 512)]      # BF16's default has 400 too
     with pytest.raises(SystemExit):
         plan.main(["--differs", fp8])
+    with pytest.raises(SystemExit):                     # an empty plan (a failed sweep) is a usage error, not a crash
+        plan.main(["--differs", "", "--lengths", "384:416"])
+    assert "--differs: expected token counts separated by commas, got ''" in capsys.readouterr().err
 
 
 def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(tmp_path, capsys):
@@ -1294,3 +1307,9 @@ def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(t
     assert "measured: one request of each swept size" in out
     with pytest.raises(SystemExit):
         plan.main([str(path), "--profiled", "304:6.0:9.0"])
+    failed = tmp_path / "latency_failed.json"           # latency.py's file of a sweep that failed: said, not a model
+    failed.write_text(json.dumps({"command": "x", "results": [{"mode": "step", "error": 2}]}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        plan.main([str(failed)])
+    assert "latency.py's file without a sweep result (did its run fail? its results: [2])" in capsys.readouterr().err
