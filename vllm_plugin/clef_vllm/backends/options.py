@@ -370,6 +370,13 @@ class VllmOptions(_Validated):
                                          "never; docs/latency.md)",
                                          flags=("--batch-wait-ms",), engine=_batch_wait, kind=float, minimum=0.0,
                                          maximum=50.0, metavar="MS")
+    cuda_module_loading: str | None = option(None, "how CUDA loads kernels in the engine processes: 'lazy' (each on "
+                                             "its first launch; that load waits until the GPU has run everything "
+                                             "queued, so a step that meets a GEMM shape cuBLAS has not run stalls "
+                                             "its host for the rest of the step) or 'eager' (every kernel of a "
+                                             "library when it loads: a slower start, more GPU memory). Default: "
+                                             "the environment's CUDA_MODULE_LOADING, else lazy (docs/latency.md)",
+                                             flags=("--cuda-module-loading",), kind=str, choices=("lazy", "eager"))
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 

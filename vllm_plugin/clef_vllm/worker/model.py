@@ -17,6 +17,7 @@ finite, or the model refuses to start (vLLM does not check this for quantized ch
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 import torch
@@ -91,6 +92,9 @@ def kernel_report(model: nn.Module) -> list[str]:
     if any("Bf16NvFp4" in line for line in lines):
         lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): "
                      "W4A16 numerics, activations stay BF16, the weights take 3.6x their packed memory")
+    mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
+    lines.append(f"CUDA loads kernels {'eagerly' if mode == 'EAGER' else 'lazily'} in this process "
+                 f"(CUDA_MODULE_LOADING={mode}; --cuda-module-loading)")
     return lines
 
 
