@@ -127,7 +127,14 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortythird1 (one GPU; ~2,400 s by priority, the last jobs may be cut; not run yet): first the NVFP4 layers as
+# PLAN=fortyfourth1 (one GPU; ~2,000 s by priority, the last jobs may be cut; not run yet): the tiny Hybrid's answers
+#        with --nvfp4-kernel bf16 against Marlin's (fortythird1's check, which ran out of time); then CUDA's kernel
+#        loading: the 9B BF16 server with --cuda-module-loading eager paired against the default (lazy) at c=1 and
+#        c=16/64 (the servers' logs hold their start times and memory), the eager server against raw vLLM at
+#        c=16/64 (the target: >= 100 %; 95.5 / 97.5 % lazy), and its engine core profiled at c=64 (no mid-step
+#        kernel loads expected: bench/step_timeline.py --gaps); then fortythird1's FP8 sweep and planned pair
+#        (the sweep failed there) and fortysecond1's FP8 follow-ups with the state cache.
+# PLAN=fortythird1 (one GPU; ~2,400 s by priority, the last jobs may be cut; ran in the twenty-third session): first the NVFP4 layers as
 #        BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): the tiny Hybrid's answers against Marlin's
 #        (tests/gpu/fast_paths.py --only nvfp4), the 9B Hybrid served with each, paired (c=1, c=16/64), and in
 #        process with bf16 (against the twenty-second session's Marlin run: 22.4 ms, 31,853 tok/s); then the rest
@@ -295,6 +302,7 @@ planned_pair_fp8() {  # the FP8 sweep's bucket plan for the short workload, pair
     [ -f "$S/sweep_fp8/latency.json" ] || { log "no FP8 sweep: no planned pair"; return 0; }
     python3 bench/bucket_plan.py "$S/sweep_fp8/latency.json" --lengths 384:416 --keep 3 >"$plan" 2>&1
     buckets=$(sed -n 's/^--prefill-graph-buckets //p' "$plan")
+    [ -n "$buckets" ] || { log "the FP8 sweep gave no bucket plan (see $plan): no planned pair"; return 0; }
     if ! python3 bench/bucket_plan.py --differs "$buckets" --linear fp8 --lengths 384:416 >>"$plan" 2>&1; then
       log "the FP8 plan pads 384-416 tokens as the default does: no planned pair"
       return 0
@@ -316,7 +324,7 @@ profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS [CONC [WINDOW [LIMIT_
       bash bench/gpu_bench.sh "$NINE" "$port"
   local trace
   for trace in "$S/$name"/profile/*.pt.trace.json*; do    # when each step launches its graphs (bench/step_timeline.py)
-    [ -f "$trace" ] && python3 bench/step_timeline.py "$trace" --json "$S/$name/timeline.json" >"$S/$name/timeline.txt" 2>&1
+    [ -f "$trace" ] && python3 bench/step_timeline.py "$trace" --gaps --json "$S/$name/timeline.json" >"$S/$name/timeline.txt" 2>&1
     # a window recorded with Python stacks (WINDOW ending in ",stack"): which Python code the steps' host time goes to
     [[ -f "$trace" && $window == *,stack ]] && python3 bench/py_calls.py "$trace" --depth 6 \
         --json "$S/$name/py_calls.json" >"$S/$name/py_calls.txt" 2>&1
@@ -546,11 +554,28 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
+fortyfourth1_queue0)   # ~2,000 s in all, by priority: launch with `wait 540` in the staging's last call, then
+  # `wait 540` until "all done"
+  job nvfp4_tiny 0 480 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
+  job paired_module_loading 0 800 env COMPARE="lazy:eager:short lazy:eager:short:16,64 eager:raw:short:16,64" \
+      PAIRS=200 TIME_LIMIT=20 PORT0=9290 bash bench/paired.sh "$NINE" "lazy=--load-format dummy" \
+      "eager=--load-format dummy --cuda-module-loading eager"
+  profiled_9b profile_c64_eager 9232 9b-dummy-bf16-eager-profile-c64 "--load-format dummy --cuda-module-loading eager" \
+      64 96,32 330
+  mkdir -p "$S/sweep_fp8"
+  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
+      --out "$S/sweep_fp8/latency.json"
+  planned_pair_fp8
+  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
+  touch "$S/all.done"
+  log "all done"
+  ;;
 fortythird1_queue0)   # ~2,400 s in all, by priority (the last jobs may be cut): launch with `wait 540` in the
   # staging's last call, then `wait 540` until "all done"
   # --nvfp4-kernel bf16: the tiny Hybrid's answers against Marlin's, then the 9B Hybrid served both ways, paired
   # (short c=1, c=16/64 in time blocks), then in process with it (its GPU profile beside Marlin's)
-  job nvfp4_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
+  job nvfp4_tiny 0 480 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
   job paired_hybrid_nvfp4 0 600 env COMPARE="marlin:bf16:short marlin:bf16:short:16,64" PAIRS=200 TIME_LIMIT=20 \
       PORT0=9280 bash bench/paired.sh "$HYBRID" "marlin=--load-format clef-dummy" \
       "bf16=--load-format clef-dummy --nvfp4-kernel bf16"
