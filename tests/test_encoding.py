@@ -727,3 +727,9 @@ def test_the_piece_cache_drops_the_least_recently_used_pieces():
         many.put(PieceCache.key(str(i)), [i])
     assert len(many) == 3 and many.size == 3 and many.get(PieceCache.key("9")) is not None
     assert PieceCache.key("\ud800 lone surrogate") != PieceCache.key("x")   # any str can be keyed
+    from clef_vllm.lru import SizedLRU
+
+    store = SizedLRU(capacity=10)                         # the store under both says whether it kept a value
+    assert store.put("x", "kept", 10) is True and store.put("y", "too big", 11) is False
+    assert store.get("x") == "kept" and store.get("y") is None and store.size == 10
+    assert SizedLRU(capacity=10, max_items=0).put("z", 1, 1) is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 
 import pytest
@@ -285,6 +286,17 @@ def test_the_state_cache_answers_later_requests_about_a_state_from_its_kept_pass
         cached.decide_batch(again)
         assert [e.cached_state_tokens for e in again] == [0, again[1].schema_offset, 0]
         assert cached.describe()["state_cache"]["evicted"] == 2 and cached.describe()["state_cache"]["states"] == 2
+        # a state larger than the cap is not kept, and its one pass extends the cache itself, not a copy of it
+        cached.states.capacity = 1
+        copies = []
+        real_copy = copy.deepcopy
+        body = ask(" ".join(rng.choice(WORDS) for _ in range(1400)), 9)
+        big = encode_all(cached, [body])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(copy, "deepcopy", lambda obj, *a: copies.append(obj) or real_copy(obj, *a))
+            got = cached.decide_batch(big)[0]
+        assert copies == [] and big[0].cached_state_tokens == 0 and cached.describe()["state_cache"]["states"] == 2
+        torch.testing.assert_close(got, plain.decide_batch(encode_all(plain, [body]))[0], atol=1e-5, rtol=0)
     finally:
         plain.close()
         cached.close()

@@ -31,9 +31,10 @@ class SizedLRU:
             self.hits += 1
             return got[0]
 
-    def put(self, key: Hashable, value: Any, size: int) -> None:
+    def put(self, key: Hashable, value: Any, size: int) -> bool:
+        """Keep ``value``; ``False`` when it is not kept (larger than ``capacity``, or no items allowed)."""
         if size > self.capacity or (self.max_items is not None and self.max_items < 1):
-            return
+            return False
         with self._lock:
             old = self._items.pop(key, None)
             self._size += size - (old[1] if old is not None else 0)
@@ -41,6 +42,7 @@ class SizedLRU:
             while self._size > self.capacity or (self.max_items is not None and len(self._items) > self.max_items):
                 self._size -= self._items.popitem(last=False)[1][1]
                 self.evicted += 1
+        return True
 
     @property
     def size(self) -> int:

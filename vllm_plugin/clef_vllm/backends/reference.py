@@ -121,8 +121,8 @@ class StateStore(SizedLRU):
     """Kept states by digest: ``(transformers cache, final hidden states [1, P, H])``, least recently used
     first out once their tensors' bytes pass ``capacity`` (a state larger than that is not kept)."""
 
-    def put(self, key: bytes, cache, hidden: torch.Tensor) -> None:
-        super().put(key, (cache, hidden), tensor_bytes(cache) + tensor_bytes(hidden))
+    def put(self, key: bytes, cache, hidden: torch.Tensor) -> bool:
+        return super().put(key, (cache, hidden), tensor_bytes(cache) + tensor_bytes(hidden))
 
     def describe(self) -> dict:
         return {"states": len(self), "bytes": self.size, "capacity_bytes": self.capacity, "hits": self.hits,
@@ -208,10 +208,13 @@ class ReferenceBackend(Backend):
         cached = p if kept is not None else 0
         if kept is None:
             out = self.model(input_ids=ids[:, :p], use_cache=True)
-            kept = (out.cache, out.last_hidden_state)
-            self.states.put(key, *kept)
-        cache, state_hidden = kept
-        rest = self.model(input_ids=ids[:, p:], cache=copy.deepcopy(cache), use_cache=True)
+            cache, state_hidden = out.cache, out.last_hidden_state
+            if self.states.put(key, cache, state_hidden):
+                cache = copy.deepcopy(cache)         # the rest of the prompt extends a copy; the kept one stays
+        else:
+            cache, state_hidden = kept
+            cache = copy.deepcopy(cache)
+        rest = self.model(input_ids=ids[:, p:], cache=cache, use_cache=True)
         return torch.cat([state_hidden, rest.last_hidden_state], dim=1), cached
 
     @torch.inference_mode()
