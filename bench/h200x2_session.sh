@@ -566,6 +566,10 @@ fortyfourth1_queue0)   # ~2,000 s in all, by priority: launch with `wait 540` in
       GPU_SHARE=0.22 PAIRS=200 TIME_LIMIT=20 PORT0=9290 bash bench/paired.sh "$NINE" "lazy=--load-format dummy" \
       "eager=--load-format dummy --cuda-module-loading eager" \
       "eagerasync=--load-format dummy --cuda-module-loading eager --async-scheduling on"
+  # each server's start: time, weights, KV cache and the kernel-loading mode its worker reports
+  for f in "$S"/paired_module_loading/server_*.log; do
+    [ -f "$f" ] && { echo "== $(basename "$f")"; grep -hE "engine up in|Model loading took|Available KV cache memory|CUDA loads kernels|init engine" "$f"; }
+  done >"$S/paired_module_loading/startup.txt" 2>&1
   profiled_9b profile_c64_eager 9232 9b-dummy-bf16-eager-profile-c64 "--load-format dummy --cuda-module-loading eager" \
       64 96,32 330
   mkdir -p "$S/sweep_fp8"
