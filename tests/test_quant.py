@@ -177,6 +177,16 @@ def test_kernel_prediction():
     assert bf16.kernel == "Bf16NvFp4LinearKernel" and bf16.numerics == "W4A16 (weights dequantized to BF16)"
     assert kernels.predict_kernel(schemes.NVFP4_W4A4, "10.0", nvfp4_kernel="bf16").kernel == "Bf16NvFp4LinearKernel"
     assert kernels.predict_kernel(schemes.NVFP4_W4A16, "9.0", nvfp4_kernel="bf16").kernel == "MarlinNvFp4LinearKernel"
+    # --nvfp4-kernel auto: the BF16 GEMMs where vLLM's own would be Marlin (SM75 up to Blackwell), vLLM's from there
+    auto = kernels.predict_kernel(schemes.NVFP4_W4A4, "9.0", nvfp4_kernel="auto")
+    assert auto.kernel == "Bf16NvFp4LinearKernel" and "(--nvfp4-kernel auto;" in auto.description
+    assert kernels.predict_kernel(schemes.NVFP4_W4A4, "10.0", nvfp4_kernel="auto").kernel == \
+        "FlashInferCuteDslNvFp4LinearKernel"
+    assert kernels.predict_kernel(schemes.NVFP4_W4A4, "9.0", nvfp4_kernel="auto",
+                                  linear_backend="emulation").kernel == "EmulationNvFp4LinearKernel"
+    assert [kernels.resolve_nvfp4_kernel("auto", c) for c in (None, "7.0", "7.5", "8.9", "9.0", "10.0", "12.1")] == [
+        "vllm", "vllm", "bf16", "bf16", "bf16", "vllm", "vllm"]
+    assert kernels.resolve_nvfp4_kernel("bf16", "10.0") == "bf16" and kernels.resolve_nvfp4_kernel("vllm", 90) == "vllm"
     assert kernels.predict_kernel(schemes.UNQUANTIZED, "9.0").scheme_class == "UnquantizedLinearMethod"
     assert not kernels.predict_kernel(schemes.FP8_W8A8, "7.0").supported
     assert kernels.parse_capability("sm_90") == kernels.parse_capability(90) == kernels.parse_capability("9.0") == (9, 0)

@@ -123,6 +123,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # NVFP4 layers: vLLM's kernel unless --nvfp4-kernel bf16 (the worker's nvfp4_bf16.install reads the key)
     assert "clef_nvfp4_kernel" not in one.additional_config
     assert engine_kwargs(tiny_release, nvfp4_kernel="bf16")["additional_config"]["clef_nvfp4_kernel"] == "bf16"
+    assert engine_kwargs(tiny_release, nvfp4_kernel="auto")["additional_config"]["clef_nvfp4_kernel"] == "auto"
+    assert "clef_nvfp4_kernel" not in engine_kwargs(tiny_release, nvfp4_kernel="auto", linear_backend="emulation"
+                                                    ).get("additional_config", {})     # auto yields to the backend
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,
                                           prefill_graphs=False, head_graphs=False)).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
@@ -235,6 +238,7 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"nvfp4_kernel": "marlin"}, "'nvfp4_kernel' must be one of"),
                        ({"cuda_module_loading": "EAGER"}, "'cuda_module_loading' must be one of"),
                        # --linear-backend filters vLLM's kernel list down to its own: the two cannot both choose
+                       # (auto yields to it: below)
                        ({"nvfp4_kernel": "bf16", "linear_backend": "emulation"}, "'nvfp4_kernel' 'bf16' chooses")):
         with pytest.raises(OptionError, match=match):
             engine_kwargs(tiny_release, **bad)
@@ -1100,6 +1104,11 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
     assert any("dequantized at load" in line for line in kernel_report(bf16))
     with pytest.raises(ValueError):
         install("marlin")
+    # auto decides by the GPU: with none (this CPU platform) vLLM's own kernel stays first
+    assert install("auto") is False
+    auto = vllm_cpu.load_model(hybrid_checkpoint, additional_config={NVFP4_KERNEL_KEY: "auto"})
+    assert {type(m.scheme.kernel).__name__ for n, m in auto.named_modules() if n in kernels} == {
+        "EmulationNvFp4LinearKernel"}
 
 
 def test_cuda_module_loading_reaches_the_engine_processes_through_their_environment(tiny_release, monkeypatch,

@@ -43,12 +43,13 @@ BATCH_WAIT_KEY = "clef_batch_wait_ms"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"
-#: ``additional_config`` key: ``"bf16"`` runs NVFP4 layers as BF16 GEMMs on weights dequantized at load
-#: (``--nvfp4-kernel bf16``; absent: vLLM's own NVFP4 kernel).
+#: ``additional_config`` key: ``"bf16"`` runs NVFP4 layers as BF16 GEMMs on weights dequantized at load,
+#: ``"auto"`` does so where vLLM's own kernel would be Marlin W4A16 (``--nvfp4-kernel``; absent: vLLM's own NVFP4 kernel).
 NVFP4_KERNEL_KEY = "clef_nvfp4_kernel"
-#: ``--nvfp4-kernel`` values: vLLM's own choice (Marlin W4A16 before Blackwell, native W4A4 from it) or BF16
-#: GEMMs on weights dequantized at load.
-NVFP4_KERNELS = ("vllm", "bf16")
+#: ``--nvfp4-kernel`` values: vLLM's own choice (Marlin W4A16 before Blackwell, native W4A4 from it), BF16
+#: GEMMs on weights dequantized at load, or ``auto``: BF16 GEMMs before Blackwell, vLLM's choice from it
+#: (:func:`clef_vllm.quant.kernels.resolve_nvfp4_kernel`).
+NVFP4_KERNELS = ("vllm", "bf16", "auto")
 
 
 def tell_worker(engine_kwargs: dict, key: str, value) -> None:

@@ -183,8 +183,9 @@ def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
 
 def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
     """NVFP4 layers as BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`) when
-    asked; vLLM's own kernel otherwise."""
-    if opts.nvfp4_kernel != "vllm":
+    asked (``auto``: the worker decides by its GPU), vLLM's own kernel otherwise and whenever
+    ``--linear-backend`` chooses."""
+    if opts.nvfp4_kernel != "vllm" and opts.linear_backend in (None, "auto"):
         tell_worker(kwargs, NVFP4_KERNEL_KEY, opts.nvfp4_kernel)
 
 
@@ -300,9 +301,10 @@ class VllmOptions(_Validated):
                                         "Hopper, slow)", flags=("--linear-backend",), engine="linear_backend",
                                         kind=str)
     nvfp4_kernel: str = option("vllm", "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin "
-                               "W4A16 before Blackwell, native W4A4 from it; default) or 'bf16' (weights dequantized "
+                               "W4A16 before Blackwell, native W4A4 from it; default), 'bf16' (weights dequantized "
                                "to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill "
-                               "sizes, 3.6x the weights' memory; docs/latency.md)", flags=("--nvfp4-kernel",),
+                               "sizes, 3.6x the weights' memory; docs/latency.md) or 'auto' (bf16 where vLLM's would "
+                               "be Marlin, before Blackwell; vllm from Blackwell on)", flags=("--nvfp4-kernel",),
                                engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
@@ -398,7 +400,7 @@ class VllmOptions(_Validated):
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
                             "scope out")
-        if self.nvfp4_kernel != "vllm" and self.linear_backend not in (None, "auto"):
+        if self.nvfp4_kernel == "bf16" and self.linear_backend not in (None, "auto"):
             # --linear-backend filters vLLM's kernel list down to its own kernels
             raise OptionError(f"vllm backend option 'nvfp4_kernel' {self.nvfp4_kernel!r} chooses the NVFP4 kernel "
                               f"itself: leave linear_backend ({self.linear_backend!r}) out or nvfp4_kernel at 'vllm'",

@@ -328,7 +328,7 @@ class VllmBackend(Backend):
             except Exception as exc:  # noqa: BLE001 - a report must never stop the server
                 log.warning("could not resolve quantization schemes: %s", exc)
                 return
-        if self.options.nvfp4_kernel != "vllm" and NVFP4_W4A4 not in kinds:
+        if self.options.nvfp4_kernel == "bf16" and NVFP4_W4A4 not in kinds:
             log.warning("--nvfp4-kernel %s changes nothing here: this checkpoint has no NVFP4 W4A4 layers",
                         self.options.nvfp4_kernel)
         lines = []

@@ -41,6 +41,22 @@ def gpu_family(capability) -> str:
             11: "Blackwell", 12: "Blackwell (consumer)"}.get(major, f"SM{major}{minor}")
 
 
+#: The first compute capability with native NVFP4 W4A4 GEMMs (Blackwell); below it vLLM runs them as Marlin W4A16.
+NATIVE_FP4_MAJOR = 10
+
+
+def resolve_nvfp4_kernel(choice: str, capability) -> str:
+    """``--nvfp4-kernel`` as the kernel it means on a GPU of ``capability`` (``None``: no CUDA GPU): ``"auto"``
+    is ``"bf16"`` where vLLM's own NVFP4 W4A4 kernel is Marlin W4A16 (SM75 up to Blackwell, where the BF16 GEMMs
+    keep Marlin's numerics and are faster at prefill sizes) and ``"vllm"`` elsewhere; other choices are themselves."""
+    if choice != "auto":
+        return choice
+    if capability is None:
+        return "vllm"
+    major, minor = parse_capability(capability)
+    return "bf16" if 75 <= major * 10 + minor and major < NATIVE_FP4_MAJOR else "vllm"
+
+
 def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flashinfer: bool = True,
                    nvfp4_kernel: str = "vllm") -> KernelPrediction:
     """The scheme class and GEMM kernel vLLM 0.28 picks for ``kind`` on a CUDA ``capability``.
@@ -51,11 +67,13 @@ def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flash
     FlashInfer/CUTLASS native W4A4 on SM100+. ``linear_backend="emulation"`` forces the NVFP4
     emulation kernel (true W4A4 numerics, slow). ``flashinfer``: whether FlashInfer is installed.
     ``nvfp4_kernel="bf16"`` (``--nvfp4-kernel``) puts the plugin's kernel before vLLM's for NVFP4 W4A4 layers:
-    BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`).
+    BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`); ``"auto"`` does so where
+    vLLM's own would be Marlin (:func:`resolve_nvfp4_kernel`).
     """
     cap = parse_capability(capability)
     num = cap[0] * 10 + cap[1]
     family = f"{gpu_family(cap)} GPU (SM{num})"
+    asked, nvfp4_kernel = nvfp4_kernel, resolve_nvfp4_kernel(nvfp4_kernel, cap)
     if kind == UNQUANTIZED:
         return KernelPrediction(kind, "UnquantizedLinearMethod", "torch/cuBLAS GEMM", "BF16",
                                 f"unquantized layers run as BF16 GEMMs on this {family}")
@@ -79,7 +97,7 @@ def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flash
         if kind == NVFP4_W4A4 and nvfp4_kernel == "bf16":
             return KernelPrediction(kind, cls, "Bf16NvFp4LinearKernel", "W4A16 (weights dequantized to BF16)",
                                     f"NVFP4 W4A4 runs as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel "
-                                    f"bf16; BF16 activations, the input global scale unused) on this {family}")
+                                    f"{asked}; BF16 activations, the input global scale unused) on this {family}")
         if kind == NVFP4_W4A4 and cap[0] in (10, 11):
             kernel = "FlashInferCuteDslNvFp4LinearKernel" if flashinfer else "CutlassNvFp4LinearKernel"
             return KernelPrediction(kind, cls, kernel, "W4A4",

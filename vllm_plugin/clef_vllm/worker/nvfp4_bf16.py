@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from clef_vllm.contract import NVFP4_KERNELS
+from clef_vllm.quant.kernels import resolve_nvfp4_kernel
 from clef_vllm.quant.numerics import nvfp4_dequantize
 
 log = logging.getLogger("clef_vllm")
@@ -82,16 +83,22 @@ def kernel_class():
 
 
 def install(choice: str) -> bool:
-    """Make this process's NVFP4 layers use :class:`Bf16NvFp4LinearKernel` when ``choice`` is ``"bf16"``,
+    """Make this process's NVFP4 layers use :class:`Bf16NvFp4LinearKernel` when ``choice`` is ``"bf16"`` (or
+    ``"auto"`` on a GPU where vLLM's own would be Marlin: :func:`~clef_vllm.quant.kernels.resolve_nvfp4_kernel`),
     vLLM's own choice otherwise (idempotent either way). ``True`` when the BF16 kernel is first."""
     if choice not in NVFP4_KERNELS:
         raise ValueError(f"unknown NVFP4 kernel {choice!r}: one of {', '.join(NVFP4_KERNELS)}")
+    asked = choice
     from vllm.model_executor.kernels import linear
     from vllm.platforms import current_platform
 
+    if choice == "auto":
+        capability = current_platform.get_device_capability() if current_platform.is_cuda() else None
+        choice = resolve_nvfp4_kernel("auto", None if capability is None else tuple(capability))
+
     registry = getattr(linear, "_POSSIBLE_NVFP4_KERNELS", None)
     if registry is None:                # another vLLM than 0.28: its own choice, unless asked otherwise
-        if choice == "bf16":
+        if asked == "bf16":
             raise RuntimeError("--nvfp4-kernel bf16 needs vLLM 0.28's NVFP4 kernel list (_POSSIBLE_NVFP4_KERNELS)")
         return False
     # the list vLLM's init_nvfp4_linear_kernel reads for this platform (CUDA on the GPU, CPU in the tests)
@@ -100,7 +107,7 @@ def install(choice: str) -> bool:
     kernels[:] = [k for k in kernels if k is not cls]
     if choice == "bf16":
         kernels.insert(0, cls)
-        log.info("clef NVFP4 layers: BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16: W4A16 "
-                 "numerics, 3.6x the packed weights' memory)")
+        log.info("clef NVFP4 layers: BF16 GEMMs on weights dequantized at load (--nvfp4-kernel %s: W4A16 "
+                 "numerics, 3.6x the packed weights' memory)", asked)
         return True
     return False
