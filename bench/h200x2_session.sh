@@ -133,8 +133,8 @@
 #        c=16/64 (the servers' logs hold their start times and memory), the eager server against raw vLLM at
 #        c=16/64 (the target: >= 100 %; 95.5 / 97.5 % lazy) and against itself with async scheduling (c=16/64),
 #        and its engine core profiled at c=64 (no mid-step
-#        kernel loads expected: bench/step_timeline.py --gaps); then fortythird1's FP8 sweep and planned pair
-#        (the sweep failed there) and fortysecond1's FP8 follow-ups with the state cache.
+#        kernel loads expected: bench/step_timeline.py --gaps); then fortysecond1's FP8 follow-ups with the state
+#        cache (its default waits on them) and fortythird1's FP8 sweep and planned pair (the sweep failed there).
 # PLAN=fortythird1 (one GPU; ~2,400 s by priority, the last jobs may be cut; ran in the twenty-third session): first the NVFP4 layers as
 #        BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): the tiny Hybrid's answers against Marlin's
 #        (tests/gpu/fast_paths.py --only nvfp4), the 9B Hybrid served with each, paired (c=1, c=16/64), and in
@@ -572,12 +572,13 @@ fortyfourth1_queue0)   # ~2,000 s in all, by priority: launch with `wait 540` in
   done >"$S/paired_module_loading/startup.txt" 2>&1
   profiled_9b profile_c64_eager 9232 9b-dummy-bf16-eager-profile-c64 "--load-format dummy --cuda-module-loading eager" \
       64 96,32 330
+  # the state cache's last open number before it can be the default: an FP8 follow-up on a cached 16k state
+  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
   mkdir -p "$S/sweep_fp8"
   job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
       --out "$S/sweep_fp8/latency.json"
   planned_pair_fp8
-  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
   touch "$S/all.done"
   log "all done"
   ;;
