@@ -32,9 +32,9 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
     longest_gaps       the step's 8 longest idle gaps of at least 50 µs (printed with --gaps): the kernels
                        before and after each, when the host called the launch of the one after (ms into the
                        gap; negative: it was queued before the gap began) and the host ops that call sat in,
-                       outermost first (the innermost three): what
-                       kept the host from launching sooner (an ``aten::addmm`` holding the host for ms
-                       before its one kernel is a GEMM shape cuBLAS had not seen: its heuristics)
+                       outermost first (the innermost three): what kept the host from launching sooner
+                       (a GEMM op holding the host for ms before its one kernel, ended by a ``Lazy Function
+                       Loading`` event, is CUDA loading a kernel on its first launch: docs/latency.md)
 
     python3 bench/step_timeline.py TRACE [--json OUT.json] [--windows] [--kernels] [--gaps]
 """

@@ -374,8 +374,8 @@ class VllmOptions(_Validated):
                                          maximum=50.0, metavar="MS")
     cuda_module_loading: str | None = option(None, "how CUDA loads kernels in the engine processes: 'lazy' (each on "
                                              "its first launch; that load waits until the GPU has run everything "
-                                             "queued, so a step that meets a GEMM shape cuBLAS has not run stalls "
-                                             "its host for the rest of the step) or 'eager' (every kernel of a "
+                                             "queued, so a step whose GEMM shapes make cuBLAS pick a kernel not used "
+                                             "before stops its host until the GPU drains) or 'eager' (every kernel of a "
                                              "library when it loads: a slower start, more GPU memory). Default: "
                                              "the environment's CUDA_MODULE_LOADING, else lazy (docs/latency.md)",
                                              flags=("--cuda-module-loading",), kind=str, choices=("lazy", "eager"))

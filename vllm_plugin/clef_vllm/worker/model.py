@@ -90,7 +90,7 @@ def kernel_report(model: nn.Module) -> list[str]:
                      "(no native FP4 before Blackwell), and at prefill sizes ~3x slower per layer than FP8 W8A8 "
                      "(measured on an H200: docs/latency.md; --nvfp4-kernel bf16 dequantizes them at load)")
     if any("Bf16NvFp4" in line for line in lines):
-        lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16): "
+        lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16/auto): "
                      "W4A16 numerics, activations stay BF16, the weights take 3.6x their packed memory")
     mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
     lines.append(f"CUDA loads kernels {'eagerly' if mode == 'EAGER' else 'lazily'} in this process "
