@@ -36,6 +36,11 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
                        (a GEMM op holding the host for ms before its one kernel, ended by a ``Lazy Function
                        Loading`` event, is CUDA loading a kernel on its first launch: docs/latency.md)
 
+    lazy_loads         CUDA's lazy kernel loads in the step (the profiler's ``Lazy Function Loading`` events),
+                       each with when it happened and the host op it ended (the innermost one around it: a GEMM
+                       that waited from its call until the GPU drained holds the host that long); printed
+                       with --gaps
+
     python3 bench/step_timeline.py TRACE [--json OUT.json] [--windows] [--kernels] [--gaps]
 """
 
@@ -112,6 +117,20 @@ def longest_gaps(kernels: list[dict], launches: dict, ops: list[dict], n: int = 
     return out
 
 
+LAZY_LOAD = "Lazy Function Loading"
+
+
+def lazy_loads(events: list[dict], ops: list[dict], t0: float, t1: float) -> list[dict]:
+    """CUDA's lazy kernel loads between ``t0`` and ``t1`` (see ``lazy_loads``); ``ops`` are host ops."""
+    out = []
+    for e in sorted((e for e in events if e.get("name") == LAZY_LOAD and t0 <= e["ts"] < t1), key=lambda e: e["ts"]):
+        around = [o for o in ops if o["ts"] <= e["ts"] < o["ts"] + o.get("dur", 0)]
+        inner = min(around, key=lambda o: o.get("dur", 0), default=None)
+        out.append({"at_ms": round((e["ts"] - t0) / 1000, 3), "op": inner["name"][:NAME_CHARS] if inner else None,
+                    "op_ms": round(inner.get("dur", 0) / 1000, 3) if inner else None})
+    return out
+
+
 def top_level(events: list[dict]) -> list[dict]:
     """Events not nested in an earlier one (``events`` sorted by start)."""
     out, end = [], float("-inf")
@@ -149,6 +168,7 @@ def steps(events: list[dict]) -> list[dict]:
                     and (m := STEP.match(e.get("name", ""))) and int(m.group(2)) > 0), key=lambda e: e["ts"])
     host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS + LAUNCH_CATS),
                   key=lambda e: e["ts"])
+    loads = [e for e in events if e.get("ph") == "X" and e.get("name") == LAZY_LOAD]
     gpu_by_corr = defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
@@ -163,6 +183,7 @@ def steps(events: list[dict]) -> list[dict]:
         inside = [e for e in host if t0 <= e["ts"] < t1]
         runtime = [e for e in inside if e.get("cat") in LAUNCH_CATS]
         launched_by = {e.get("args", {}).get("correlation"): e for e in runtime}
+        cpu_ops = [e for e in inside if e.get("cat") == "cpu_op"]
         gpu = kernels_of(runtime)
         launches = [e for e in runtime if e.get("name") == "cudaGraphLaunch"]
         first = launches[0]["ts"] if launches else t1
@@ -194,7 +215,8 @@ def steps(events: list[dict]) -> list[dict]:
                                  - busy_ms(gpu), 3) if gpu else None,
             "gpu_idle_split": idle_split(gpu) if gpu else None,
             "kernels_by_name": by_name(gpu),
-            "longest_gaps": longest_gaps(gpu, launched_by, [e for e in inside if e.get("cat") == "cpu_op"]),
+            "longest_gaps": longest_gaps(gpu, launched_by, cpu_ops),
+            "lazy_loads": lazy_loads(loads, cpu_ops, t0, t1),
         })
     return out
 
@@ -260,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
             for g in r["longest_gaps"]:
                 at = "-" if g["launch_at_ms"] is None else f"{g['launch_at_ms']:.2f}"
                 print(f"  {g['ms']:6.2f}  {g['before']} -> {g['after']}  at {at}  in {' > '.join(g['host_ops']) or '-'}")
+            loads = r["lazy_loads"]
+            print(f"  lazy kernel loads: {len(loads)}" + "".join(
+                f"\n    at {x['at_ms']:.2f} ms, ending {x['op']} ({x['op_ms']:.2f} ms)" if x["op"] else
+                f"\n    at {x['at_ms']:.2f} ms" for x in loads))
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "steps": rows,
                                                "summary": summary(rows)}, indent=1) + "\n")

@@ -942,6 +942,7 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
         x("cuda_runtime", "cudaGraphLaunch", 5000, 2000, corr=2),
         *[x("kernel", f"k{i % 2}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
         x("cpu_op", "aten::addmm", 7400, 700), x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
+        {"ph": "X", "cat": "overhead", "name": "Lazy Function Loading", "ts": 8050, "dur": 40, "pid": -1, "tid": 0},
         x("kernel", "head", 9000, 900, corr=3),
         x("cuda_driver", "cuLaunchKernelEx", 8200, 10, corr=4),       # a Triton kernel, launched by the driver
         x("kernel", "triton_k", 9950, 50, corr=4),
@@ -990,6 +991,9 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert "1-request 400-token step, longest GPU idle gaps" in proc.stdout
     assert "2.82  k1 -> head  at 1.32  in aten::addmm (0.70 ms)" in proc.stdout
+    # CUDA's lazy kernel load at 7.05 ms into the step, inside (ending) the addmm that held the host 0.7 ms
+    assert step["lazy_loads"] == [{"at_ms": 7.05, "op": "aten::addmm", "op_ms": 0.7}]
+    assert "lazy kernel loads: 1\n    at 7.05 ms, ending aten::addmm (0.70 ms)" in proc.stdout
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows", "--kernels"],
                           capture_output=True, text=True, timeout=60)
     assert "1-request 400-token step, GPU time by kernel (12 largest):\n     0.900 ms     1  head" in proc.stdout
