@@ -1104,8 +1104,21 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
     assert any("dequantized at load" in line for line in kernel_report(bf16))
     with pytest.raises(ValueError):
         install("marlin")
-    # auto decides by the GPU: with none (this CPU platform) vLLM's own kernel stays first
+    # auto decides by the GPU: with none (this CPU platform) vLLM's own kernel stays first; on a Hopper GPU
+    # (vLLM's platform says so) the BF16 kernel goes first, on a Blackwell one vLLM's own stays
+    from vllm.model_executor.kernels import linear
+    from vllm.platforms import current_platform
+
+    from clef_vllm.worker.nvfp4_bf16 import kernel_class
+
     assert install("auto") is False
+    for capability, first in (((9, 0), True), ((10, 0), False)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(current_platform, "is_cuda", lambda: True, raising=False)
+            mp.setattr(current_platform, "get_device_capability", lambda *a, c=capability: c, raising=False)
+            assert install("auto") is first, capability
+            assert (linear._POSSIBLE_NVFP4_KERNELS[current_platform._enum][0] is kernel_class()) is first
+    install("vllm")
     auto = vllm_cpu.load_model(hybrid_checkpoint, additional_config={NVFP4_KERNEL_KEY: "auto"})
     assert {type(m.scheme.kernel).__name__ for n, m in auto.named_modules() if n in kernels} == {
         "EmulationNvFp4LinearKernel"}
