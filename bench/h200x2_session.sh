@@ -559,14 +559,10 @@ fortyfourth1_queue0)   # ~2,000 s in all, by priority: launch with `wait 540` in
   # `wait 540` until "all done"
   job nvfp4_tiny 0 480 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
   # lazy vs eager (c=1, c=16/64) and eager vs raw vLLM (c=16/64): three engines at the usual 0.28 of the GPU each
-  # (eager's larger CUDA context comes out of its own share: its KV cache is said in startup.txt)
+  # (eager's larger CUDA context comes out of its own share: its KV cache is in paired.sh's startup.txt)
   job paired_module_loading 0 800 env COMPARE="lazy:eager:short lazy:eager:short:16,64 eager:raw:short:16,64" \
       PAIRS=200 TIME_LIMIT=20 PORT0=9290 bash bench/paired.sh "$NINE" "lazy=--load-format dummy" \
       "eager=--load-format dummy --cuda-module-loading eager"
-  # each server's start: time, weights, KV cache and the kernel-loading mode its worker reports
-  for f in "$S"/paired_module_loading/server_*.log; do
-    [ -f "$f" ] && { echo "== $(basename "$f")"; grep -hE "engine up in|Model loading took|Available KV cache memory|Maximum concurrency|CUDA loads kernels|init engine" "$f"; }
-  done >"$S/paired_module_loading/startup.txt" 2>&1
   profiled_9b profile_c64_eager 9232 9b-dummy-bf16-eager-profile-c64 "--load-format dummy --cuda-module-loading eager" \
       64 96,32 330
   # the state cache's last open number before it can be the default: an FP8 follow-up on a cached 16k state

@@ -16,7 +16,7 @@
 # GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
 # BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
 # $OUT/<A>_vs_<B>_c<CONCURRENCIES>.json/.txt otherwise (e.g. core_vs_step_c16-64), $OUT/server_<NAME>.log,
-# $OUT/paired.log.
+# $OUT/startup.txt (each server's start: seconds to ready, weights, KV cache, kernel lines), $OUT/paired.log.
 set -uo pipefail
 CKPT=${1:?usage: COMPARE="a:b:short" bash bench/paired.sh CKPT NAME=ARGS...}
 shift
@@ -58,6 +58,10 @@ for spec in "$@"; do
     log "server $name did not start:"; tail -20 "$OUT/server_$name.log" >&2; exit 1
   fi
   log "server $name ready on ${URL[$name]} after $((SECONDS - t0))s ($args)"
+  # what each server's start cost and left it: time, weights, KV cache, the worker's kernel lines
+  { echo "== $name: ready after $((SECONDS - t0))s ($args)"
+    grep -hE "engine up in|Model loading took|Available KV cache memory|Maximum concurrency|clef kernels in use|reference backend:" \
+        "$OUT/server_$name.log"; } >>"$OUT/startup.txt"
 done
 
 for entry in $COMPARE; do

@@ -920,6 +920,9 @@ def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_
     assert [v["concurrency"] for v in c2["variants"]] == [2] and c2["variants"][0]["unanswered"] == 0
     log = (tmp_path / "paired.log").read_text()
     assert log.count("x vs y: rc 0") == 2 and "c>1, the servers in turns" in log and "c=1, the same requests" in log
+    startup = (tmp_path / "startup.txt").read_text()          # each server's start, in one place
+    assert startup.count("== x: ready after") == 1 and startup.count("== y: ready after") == 1
+    assert "reference backend:" in startup
 
 
 def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
