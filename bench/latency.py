@@ -248,6 +248,8 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
 
 
 def main() -> int:
+    from clef_vllm.contract import NVFP4_KERNELS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="graphs,nographs")
     ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint (default: a generated 9B-shaped config folder)")
@@ -259,7 +261,7 @@ def main() -> int:
                     help="the engine core in its own process, as in the server (timings only, no profile)")
     ap.add_argument("--sweep", default=None, metavar="LO:HI:STEP",
                     help="modes graphs and step: a bucket at every size LO..HI, each timed alone (bench/bucket_plan.py)")
-    ap.add_argument("--nvfp4-kernel", default="vllm", choices=("vllm", "bf16"),
+    ap.add_argument("--nvfp4-kernel", default="vllm", choices=NVFP4_KERNELS,
                     help="a quantized checkpoint's NVFP4 layers: vLLM's kernel or BF16 GEMMs on weights dequantized "
                          "at load (the server's --nvfp4-kernel; raw mode keeps vLLM's)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)     # child: run one mode, print JSON

@@ -50,6 +50,8 @@ NVFP4_KERNEL_KEY = "clef_nvfp4_kernel"
 #: GEMMs on weights dequantized at load, or ``auto``: BF16 GEMMs before Blackwell, vLLM's choice from it
 #: (:func:`clef_vllm.quant.kernels.resolve_nvfp4_kernel`).
 NVFP4_KERNELS = ("vllm", "bf16", "auto")
+#: ``--nvfp4-kernel``'s default, for the server and for ``clef-load``'s prediction of it.
+DEFAULT_NVFP4_KERNEL = "vllm"
 
 
 def tell_worker(engine_kwargs: dict, key: str, value) -> None:

@@ -19,9 +19,10 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
-                                IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES,
-                                PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY, tell_worker)
+from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS,
+                                HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS,
+                                PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY,
+                                tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -300,7 +301,7 @@ class VllmOptions(_Validated):
     linear_backend: str | None = option(None, "vLLM --linear-backend (e.g. emulation: true W4A4 NVFP4 numerics on "
                                         "Hopper, slow)", flags=("--linear-backend",), engine="linear_backend",
                                         kind=str)
-    nvfp4_kernel: str = option("vllm", "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin "
+    nvfp4_kernel: str = option(DEFAULT_NVFP4_KERNEL, "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin "
                                "W4A16 before Blackwell, native W4A4 from it; default), 'bf16' (weights dequantized "
                                "to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill "
                                "sizes, 3.6x the weights' memory; docs/latency.md) or 'auto' (bf16 where vLLM's would "

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clef_vllm.atomic import write_json
-from clef_vllm.contract import NVFP4_KERNELS
+from clef_vllm.contract import DEFAULT_NVFP4_KERNEL, NVFP4_KERNELS
 from clef_vllm.layout import text_config
 from clef_vllm.quant import kernels as K
 from clef_vllm.quant import schemes as S
@@ -138,7 +138,8 @@ def _dtype_ok(want: str, got: str) -> bool:
 # --------------------------------------------------------------------------- the checks
 
 
-def check_config_only(path: str | Path, capability=None, prefix: str = "model.", nvfp4_kernel: str = "vllm") -> Report:
+def check_config_only(path: str | Path, capability=None, prefix: str = "model.",
+                      nvfp4_kernel: str = DEFAULT_NVFP4_KERNEL) -> Report:
     """Checks that need no weights (a checkpoint whose weights are build outputs): config.json's
     quantization config and per-module schemes, the head config and marker, the kernels."""
     from clef_vllm.checkpoint import HEAD_CONFIG, HEAD_DIR, CheckpointError, check_version_marker
@@ -166,7 +167,7 @@ def check_config_only(path: str | Path, capability=None, prefix: str = "model.",
 
 
 def check_checkpoint(path: str | Path, capability=None, check_values: bool = True, prefix: str = "model.",
-                     nvfp4_kernel: str = "vllm") -> Report:
+                     nvfp4_kernel: str = DEFAULT_NVFP4_KERNEL) -> Report:
     """Run every check on the checkpoint at ``path``; never raises for a bad checkpoint."""
     from safetensors import safe_open
 
@@ -307,7 +308,7 @@ def _check_quantization(report: Report, config: dict, prefix: str) -> list:
     return table
 
 
-def _predict_kernels(report: Report, capability, nvfp4_kernel: str = "vllm") -> None:
+def _predict_kernels(report: Report, capability, nvfp4_kernel: str = DEFAULT_NVFP4_KERNEL) -> None:
     cap = capability if capability is not None else K.cuda_capability()
     assumed = cap is None
     cap = (9, 0) if cap is None else K.parse_capability(cap)
@@ -339,8 +340,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--capability", help="CUDA capability to predict kernels for, e.g. 9.0 (default: this GPU)")
-    ap.add_argument("--nvfp4-kernel", default="vllm", choices=NVFP4_KERNELS,
-                    help="predict for clef-systemone's --nvfp4-kernel (default vllm: vLLM's own NVFP4 kernel)")
+    ap.add_argument("--nvfp4-kernel", default=DEFAULT_NVFP4_KERNEL, choices=NVFP4_KERNELS,
+                    help=f"predict for clef-systemone's --nvfp4-kernel (default {DEFAULT_NVFP4_KERNEL}, as the server's)")
     ap.add_argument("--skip-values", action="store_true", help="do not read tensor values (no non-finite check)")
     ap.add_argument("--prefix", default="model.", help="vLLM module prefix ('model.' for the plugin's class, "
                                                        "'language_model.model.' for vLLM's VL class)")
