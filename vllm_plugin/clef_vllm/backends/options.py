@@ -186,7 +186,7 @@ def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
     """NVFP4 layers as BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`) when
     asked (``auto``: the worker decides by its GPU), vLLM's own kernel otherwise and whenever
     ``--linear-backend`` chooses."""
-    if opts.nvfp4_kernel != "vllm" and opts.linear_backend in (None, "auto"):
+    if opts.nvfp4_kernel != "vllm" and not opts.linear_backend_chosen:
         tell_worker(kwargs, NVFP4_KERNEL_KEY, opts.nvfp4_kernel)
 
 
@@ -301,11 +301,12 @@ class VllmOptions(_Validated):
     linear_backend: str | None = option(None, "vLLM --linear-backend (e.g. emulation: true W4A4 NVFP4 numerics on "
                                         "Hopper, slow)", flags=("--linear-backend",), engine="linear_backend",
                                         kind=str)
-    nvfp4_kernel: str = option(DEFAULT_NVFP4_KERNEL, "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin "
-                               "W4A16 before Blackwell, native W4A4 from it; default), 'bf16' (weights dequantized "
-                               "to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill "
-                               "sizes, 3.6x the weights' memory; docs/latency.md) or 'auto' (bf16 where vLLM's would "
-                               "be Marlin, before Blackwell; vllm from Blackwell on)", flags=("--nvfp4-kernel",),
+    nvfp4_kernel: str = option(DEFAULT_NVFP4_KERNEL,
+                               "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin W4A16 before "
+                               "Blackwell, native W4A4 from it; default), 'bf16' (weights dequantized to BF16 once at "
+                               "load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill sizes, 3.6x the "
+                               "weights' memory; docs/latency.md) or 'auto' (bf16 where vLLM's would be Marlin, before "
+                               "Blackwell; vllm from Blackwell on)", flags=("--nvfp4-kernel",),
                                engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
@@ -375,9 +376,10 @@ class VllmOptions(_Validated):
                                          maximum=50.0, metavar="MS")
     cuda_module_loading: str | None = option(None, "how CUDA loads kernels in the engine processes: 'lazy' (each on "
                                              "its first launch; that load waits until the GPU has run everything "
-                                             "queued, so a step whose GEMM shapes make cuBLAS pick a kernel not used "
-                                             "before stops its host until the GPU drains) or 'eager' (every kernel of a "
-                                             "library when it loads: a slower start, more GPU memory). Default: "
+                                             "queued, so a step whose GEMM shapes make cuBLAS pick a kernel not "
+                                             "used before stops its host until the GPU drains) or 'eager' (every "
+                                             "kernel of a library when it loads: a slower start, more GPU memory). "
+                                             "Default: "
                                              "the environment's CUDA_MODULE_LOADING, else lazy (docs/latency.md)",
                                              flags=("--cuda-module-loading",), kind=str, choices=("lazy", "eager"))
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
@@ -401,8 +403,7 @@ class VllmOptions(_Validated):
             self._no_effect("prefill_graph_scope", f"'gdn_prefill_backend' {self.gdn_prefill_backend!r} (the prefill "
                             "graphs hold the Triton GDN kernels)", "use --gdn-prefill-backend triton or leave the "
                             "scope out")
-        if self.nvfp4_kernel == "bf16" and self.linear_backend not in (None, "auto"):
-            # --linear-backend filters vLLM's kernel list down to its own kernels
+        if self.nvfp4_kernel == "bf16" and self.linear_backend_chosen:
             raise OptionError(f"vllm backend option 'nvfp4_kernel' {self.nvfp4_kernel!r} chooses the NVFP4 kernel "
                               f"itself: leave linear_backend ({self.linear_backend!r}) out or nvfp4_kernel at 'vllm'",
                               "nvfp4_kernel")
@@ -421,6 +422,12 @@ class VllmOptions(_Validated):
     @property
     def resolved_head_dtype(self) -> str:
         return self.head_dtype or self.dtype
+
+    @property
+    def linear_backend_chosen(self) -> bool:
+        """A ``--linear-backend`` other than vLLM's own choice: it filters vLLM's kernel lists down to its
+        kernels, so the plugin's NVFP4 kernel cannot be put first (``bf16`` is refused, ``auto`` yields)."""
+        return self.linear_backend not in (None, "auto")
 
     @property
     def one_engine_process(self) -> bool:

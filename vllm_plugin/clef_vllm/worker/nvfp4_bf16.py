@@ -22,7 +22,8 @@ vLLM picks an NVFP4 kernel per layer from a list in priority order (``_POSSIBLE_
 the engine was started with the option (``additional_config`` key ``NVFP4_KERNEL_KEY``), :func:`install`,
 called from the model's constructor before its layers exist, puts the kernel (:func:`kernel_class`) first
 in this process's list for its platform. Weight-only NVFP4 checkpoints (W4A16, which vLLM always gives
-Marlin) and a ``--linear-backend`` (which filters the list) keep vLLM's choice; the options refuse the latter.
+Marlin) and a ``--linear-backend`` (which filters the list) keep vLLM's choice; the options refuse ``bf16``
+beside one, and ``auto`` yields to it (``VllmOptions.linear_backend_chosen``).
 """
 
 from __future__ import annotations
