@@ -94,6 +94,11 @@ def idle_split(kernels: list[dict]) -> dict:
     return {key: round(ms, 3) for key, ms in split.items()}
 
 
+def ops_around(ops: list[dict], ts: float) -> list[dict]:
+    """The host ``ops`` running at ``ts``, outermost first."""
+    return sorted((e for e in ops if e["ts"] <= ts < e["ts"] + e.get("dur", 0)), key=lambda e: (e["ts"], -e.get("dur", 0)))
+
+
 def longest_gaps(kernels: list[dict], launches: dict, ops: list[dict], n: int = GAPS) -> list[dict]:
     """The ``n`` longest gaps between ``kernels`` of at least :data:`SHORT_GAP_US` (see ``longest_gaps``);
     ``launches`` maps a CUDA correlation id to the host call that launched it, ``ops`` are host ops."""
@@ -110,9 +115,8 @@ def longest_gaps(kernels: list[dict], launches: dict, ops: list[dict], n: int = 
                "after": after.get("name", "")[:NAME_CHARS], "launch_at_ms": None, "host_ops": []}
         if call is not None:
             row["launch_at_ms"] = round((call["ts"] - start) / 1000, 3)
-            around = sorted((e for e in ops if e["ts"] <= call["ts"] < e["ts"] + e.get("dur", 0)),
-                            key=lambda e: (e["ts"], -e.get("dur", 0)))
-            row["host_ops"] = [f"{e['name'][:NAME_CHARS]} ({e.get('dur', 0) / 1000:.2f} ms)" for e in around[-GAP_OPS:]]
+            row["host_ops"] = [f"{e['name'][:NAME_CHARS]} ({e.get('dur', 0) / 1000:.2f} ms)"
+                               for e in ops_around(ops, call["ts"])[-GAP_OPS:]]
         out.append(row)
     return out
 
@@ -124,8 +128,7 @@ def lazy_loads(events: list[dict], ops: list[dict], t0: float, t1: float) -> lis
     """CUDA's lazy kernel loads between ``t0`` and ``t1`` (see ``lazy_loads``); ``ops`` are host ops."""
     out = []
     for e in sorted((e for e in events if e.get("name") == LAZY_LOAD and t0 <= e["ts"] < t1), key=lambda e: e["ts"]):
-        around = [o for o in ops if o["ts"] <= e["ts"] < o["ts"] + o.get("dur", 0)]
-        inner = min(around, key=lambda o: o.get("dur", 0), default=None)
+        inner = min(ops_around(ops, e["ts"]), key=lambda o: o.get("dur", 0), default=None)
         out.append({"at_ms": round((e["ts"] - t0) / 1000, 3), "op": inner["name"][:NAME_CHARS] if inner else None,
                     "op_ms": round(inner.get("dur", 0) / 1000, 3) if inner else None})
     return out
