@@ -16,6 +16,8 @@ Servers used (started in parallel, once per module):
 * ``timeouts``: ``--request-timeout 1`` and the same hold hook (a held request always times out);
 * ``dying`` / ``dying_load``: a stand-in engine process (``engine_pid_file``) that the tests kill
   while serving / while loading; ``slow_load``: ``--load-timeout 1`` with the load held;
+  ``stopped_load``: SIGTERM while the load is held; ``slow_load`` and ``stopped_load`` have a
+  stand-in engine too, which must not outlive them;
 * ``corrupt-*``: checkpoints with a damaged file; the CLI must refuse to start and name the file.
 
 Nothing here asserts on durations: waits poll a state (``/metrics``, ``/health``, a log line) with
@@ -109,7 +111,10 @@ def servers(request, tiny_release, cache_dir, tmp_path_factory):
         "dying": LiveServer(model, env={"CLEF_VLLM_FAULTS": f"hold_dir={holds},engine_pid_file={tmp / 'engine.pid'}"}),
         "dying_load": LiveServer(model, env={"CLEF_VLLM_LOAD_GATE": str(never),
                                              "CLEF_VLLM_FAULTS": f"engine_pid_file={tmp / 'load-engine.pid'}"}),
-        "slow_load": LiveServer(model + ["--load-timeout", "1"], env={"CLEF_VLLM_LOAD_GATE": str(never)}),
+        "slow_load": LiveServer(model + ["--load-timeout", "1"], env={
+            "CLEF_VLLM_LOAD_GATE": str(never), "CLEF_VLLM_FAULTS": f"engine_pid_file={tmp / 'slow-engine.pid'}"}),
+        "stopped_load": LiveServer(model, env={"CLEF_VLLM_LOAD_GATE": str(never),
+                                               "CLEF_VLLM_FAULTS": f"engine_pid_file={tmp / 'stopped-engine.pid'}"}),
         "timeouts": LiveServer(model + ["--request-timeout", "1"], env={"CLEF_VLLM_FAULTS": f"hold_dir={holds}"}),
     }
     corrupt = corrupt_variants(tiny_release, tmp)
@@ -907,10 +912,38 @@ def test_engine_death_while_loading_exits_non_zero(servers):
     assert "could not load the model: engine process" in server.log()
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def test_a_load_that_never_finishes_hits_the_load_timeout(servers):
     server: LiveServer = servers["slow_load"]
     assert server.proc.wait(timeout=120) == 1
-    assert "the model did not load within 1 s (--load-timeout)" in server.log()
+    log = server.log()
+    assert "the model did not load within 1 s (--load-timeout)" in log
+    # the engine process the abandoned load had started does not outlive the server
+    assert not running(int((servers["tmp"] / "slow-engine.pid").read_text())), log
+
+
+def test_sigterm_while_loading_stops_the_engine_process_the_load_started(servers):
+    """The stand-in is forked from the loading thread, as vLLM forks its engine cores, so it would
+    inherit the server's drain handler and ignore SIGTERM: the server leaves no engine behind, and
+    a plain SIGTERM is enough to stop it (no kill after the grace period)."""
+    server: LiveServer = servers["stopped_load"]
+    pid_file = servers["tmp"] / "stopped-engine.pid"
+    wait_until(lambda: pid_file.exists() and health_code(server) == 503, "loading with an engine process")
+    pid = int(pid_file.read_text())
+    assert running(pid)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0
+    log = server.log()
+    assert not running(pid), log
+    assert f"still running at exit: EngineCoreStandIn (pid {pid}); sending SIGTERM" in log
+    assert "after SIGTERM: killed" not in log and "Traceback" not in log
 
 
 @pytest.mark.parametrize("name", ["shard", "head", "tokenizer"])
@@ -927,6 +960,27 @@ def test_a_corrupted_checkpoint_file_refuses_to_start_naming_the_file(servers, n
 
 
 # --------------------------------------------------------------------------- units behind the server
+
+
+CHILD_SIGNALS = """
+import multiprocessing, signal, sys, time
+from clef_vllm.server.children import default_signals_in_forked_children, stop_children
+signal.signal(signal.SIGTERM, lambda *_: None)      # a handler that ignores SIGTERM, as a drain handler in a child
+if sys.argv[1] == "reset":
+    default_signals_in_forked_children()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), name="child")
+child.start()
+print(stop_children(grace_s=2)[0].split(": ")[1])
+"""
+
+
+@pytest.mark.parametrize("mode,outcome", [("reset", "exited (-15)"), ("inherit", "killed")])
+def test_forked_children_start_with_default_signals_and_are_stopped_at_exit(mode, outcome):
+    """With the reset a forked child dies of SIGTERM at once; without it, it keeps its parent's
+    handler, ignores SIGTERM and is killed after the grace period. Either way none is left."""
+    run = subprocess.run([sys.executable, "-c", CHILD_SIGNALS, mode], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == outcome
 
 
 def test_api_keys_come_from_flags_or_the_environment():

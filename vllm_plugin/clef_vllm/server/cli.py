@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from clef_vllm.backends import make_backend, resolve_backend, vllm_usable
     from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
     from clef_vllm.server.app import create_app
+    from clef_vllm.server.children import default_signals_in_forked_children, stop_children
     from clef_vllm.server.connection import ConnectionRules, protocol_class
     from clef_vllm.server.faults import wrap_load
     from clef_vllm.server.settings import ServerSettings
@@ -269,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                             http=protocol_class(rules), timeout_keep_alive=settings.keep_alive_timeout_s,
                             timeout_graceful_shutdown=1)
     server = DrainingServer(config, app.state.clef)
+    default_signals_in_forked_children()      # the engine processes must not inherit the drain handler
     server.run()
+    stop_children()                           # e.g. an engine still starting when the server was stopped
     failure = (f"could not load the model: {load_failure[0]}" if load_failure else
                f"the engine failed while serving: {engine_failure[0]}" if engine_failure else None)
     code = 0

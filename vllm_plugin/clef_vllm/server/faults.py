@@ -6,8 +6,8 @@
 
   - ``hold_dir=DIR``: a decision whose question ids include ``hold.NAME`` stays in the engine
     until ``DIR/NAME`` exists (deterministic in-flight, queue-full, timeout and drain states);
-  - ``engine_pid_file=PATH``: start a stand-in "engine process" (a child that idles) and write its
-    pid to PATH. Killing it makes the backend dead, as when vLLM's engine core dies: health
+  - ``engine_pid_file=PATH``: start a stand-in "engine process" (a child forked from the loading
+    thread, as vLLM forks its engine cores, that idles) and write its pid to PATH. Killing it makes the backend dead, as when vLLM's engine core dies: health
     checks and decisions raise :class:`BackendDeadError`. Killed while the load is held by
     ``CLEF_VLLM_LOAD_GATE``, it makes the load fail, as vLLM's start-up handshake does;
   - ``load_fail``: the load raises after the gate (a model that never comes up);
@@ -21,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
-import sys
+import multiprocessing
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -47,24 +46,43 @@ def parse_faults(text: str | None) -> dict[str, str]:
     return out
 
 
+#: A stand-in engine whose server is gone exits after this many seconds (a test run killed outright
+#: leaves nothing behind for long); a server that stops its children does so within seconds.
+ORPHAN_EXIT_S = 30.0
+
+
+def _idle_like_an_engine(parent: int) -> None:
+    """The stand-in's life: Python idling with the signal handlers a fork leaves it, like vLLM's
+    engine core while it starts (vLLM installs its own handlers only once the engine is up)."""
+    orphaned = None
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent:
+            orphaned = orphaned or time.monotonic()
+            if time.monotonic() - orphaned > ORPHAN_EXIT_S:
+                os._exit(0)
+
+
 class EngineStandIn:
-    """A child process playing the engine: the backend is dead once it exits."""
+    """A child process playing the engine: the backend is dead once it exits. Forked through
+    ``multiprocessing`` from the loading thread, as vLLM starts its engine cores."""
 
     def __init__(self, pid_file: str):
-        code = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent:\n    time.sleep(0.2)\n"
-        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        self.proc = multiprocessing.get_context("fork").Process(
+            target=_idle_like_an_engine, args=(os.getpid(),), name="EngineCoreStandIn", daemon=False)
+        self.proc.start()
         Path(pid_file).write_text(str(self.proc.pid))
         log.info("fault hook: stand-in engine process pid %d", self.proc.pid)
 
     def check(self) -> None:
-        code = self.proc.poll()
+        code = self.proc.exitcode
         if code is not None:
             raise BackendDeadError(f"engine process {self.proc.pid} exited with code {code}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.exitcode is None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.join()
 
 
 def wrap_load(load: Callable[[], Backend], environ=os.environ) -> Callable[[], Backend]:
