@@ -216,7 +216,17 @@ job() {  # job NAME GPUS LIMIT_S CMD... : runs CMD with OUT=$S/NAME, records rc 
   if [ -n "${DRY:-}" ]; then
     sleep 1; echo "dry: $*" >"$S/$name/job.log"; rc=0
   else
-    OUT=$S/$name CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" "$@" >"$S/$name/job.log" 2>&1; rc=$?
+    # its own process group (setsid: pid = group id), so whatever it leaves running goes with it and the next
+    # job gets a clean GPU (the twenty-fourth session lost a job to an engine its stopped server had left)
+    OUT=$S/$name CUDA_VISIBLE_DEVICES=$gpus setsid timeout -k 20 "$limit" "$@" >"$S/$name/job.log" 2>&1 &
+    local pid=$! left
+    wait "$pid"; rc=$?
+    left=$(pgrep -g "$pid" | tr '\n' ' ')
+    if [ -n "$left" ]; then
+      log "job $name left processes running (pids $left): killed"
+      kill -9 -- "-$pid" 2>/dev/null
+      sleep 2
+    fi
   fi
   echo "{\"job\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"command\": \"$*\"}" >"$S/$name/rc.json"
   log "end $name rc=$rc after $((SECONDS - t0))s"
