@@ -120,10 +120,11 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # the GDN metadata memo: on unless told (the worker reads an explicit False)
     assert "clef_gdn_metadata_memo" not in one.additional_config
     assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
-    # NVFP4 layers: vLLM's kernel unless --nvfp4-kernel bf16 (the worker's nvfp4_bf16.install reads the key)
-    assert "clef_nvfp4_kernel" not in one.additional_config
+    # NVFP4 layers: auto unless told (the worker's nvfp4_bf16.install reads the key and resolves auto by its GPU);
+    # vLLM's own kernel with --nvfp4-kernel vllm
+    assert one.additional_config["clef_nvfp4_kernel"] == "auto"
+    assert "clef_nvfp4_kernel" not in engine_kwargs(tiny_release, nvfp4_kernel="vllm")["additional_config"]
     assert engine_kwargs(tiny_release, nvfp4_kernel="bf16")["additional_config"]["clef_nvfp4_kernel"] == "bf16"
-    assert engine_kwargs(tiny_release, nvfp4_kernel="auto")["additional_config"]["clef_nvfp4_kernel"] == "auto"
     assert "clef_nvfp4_kernel" not in engine_kwargs(tiny_release, nvfp4_kernel="auto", linear_backend="emulation"
                                                     ).get("additional_config", {})     # auto yields to the backend
     off = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, state_cache=False,

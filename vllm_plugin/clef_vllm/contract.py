@@ -51,7 +51,7 @@ NVFP4_KERNEL_KEY = "clef_nvfp4_kernel"
 #: (:func:`clef_vllm.quant.kernels.resolve_nvfp4_kernel`).
 NVFP4_KERNELS = ("vllm", "bf16", "auto")
 #: ``--nvfp4-kernel``'s default, for the server and for ``clef-load``'s prediction of it.
-DEFAULT_NVFP4_KERNEL = "vllm"
+DEFAULT_NVFP4_KERNEL = "auto"
 
 
 def tell_worker(engine_kwargs: dict, key: str, value) -> None:

@@ -302,11 +302,11 @@ class VllmOptions(_Validated):
                                         "Hopper, slow)", flags=("--linear-backend",), engine="linear_backend",
                                         kind=str)
     nvfp4_kernel: str = option(DEFAULT_NVFP4_KERNEL,
-                               "how a checkpoint's NVFP4 W4A4 layers run: 'vllm' (vLLM's kernel: Marlin W4A16 before "
-                               "Blackwell, native W4A4 from it; default), 'bf16' (weights dequantized to BF16 once at "
-                               "load, BF16 GEMMs: Marlin's W4A16 numerics without its cost at prefill sizes, 3.6x the "
-                               "weights' memory; docs/latency.md) or 'auto' (bf16 where vLLM's would be Marlin, before "
-                               "Blackwell; vllm from Blackwell on)", flags=("--nvfp4-kernel",),
+                               "how a checkpoint's NVFP4 W4A4 layers run: 'auto' (default: bf16 where vLLM's kernel "
+                               "would be Marlin, before Blackwell; vllm from Blackwell on), 'vllm' (vLLM's kernel: "
+                               "Marlin W4A16 before Blackwell, native W4A4 from it; the least memory) or 'bf16' "
+                               "(weights dequantized to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without "
+                               "its cost at prefill sizes, 3.6x the weights' memory; docs/latency.md)", flags=("--nvfp4-kernel",),
                                engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",

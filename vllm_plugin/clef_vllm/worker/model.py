@@ -88,7 +88,8 @@ def kernel_report(model: nn.Module) -> list[str]:
     if any("MarlinNvFp4" in line for line in lines):
         lines.append("NVFP4 W4A4 layers run as Marlin W4A16 on this GPU: weights only, activations stay BF16 "
                      "(no native FP4 before Blackwell), and at prefill sizes ~3x slower per layer than FP8 W8A8 "
-                     "(measured on an H200: docs/latency.md; --nvfp4-kernel bf16 dequantizes them at load)")
+                     "(measured on an H200: docs/latency.md; --nvfp4-kernel vllm or a --linear-backend chose this; the "
+                     "default, auto, dequantizes them at load instead)")
     if any("Bf16NvFp4" in line for line in lines):
         lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16/auto): "
                      "W4A16 numerics, activations stay BF16, the weights take 3.6x their packed memory")
