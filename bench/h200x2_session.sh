@@ -127,7 +127,14 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyfourth1 (one GPU; ~2,000 s by priority, the last jobs may be cut; not run yet): the tiny Hybrid's answers
+# PLAN=fortyfifth1 (one GPU; ~1,700 s by priority, the last jobs may be cut; not run yet): first the state cache's
+#        FP8 follow-up on a cached 16k state (its default waits on it; cut by a leftover engine in the twenty-fourth
+#        session); then --gemm-warmup on (the head's GEMM kernels loaded at the first step) paired against off at
+#        c=16/64 and against raw vLLM at c=16/64 (the target: >= 100 %; 95.5 / 97.5 % without), its engine core
+#        profiled at c=64 (lazy loads per step: bench/step_timeline.py --gaps); then warm-up with and without
+#        async scheduling (c=16/64); last fortythird1's FP8 sweep and planned pair.
+# PLAN=fortyfourth1 (one GPU; ~2,000 s by priority, the last jobs may be cut; ran in the twenty-fourth session: eager
+#        loading could not start in time, --cuda-module-loading removed): the tiny Hybrid's answers
 #        with --nvfp4-kernel bf16 against Marlin's (fortythird1's check, which ran out of time); then CUDA's kernel
 #        loading: the 9B BF16 server with --cuda-module-loading eager paired against the default (lazy) at c=1 and
 #        c=16/64 (the servers' logs hold their start times and memory), the eager server against raw vLLM at
@@ -562,6 +569,24 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortyfifth1_queue0)   # ~1,700 s in all, by priority: launch with `wait 540` in the staging's last call, then
+  # `wait 540` until "all done"
+  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
+      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
+  job paired_gemm_warmup 0 700 env COMPARE="off:on:short:16,64 on:raw:short:16,64" PAIRS=200 TIME_LIMIT=20 \
+      PORT0=9300 bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --gemm-warmup on"
+  profiled_9b profile_c64_warm 9233 9b-dummy-bf16-gemmwarm-profile-c64 "--load-format dummy --gemm-warmup on" \
+      64 96,32 330
+  job paired_warm_async 0 500 env COMPARE="on:onasync:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9305 \
+      bash bench/paired.sh "$NINE" "on=--load-format dummy --gemm-warmup on" \
+      "onasync=--load-format dummy --gemm-warmup on --async-scheduling on"
+  mkdir -p "$S/sweep_fp8"
+  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
+      --out "$S/sweep_fp8/latency.json"
+  planned_pair_fp8
   touch "$S/all.done"
   log "all done"
   ;;

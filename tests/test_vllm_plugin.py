@@ -237,7 +237,6 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"batch_wait_ms": 2, "engine_core": "thread"}, "'batch_wait_ms' is for one engine in its own"),
                        ({"batch_wait_ms": 60}, "'batch_wait_ms' must be <= 50"),
                        ({"nvfp4_kernel": "marlin"}, "'nvfp4_kernel' must be one of"),
-                       ({"cuda_module_loading": "EAGER"}, "'cuda_module_loading' must be one of"),
                        # --linear-backend filters vLLM's kernel list down to its own: the two cannot both choose
                        # (auto yields to it: below)
                        ({"nvfp4_kernel": "bf16", "linear_backend": "emulation"}, "'nvfp4_kernel' 'bf16' chooses")):
@@ -909,7 +908,6 @@ def test_fused_scale_fix_from_the_refusal_message_makes_the_checkpoint_load(hybr
 
 def test_importing_the_plugin_keeps_cuda_checks_fork_safe():
     """torch.cuda.is_available() must go through NVML: cudaGetDeviceCount poisons vLLM's fork."""
-    import os
 
     import clef_vllm  # noqa: F401
 
@@ -1123,35 +1121,6 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
     auto = vllm_cpu.load_model(hybrid_checkpoint, additional_config={NVFP4_KERNEL_KEY: "auto"})
     assert {type(m.scheme.kernel).__name__ for n, m in auto.named_modules() if n in kernels} == {
         "EmulationNvFp4LinearKernel"}
-
-
-def test_cuda_module_loading_reaches_the_engine_processes_through_their_environment(tiny_release, monkeypatch,
-                                                                                      capsys):
-    """``--cuda-module-loading``: not an engine argument but ``CUDA_MODULE_LOADING`` in the environment the engine
-    processes inherit, set before they start; left alone by default; refused where it could not take effect (CUDA
-    already up in this process with the other mode: the engine-thread core would inherit that); said by the
-    worker's kernel report."""
-    from clef_vllm.backends.vllm_backend import EngineError, engine_kwargs, set_module_loading
-    from clef_vllm.server.cli import build_parser
-
-    assert "cuda_module_loading" not in engine_kwargs(tiny_release, cuda_module_loading="eager")
-    parser = build_parser()
-    assert parser.parse_args(["--model", str(tiny_release), "--cuda-module-loading", "eager"]).cuda_module_loading == "eager"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--model", str(tiny_release), "--cuda-module-loading", "early"])
-    assert "--cuda-module-loading: invalid choice" in capsys.readouterr().err
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
-    set_module_loading(None)                                   # the default leaves the environment alone
-    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
-    monkeypatch.delenv("CUDA_MODULE_LOADING")
-    set_module_loading(None)
-    assert "CUDA_MODULE_LOADING" not in os.environ
-    set_module_loading("eager")
-    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    set_module_loading("eager")                                # what this process already has: fine
-    with pytest.raises(EngineError, match="CUDA is already up in this process with EAGER loading"):
-        set_module_loading("lazy")
 
 
 def test_nvfp4_kernel_bf16_on_a_checkpoint_without_nvfp4_layers_says_it_changes_nothing(tiny_release, caplog,

@@ -40,6 +40,9 @@ IDLE_CLEANUP_KEY = "clef_idle_cleanup_step"
 #: ``additional_config`` key: milliseconds an idle engine may hold new requests to batch them
 #: (``--batch-wait-ms``; absent: none).
 BATCH_WAIT_KEY = "clef_batch_wait_ms"
+#: ``additional_config`` key: ``True`` has the first step that reaches the joint head run its GEMM shapes over a
+#: grid of row counts, so CUDA loads their kernels then (``--gemm-warmup on``; absent: off).
+GEMM_WARMUP_KEY = "clef_gemm_warmup"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS,
+from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS,
                                 HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS,
                                 PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY,
                                 tell_worker)
@@ -190,6 +190,12 @@ def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
         tell_worker(kwargs, NVFP4_KERNEL_KEY, opts.nvfp4_kernel)
 
 
+def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
+    """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) when asked."""
+    if opts.gemm_warmup:
+        tell_worker(kwargs, GEMM_WARMUP_KEY, True)
+
+
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
@@ -342,6 +348,10 @@ class VllmOptions(_Validated):
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
                                      flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
+    gemm_warmup: bool = option(False, "at the first step, run the joint head's GEMM shapes over a grid of row counts "
+                               "so CUDA loads their kernels then, not mid-step later, when a first-time kernel "
+                               "waits for the GPU to drain (default off until measured; docs/latency.md)",
+                               flags=("--gemm-warmup",), engine=_gemm_warmup, kind=bool)
     state_cache: bool = option(False, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
                                "of cached prefixes; reference: the backbone's cache at the end of each state; "
                                "default off until its benchmarks are in; docs/state-cache.md)",
@@ -374,14 +384,6 @@ class VllmOptions(_Validated):
                                          "never; docs/latency.md)",
                                          flags=("--batch-wait-ms",), engine=_batch_wait, kind=float, minimum=0.0,
                                          maximum=50.0, metavar="MS")
-    cuda_module_loading: str | None = option(None, "how CUDA loads kernels in the engine processes: 'lazy' (each on "
-                                             "its first launch; that load waits until the GPU has run everything "
-                                             "queued, so a step whose GEMM shapes make cuBLAS pick a kernel not "
-                                             "used before stops its host until the GPU drains) or 'eager' (every "
-                                             "kernel of a library when it loads: a slower start, more GPU memory). "
-                                             "Default: "
-                                             "the environment's CUDA_MODULE_LOADING, else lazy (docs/latency.md)",
-                                             flags=("--cuda-module-loading",), kind=str, choices=("lazy", "eager"))
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 

@@ -196,21 +196,6 @@ def linear_method(files, opts: VllmOptions) -> str | None:
     return (files.quantization_config or {}).get("quant_method") or opts.quantization
 
 
-def set_module_loading(mode: str | None) -> None:
-    """``--cuda-module-loading``: set ``CUDA_MODULE_LOADING`` for the engine processes started from now on
-    (they inherit this environment; torch sets ``LAZY`` only where the variable is unset). ``None`` leaves
-    the environment as it is. A mode that cannot reach the engine (its core in this process, whose CUDA is
-    already up) is an :class:`EngineError`, not a silent no-op."""
-    if mode is None:
-        return
-    want = mode.upper()
-    if os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != want and torch.cuda.is_initialized():
-        raise EngineError(f"--cuda-module-loading {mode}: CUDA is already up in this process with "
-                          f"{os.environ.get('CUDA_MODULE_LOADING', 'LAZY')} loading; set CUDA_MODULE_LOADING={want} "
-                          "before it starts")
-    os.environ["CUDA_MODULE_LOADING"] = want
-
-
 def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **kwargs: Any) -> dict:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable):
     :data:`FIXED_ENGINE_SETTINGS` + what the options produce (:func:`~clef_vllm.backends.options.engine_args`).
@@ -283,7 +268,6 @@ class VllmBackend(Backend):
         if torch.cuda.is_initialized() and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             # Engine processes cannot be forked from a process that already holds a CUDA context.
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        set_module_loading(self.options.cuda_module_loading)
         kwargs = dict(self.kwargs)
         if self._profile is not None:
             from vllm.config import ProfilerConfig

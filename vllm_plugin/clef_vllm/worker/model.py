@@ -29,7 +29,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import (GDN_MEMO_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, NVFP4_KERNEL_KEY,
+from clef_vllm.contract import (GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, NVFP4_KERNEL_KEY,
                                 PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
@@ -95,7 +95,7 @@ def kernel_report(model: nn.Module) -> list[str]:
                      "W4A16 numerics, activations stay BF16, the weights take 3.6x their packed memory")
     mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
     lines.append(f"CUDA loads kernels {'eagerly' if mode == 'EAGER' else 'lazily'} in this process "
-                 f"(CUDA_MODULE_LOADING={mode}; --cuda-module-loading)")
+                 f"(CUDA_MODULE_LOADING={mode})")
     return lines
 
 
@@ -141,7 +141,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         else:
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
         self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config),
-                                 self._head_graphs(vllm_config))
+                                 self._head_graphs(vllm_config), self._gemm_warmup_rows(vllm_config))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
@@ -184,6 +184,16 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             log.info("clef %s graphs: off (no CUDA device)", name)
             return None
         return setting
+
+    @staticmethod
+    def _gemm_warmup_rows(vllm_config: VllmConfig) -> int | None:
+        """``--gemm-warmup``: the most rows a step gives the head's GEMMs (a step's tokens to the memory
+        projection; the memory rows of the requests it finishes to the attentions), else ``None``."""
+        if not worker_setting(vllm_config, GEMM_WARMUP_KEY):
+            return None
+        rows = max(vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.model_config.max_model_len)
+        log.info("clef GEMM warm-up: the first step runs the head's GEMM shapes at row counts up to %d", rows)
+        return rows
 
     def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
         """The joint head's graph runner when the backend asked for it (CUDA only)."""

@@ -33,6 +33,7 @@ from clef_vllm.head import JointSchemaHead
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
 from clef_vllm.worker import state_cache
+from clef_vllm.worker.gemm_warmup import warm_gemm_kernels
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 
 log = logging.getLogger("clef_vllm")
@@ -90,13 +91,16 @@ class ClefPooler(Pooler):
     """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.features`."""
 
     def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None,
-                 head_graphs: HeadGraphRunner | None = None):
+                 head_graphs: HeadGraphRunner | None = None, gemm_warmup_rows: int | None = None):
         super().__init__()
         # Plain references: the head and the table are registered on the model itself.
         object.__setattr__(self, "_head", head)
         object.__setattr__(self, "_table", table)
         self._cache_settings = state_cache_settings
         self.head_graphs = head_graphs
+        #: ``--gemm-warmup``: the most rows a step gives the head's GEMMs, until the first real step on a GPU
+        #: has run them over a grid of row counts (:mod:`clef_vllm.worker.gemm_warmup`); then ``None``.
+        self.gemm_warmup_rows = gemm_warmup_rows
 
     def side_cache(self, device) -> state_cache.SideCache | None:
         """This worker's side cache when the state cache is on (made at the first call)."""
@@ -193,6 +197,14 @@ class ClefPooler(Pooler):
 
     forward = trace.phased(trace.PHASE_HEAD, forward)
 
+    def _warm_gemms(self, device) -> None:
+        """Once, before the first real step's head (vLLM's profiling runs, synthetic, come earlier and may
+        not spend memory on it); only on a GPU outside a graph capture."""
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        rows, self.gemm_warmup_rows = self.gemm_warmup_rows, None
+        warm_gemm_kernels(self._head, rows, self._head.dtype, device)
+
     def _forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
         cursor = pooling_metadata.get_pooling_cursor()
         scheduled = cursor.num_scheduled_tokens_cpu.tolist()
@@ -215,6 +227,8 @@ class ClefPooler(Pooler):
             elif acc is None and done:
                 out[i] = torch.full((1,), float("nan"), device=device)
             offset += n
+        if self.gemm_warmup_rows and pieces and not any(acc.synthetic for acc, *_ in pieces):
+            self._warm_gemms(device)
         accumulate(self._head, hidden_states, pieces)
         if cache is not None:              # after every read of this step (the scheduler's grants)
             for acc, *_ in pieces:

@@ -1,0 +1,84 @@
+"""``--gemm-warmup`` (clef_vllm/worker/gemm_warmup.py): the head's GEMM shapes over a grid of row counts.
+
+Whether it removes CUDA's mid-step kernel loads is a GPU measurement (bench/step_timeline.py --gaps on a
+profiled step); here: the grid, that the shapes it runs are every GEMM shape the head's real work issues
+(the eager head and the per-token stage, recorded at the aten level), that it runs them all, and that the
+option reaches the worker.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from clef_vllm.features import decide_records
+from clef_vllm.tables import DenseTable
+from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
+from clef_vllm.worker.gemm_warmup import ROW_RATIO, linear_shapes, row_grid, warm_gemm_kernels
+
+
+class GemmShapes(TorchDispatchMode):
+    """Records ``(in_features, out_features, rows)`` of every GEMM (``mm``, ``addmm``, ``linear``) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            a, b = args[0], args[1]
+            self.seen.append((b.shape[0], b.shape[1], a.shape[0]))
+        elif func is torch.ops.aten.addmm.default:
+            a, b = args[1], args[2]
+            self.seen.append((b.shape[0], b.shape[1], a.shape[0]))
+        elif func is torch.ops.aten.linear.default:      # under inference_mode linear is not decomposed
+            x, w = args[0], args[1]
+            self.seen.append((w.shape[1], w.shape[0], x.numel() // x.shape[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_row_grid_covers_one_to_max_geometrically():
+    grid = row_grid(16384)
+    assert grid[0] == 1 and grid[-1] == 16384 and grid == sorted(set(grid))
+    assert all(b / a <= ROW_RATIO + 0.5 / a + 1e-9 or b == a + 1 or b == 16384 for a, b in zip(grid, grid[1:]))
+    assert len(grid) < 100                       # ~90 row counts to 16k: a second or so of GEMMs on a GPU
+    assert row_grid(1) == [1] and row_grid(3) == [1, 2, 3]
+
+
+def test_the_warmup_runs_every_gemm_shape_the_head_issues():
+    """Several records of different sizes through the per-token stage and the eager head: every (in, out)
+    of their GEMMs is among the warm-up's shapes, and the warm-up runs each at every grid row count."""
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    rng = random.Random(5)
+    records = [random_record(rng, rng.randint(1, 4), rng.randint(40, 90), SMALL.hidden_size) for _ in range(3)]
+    with GemmShapes() as real:
+        decide_records(head, table, finished(head, records), None)
+    shapes = linear_shapes(head)
+    assert {(i, o) for i, o, _ in real.seen} <= {(i, o) for i, o, _ in shapes}
+    # the attentions see the records' memory padded to the longest: up to records x longest rows
+    assert max(rows for *_, rows in real.seen) == len(records) * max(r[0].shape[0] for r in records)
+    with GemmShapes() as warm:
+        report = warm_gemm_kernels(head, 256, head.dtype, "cpu")
+    grid = row_grid(256)
+    assert report == {**report, "shapes": len(shapes), "row_counts": len(grid), "gemms": len(shapes) * len(grid)}
+    assert sorted(warm.seen) == sorted((i, o, m) for i, o, _ in shapes for m in grid)
+
+
+def test_linear_shapes_include_the_packed_attention_projections():
+    head = random_head(SMALL)
+    shapes = linear_shapes(head)
+    width = SMALL.width
+    assert (width, width, True) in shapes                      # the attentions' q/k/v (and out_proj)
+    assert (SMALL.hidden_size, width, False) in shapes         # the memory projection
+    assert len(shapes) == len(set(shapes))
+
+
+def test_gemm_warmup_reaches_the_worker_only_when_asked(tiny_release):
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.contract import GEMM_WARMUP_KEY
+
+    assert GEMM_WARMUP_KEY not in engine_kwargs(tiny_release).get("additional_config", {})
+    assert engine_kwargs(tiny_release, gemm_warmup=True)["additional_config"][GEMM_WARMUP_KEY] is True

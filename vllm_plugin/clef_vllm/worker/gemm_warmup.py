@@ -1,0 +1,80 @@
+"""Load the joint head's GEMM kernels at start-up, not in the middle of a step.
+
+CUDA loads a kernel when it is first launched (lazy loading, CUDA's default since 12.2), and the
+load waits until the GPU has run everything already queued. cuBLAS picks a GEMM kernel by the
+GEMM's shape, and the head's GEMMs take a new row count nearly every step: the memory projection
+runs on all of a step's tokens, the evidence and decoder layers' projections on the memory rows of
+the requests it finishes. Profiled at 64 concurrent short decisions (twenty-third session), a
+kernel cuBLAS had not used before stopped the engine's host for 104-304 ms once a step, with the
+GPU then idle for the head's and the next step's launches. Loading every kernel up front
+(``CUDA_MODULE_LOADING=EAGER``) is no way out: it took 5 min 43 s to create an engine's CUDA
+context on an H200 (twenty-fourth session).
+
+So, with ``--gemm-warmup on``, the first step that reaches the head runs each distinct linear
+shape of the head (in and out features, bias) over a grid of row counts, 1 to the most rows a
+step can give it, each count :data:`ROW_RATIO` times the last: cuBLAS meets its shapes, and CUDA
+loads its kernels, while the GPU has nothing else queued. Nothing of it reaches an answer (the
+inputs and weights are zeros of the head's dtype, the outputs are dropped). A row count between
+two grid points may still get a kernel of its own; ``bench/step_timeline.py --gaps`` counts the
+lazy loads a profiled step still has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("clef_vllm")
+
+#: Each row count of the grid is at least this many times the previous one.
+ROW_RATIO = 1.125
+
+
+def row_grid(max_rows: int, ratio: float = ROW_RATIO) -> list[int]:
+    """Row counts 1 ... ``max_rows``, each at least ``ratio`` times the last (and at least one more)."""
+    rows, m = [], 1
+    while m < max_rows:
+        rows.append(m)
+        m = max(m + 1, int(m * ratio + 0.5))
+    rows.append(max_rows)
+    return rows
+
+
+def linear_shapes(module: nn.Module) -> list[tuple[int, int, bool]]:
+    """The distinct ``(in_features, out_features, has_bias)`` of ``module``'s linear layers, in order: its
+    ``nn.Linear`` modules and the query, key and value projections of its attentions (one packed
+    ``in_proj_weight`` of three square matrices, run with ``F.linear``)."""
+    seen: dict[tuple[int, int, bool], None] = {}
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            seen[(layer.in_features, layer.out_features, layer.bias is not None)] = None
+        packed = getattr(layer, "in_proj_weight", None)
+        if isinstance(packed, torch.Tensor):
+            seen[(packed.shape[1], packed.shape[0] // 3, getattr(layer, "in_proj_bias", None) is not None)] = None
+    return list(seen)
+
+
+def warm_gemm_kernels(module: nn.Module, max_rows: int, dtype: torch.dtype, device) -> dict:
+    """Run every linear shape of ``module`` at every row count of :func:`row_grid` (``max_rows``) on
+    ``device`` in ``dtype``; returns what ran (shapes, row counts, GEMMs, seconds)."""
+    t0 = time.perf_counter()
+    shapes, grid = linear_shapes(module), row_grid(max_rows)
+    with torch.inference_mode():
+        for fan_in, fan_out, bias in shapes:
+            weight = torch.zeros(fan_out, fan_in, dtype=dtype, device=device)
+            b = torch.zeros(fan_out, dtype=dtype, device=device) if bias else None
+            rows = torch.zeros(max_rows, fan_in, dtype=dtype, device=device)
+            for m in grid:
+                F.linear(rows[:m], weight, b)
+            del weight, b, rows
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    report = {"shapes": len(shapes), "row_counts": len(grid), "max_rows": max_rows,
+              "gemms": len(shapes) * len(grid), "seconds": round(time.perf_counter() - t0, 3)}
+    log.info("clef GEMM warm-up: the head's %d linear shapes at %d row counts up to %d (%d GEMMs) in %.2f s",
+             report["shapes"], report["row_counts"], max_rows, report["gemms"], report["seconds"])
+    return report
