@@ -133,8 +133,8 @@
 #        c=16/64 and against raw vLLM at c=16/64 (the target: >= 100 %; 95.5 / 97.5 % without), its engine core
 #        profiled at c=64 (lazy loads per step: bench/step_timeline.py --gaps); then warm-up with and without
 #        async scheduling (c=16/64); last fortythird1's FP8 sweep and planned pair.
-# PLAN=fortyfourth1 (one GPU; ~2,000 s by priority, the last jobs may be cut; ran in the twenty-fourth session: eager
-#        loading could not start in time, --cuda-module-loading removed): the tiny Hybrid's answers
+# PLAN=fortyfourth1 (one GPU; ran in the twenty-fourth session; its queue is removed with --cuda-module-loading,
+#        whose eager engines could not start in time): the tiny Hybrid's answers
 #        with --nvfp4-kernel bf16 against Marlin's (fortythird1's check, which ran out of time); then CUDA's kernel
 #        loading: the 9B BF16 server with --cuda-module-loading eager paired against the default (lazy) at c=1 and
 #        c=16/64 (the servers' logs hold their start times and memory), the eager server against raw vLLM at
@@ -583,31 +583,6 @@ fortyfifth1_queue0)   # ~1,700 s in all, by priority: launch with `wait 540` in 
   job paired_warm_async 0 500 env COMPARE="on:onasync:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9305 \
       bash bench/paired.sh "$NINE" "on=--load-format dummy --gemm-warmup on" \
       "onasync=--load-format dummy --gemm-warmup on --async-scheduling on"
-  mkdir -p "$S/sweep_fp8"
-  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
-      --out "$S/sweep_fp8/latency.json"
-  planned_pair_fp8
-  touch "$S/all.done"
-  log "all done"
-  ;;
-fortyfourth1_queue0)   # ~2,000 s in all, by priority: launch with `wait 540` in the staging's last call, then
-  # `wait 540` until "all done"
-  job nvfp4_tiny 0 480 python3 tests/gpu/fast_paths.py --out "$S/nvfp4_tiny" --only nvfp4 --n 24
-  # lazy vs eager (c=1, c=16/64) and eager vs raw vLLM (c=16/64): three engines at the usual 0.28 of the GPU each
-  # (eager's larger CUDA context comes out of its own share: its KV cache is in paired.sh's startup.txt)
-  job paired_module_loading 0 800 env COMPARE="lazy:eager:short lazy:eager:short:16,64 eager:raw:short:16,64" \
-      PAIRS=200 TIME_LIMIT=20 PORT0=9290 bash bench/paired.sh "$NINE" "lazy=--load-format dummy" \
-      "eager=--load-format dummy --cuda-module-loading eager"
-  profiled_9b profile_c64_eager 9232 9b-dummy-bf16-eager-profile-c64 "--load-format dummy --cuda-module-loading eager" \
-      64 96,32 330
-  # the state cache's last open number before it can be the default: an FP8 follow-up on a cached 16k state
-  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
-  # eager with and without async scheduling (async lost at c=64 in the seventeenth session, 0.964x, when a
-  # mid-step kernel load could stop the host, and with it the overlap async scheduling is for)
-  job paired_eager_async 0 500 env COMPARE="eager:eagerasync:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9295 \
-      bash bench/paired.sh "$NINE" "eager=--load-format dummy --cuda-module-loading eager" \
-      "eagerasync=--load-format dummy --cuda-module-loading eager --async-scheduling on"
   mkdir -p "$S/sweep_fp8"
   job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
       --out "$S/sweep_fp8/latency.json"
