@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS,
-                                HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS,
+from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY,
+                                HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS,
                                 PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY,
                                 tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
@@ -312,8 +312,8 @@ class VllmOptions(_Validated):
                                "would be Marlin, before Blackwell; vllm from Blackwell on), 'vllm' (vLLM's kernel: "
                                "Marlin W4A16 before Blackwell, native W4A4 from it; the least memory) or 'bf16' "
                                "(weights dequantized to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without "
-                               "its cost at prefill sizes, 3.6x the weights' memory; docs/latency.md)", flags=("--nvfp4-kernel",),
-                               engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
+                               "its cost at prefill sizes, 3.6x the weights' memory; docs/latency.md)",
+                               flags=("--nvfp4-kernel",), engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
                                       kind=str)

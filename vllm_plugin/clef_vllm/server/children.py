@@ -8,7 +8,7 @@ its GPU memory, after the server is gone:
   handlers its parent had: uvicorn's, which here start the server's graceful drain on a loop that
   does not run in the child, so the child ignores ``SIGTERM`` and ``SIGINT``. vLLM installs its own
   only once the engine is up, and an engine start can take minutes (compilation, graph capture, a
-  CUDA context that loads every kernel eagerly: 5.7 minutes on an H200), so a server stopped while
+  CUDA context that loads every kernel eagerly: 5 min 43 s on an H200), so a server stopped while
   loading had left an engine starting on, unkillable but by ``SIGKILL``. Every child forked
   after :func:`default_signals_in_forked_children` starts with the default dispositions instead.
 * **The server stops its children on the way out.** :func:`stop_children` runs after the server

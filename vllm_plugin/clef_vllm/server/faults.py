@@ -7,9 +7,10 @@
   - ``hold_dir=DIR``: a decision whose question ids include ``hold.NAME`` stays in the engine
     until ``DIR/NAME`` exists (deterministic in-flight, queue-full, timeout and drain states);
   - ``engine_pid_file=PATH``: start a stand-in "engine process" (a child forked from the loading
-    thread, as vLLM forks its engine cores, that idles) and write its pid to PATH. Killing it makes the backend dead, as when vLLM's engine core dies: health
-    checks and decisions raise :class:`BackendDeadError`. Killed while the load is held by
-    ``CLEF_VLLM_LOAD_GATE``, it makes the load fail, as vLLM's start-up handshake does;
+    thread, as vLLM forks its engine cores, that idles) and write its pid to PATH. Killing it
+    makes the backend dead, as when vLLM's engine core dies: health checks and decisions raise
+    :class:`BackendDeadError`. Killed while the load is held by ``CLEF_VLLM_LOAD_GATE``, it makes
+    the load fail, as vLLM's start-up handshake does;
   - ``load_fail``: the load raises after the gate (a model that never comes up);
   - ``instant``: decisions are answered at once with uniform probabilities, without the model
     (benchmarks of everything but the engine: HTTP, limits, decoding, encoding, answers; with
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import multiprocessing
+import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence

@@ -29,8 +29,8 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import (GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY, NVFP4_KERNEL_KEY,
-                                PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
+from clef_vllm.contract import (GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
+                                NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
