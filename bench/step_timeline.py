@@ -37,9 +37,10 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
                        Loading`` event, is CUDA loading a kernel on its first launch: docs/latency.md)
 
     lazy_loads         CUDA's lazy kernel loads in the step (the profiler's ``Lazy Function Loading`` events),
-                       each with when it happened and the host op it ended (the innermost one around it: a GEMM
-                       that waited from its call until the GPU drained holds the host that long); printed
-                       with --gaps
+                       each with when it happened, the host op it ended (the innermost one around it: a GEMM
+                       that waited from its call until the GPU drained holds the host that long) and every host
+                       op around it, outermost first (the backbone's compiled graph, or the head's ops);
+                       printed with --gaps
 
     python3 bench/step_timeline.py TRACE [--json OUT.json] [--windows] [--kernels] [--gaps]
 """
@@ -128,9 +129,11 @@ def lazy_loads(events: list[dict], ops: list[dict], t0: float, t1: float) -> lis
     """CUDA's lazy kernel loads between ``t0`` and ``t1`` (see ``lazy_loads``); ``ops`` are host ops."""
     out = []
     for e in sorted((e for e in events if e.get("name") == LAZY_LOAD and t0 <= e["ts"] < t1), key=lambda e: e["ts"]):
-        inner = min(ops_around(ops, e["ts"]), key=lambda o: o.get("dur", 0), default=None)
+        around = ops_around(ops, e["ts"])
+        inner = min(around, key=lambda o: o.get("dur", 0), default=None)
         out.append({"at_ms": round((e["ts"] - t0) / 1000, 3), "op": inner["name"][:NAME_CHARS] if inner else None,
-                    "op_ms": round(inner.get("dur", 0) / 1000, 3) if inner else None})
+                    "op_ms": round(inner.get("dur", 0) / 1000, 3) if inner else None,
+                    "host_ops": [o["name"][:NAME_CHARS] for o in around]})
     return out
 
 
@@ -287,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {g['ms']:6.2f}  {g['before']} -> {g['after']}  at {at}  in {' > '.join(g['host_ops']) or '-'}")
             loads = r["lazy_loads"]
             print(f"  lazy kernel loads: {len(loads)}" + "".join(
-                f"\n    at {x['at_ms']:.2f} ms, ending {x['op']} ({x['op_ms']:.2f} ms)" if x["op"] else
+                f"\n    at {x['at_ms']:.2f} ms, ending {x['op']} ({x['op_ms']:.2f} ms) in {' > '.join(x['host_ops'])}"
+                if x["op"] else
                 f"\n    at {x['at_ms']:.2f} ms" for x in loads))
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": Path(args.trace).name, "steps": rows,

@@ -995,8 +995,8 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     assert "1-request 400-token step, longest GPU idle gaps" in proc.stdout
     assert "2.82  k1 -> head  at 1.32  in aten::addmm (0.70 ms)" in proc.stdout
     # CUDA's lazy kernel load at 7.05 ms into the step, inside (ending) the addmm that held the host 0.7 ms
-    assert step["lazy_loads"] == [{"at_ms": 7.05, "op": "aten::addmm", "op_ms": 0.7}]
-    assert "lazy kernel loads: 1\n    at 7.05 ms, ending aten::addmm (0.70 ms)" in proc.stdout
+    assert step["lazy_loads"] == [{"at_ms": 7.05, "op": "aten::addmm", "op_ms": 0.7, "host_ops": ["aten::addmm"]}]
+    assert "lazy kernel loads: 1\n    at 7.05 ms, ending aten::addmm (0.70 ms) in aten::addmm" in proc.stdout
     proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows", "--kernels"],
                           capture_output=True, text=True, timeout=60)
     assert "1-request 400-token step, GPU time by kernel (12 largest):\n     0.900 ms     1  head" in proc.stdout
