@@ -124,6 +124,41 @@ def test_padding_rows_do_not_leak_between_records(setup):
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
 
 
+def test_padding_groups_bound_the_padded_rows():
+    from clef_vllm.features import PADDED_ROWS_FLOOR, PADDING_FACTOR, padding_groups
+
+    assert padding_groups([300] * 40) == [list(range(40))]                   # one length: one group
+    assert padding_groups([40 + 3 * i for i in range(32)]) == [list(range(31, -1, -1))]   # similar: one group
+    # a 16k-token record finishing beside 41 short ones: no longer 42 x 16,384 padded rows
+    lengths = [400] * 20 + [16384] + [400] * 21
+    groups = padding_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(42))
+    assert groups[0][0] == 20 and len(groups) == 2
+    for g in groups:
+        padded, real = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
+        assert padded <= max(PADDED_ROWS_FLOOR, PADDING_FACTOR * real)
+    assert padding_groups([]) == [] and padding_groups([7]) == [[0]]
+
+
+def test_records_of_very_different_lengths_are_decided_in_groups_with_the_same_answers(setup):
+    """A long record beside many short ones: decide_records splits them (each GEMM of the head sees at most
+    twice the real memory rows, or the floor) and every record's logits equal its logits alone."""
+    from clef_vllm.features import PADDED_ROWS_FLOOR, PADDING_FACTOR
+    from support.gemm_shapes import GemmShapes
+
+    head, E, _ = setup
+    rng = random.Random(11)
+    short = [random_record(rng, 2, 60 + i, SMALL.hidden_size) for i in range(30)]
+    long_ = random_record(rng, 1, 5000, SMALL.hidden_size)
+    batch = short[:15] + [long_] + short[15:]
+    with GemmShapes() as seen:
+        got = vectorised(head, DenseTable(E), batch)
+    real = sum(r[0].shape[0] for r in batch)
+    assert max(rows for *_, rows in seen.seen) <= max(PADDED_ROWS_FLOOR, PADDING_FACTOR * real) < len(batch) * 5000
+    for record, logits in zip(batch[14:17], got[14:17]):
+        torch.testing.assert_close(logits, vectorised(head, DenseTable(E), [record])[0], atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- names, shapes, counts
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clef_vllm.features import decide_records
+from clef_vllm.features import decide_group, decide_records
 from clef_vllm.tables import DenseTable
 from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
                                           StaticInputs, choose_memory, choose_schema, graph_buckets,
@@ -41,10 +41,11 @@ def small_head_and_table():
 
 
 def eager_and_batch(head, table, *records):
-    """The eager head's probabilities of ``records`` finishing together (options concatenated) and the
-    batch ``decide_records`` built for them."""
+    """The eager head's probabilities of ``records`` decided in one batch (options concatenated) and the
+    batch ``decide_group`` built for them (``decide_records`` may split records of very different lengths
+    into several such batches)."""
     recorder = Recorder()
-    probs = torch.cat(decide_records(head, table, finished(head, records), recorder))
+    probs = torch.cat(decide_group(head, table, finished(head, records), recorder))
     (batch,) = recorder.batches
     return probs, batch
 

@@ -258,13 +258,52 @@ def step_indices(specs: Sequence[HeadSpec]) -> tuple[FieldLayout, list[np.ndarra
     return layout, [lex_ids, lex_seg, option_counts, q_rows, c_rows, q_len]
 
 
+#: Records decided together are padded to the longest memory among them. A group may pad to at most this
+#: many times its real memory rows (or to :data:`PADDED_ROWS_FLOOR` rows): one long record finishing in a
+#: step beside many short ones is decided apart from them, instead of padding each of them to its length
+#: (41 short records beside a 16k-token one would have been 41 x 16,384 rows through every attention).
+PADDING_FACTOR = 2
+PADDED_ROWS_FLOOR = 4096
+
+
+def padding_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of ``lengths`` (memory rows per record) in groups, longest first, each padding to at most
+    ``max(PADDED_ROWS_FLOOR, PADDING_FACTOR x its real rows)``."""
+    groups, cur, real = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if cur and (len(cur) + 1) * lengths[cur[0]] > max(PADDED_ROWS_FLOOR, PADDING_FACTOR * (real + lengths[i])):
+            groups.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += lengths[i]
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
                    graphs=None) -> list[torch.Tensor]:
     """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
 
-    ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides the records from a
+    Records are decided in groups of similar memory lengths (:func:`padding_groups`), so the padded
+    work stays within a small factor of the real work; usually a step's records form one group.
+    ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides a group from a
     CUDA graph when it can (one record, or up to its largest record bucket); otherwise the head runs
     eagerly.
+    """
+    groups = padding_groups([sum(m.shape[0] for m in r.memory) for r in records])
+    if len(groups) == 1:
+        return decide_group(head, table, records, graphs)
+    out: list[torch.Tensor | None] = [None] * len(records)
+    for group in groups:
+        for i, p in zip(group, decide_group(head, table, [records[i] for i in group], graphs)):
+            out[i] = p
+    return out
+
+
+def decide_group(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
+                  graphs=None) -> list[torch.Tensor]:
+    """One group of :func:`decide_records`, every record padded to the group's longest memory.
 
     All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
     so the head's kernels queue behind the backbone's instead of stalling the step. Span means,

@@ -13,7 +13,8 @@ context on an H200 (twenty-fourth session).
 So, with ``--gemm-warmup on``, the first step that reaches the head runs each distinct linear
 shape of the head (in and out features, bias) over a grid of row counts, 1 to the most rows a
 step can give it, each count :data:`ROW_RATIO` times the last: cuBLAS meets its shapes, and CUDA
-loads its kernels, while the GPU has nothing else queued. Nothing of it reaches an answer (the
+loads its kernels, while the GPU has nothing else queued (the eager head pads a group of records
+to its longest, at most twice their real rows: :func:`clef_vllm.features.padding_groups`). Nothing of it reaches an answer (the
 inputs and weights are zeros of the head's dtype, the outputs are dropped). A row count between
 two grid points may still get a kernel of its own; ``bench/step_timeline.py --gaps`` counts the
 lazy loads a profiled step still has.
