@@ -127,9 +127,10 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyfifth1 (one GPU; ~1,700 s by priority, the last jobs may be cut; not run yet): first the state cache's
+# PLAN=fortyfifth1 (one GPU; ~1,950 s by priority, the last jobs may be cut; not run yet): first the state cache's
 #        FP8 follow-up on a cached 16k state (its default waits on it; cut by a leftover engine in the twenty-fourth
-#        session); then --gemm-warmup on (the head's GEMM kernels loaded at the first step) paired against off at
+#        session); the tiny parity with the head's grouped decisions (240 requests per layout, against the
+#        twenty-second session's 0.0076 / 0.0097 max |dp|); then --gemm-warmup on (the head's GEMM kernels loaded at the first step) paired against off at
 #        c=16/64 and against raw vLLM at c=16/64 (the target: >= 100 %; 95.5 / 97.5 % without), its engine core
 #        profiled at c=64 (lazy loads per step: bench/step_timeline.py --gaps); then warm-up with and without
 #        async scheduling (c=16/64); last fortythird1's FP8 sweep and planned pair.
@@ -572,10 +573,13 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortyfifth1_queue0)   # ~1,700 s in all, by priority: launch with `wait 540` in the staging's last call, then
+fortyfifth1_queue0)   # ~1,950 s in all, by priority: launch with `wait 540` in the staging's last call, then
   # `wait 540` until "all done"
   traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
       SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
+  # the head's grouped decisions (records of very different lengths finishing in one step, since the twenty-fourth
+  # session) against the reference: parity batches up to ~3k-token states with short ones
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   job paired_gemm_warmup 0 700 env COMPARE="off:on:short:16,64 on:raw:short:16,64" PAIRS=200 TIME_LIMIT=20 \
       PORT0=9300 bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --gemm-warmup on"
   profiled_9b profile_c64_warm 9233 9b-dummy-bf16-gemmwarm-profile-c64 "--load-format dummy --gemm-warmup on" \
