@@ -291,19 +291,21 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
     CUDA graph when it can (one record, or up to its largest record bucket); otherwise the head runs
     eagerly.
     """
-    groups = padding_groups([sum(m.shape[0] for m in r.memory) for r in records])
+    lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
+    groups = padding_groups(lengths.tolist())
     if len(groups) == 1:
-        return decide_group(head, table, records, graphs)
+        return decide_group(head, table, records, graphs, lengths)
     out: list[torch.Tensor | None] = [None] * len(records)
     for group in groups:
-        for i, p in zip(group, decide_group(head, table, [records[i] for i in group], graphs)):
+        for i, p in zip(group, decide_group(head, table, [records[i] for i in group], graphs, lengths[group])):
             out[i] = p
     return out
 
 
 def decide_group(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
-                  graphs=None) -> list[torch.Tensor]:
-    """One group of :func:`decide_records`, every record padded to the group's longest memory.
+                 graphs=None, lengths: np.ndarray | None = None) -> list[torch.Tensor]:
+    """One group of :func:`decide_records`, every record padded to the group's longest memory (``lengths``:
+    the records' memory rows, when the caller has counted them).
 
     All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
     so the head's kernels queue behind the backbone's instead of stalling the step. Span means,
@@ -313,7 +315,8 @@ def decide_group(head: JointSchemaHead, table: LexicalTable, records: Sequence[R
     dtype = head.dtype
     device = records[0].sums.device
     cpu_layout, indices = step_indices([r.spec for r in records])
-    lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
+    if lengths is None:
+        lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
     longest = int(lengths.max())
     padded = bool((lengths != longest).any())
     starts = np.arange(len(records), dtype=np.int64) * longest                   # each record's padded rows
