@@ -56,9 +56,9 @@ def test_linear_shapes_include_the_packed_attention_projections():
     assert len(shapes) == len(set(shapes))
 
 
-def test_gemm_warmup_reaches_the_worker_only_when_asked(tiny_release):
+def test_gemm_warmup_reaches_the_worker_unless_turned_off(tiny_release):
     from clef_vllm.backends.vllm_backend import engine_kwargs
     from clef_vllm.contract import GEMM_WARMUP_KEY
 
-    assert GEMM_WARMUP_KEY not in engine_kwargs(tiny_release).get("additional_config", {})
-    assert engine_kwargs(tiny_release, gemm_warmup=True)["additional_config"][GEMM_WARMUP_KEY] is True
+    assert engine_kwargs(tiny_release)["additional_config"][GEMM_WARMUP_KEY] is True
+    assert GEMM_WARMUP_KEY not in engine_kwargs(tiny_release, gemm_warmup=False).get("additional_config", {})

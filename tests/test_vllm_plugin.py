@@ -143,8 +143,8 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
 
 
 def test_default_buckets_follow_the_backbones_linear_kernels(tiny_release, tmp_path):
-    """Unset ``--prefill-graph-buckets``: a BF16 backbone adds 400, online FP8 pads to 464 instead of 448 (the
-    H200's cheap GEMM sizes), a quantized checkpoint keeps the generic list; vLLM's capture sizes follow."""
+    """Unset ``--prefill-graph-buckets``: a BF16 backbone adds 400, online FP8 pads 321-480 tokens to 480 (the
+    H200's cheap step sizes), a quantized checkpoint keeps the generic list; vLLM's capture sizes follow."""
     from clef_vllm.backends.vllm_backend import engine_kwargs
     from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, LINEAR_BUCKETS
 
@@ -157,8 +157,8 @@ def test_default_buckets_follow_the_backbones_linear_kernels(tiny_release, tmp_p
     assert bf16 == [b for b in LINEAR_BUCKETS["bf16"] if b <= 8192] and 400 in bf16 and 448 in bf16
     assert {400, 448} <= set(sizes)
     fp8, sizes = planned(tiny_release, quantization="fp8")
-    assert 464 in fp8 and 448 not in fp8 and 464 in sizes and 448 not in sizes
-    assert set(fp8) ^ set(DEFAULT_BUCKETS) == {448, 464}
+    assert 480 in fp8 and 448 not in fp8 and 480 in sizes and 448 not in sizes and 384 not in fp8
+    assert set(fp8) ^ set(DEFAULT_BUCKETS) == {384, 448, 480}
     quantized = tmp_path / "quantized"
     shutil.copytree(tiny_release, quantized)
     config = json.loads((quantized / "config.json").read_text())

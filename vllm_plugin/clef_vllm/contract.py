@@ -41,7 +41,7 @@ IDLE_CLEANUP_KEY = "clef_idle_cleanup_step"
 #: (``--batch-wait-ms``; absent: none).
 BATCH_WAIT_KEY = "clef_batch_wait_ms"
 #: ``additional_config`` key: ``True`` has the first step that reaches the joint head run its GEMM shapes over a
-#: grid of row counts, so CUDA loads their kernels then (``--gemm-warmup on``; absent: off).
+#: grid of row counts, so CUDA loads their kernels then (``--gemm-warmup``, on by default; absent: off).
 GEMM_WARMUP_KEY = "clef_gemm_warmup"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).

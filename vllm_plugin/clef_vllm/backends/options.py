@@ -191,7 +191,7 @@ def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
-    """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) when asked."""
+    """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) unless turned off."""
     if opts.gemm_warmup:
         tell_worker(kwargs, GEMM_WARMUP_KEY, True)
 
@@ -335,8 +335,8 @@ class VllmOptions(_Validated):
     prefill_graph_buckets: tuple[int, ...] | None = option(
         None, "the token counts a single-sequence prefill step is padded to for its graphs, a comma list of "
         "multiples of 16 (default: every 64 up to 512, then 640, 768, 1024, 1280, 1536, 2048, 3072, 4096; "
-        "with a BF16 backbone also 400, with online FP8 464 instead of 448: sizes where the H200's GEMMs "
-        "are cheap); finer buckets pad less and capture more graphs at start (docs/latency.md)",
+        "with a BF16 backbone also 400, with online FP8 480 instead of 384 and 448: sizes where the "
+        "H200's GEMMs are cheap); finer buckets pad less and capture more graphs at start (docs/latency.md)",
         flags=("--prefill-graph-buckets",), kind=(str, tuple, list), metavar="N,N,...")
     gdn_metadata_memo: bool = option(True, "answer a single-sequence prefill step of a length seen before with "
                                      "the GDN attention metadata built then (its state indices this step's; "
@@ -348,9 +348,10 @@ class VllmOptions(_Validated):
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
                                      flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
-    gemm_warmup: bool = option(False, "at the first step, run the joint head's GEMM shapes over a grid of row counts "
+    gemm_warmup: bool = option(True, "at the first step, run the joint head's GEMM shapes over a grid of row counts "
                                "so CUDA loads their kernels then, not mid-step later, when a first-time kernel "
-                               "waits for the GPU to drain (default off until measured; docs/latency.md)",
+                               "waits for the GPU to drain (default on: about half a second once; "
+                               "docs/latency.md)",
                                flags=("--gemm-warmup",), engine=_gemm_warmup, kind=bool)
     state_cache: bool = option(False, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
                                "of cached prefixes; reference: the backbone's cache at the end of each state; "

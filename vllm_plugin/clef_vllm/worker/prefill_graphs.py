@@ -58,10 +58,12 @@ DEFAULT_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 
 #: The buckets per linear-layer kernel where the backbone's GEMMs make a different size cheaper (the H200's
 #: GEMM sweeps, ``bench/results/h200_gemm_sizes_{bf16,fp8}.json``, planned by ``bench/bucket_plan.py`` and
 #: paired against DEFAULT_BUCKETS at c=1: 0.969x and 0.975x the p50). Unquantized BF16 (cuBLAS: 9.2 ms of
-#: GEMMs at 400 rows, 10.5 at 448) adds 400; online FP8 (vLLM's cutlass kernel: 7.8 ms at 448, 7.2 at 464)
-#: pads to 464 instead of 448.
+#: GEMMs at 400 rows, 10.5 at 448) adds 400. Online FP8 (vLLM's cutlass kernel) pads 321-480 tokens to 480:
+#: its whole step at 480 tokens took 15.7 ms, at 368-464 tokens 16.5-18.3 ms
+#: (``bench/results/h200_latency_9b_fp8_sweep368-528.json``), and one short decision 0.973x the p50 of the
+#: previous list (384, 464 instead of 448), paired.
 LINEAR_BUCKETS = {"bf16": tuple(sorted({*DEFAULT_BUCKETS, 400})),
-                  "fp8": tuple(sorted(set(DEFAULT_BUCKETS) - {448} | {464}))}
+                  "fp8": tuple(sorted(set(DEFAULT_BUCKETS) - {384, 448} | {480}))}
 #: FLA's chunk length: chunk metadata is built per bucket for this size.
 CHUNK_SIZE = 64
 #: The null block's state line: scratch for warm-up and capture (vLLM pads with it too).
