@@ -127,7 +127,11 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyfifth1 (one GPU; ~1,950 s by priority, the last jobs may be cut; not run yet): first the state cache's
+# PLAN=fortysixth1 (one GPU; ~1,750 s by priority, the last job may be cut; not run yet): a 16k follow-up's steps
+#        profiled (FP8, state cache on: where its 16.8 ms of GPU work goes); FP8 with the 480 bucket beside raw vLLM
+#        FP8 at c=1 and --engine-core thread against it (the <= 20 ms target); the state cache's cost on unique short
+#        decisions at c=16/64 (its default); BF16 against FP8 follow-ups on a cached 16k state.
+# PLAN=fortyfifth1 (one GPU; ran in the twenty-fifth session, every job; its queue is removed): first the state cache's
 #        FP8 follow-up on a cached 16k state (its default waits on it; cut by a leftover engine in the twenty-fourth
 #        session); the tiny parity with the head's grouped decisions (240 requests per layout, against the
 #        twenty-second session's 0.0076 / 0.0097 max |dp|); then --gemm-warmup on (the head's GEMM kernels loaded at the first step) paired against off at
@@ -232,6 +236,7 @@ job() {  # job NAME GPUS LIMIT_S CMD... : runs CMD with OUT=$S/NAME, records rc 
     left=$(pgrep -g "$pid" | tr '\n' ' ')
     if [ -n "$left" ]; then
       log "job $name left processes running (pids $left): killed"
+      ps -o pid=,etimes=,args= -p "$(echo $left | tr " " ",")" 2>/dev/null | cut -c1-200 >>"$S/$name/job.log"
       kill -9 -- "-$pid" 2>/dev/null
       sleep 2
     fi
@@ -335,15 +340,18 @@ planned_pair_fp8() {  # the FP8 sweep's bucket plan for the short workload, pair
 profiled_9b() {  # profiled_9b NAME PORT LABEL SERVER_ARGS [CONC [WINDOW [LIMIT_S]]]: the 9B server, short at c=CONC (1), its
   # engine core torch-profiled over client decisions WINDOW (8,5: decisions 8-12; CLEF_VLLM_PROFILE: vLLM's per-op
   # table profiler_out_0.txt and traces; traces over 20 MB are dropped so the session's results stay small)
-  # (PROFILE_PHASES=raw profiles clef-bench's raw vLLM baseline instead: its window counts the warm-up's requests too)
+  # (PROFILE_PHASES=raw profiles clef-bench's raw vLLM baseline instead: its window counts the warm-up's requests too;
+  # PROFILE_WORKLOADS [short] and PROFILE_BENCH_ARGS [none] choose other requests, e.g. follow-ups on a shared state)
   local name=$1 port=$2 label=$3 args=$4 conc=${5:-1} window=${6:-8,5} limit=${7:-240}
   mkdir -p "$S/$name/profile"
-  job "$name" 0 "$limit" env CLEF_VLLM_PROFILE="$S/$name/profile,$window" WORKLOADS=short CONC="$conc" CONC_OVERRIDES= TIME_LIMIT=6 \
+  job "$name" 0 "$limit" env CLEF_VLLM_PROFILE="$S/$name/profile,$window" WORKLOADS="${PROFILE_WORKLOADS:-short}" \
+      BENCH_ARGS="${PROFILE_BENCH_ARGS:-}" CONC="$conc" CONC_OVERRIDES= TIME_LIMIT=6 \
       WARMUP=4 READY_TIMEOUT=300 BENCH_TIMEOUT=200 PHASES="${PROFILE_PHASES:-server}" LABEL="$label" SERVER_ARGS="$args" \
       bash bench/gpu_bench.sh "$NINE" "$port"
   local trace
   for trace in "$S/$name"/profile/*.pt.trace.json*; do    # when each step launches its graphs (bench/step_timeline.py)
-    [ -f "$trace" ] && python3 bench/step_timeline.py "$trace" --gaps --json "$S/$name/timeline.json" >"$S/$name/timeline.txt" 2>&1
+    [ -f "$trace" ] && python3 bench/step_timeline.py "$trace" --gaps --kernels --json "$S/$name/timeline.json" \
+        >"$S/$name/timeline.txt" 2>&1
     # a window recorded with Python stacks (WINDOW ending in ",stack"): which Python code the steps' host time goes to
     [[ -f "$trace" && $window == *,stack ]] && python3 bench/py_calls.py "$trace" --depth 6 \
         --json "$S/$name/py_calls.json" >"$S/$name/py_calls.txt" 2>&1
@@ -573,24 +581,23 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortyfifth1_queue0)   # ~1,950 s in all, by priority: launch with `wait 540` in the staging's last call, then
-  # `wait 540` until "all done"
-  traced_9b followups_9b_fp8 400 8793 9b-dummy-fp8-cache-on-step-c1 1 \
-      SERVER_ARGS="--load-format dummy --quantization fp8 --state-cache on"
-  # the head's grouped decisions (records of very different lengths finishing in one step, since the twenty-fourth
-  # session) against the reference: parity batches up to ~3k-token states with short ones
-  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
-  job paired_gemm_warmup 0 700 env COMPARE="off:on:short:16,64 on:raw:short:16,64" PAIRS=200 TIME_LIMIT=20 \
-      PORT0=9300 bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --gemm-warmup on"
-  profiled_9b profile_c64_warm 9233 9b-dummy-bf16-gemmwarm-profile-c64 "--load-format dummy --gemm-warmup on" \
-      64 96,32 330
-  job paired_warm_async 0 500 env COMPARE="on:onasync:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9305 \
-      bash bench/paired.sh "$NINE" "on=--load-format dummy --gemm-warmup on" \
-      "onasync=--load-format dummy --gemm-warmup on --async-scheduling on"
-  mkdir -p "$S/sweep_fp8"
-  job sweep_fp8 0 330 python3 bench/latency.py --modes step --quantization fp8 --sweep 368:528:16 --ckpt "$NINE" \
-      --out "$S/sweep_fp8/latency.json"
-  planned_pair_fp8
+fortysixth1_queue0)   # ~1,750 s in all, by priority (the last job may be cut): launch with `wait 540` in the
+  # staging's last call, then `wait 540` until "all done"
+  # where a follow-up's GPU time goes on a cached 16k state (FP8, state cache on, c=1; 16.8 ms of GPU work after
+  # the launch against 8.9 for a short request): three follow-ups' steps profiled, kernels by name
+  PROFILE_WORKLOADS=shared-state PROFILE_BENCH_ARGS="--shared-states 15872x24" profiled_9b profile_follow16k_fp8 \
+      9310 9b-dummy-fp8-cache-follow16k-profile-c1 "--load-format dummy --quantization fp8 --state-cache on" 1 10,3 420
+  # FP8 with today's buckets (480) beside raw vLLM FP8 at c=1, and the engine core in a thread against it
+  job paired_fp8_raw_thread 0 660 env COMPARE="fp8:raw:short fp8:fp8thread:short" PAIRS=200 TIME_LIMIT=20 \
+      PORT0=9320 RAW_ARGS="--raw-quantization fp8" bash bench/paired.sh "$NINE" \
+      "fp8=--load-format dummy --quantization fp8" "fp8thread=--load-format dummy --quantization fp8 --engine-core thread"
+  # what the state cache costs unique short decisions at c=16/64 (its default waits on it), then follow-ups on a
+  # cached 16k state BF16 against FP8 (43.9 ms FP8 alone in the twenty-fifth session; 42.0 vs 42.2 paired before)
+  job paired_cache_unique 0 500 env COMPARE="off:on:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9330 \
+      bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --state-cache on"
+  job paired_cache_fp8 0 420 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9340 \
+      "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
+      "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
   touch "$S/all.done"
   log "all done"
   ;;
