@@ -651,6 +651,30 @@ def test_a_long_state_encodes_exactly_as_the_spec_says(enc, tiktoken_tok):
     assert whole.encode(parse_request(data)).input_ids == got.input_ids
 
 
+def test_a_cut_inside_an_added_token_is_found_however_the_tokens_overlap():
+    """``_inside_added_token`` (one pattern for all the added tokens) against its definition: some occurrence
+    of some added token of 2+ characters starts before the cut and ends after it; tokens that overlap,
+    nest, or start at the same place, cuts near the text's ends."""
+    import random
+
+    from clef_vllm.encoding import _inside_added_token
+
+    def spans(text, cut, added):
+        return any(text.startswith(t, i) and i < cut < i + len(t)
+                   for t in added if len(t) >= 2 for i in range(len(text)))
+
+    rng = random.Random(7)
+    sets = [("<|a|>", "<|a|><", "ab", "aba", "b"), ("<|im_end|>", "<|im_start|>"), ("x",), ()]
+    for _ in range(3000):
+        added = rng.choice(sets)
+        text = "".join(rng.choice(["<|a|>", "<", "|", "a", "b", ">", "ab", "<|im_end|>", "x", " "])
+                       for _ in range(rng.randint(0, 12)))
+        cut = rng.randint(0, len(text))
+        assert _inside_added_token(text, cut, added) == spans(text, cut, added), (text, cut, added)
+    assert _inside_added_token("q<|im_end|>r", 5, ["<|im_end|>"])
+    assert not _inside_added_token("q<|im_end|>r", 1, ["<|im_end|>"])     # at its start: not inside
+
+
 def test_pieces_are_not_used_with_another_pretokenizer_or_a_spaced_added_token(tiny_release):
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
