@@ -652,7 +652,7 @@ def test_a_long_state_encodes_exactly_as_the_spec_says(enc, tiktoken_tok):
 
 
 def test_a_cut_inside_an_added_token_is_found_however_the_tokens_overlap():
-    """``_inside_added_token`` (one pattern for all the added tokens) against its definition: some occurrence
+    """``_inside_added_token`` against its definition: some occurrence
     of some added token of 2+ characters starts before the cut and ends after it; tokens that overlap,
     nest, or start at the same place, cuts near the text's ends."""
     import random
