@@ -47,6 +47,32 @@ def test_the_warmup_runs_every_gemm_shape_the_head_issues():
     assert sorted(warm.seen) == sorted((i, o, m) for i, o, _ in shapes for m in grid)
 
 
+def test_running_out_of_memory_stops_the_warmup_not_the_step(monkeypatch, caplog):
+    """The warm-up runs inside a real step on the memory the KV cache left: an out-of-memory error in it
+    is reported (a warning, ``stopped`` with how far it got) and swallowed, so the step goes on."""
+    import logging
+
+    import clef_vllm.worker.gemm_warmup as warmup
+
+    head = random_head(SMALL)
+    calls = {"n": 0}
+    linear = torch.nn.functional.linear
+
+    def failing(x, w, b=None):
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return linear(x, w, b)
+
+    monkeypatch.setattr(warmup.F, "linear", failing)
+    with caplog.at_level(logging.WARNING, logger="clef_vllm"):
+        report = warm_gemm_kernels(head, 256, head.dtype, "cpu")
+    assert report["gemms"] == 7 and report["stopped"].startswith("out of memory after 7 GEMMs (CUDA out of memory")
+    assert "clef GEMM warm-up stopped" in caplog.text and "--gemm-warmup off" in caplog.text
+    monkeypatch.setattr(warmup.F, "linear", linear)
+    assert "stopped" not in warm_gemm_kernels(head, 16, head.dtype, "cpu")
+
+
 def test_linear_shapes_include_the_packed_attention_projections():
     head = random_head(SMALL)
     shapes = linear_shapes(head)

@@ -61,21 +61,36 @@ def linear_shapes(module: nn.Module) -> list[tuple[int, int, bool]]:
 
 def warm_gemm_kernels(module: nn.Module, max_rows: int, dtype: torch.dtype, device) -> dict:
     """Run every linear shape of ``module`` at every row count of :func:`row_grid` (``max_rows``) on
-    ``device`` in ``dtype``; returns what ran (shapes, row counts, GEMMs, seconds)."""
+    ``device`` in ``dtype``; returns what ran (shapes, row counts, GEMMs, seconds).
+
+    It runs inside a real step, on memory the KV cache left free: running out of it (a long
+    ``max_model_len`` makes the largest row block ``max_rows x in_features``) stops the warm-up with a
+    warning and ``"stopped"`` in the report, never the step; the kernels it did not reach load at
+    their first use, as without it."""
     t0 = time.perf_counter()
     shapes, grid = linear_shapes(module), row_grid(max_rows)
-    with torch.inference_mode():
-        for fan_in, fan_out, bias in shapes:
-            weight = torch.zeros(fan_out, fan_in, dtype=dtype, device=device)
-            b = torch.zeros(fan_out, dtype=dtype, device=device) if bias else None
-            rows = torch.zeros(max_rows, fan_in, dtype=dtype, device=device)
-            for m in grid:
-                F.linear(rows[:m], weight, b)
-            del weight, b, rows
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    gemms, stopped = 0, None
+    try:
+        with torch.inference_mode():
+            for fan_in, fan_out, bias in shapes:
+                weight = torch.zeros(fan_out, fan_in, dtype=dtype, device=device)
+                b = torch.zeros(fan_out, dtype=dtype, device=device) if bias else None
+                rows = torch.zeros(max_rows, fan_in, dtype=dtype, device=device)
+                for m in grid:
+                    F.linear(rows[:m], weight, b)
+                    gemms += 1
+                del weight, b, rows
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError as exc:
+        stopped = f"out of memory after {gemms} GEMMs ({str(exc).splitlines()[0][:200]})"
     report = {"shapes": len(shapes), "row_counts": len(grid), "max_rows": max_rows,
-              "gemms": len(shapes) * len(grid), "seconds": round(time.perf_counter() - t0, 3)}
+              "gemms": gemms, "seconds": round(time.perf_counter() - t0, 3)}
+    if stopped is not None:
+        report["stopped"] = stopped
+        log.warning("clef GEMM warm-up stopped: %s; the head's kernels it did not reach load at their first use "
+                    "(--gemm-warmup off skips it)", stopped)
+        return report
     log.info("clef GEMM warm-up: the head's %d linear shapes at %d row counts up to %d (%d GEMMs) in %.2f s",
              report["shapes"], report["row_counts"], max_rows, report["gemms"], report["seconds"])
     return report
