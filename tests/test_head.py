@@ -62,6 +62,66 @@ def test_vectorised_head_equals_the_literal_loops_in_float32(setup):
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
 
 
+def test_long_records_take_the_matmul_attention_and_still_equal_the_literal_loops(setup, monkeypatch):
+    """A record longer than MATMUL_MIN_KEYS attends to its memory by two matmuls (the route a few queries
+    over a long state take on the GPU); in float32 it still equals the literal implementation, alone and
+    padded next to a short record."""
+    from clef_vllm import head as head_module
+
+    head, E, records = setup
+    calls = []
+    real = head_module.matmul_attention
+    monkeypatch.setattr(head_module, "matmul_attention", lambda *a: calls.append(a[1].shape) or real(*a))
+    long_ = random_record(random.Random(11), 3, head_module.MATMUL_MIN_KEYS + 37, SMALL.hidden_size)
+    for batch in ([long_], [records[1], long_]):
+        calls.clear()
+        got = vectorised(head, DenseTable(E), batch)
+        # every memory attention of the long batch: 2 evidence layers + 2 decoder layers
+        assert len(calls) == SMALL.routing_layers + SMALL.layers
+        assert all(shape[2] == head_module.MATMUL_MIN_KEYS + 37 for shape in calls)
+        for (X, ids, fields), logits in zip(batch, got):
+            torch.testing.assert_close(logits, torch.cat(literal_logits(head, X, ids, E, fields)), atol=1e-5, rtol=1e-5)
+    calls.clear()
+    vectorised(head, DenseTable(E), records)                 # short records: SDPA's fused kernel
+    assert calls == []
+
+
+def test_the_attention_route_is_chosen_by_shape():
+    from clef_vllm.head import MATMUL_MAX_BYTES, MATMUL_MIN_KEYS, attention_route
+
+    assert attention_route(1, 16, 16, 24576, 64) == "matmul"          # a 16k follow-up's option queries
+    assert attention_route(1, 16, 4, 16384, 64) == "matmul"           # its field queries
+    assert attention_route(1, 16, 16, MATMUL_MIN_KEYS - 1, 64) == "fused"   # a short state
+    assert attention_route(8, 16, 16, 24576, 64) == "fused"           # 128 tiles: the fused kernel fills the GPU
+    assert attention_route(7, 16, 16, 4096, 64) == "matmul"
+    assert attention_route(1, 16, 256, 32768, 64) == "fused"          # its fp32 scratch would exceed the bound
+    assert 4 * 16 * 32768 * (2 * 32 + 64) <= MATMUL_MAX_BYTES          # (8, 32) schemas at 32k still fit
+    assert attention_route(1, 16, 32, 32768, 64) == "matmul"
+    assert attention_route(1, 16, 4, 8, 64) == "fused"                # the fields' self-attention
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matmul_attention_equals_sdpa_with_padding(dtype, tol):
+    from clef_vllm.head import matmul_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for n in (5, 300, 300))
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[0, 200:] = True                                           # record 0 has 200 real keys
+    keep = ~padding[:, None, None, :]
+    got = matmul_attention(q, k, v, keep)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # padded keys are never read: changing them changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 200:], v2[0, :, 200:] = 1e3, -1e3
+    assert torch.equal(matmul_attention(q, k2, v2, keep)[0], got[0])
+    torch.testing.assert_close(matmul_attention(q, k, v, None).float(),
+                               torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()),
+                               atol=tol, rtol=tol)
+
+
 def test_chunked_accumulation_equals_one_pass(setup):
     head, E, records = setup
     whole = vectorised(head, DenseTable(E), records)

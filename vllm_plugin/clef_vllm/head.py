@@ -83,12 +83,48 @@ class HeadConfig:
 # --------------------------------------------------------------------------- building blocks
 
 
+#: Few queries over a long memory attend by two matmuls instead of SDPA's fused kernel from this many
+#: keys on. The fused kernel (memory-efficient: vLLM turns PyTorch's cuDNN attention off) gives each
+#: (record, head, 64-query tile) one thread block that walks every key: one record's queries over a
+#: 16k-token state ran on 16 of the H200's 132 SMs, 0.95 ms per attention. The head's whole decision
+#: on the H200: 16,384 rows 7.06 → 2.38 ms, 4,096 rows 2.13 → 1.22, 1,024 rows 1.10 → 0.95
+#: (bench/results/h200_head_attention_routes.json; docs/latency.md, "Head attention over long states").
+MATMUL_MIN_KEYS = 1024
+#: ... as long as the fused kernel would run fewer tiles than this (about one per SM) ...
+MATMUL_MAX_TILES = 128
+#: ... and the fp32 scores and keys it materialises fit in this many bytes.
+MATMUL_MAX_BYTES = 1 << 28
+
+
+def attention_route(records: int, heads: int, queries: int, keys: int, head_dim: int) -> str:
+    """``"matmul"`` or ``"fused"`` (SDPA) for an attention of these shapes; shapes only, so a captured
+    graph always takes the route it was captured with."""
+    tiles = records * heads * -(-queries // 64)
+    scratch = 4 * records * heads * keys * (2 * queries + head_dim)
+    if keys >= MATMUL_MIN_KEYS and tiles < MATMUL_MAX_TILES and scratch <= MATMUL_MAX_BYTES:
+        return "matmul"
+    return "fused"
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(q·kᵀ/√d, masked) · v`` as two matmuls (every record, head and key block in parallel).
+
+    Scores and the softmax are fp32, as inside SDPA's kernels; the weights meet ``v`` in its dtype
+    (bf16 weights × bf16 values, fp32 accumulation), as they do there. ``keep`` is True on keys to
+    attend (broadcast over heads and queries)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    if keep is not None:
+        scores.masked_fill_(~keep, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 class Attention(nn.Module):
     """Multi-head attention with ``nn.MultiheadAttention``'s parameter layout (packed q;k;v).
 
     Keys and values are the same tensor everywhere in the head. ``key_padding_mask`` is True
     on padded key positions (records of different lengths in one batch); real keys are never
-    masked, as in the release.
+    masked, as in the release. :func:`attention_route` picks the kernel: SDPA, or two matmuls for a
+    few queries over a long memory.
     """
 
     def __init__(self, width: int, heads: int):
@@ -110,7 +146,10 @@ class Attention(nn.Module):
         k = F.linear(key_value, w_k, b_k).view(b, lk, h, d // h).transpose(1, 2)
         v = F.linear(key_value, w_v, b_v).view(b, lk, h, d // h).transpose(1, 2)
         mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if attention_route(b, h, lq, lk, d // h) == "matmul":
+            out = matmul_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, lq, d))
 
 
