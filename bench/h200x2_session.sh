@@ -594,7 +594,7 @@ fortysixth1_queue0)   # ~1,750 s in all, by priority (the last job may be cut): 
   # what the state cache costs unique short decisions at c=16/64 (its default waits on it), then follow-ups on a
   # cached 16k state BF16 against FP8 (43.9 ms FP8 alone in the twenty-fifth session; 42.0 vs 42.2 paired before)
   job paired_cache_unique 0 500 env COMPARE="off:on:short:16,64" PAIRS=200 TIME_LIMIT=20 PORT0=9330 \
-      bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --state-cache on"
+      bash bench/paired.sh "$NINE" "off=--load-format dummy --state-cache off" "on=--load-format dummy --state-cache on"
   job paired_cache_fp8 0 420 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9340 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy --state-cache on" "fp8=--load-format dummy --state-cache on --quantization fp8"
@@ -866,7 +866,7 @@ twentyseventh1_queue0)   # ~1,000 s: launch with `wait 520` in a 600 s call, the
   ;;
 twentyfifth1_queue0)   # thirteenth session, round 3 (~400 s): the c=1 comparisons, each side sampling the same minutes
   job paired 0 560 env COMPARE="off:on:short,long off:fp8:short" PAIRS=300 TIME_LIMIT=20 "BENCH_ARGS=--long-tokens 4096" \
-      bash bench/paired.sh "$NINE" "off=--load-format dummy" "on=--load-format dummy --state-cache on" \
+      bash bench/paired.sh "$NINE" "off=--load-format dummy --state-cache off" "on=--load-format dummy --state-cache on" \
       "fp8=--load-format dummy --quantization fp8"
   touch "$S/all.done"
   log "all done"

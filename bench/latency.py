@@ -95,7 +95,8 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list
         # for token-id prompts (AsyncLLM, which clef-bench's raw phase uses, does not)
         kw["skip_tokenizer_init"] = False
     else:
-        cache = {"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES else {}
+        cache = ({"state_cache": True, "state_cache_match": CACHE_MODES[mode]} if mode in CACHE_MODES
+                 else {"state_cache": False})    # the other modes measure a step without the cache
         buckets = {"prefill_graph_buckets": sweep_buckets(sweep)} if sweep else {}
         kw = engine_kwargs(ckpt, load_format=load_format, prefill_graphs=mode != "nographs",
                            head_graphs=mode not in ("nographs", "eagerhead"),

@@ -108,6 +108,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     assert engine_kwargs(tiny_release, prefill_graph_buckets=[128, 64])["additional_config"][
         "clef_prefill_graphs"]["buckets"] == [64, 128]
     one = AsyncEngineArgs(**engine_kwargs(tiny_release, max_model_len=2048, head_graph_records=1))
+    # the state cache is on unless told: prefix caching matched in 16-token units (the reference stays exact)
+    assert one.enable_prefix_caching is True and one.prefix_match_unit == 16
+    assert one.additional_config["clef_state_cache"] == {"on": True}
     assert one.additional_config["clef_head_graphs"] == {"records": 1}
     # the scheduler's rules 4 and 5: vLLM's cleanup step only when asked; a 2 ms batch wait by default for one
     # engine in its own process, none with data parallelism or the engine thread, none when set to 0
@@ -230,8 +233,8 @@ def test_engine_options_are_typed_and_reach_the_engine_through_one_table(tiny_re
                        ({"prefill_graph_buckets": "64,100"}, "'prefill_graph_buckets': each bucket must be a multiple"),
                        ({"prefill_graph_buckets": "64;128"}, "'prefill_graph_buckets': expected token counts"),
                        ({"prefill_graphs": False, "prefill_graph_buckets": "64"}, "no effect with 'prefill_graphs' off"),
-                       ({"state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
-                       ({"state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off"),
+                       ({"state_cache": False, "state_cache_match": "block"}, "'state_cache_match' .* no effect with 'state_cache' off"),
+                       ({"state_cache": False, "state_cache_admit": "first"}, "'state_cache_admit' .* no effect with 'state_cache' off"),
                        ({"engine_thread_switch_ms": 0.5}, "unknown option 'engine_thread_switch_ms'"),   # removed
                        ({"batch_wait_ms": 2, "data_parallel_size": 2}, "'batch_wait_ms' is for one engine in its own"),
                        ({"batch_wait_ms": 2, "engine_core": "thread"}, "'batch_wait_ms' is for one engine in its own"),

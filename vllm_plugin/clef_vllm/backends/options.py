@@ -206,9 +206,9 @@ def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
     (:mod:`clef_vllm.worker.state_cache`); the scheduler (always ours) keeps the two consistent."""
+    kwargs["enable_prefix_caching"] = opts.state_cache
     if not opts.state_cache:
         return
-    kwargs.update(enable_prefix_caching=True)
     if opts.state_cache_match == "unit":
         from clef_vllm.state_keys import KEY_UNIT
 
@@ -353,9 +353,9 @@ class VllmOptions(_Validated):
                                "waits for the GPU to drain (default on: about half a second once; "
                                "docs/latency.md)",
                                flags=("--gemm-warmup",), engine=_gemm_warmup, kind=bool)
-    state_cache: bool = option(False, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
-                               "of cached prefixes; reference: the backbone's cache at the end of each state; "
-                               "default off until its benchmarks are in; docs/state-cache.md)",
+    state_cache: bool = option(True, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
+                               "of cached prefixes, default on; reference: the backbone's cache at the end of "
+                               "each state, default off: the reference is the exact one; docs/state-cache.md)",
                                flags=("--state-cache",), engine=_state_cache, kind=bool)
     state_cache_admit: str = option("repeat", "with the state cache on, which states are kept: 'repeat' (a state "
                                     "seen before or in flight; a state's first request runs in one step and "

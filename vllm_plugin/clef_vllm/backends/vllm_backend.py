@@ -44,7 +44,6 @@ log = logging.getLogger("clef_vllm")
 FIXED_ENGINE_SETTINGS = dict(
     runner="pooling",
     tensor_parallel_size=1,
-    enable_prefix_caching=False,      # on only with the state cache (VllmOptions.state_cache)
     enable_chunked_prefill=True,      # the pooler is chunk-aware
     mamba_ssm_cache_dtype="float32",  # GDN state across chunks in fp32 (the release config's mamba_ssm_dtype)
     skip_tokenizer_init=True,         # prompts arrive as token ids; spans are absolute positions
