@@ -94,9 +94,11 @@ def test_the_attention_route_is_chosen_by_shape():
     assert attention_route(1, 16, 16, MATMUL_MIN_KEYS - 1, 64) == "fused"   # a short state
     assert attention_route(8, 16, 16, 24576, 64) == "fused"           # 128 tiles: the fused kernel fills the GPU
     assert attention_route(7, 16, 16, 4096, 64) == "matmul"
-    assert attention_route(1, 16, 256, 32768, 64) == "fused"          # its fp32 scratch would exceed the bound
-    assert 4 * 16 * 32768 * (2 * 32 + 64) <= MATMUL_MAX_BYTES          # (8, 32) schemas at 32k still fit
-    assert attention_route(1, 16, 32, 32768, 64) == "matmul"
+    assert attention_route(1, 16, 256, 32768, 64) == "fused"          # its scratch would exceed the bound
+    assert 16 * 32768 * (10 * 32 + 4 * 64) > MATMUL_MAX_BYTES
+    assert attention_route(1, 16, 32, 32768, 64) == "fused"
+    assert attention_route(1, 16, 16, 32768, 64) == "matmul"          # (4, 16) schemas at a 32k context
+    assert attention_route(1, 16, 64, 16384, 64) == "matmul"          # up to (16, 64) at the default 16k
     assert attention_route(1, 16, 4, 8, 64) == "fused"                # the fields' self-attention
 
 

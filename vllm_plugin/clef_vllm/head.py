@@ -92,7 +92,7 @@ class HeadConfig:
 MATMUL_MIN_KEYS = 1024
 #: ... as long as the fused kernel would run fewer tiles than this (about one per SM) ...
 MATMUL_MAX_TILES = 128
-#: ... and the fp32 scores and keys it materialises fit in this many bytes.
+#: ... and what it materialises (fp32 keys, fp32 scores and softmax, the bf16 weights) fits in this many bytes.
 MATMUL_MAX_BYTES = 1 << 28
 
 
@@ -100,7 +100,7 @@ def attention_route(records: int, heads: int, queries: int, keys: int, head_dim:
     """``"matmul"`` or ``"fused"`` (SDPA) for an attention of these shapes; shapes only, so a captured
     graph always takes the route it was captured with."""
     tiles = records * heads * -(-queries // 64)
-    scratch = 4 * records * heads * keys * (2 * queries + head_dim)
+    scratch = records * heads * keys * (10 * queries + 4 * head_dim)
     if keys >= MATMUL_MIN_KEYS and tiles < MATMUL_MAX_TILES and scratch <= MATMUL_MAX_BYTES:
         return "matmul"
     return "fused"
