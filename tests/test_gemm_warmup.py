@@ -1,4 +1,5 @@
-"""``--gemm-warmup`` (clef_vllm/worker/gemm_warmup.py): the head's GEMM shapes over a grid of row counts.
+"""``--gemm-warmup`` (clef_vllm/worker/gemm_warmup.py): the head's GEMM shapes, and its matmul attentions, over a
+grid of row counts.
 
 Whether it removes CUDA's mid-step kernel loads is a GPU measurement (bench/step_timeline.py --gaps on a
 profiled step); here: the grid, that the shapes it runs are every GEMM shape the head's real work issues
@@ -71,6 +72,39 @@ def test_running_out_of_memory_stops_the_warmup_not_the_step(monkeypatch, caplog
     assert "clef GEMM warm-up stopped" in caplog.text and "--gemm-warmup off" in caplog.text
     monkeypatch.setattr(warmup.F, "linear", linear)
     assert "stopped" not in warm_gemm_kernels(head, 16, head.dtype, "cpu")
+
+
+def test_the_warmup_runs_the_heads_matmul_attentions_over_long_memories(monkeypatch):
+    """The matmul route's batched GEMMs (a few records over 1,024 keys or more) are warmed too: at every grid row
+    count that takes the route, for 4, 16 and 64 queries and 1, 2, 4 ... up to the most records that take it,
+    with the head's own layout (views of the projections' outputs)."""
+    import clef_vllm.worker.gemm_warmup as warmup
+    from clef_vllm.head import MATMUL_MIN_KEYS, attention_route
+    from clef_vllm.worker.gemm_warmup import attention_shapes
+
+    release = attention_shapes(16, 64, 16384)                 # the release head at the default context
+    assert {q for _, q, _ in release} == {4, 16, 64} and max(r for r, _, _ in release) == 7
+    assert min(k for *_, k in release) >= MATMUL_MIN_KEYS and max(k for *_, k in release) == 16384
+    assert all(attention_route(r, 16, q, k, 64) == "matmul" for r, q, k in release)
+    for q, k in {(q, k) for _, q, k in release}:              # the most records that take the route is included
+        most = max(r for r, q2, k2 in release if (q2, k2) == (q, k))
+        assert attention_route(most + 1, 16, q, k, 64) == "fused"
+    assert attention_shapes(16, 64, 1000) == []               # no memory long enough: nothing to warm
+
+    head = random_head(SMALL)
+    calls = []
+    real = warmup.matmul_attention
+
+    def spy(q, k, v, keep):
+        calls.append((q.shape[0], q.shape[2], k.shape[2]))
+        assert k.transpose(1, 2).is_contiguous() and keep.all()   # [records, keys, heads x dim] viewed per head
+        return real(q, k, v, keep)
+
+    monkeypatch.setattr(warmup, "matmul_attention", spy)
+    report = warm_gemm_kernels(head, 1200, head.dtype, "cpu")
+    expected = attention_shapes(SMALL.heads, SMALL.width // SMALL.heads, 1200)
+    assert expected and calls == expected
+    assert report["gemms"] == len(linear_shapes(head)) * len(row_grid(1200)) + 2 * len(expected)
 
 
 def test_linear_shapes_include_the_packed_attention_projections():

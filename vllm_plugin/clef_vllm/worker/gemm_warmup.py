@@ -18,6 +18,11 @@ to its longest, at most twice their real rows: :func:`clef_vllm.features.padding
 inputs and weights are zeros of the head's dtype, the outputs are dropped). A row count between
 two grid points may still get a kernel of its own; ``bench/step_timeline.py --gaps`` counts the
 lazy loads a profiled step still has (at c=64, twenty-fifth session: 1-3 a step with it, 4-6 without).
+
+The head's attentions over a long memory run as batched GEMMs too (:func:`clef_vllm.head.matmul_attention`,
+a few records' queries over 1,024 keys or more): the warm-up runs them at the memory grid's row counts from
+:data:`~clef_vllm.head.MATMUL_MIN_KEYS` on, for 4, 16 and 64 queries and one to the most records that take
+that route, laid out as the head lays them out (its projections' views, one record or several).
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clef_vllm.head import MATMUL_MAX_TILES, attention_route, matmul_attention
+
 log = logging.getLogger("clef_vllm")
 
 #: Each row count of the grid is at least this many times the previous one.
 ROW_RATIO = 1.125
+#: Query counts of the head's attentions the warm-up runs on the matmul route (field and option slots).
+ATTENTION_QUERIES = (4, 16, 64)
 
 
 def row_grid(max_rows: int, ratio: float = ROW_RATIO) -> list[int]:
@@ -59,6 +68,31 @@ def linear_shapes(module: nn.Module) -> list[tuple[int, int, bool]]:
     return list(seen)
 
 
+def attention_shapes(heads: int, head_dim: int, max_rows: int) -> list[tuple[int, int, int]]:
+    """The ``(records, queries, keys)`` the warm-up runs :func:`~clef_vllm.head.matmul_attention` at: every
+    grid row count up to ``max_rows`` that takes the matmul route, for :data:`ATTENTION_QUERIES` queries and
+    1, 2, 4 ... records up to the most that take it."""
+    out = []
+    for keys in row_grid(max_rows):
+        for queries in ATTENTION_QUERIES:
+            taking = [r for r in range(1, MATMUL_MAX_TILES + 1)
+                      if attention_route(r, heads, queries, keys, head_dim) == "matmul"]
+            if taking:    # the route holds up to some number of records: powers of two up to it, and it
+                records = {r for r in taking if r & (r - 1) == 0} | {taking[-1]}
+                out.extend((r, queries, keys) for r in sorted(records))
+    return out
+
+
+def _attention_inputs(records: int, queries: int, keys: int, heads: int, head_dim: int, dtype, device):
+    """Zero ``q, k, v`` and an all-true mask in the head's layout (views of ``[records, n, heads * head_dim]``)."""
+    def heads_view(n):
+        return torch.zeros(records, n, heads * head_dim, dtype=dtype, device=device).view(
+            records, n, heads, head_dim).transpose(1, 2)
+
+    keep = torch.ones(records, 1, 1, keys, dtype=torch.bool, device=device)
+    return heads_view(queries), heads_view(keys), heads_view(keys), keep
+
+
 def warm_gemm_kernels(module: nn.Module, max_rows: int, dtype: torch.dtype, device) -> dict:
     """Run every linear shape of ``module`` at every row count of :func:`row_grid` (``max_rows``) on
     ``device`` in ``dtype``; returns what ran (shapes, row counts, GEMMs, seconds).
@@ -69,6 +103,9 @@ def warm_gemm_kernels(module: nn.Module, max_rows: int, dtype: torch.dtype, devi
     their first use, as without it."""
     t0 = time.perf_counter()
     shapes, grid = linear_shapes(module), row_grid(max_rows)
+    config = getattr(module, "config", None)
+    heads = getattr(config, "heads", None)
+    attentions = attention_shapes(heads, config.width // heads, max_rows) if heads else []
     gemms, stopped = 0, None
     try:
         with torch.inference_mode():
@@ -80,17 +117,21 @@ def warm_gemm_kernels(module: nn.Module, max_rows: int, dtype: torch.dtype, devi
                     F.linear(rows[:m], weight, b)
                     gemms += 1
                 del weight, b, rows
+            for records, queries, keys in attentions:
+                matmul_attention(*_attention_inputs(records, queries, keys, heads, config.width // heads, dtype, device))
+                gemms += 2
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
     except torch.OutOfMemoryError as exc:
         stopped = f"out of memory after {gemms} GEMMs ({str(exc).splitlines()[0][:200]})"
-    report = {"shapes": len(shapes), "row_counts": len(grid), "max_rows": max_rows,
+    report = {"shapes": len(shapes), "row_counts": len(grid), "max_rows": max_rows, "attentions": len(attentions),
               "gemms": gemms, "seconds": round(time.perf_counter() - t0, 3)}
     if stopped is not None:
         report["stopped"] = stopped
         log.warning("clef GEMM warm-up stopped: %s; the head's kernels it did not reach load at their first use "
                     "(--gemm-warmup off skips it)", stopped)
         return report
-    log.info("clef GEMM warm-up: the head's %d linear shapes at %d row counts up to %d (%d GEMMs) in %.2f s",
-             report["shapes"], report["row_counts"], max_rows, report["gemms"], report["seconds"])
+    log.info("clef GEMM warm-up: the head's %d linear shapes at %d row counts up to %d and %d matmul attentions "
+             "(%d GEMMs) in %.2f s", report["shapes"], report["row_counts"], max_rows, report["attentions"],
+             report["gemms"], report["seconds"])
     return report
