@@ -695,8 +695,8 @@ def test_a_repeated_state_is_tokenized_once_per_piece_with_the_same_ids(hf_tok):
     or changed in one place, gets exactly the ids an encoder without the cache gives."""
     import random
 
-    plain = RequestEncoder(hf_tok, piece_cache=0)
-    cached = RequestEncoder(hf_tok)
+    plain = RequestEncoder(hf_tok, piece_cache=0, state_list_cache=0)
+    cached = RequestEncoder(hf_tok, state_list_cache=0)              # the pieces alone
     rng = random.Random(3)
     state = _tricky_text(rng, 120_000)
     few = {"a": {"type": "noul", "instructions": "Is it urgent?"}}
@@ -709,6 +709,51 @@ def test_a_repeated_state_is_tokenized_once_per_piece_with_the_same_ids(hf_tok):
         assert second.input_ids == first.input_ids and second.truncated_state_tokens == first.truncated_state_tokens
     assert cached.pieces.hits > 2 * cached.pieces.misses > 0      # a change re-tokenizes from where it is on
     assert len(plain.pieces) == 0 and plain.pieces.hits == 0
+
+
+def test_a_repeated_long_state_reuses_its_whole_ids_list(hf_tok, monkeypatch):
+    """A long state sent again (a follow-up) takes its ids from the state-list cache: not cut, keyed or joined
+    again, the same ids as an encoder without caches under any schema and budget, the held list never changed
+    by what later requests do with it; short states are not held, and at most STATE_LISTS states are."""
+    import random
+
+    from clef_vllm import encoding
+    from clef_vllm.encoding import STATE_LIST_MIN_CHARS, STATE_LISTS
+
+    plain = RequestEncoder(hf_tok, piece_cache=0, state_list_cache=0)
+    cached = RequestEncoder(hf_tok)
+    state = _tricky_text(random.Random(4), STATE_LIST_MIN_CHARS + 3000)     # ~10k tokens of this text
+    few = {"a": {"type": "noul", "instructions": "Is it urgent?"}}
+    many = {f"q{i}": {"type": "score", "instructions": "How bad? " * 40, "criteria": ["low", "mid", "high"]}
+            for i in range(12)}
+    first = encode(cached, req(state, **few), max_length=16384)
+    held = cached.state_lists.get(state)
+    assert held is not None and len(cached.state_lists) == 1
+    snapshot = list(held)
+
+    def no_cutting(*args, **kwargs):
+        raise AssertionError("a held state was cut into pieces again")
+
+    assert first.truncated_state_tokens == 0
+    for questions, budget in ((few, 16384), (many, 16384), (few, 2048), (many, 4096)):
+        body = req(state, **questions)
+        whole = budget == 16384                  # the whole state fits: its held list serves, nothing is cut
+        if whole:
+            monkeypatch.setattr(encoding, "state_pieces", no_cutting)
+        got = encode(cached, body, max_length=budget)
+        monkeypatch.undo()
+        want = encode(plain, body, max_length=budget)
+        assert got.input_ids == want.input_ids and got.fields == want.fields
+        assert got.truncated_state_tokens == want.truncated_state_tokens and (got.truncated_state_tokens == 0) == whole
+    assert first.input_ids == encode(plain, req(state, **few), max_length=16384).input_ids
+    assert cached.state_lists.get(state) is held and held == snapshot      # never changed by its users
+    short = state[:STATE_LIST_MIN_CHARS - 1]
+    encode(cached, req(short, **few), max_length=16384)
+    assert cached.state_lists.get(short) is None                           # short states are cheap: not held
+    for i in range(STATE_LISTS + 3):                                        # bounded: the oldest go first
+        encode(cached, req(f"{i} " + state, **few), max_length=16384)
+    assert len(cached.state_lists) == STATE_LISTS and cached.state_lists.get(state) is None
+    assert len(plain.state_lists) == 0
 
 
 def test_a_repeated_schema_is_tokenized_once_per_segment_with_the_same_ids(hf_tok):
