@@ -56,9 +56,9 @@ STATE_PIECE_CHARS = 4096
 #: this request's budget ends). Memory stays bounded whatever the states are made of.
 STATE_PIECE_CACHE = 8_000_000
 #: A state text of at least this many characters also keeps its whole ids list (Python ints), so the same
-#: state sent again (a follow-up) is not cut, keyed and joined again: for a 16k-token state that took
-#: ~0.8 of the ~1.4 ms its encoding cost with every piece cached (making 16k int objects from the cached
-#: arrays is most of it). At most STATE_LIST_IDS ids (~40 bytes each with their list: ~10 MB; the text,
+#: state sent again (a follow-up) is not cut, keyed and joined again (making 16k int objects from the
+#: cached arrays was most of it): encoding a 16k-token follow-up 1.1 -> 0.45 ms on a 2-core machine
+#: (bench/results/cpu_encode_follow_up_state_lists.txt). At most STATE_LIST_IDS ids (~40 bytes each with their list: ~10 MB; the text,
 #: held as the key, counts one id per 40 characters) and STATE_LISTS states, least recently used dropped.
 STATE_LIST_MIN_CHARS = 4 * STATE_PIECE_CHARS
 STATE_LIST_IDS = 262_144

@@ -21,8 +21,8 @@ lazy loads a profiled step still has (at c=64, twenty-fifth session: 1-3 a step 
 
 The head's attentions over a long memory run as batched GEMMs too (:func:`clef_vllm.head.matmul_attention`,
 a few records' queries over 1,024 keys or more): the warm-up runs them at the memory grid's row counts from
-:data:`~clef_vllm.head.MATMUL_MIN_KEYS` on, for 4, 16 and 64 queries and one to the most records that take
-that route, laid out as the head lays them out (its projections' views, one record or several).
+:data:`~clef_vllm.head.MATMUL_MIN_KEYS` on, for 4, 16 and 64 queries and 1, 2, 4 ... and the most records
+that take that route, laid out as the head lays them out (views of its projections' outputs).
 """
 
 from __future__ import annotations
