@@ -127,11 +127,13 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyseventh1 (one GPU; ~1,300 s by priority; not run yet): the new defaults checked (the state cache on,
-#        the head's matmul route over memories of 1,024 rows or more): the tiny parity (240 requests per layout)
-#        and the state cache's GPU cases; then a 16k follow-up's steps profiled again (FP8: the head's 10
-#        memory-efficient attention calls took 5.75 ms of ~20 ms of GPU work), BF16 against FP8 follow-ups on a
-#        cached 16k state (37.2 / 36.6 ms before), and the cache's cost on one short decision at c=1 (+1.9 % before).
+# PLAN=fortyseventh2 (one GPU; ~450 s by priority): what the state cache (now the default) costs one short FP8
+#        decision at c=1 (the 20 ms target), then BF16 against FP8 follow-ups on a cached 16k state with the head's
+#        matmul route (fortyseventh1's last two jobs, cut when that machine was handed back).
+# PLAN=fortyseventh1 (one GPU; ran in the twenty-seventh session, its first three jobs; its queue is removed): the
+#        new defaults checked (the state cache on, the head's matmul route over memories of 1,024 rows or more): the
+#        tiny parity (240 requests per layout) and the state cache's GPU cases; a 16k follow-up's steps profiled
+#        again (FP8).
 # PLAN=fortysixth1 (one GPU; ran in the twenty-sixth session, every job; its queue is removed): a 16k follow-up's
 #        steps profiled (FP8, state cache on); FP8 with the 480 bucket beside raw vLLM FP8 at c=1 and --engine-core
 #        thread against it; the state cache's cost on unique short decisions at c=16/64; BF16 against FP8
@@ -586,21 +588,14 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortyseventh1_queue0)   # ~1,300 s in all, by priority: launch with `wait 540` in the staging's last call, then
-  # `wait 540` until "all done"
-  # the defaults' answers: parity with the float32 reference (the state cache on, the head's matmul route), then
-  # the cache's GPU cases (full and partial hits, concurrent same-state requests, eviction)
-  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
-  job cache_cases_tiny 0 360 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
-  # a follow-up on a cached 16k state with the head's matmul route: its steps' kernels by name (FP8)
-  PROFILE_WORKLOADS=shared-state PROFILE_BENCH_ARGS="--shared-states 15872x24" profiled_9b profile_follow16k_fp8 \
-      9310 9b-dummy-fp8-cache-follow16k-profile-c1 "--load-format dummy --quantization fp8" 1 10,3 420
-  job paired_cache_fp8 0 420 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9340 \
+fortyseventh2_queue0)   # ~450 s in all, by priority: launch with `wait 540` in the staging's last call
+  # what the cache (the default) costs one short FP8 decision at c=1
+  job paired_cache_c1_fp8 0 330 env COMPARE="off:on:short" PAIRS=250 TIME_LIMIT=20 PORT0=9350 \
+      bash bench/paired.sh "$NINE" "off=--load-format dummy --quantization fp8 --state-cache off" \
+      "on=--load-format dummy --quantization fp8"
+  job paired_cache_fp8 0 300 env COMPARE="bf16:fp8:shared-state" PAIRS=100 TIME_LIMIT=20 PORT0=9340 \
       "BENCH_ARGS=--shared-states 15872x17" bash bench/paired.sh "$NINE" \
       "bf16=--load-format dummy" "fp8=--load-format dummy --quantization fp8"
-  # what the cache (now the default) costs one short decision at c=1
-  job paired_cache_c1 0 420 env COMPARE="off:on:short" PAIRS=300 TIME_LIMIT=20 PORT0=9350 \
-      bash bench/paired.sh "$NINE" "off=--load-format dummy --state-cache off" "on=--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;
