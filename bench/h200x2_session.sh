@@ -127,6 +127,12 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fortyeighth2 (one GPU; ~300 s): two engines on the one GPU answer as one engine offline (the tiny checkpoint,
+#        256 requests at c=1/16/64 through `--dp 2 --engines-per-gpu 2`, each response against the same request
+#        answered offline).
+# PLAN=fortyeighth1 (one GPU; ~1,300 s by priority): two data-parallel engines on the one GPU (--engines-per-gpu 2):
+#        the shared-state hits they keep with state affinity against one engine (issue 13's DP=2 target, on the
+#        one GPU lent), then short decisions at c=16/64 through them against raw vLLM in time blocks.
 # PLAN=fortyseventh2 (one GPU; ~450 s by priority): what the state cache (now the default) costs one short FP8
 #        decision at c=1 (the 20 ms target), then BF16 against FP8 follow-ups on a cached 16k state with the head's
 #        matmul route (fortyseventh1's last two jobs, cut when that machine was handed back).
@@ -585,6 +591,27 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortyeighth2_queue0)   # ~300 s: launch with `wait 540` in the staging's last call
+  job server_dp2_1gpu 0 480 python3 tests/gpu/vllm_parity.py --out "$S/server_dp2_1gpu" --skip-parity --dp 2 \
+      --engines-per-gpu 2
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortyeighth1_queue0)   # ~1,300 s in all, by priority: launch with `wait 540` in the staging's last call
+  # issue 13's DP=2 target on one GPU: two engines (state affinity routes each state's requests to one), then one;
+  # the 32-state point at c=16 is the affinity case (three requests a state: seen, cached, hit)
+  local_shared=(WORKLOADS=shared-state CONC=16 CONC_OVERRIDES= TIME_LIMIT=15 WARMUP=4 READY_TIMEOUT=420
+                BENCH_TIMEOUT=300 "BENCH_ARGS=--shared-states 4096x64,4096x96x32" PHASES=server)
+  job shared_dp2_1gpu 0 560 env "${local_shared[@]}" LABEL=9b-dummy-bf16-cache-dp2-1gpu \
+      SERVER_ARGS="--load-format dummy --dp 2 --engines-per-gpu 2" bash bench/gpu_bench.sh "$NINE" 8741
+  job shared_dp1 0 360 env "${local_shared[@]}" LABEL=9b-dummy-bf16-cache-dp1 \
+      SERVER_ARGS="--load-format dummy" bash bench/gpu_bench.sh "$NINE" 8742
+  # issue 12's c=16/64 target with two engines on the GPU: raw vLLM in clef-bench's process, in time blocks
+  job paired_two_raw 0 600 env COMPARE="two:raw:short:16,64" PAIRS=200 TIME_LIMIT=15 PORT0=9370 GPU_SHARE=0.3 \
+      bash bench/paired.sh "$NINE" "two=--load-format dummy --dp 2 --engines-per-gpu 2"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -138,7 +138,7 @@ async def http_load(url: str, bodies: list[dict], concurrency: int) -> tuple[lis
                      "status": status}
 
 
-def server_load(workdir: Path, dp: int, n: int, engine: dict, log_dir: Path) -> dict:
+def server_load(workdir: Path, dp: int, n: int, engine: dict, log_dir: Path, engines_per_gpu: int = 1) -> dict:
     from clef_vllm import Clef
     from clef_vllm.bench.workloads import synthetic_parity_set
     from clef_vllm.tiny import build_tiny_checkpoint
@@ -148,9 +148,10 @@ def server_load(workdir: Path, dp: int, n: int, engine: dict, log_dir: Path) -> 
         build_tiny_checkpoint(ckpt, mtp=True)
     bodies = synthetic_parity_set(n, seed=23, max_words=600)
     server = LiveServer(["--model", str(ckpt), "--backend", "vllm", "--dp", str(dp), "--gpu-memory-utilization",
-                         str(engine["gpu_memory_utilization"]), "--max-num-seqs", "64"], ready_timeout=420,
+                         str(engine["gpu_memory_utilization"]), "--max-num-seqs", "64",
+                         "--engines-per-gpu", str(engines_per_gpu)], ready_timeout=420,
                         port=8731, log_path=log_dir / f"server_dp{dp}.log")
-    report: dict = {"dp": dp}
+    report: dict = {"dp": dp, "engines_per_gpu": engines_per_gpu}
     try:
         import httpx
 
@@ -182,6 +183,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--n", type=int, default=240)
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--engines-per-gpu", type=int, default=1, help="engines sharing each GPU (--engines-per-gpu)")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     records_default = VllmOptions().head_graph_records
@@ -202,11 +204,12 @@ def main() -> int:
             results[layout] = parity(layout, args.n, workdir, engine)
             print(json.dumps({k: v for k, v in results[layout].items() if k != "flips"}), flush=True)
     if not args.skip_server:
-        results[f"server_dp{args.dp}"] = server_load(workdir, args.dp, 256, engine, out)
+        results[f"server_dp{args.dp}"] = server_load(workdir, args.dp, 256, engine, out, args.engines_per_gpu)
         print(json.dumps(results[f"server_dp{args.dp}"]), flush=True)
     suffix = f"_r{args.head_graph_records}" if args.head_graph_records != records_default else ""
     suffix += f"_{args.prefill_graph_scope}" if args.prefill_graph_scope != scope_default else ""
     suffix += "_async" if args.async_scheduling else ""
+    suffix += f"_{args.engines_per_gpu}pergpu" if args.engines_per_gpu > 1 else ""
     results["head_graph_records"] = args.head_graph_records
     results["prefill_graph_scope"] = args.prefill_graph_scope
     results["async_scheduling"] = args.async_scheduling

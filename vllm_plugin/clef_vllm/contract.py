@@ -55,6 +55,11 @@ NVFP4_KERNEL_KEY = "clef_nvfp4_kernel"
 NVFP4_KERNELS = ("vllm", "bf16", "auto")
 #: ``--nvfp4-kernel``'s default, for the server and for ``clef-load``'s prediction of it.
 DEFAULT_NVFP4_KERNEL = "auto"
+#: ``additional_config`` key: how many data-parallel engines share each GPU (``--engines-per-gpu``; absent: one).
+ENGINES_PER_GPU_KEY = "clef_engines_per_gpu"
+#: vLLM's ``worker_cls`` for engines that share a GPU: it places them and starts them one at a time
+#: (:mod:`clef_vllm.worker.shared_gpu`).
+SHARED_GPU_WORKER = "clef_vllm.worker.shared_gpu.SharedGpuWorker"
 
 
 def tell_worker(engine_kwargs: dict, key: str, value) -> None:

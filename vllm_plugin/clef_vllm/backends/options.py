@@ -19,10 +19,10 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY,
-                                HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS,
-                                PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY, SCHEDULER_CLASSES, STATE_CACHE_KEY,
-                                tell_worker)
+from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, ENGINES_PER_GPU_KEY, GDN_MEMO_KEY,
+                                GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY,
+                                NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
+                                SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -153,6 +153,18 @@ def _max_num_batched_tokens(opts: "VllmOptions", kwargs: dict) -> None:
                                            or max(8192, min(int(opts.max_model_len), 16384)))
 
 
+def _gpu_memory(opts: "VllmOptions", kwargs: dict) -> None:
+    kwargs["gpu_memory_utilization"] = opts.resolved_gpu_memory_utilization
+
+
+def _engines_per_gpu(opts: "VllmOptions", kwargs: dict) -> None:
+    """Engines that share a GPU run the plugin's worker class, which places them and starts them one at a time
+    (:mod:`clef_vllm.worker.shared_gpu`)."""
+    if opts.engines_per_gpu > 1:
+        tell_worker(kwargs, ENGINES_PER_GPU_KEY, opts.engines_per_gpu)
+        kwargs["worker_cls"] = SHARED_GPU_WORKER
+
+
 def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
     tell_worker(kwargs, HEAD_DTYPE_KEY, opts.resolved_head_dtype)
 
@@ -231,6 +243,14 @@ def _batch_wait(opts: "VllmOptions", kwargs: dict) -> None:
         tell_worker(kwargs, BATCH_WAIT_KEY, opts.resolved_batch_wait_ms)
 
 
+#: ``--gpu-memory-utilization``'s default for one engine on a GPU (vLLM's own)
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+#: What each engine beyond a GPU's first leaves of the default share: the memory an engine takes beyond vLLM's
+#: budget (the plugin's step and head graphs, the GEMM warm-up; measured ~5 GiB of an H200 at 9B, 3.6 %), so that
+#: K engines with their overshoot still fit (two engines at 0.45 each left ~4 GiB free on an H200)
+SHARED_GPU_HEADROOM = 0.05
+
 #: ``--batch-wait-ms``'s default for one engine in its own process (measured: BF16 short decisions at c=16
 #: 1.062x the req/s of no wait, c=64 1.001x; one request at a time never waits)
 DEFAULT_BATCH_WAIT_MS = 2.0
@@ -289,9 +309,15 @@ class VllmOptions(_Validated):
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",
                                      flags=("--data-parallel-size", "--dp"), engine="data_parallel_size", kind=int,
                                      minimum=1)
-    gpu_memory_utilization: float = option(0.9, "share of each GPU's memory vLLM may use (default 0.9)",
-                                           flags=("--gpu-memory-utilization",), engine="gpu_memory_utilization",
-                                           kind=float, minimum=0.01, maximum=1.0)
+    engines_per_gpu: int = option(1, "data-parallel engines per GPU: --dp counts engines, placed this many on each "
+                                  "GPU in order (default 1). More than one keeps a GPU busy while an engine's host "
+                                  "prepares its next step; they start one after another, each with its share of "
+                                  "the memory (docs/operating.md)", flags=("--engines-per-gpu",),
+                                  engine=_engines_per_gpu, kind=int, minimum=1)
+    gpu_memory_utilization: float | None = option(None, "share of a GPU's memory each engine may use (default 0.9; with "
+                                                  "--engines-per-gpu K, (0.9 - 0.05 (K-1)) / K)",
+                                                  flags=("--gpu-memory-utilization",), engine=_gpu_memory,
+                                                  kind=float, minimum=0.01, maximum=1.0)
     max_num_seqs: int = option(128, "requests per engine step (default 128)", flags=("--max-num-seqs",),
                                engine="max_num_seqs", kind=int, minimum=1)
     max_num_batched_tokens: int | None = option(None, "tokens per engine step; longer prompts are chunked (default: "
@@ -414,6 +440,15 @@ class VllmOptions(_Validated):
             # data-parallel engines each need their own process (vLLM's DP coordinator)
             raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "
                               "at 1 or use 'process'", "engine_core")
+        if self.engines_per_gpu > self.data_parallel_size:
+            raise OptionError(f"vllm backend option 'engines_per_gpu' ({self.engines_per_gpu}) places data-parallel "
+                              f"engines: it cannot exceed data_parallel_size ({self.data_parallel_size})",
+                              "engines_per_gpu")
+        if self.engines_per_gpu * self.resolved_gpu_memory_utilization > 1.0:
+            raise OptionError(f"vllm backend option 'gpu_memory_utilization' is each engine's share of its GPU: "
+                              f"{self.engines_per_gpu} engines x {self.gpu_memory_utilization} is more than the "
+                              f"whole GPU (at most {1.0 / self.engines_per_gpu:.2f}, or leave it out)",
+                              "gpu_memory_utilization")
         if self.batch_wait_ms and not self.one_engine_process:
             raise OptionError("vllm backend option 'batch_wait_ms' is for one engine in its own process: leave "
                               "data_parallel_size at 1 and engine_core 'process', or the wait at 0", "batch_wait_ms")
@@ -421,6 +456,15 @@ class VllmOptions(_Validated):
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "
                             "qualifies)", "use 'core' or leave enforce_eager out")
+
+    @property
+    def resolved_gpu_memory_utilization(self) -> float:
+        """Each engine's share of its GPU's memory: as given, else :data:`DEFAULT_GPU_MEMORY_UTILIZATION` split
+        between the engines that share the GPU, less :data:`SHARED_GPU_HEADROOM` for each engine after the first."""
+        if self.gpu_memory_utilization is not None:
+            return float(self.gpu_memory_utilization)
+        k = self.engines_per_gpu
+        return round((DEFAULT_GPU_MEMORY_UTILIZATION - SHARED_GPU_HEADROOM * (k - 1)) / k, 4)
 
     @property
     def resolved_head_dtype(self) -> str:
