@@ -127,10 +127,11 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyeighth2 (one GPU; ~300 s): two engines on the one GPU answer as one engine offline (the tiny checkpoint,
-#        256 requests at c=1/16/64 through `--dp 2 --engines-per-gpu 2`, each response against the same request
-#        answered offline).
-# PLAN=fortyeighth1 (one GPU; ~1,300 s by priority): two data-parallel engines on the one GPU (--engines-per-gpu 2):
+# PLAN=fortyeighth2 (one GPU; ~800 s by priority; its first job ran in the twenty-eighth session, the profiles not): two engines on the one GPU answer as one engine offline (the tiny
+#        checkpoint, 256 requests at c=1/16/64 through `--dp 2 --engines-per-gpu 2`, each response against the same
+#        request answered offline); then one short FP8 decision's steps with the profiler's Python tracer, the state
+#        cache on and off (where its 0.45 ms goes).
+# PLAN=fortyeighth1 (one GPU; ~1,300 s by priority; ran in the twenty-eighth session): two data-parallel engines on the one GPU (--engines-per-gpu 2):
 #        the shared-state hits they keep with state affinity against one engine (issue 13's DP=2 target, on the
 #        one GPU lent), then short decisions at c=16/64 through them against raw vLLM in time blocks.
 # PLAN=fortyseventh2 (one GPU; ~450 s by priority): what the state cache (now the default) costs one short FP8
@@ -594,9 +595,14 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fortyeighth2_queue0)   # ~300 s: launch with `wait 540` in the staging's last call
+fortyeighth2_queue0)   # ~800 s by priority: launch with `wait 540` in the staging's last call, then `wait 540`
   job server_dp2_1gpu 0 480 python3 tests/gpu/vllm_parity.py --out "$S/server_dp2_1gpu" --skip-parity --dp 2 \
       --engines-per-gpu 2
+  # where the state cache's 0.45 ms on one short FP8 decision goes: the steps' Python calls, cache on, then off
+  profiled_9b profile_fp8_stack_on 9380 9b-dummy-fp8-stack-cache-on-c1 "--load-format dummy --quantization fp8" 1 \
+      8,2,stack 240
+  profiled_9b profile_fp8_stack_off 9381 9b-dummy-fp8-stack-cache-off-c1 \
+      "--load-format dummy --quantization fp8 --state-cache off" 1 8,2,stack 240
   touch "$S/all.done"
   log "all done"
   ;;
