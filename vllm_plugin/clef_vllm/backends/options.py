@@ -310,9 +310,9 @@ class VllmOptions(_Validated):
                                      flags=("--data-parallel-size", "--dp"), engine="data_parallel_size", kind=int,
                                      minimum=1)
     engines_per_gpu: int = option(1, "data-parallel engines per GPU: --dp counts engines, placed this many on each "
-                                  "GPU in order (default 1). More than one keeps a GPU busy while an engine's host "
-                                  "prepares its next step; they start one after another, each with its share of "
-                                  "the memory (docs/operating.md)", flags=("--engines-per-gpu",),
+                                  "GPU in order (default 1); they start one after another, each with its share of "
+                                  "the memory. For data parallelism on fewer GPUs, not for speed: measured slower "
+                                  "than one engine (docs/operating.md)", flags=("--engines-per-gpu",),
                                   engine=_engines_per_gpu, kind=int, minimum=1)
     gpu_memory_utilization: float | None = option(None, "share of a GPU's memory each engine may use (default 0.9; with "
                                                   "--engines-per-gpu K, (0.9 - 0.05 (K-1)) / K)",
