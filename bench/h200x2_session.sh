@@ -127,6 +127,11 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fortyninth1 (one GPU; ~1,150 s by priority): the state lines read from the block table, not gathered
+#        (the state cache's cost on a short step) and a replay's inputs refreshed in one copy per dtype: the state
+#        cache's GPU cases first (exactness where the lines come from a cached state), then the default FP8 server
+#        paired with --state-cache off at c=1 (the cost was 1.020x), its steps' Python calls again, the tiny
+#        parity with the defaults, the metadata memo's replays.
 # PLAN=fortyeighth2 (one GPU; ~800 s by priority; its first job ran in the twenty-eighth session, the profiles not): two engines on the one GPU answer as one engine offline (the tiny
 #        checkpoint, 256 requests at c=1/16/64 through `--dp 2 --engines-per-gpu 2`, each response against the same
 #        request answered offline); then one short FP8 decision's steps with the profiler's Python tracer, the state
@@ -592,6 +597,18 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortyninth1_queue0)   # ~1,150 s by priority: launch with `wait 540` in the staging's last call, then `wait 540`
+  job cache_cases_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
+  job paired_cache_c1_fp8 0 360 env COMPARE="off:on:short" PAIRS=250 TIME_LIMIT=20 PORT0=9350 \
+      bash bench/paired.sh "$NINE" "off=--load-format dummy --quantization fp8 --state-cache off" \
+      "on=--load-format dummy --quantization fp8"
+  profiled_9b profile_fp8_stack_on 9380 9b-dummy-fp8-stack-cache-on-c1 "--load-format dummy --quantization fp8" 1 \
+      8,2,stack 240
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  job fast_paths_memo 0 300 python3 tests/gpu/fast_paths.py --out "$S/fast_paths_memo" --only memo --scope step
   touch "$S/all.done"
   log "all done"
   ;;

@@ -69,6 +69,7 @@ CASES = {   # (query lengths, tokens computed before, block tables of group 1 an
     "fresh": ([37], [0], [[5, 6, 0]], [[9, 10, 0]]),
     "context": ([30], [40], [[5, 6, 7]], [[9, 10, 11]]),
     "batch": ([37, 12], [0, 64], [[5, 6, 0], [1, 2, 3]], [[9, 10, 0], [12, 13, 14]]),
+    "batch_one_column": ([37, 12], [0, 30], [[5, 6, 0], [1, 2, 3]], [[9, 10, 0], [12, 13, 14]]),
 }
 
 
@@ -172,6 +173,51 @@ def test_with_the_memo_off_every_step_is_vllms_own_build_and_nothing_is_kept(bui
         gdn_metadata.install()
     builder.build(0, common([20], [0], [[3]]))
     assert list(builder.__dict__[gdn_metadata.MEMO]) == [(20, False)]
+
+
+def test_state_lines_read_from_one_column_are_what_vllm_gathers(builders):
+    """``state_table`` against vLLM's ``mamba_get_block_table_tensor``: in ``align`` mode, rows whose lines
+    sit in one column (one sequence, several at the same block, a padded row of length 0 at column 0) and
+    rows that do not (vLLM's own answer), a column at the table's end, no host lengths; ``none`` mode."""
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+
+    from clef_vllm.worker.gdn_metadata import state_table
+
+    table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    for lens in ([37], [64], [65], [1], [320], [37, 40, 33, 64], [37, 100], [5, 0], [0, 0], [33, 0]):
+        rows = table[:len(lens)]
+        seq = torch.tensor(lens, dtype=torch.int32)
+        for mode, builder in ((m, builders[m][0]) for m in ("align", "none")):
+            want = mamba_get_block_table_tensor(rows, seq, builder.kv_cache_spec, mode)
+            for cpu in (seq, None):
+                got = state_table(builder, rows, seq, cpu)
+                assert same(got, want), (lens, mode, cpu is None)
+                assert mode == "none" or got[:, 0].is_contiguous()       # as vLLM's gather gives them
+
+
+def test_a_step_of_one_column_does_no_gather(builders, monkeypatch):
+    """In ``align`` mode a memo hit and the later groups' updates read the state line from the block table:
+    vLLM's gather (seven GPU operations a group) is not called, and every field is still vLLM's own build."""
+    import vllm.v1.attention.backends.utils as vllm_utils
+
+    from clef_vllm.worker import gdn_metadata
+
+    first, second = builders["align"]
+    first.__dict__.pop(gdn_metadata.MEMO, None)
+    own = type(first)._clef_build
+    first.build(0, common([37], [0], [[5, 6, 0]]))                   # kept: the next step of 37 tokens is a hit
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("mamba_get_block_table_tensor called")
+
+    monkeypatch.setattr(vllm_utils, "mamba_get_block_table_tensor", no_gather)
+    step, group2 = common([37], [0], [[7, 8, 0]]), common([37], [0], [[9, 10, 0]])
+    got = first.build(0, step)
+    later = second.update_block_table(got, group2.block_table_tensor, group2.slot_mapping)
+    monkeypatch.undo()
+    assert differing(own(first, 0, common([37], [0], [[7, 8, 0]])), got) == []
+    assert differing(type(second)._clef_build(second, 0, common([37], [0], [[9, 10, 0]])), later) == []
+    assert int(got.prefill_state_indices[0]) == 8 and int(later.prefill_state_indices[0]) == 10
 
 
 def test_only_plain_steps_share_a_build():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
-from clef_vllm.worker.step_graphs import StepGraph, StepGraphRunner, groups, refresh, static_slots, step_reason
+from clef_vllm.worker.step_graphs import (StepGraph, StepGraphRunner, groups, refresh, refresh_all, static_slots,
+                                          step_reason)
 from test_prefill_graphs import HV, DV, inputs, make_bucket, make_layer
 
 PIECEWISE, NONE = "PIECEWISE", "NONE"
@@ -80,6 +81,26 @@ def test_static_slot_mappings_pad_with_no_write_rows():
         refresh(torch.zeros(1, 12), torch.zeros(1, 13))
     with pytest.raises(ValueError, match="does not fit"):
         refresh(s, torch.arange(9))
+
+
+def test_a_replay_refreshes_its_inputs_in_one_copy_per_dtype(monkeypatch):
+    """Same-shaped contiguous pairs of a dtype go through one multi-tensor copy; a shorter slot mapping (padded
+    with -1), a strided view (M-RoPE positions) and a pair of two dtypes are copied one by one, as before."""
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: calls.append(len(dst)) or real(dst, src))
+    ids, qsl, line = torch.zeros(6, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    slots, short, flag = torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int64), torch.zeros(1, dtype=torch.bool)
+    pos, cast = torch.zeros(3, 10, dtype=torch.int64)[:, :6], torch.zeros(2, dtype=torch.int64)
+    refresh_all([(ids, torch.arange(6, dtype=torch.int32) + 1), (qsl, torch.tensor([0, 5], dtype=torch.int32)),
+                 (line, torch.tensor([7], dtype=torch.int32)), (slots, torch.arange(6) + 10), (short, torch.arange(4)),
+                 (flag, torch.tensor([True])), (pos, torch.arange(18).reshape(3, 6)), (cast, torch.tensor([3, 4], dtype=torch.int32))])
+    assert sorted(calls) == [1, 1, 3]                    # int32 x3, int64 (slots alone: the others are not plain), bool
+    assert ids.tolist() == [1, 2, 3, 4, 5, 6] and qsl.tolist() == [0, 5] and line.tolist() == [7]
+    assert slots.tolist() == list(range(10, 16)) and short.tolist() == [0, 1, 2, 3, -1, -1] and flag.tolist() == [True]
+    assert torch.equal(pos, torch.arange(18).reshape(3, 6)) and cast.tolist() == [3, 4]
+    with pytest.raises(ValueError, match="does not fit"):
+        refresh_all([(ids, torch.arange(7, dtype=torch.int32))])
 
 
 def runner_with_bucket(size=16):

@@ -128,6 +128,23 @@ def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
         raise ValueError(f"a step input of shape {tuple(given.shape)} does not fit its static {tuple(static.shape)}")
 
 
+def refresh_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`refresh` every ``(static, given)`` pair: pairs of one shape, dtype and device, both contiguous,
+    in one multi-tensor copy per dtype (a replay refreshes ~20 small tensors; one launch each cost host
+    time while the GPU waited for the graph), the others one by one."""
+    batched: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for static, given in pairs:
+        if static.shape == given.shape and static.dtype == given.dtype and static.device == given.device \
+                and static.is_contiguous() and given.is_contiguous():
+            dst, src = batched.setdefault((static.dtype, static.device), ([], []))
+            dst.append(static)
+            src.append(given)
+        else:
+            refresh(static, given)
+    for dst, src in batched.values():
+        torch._foreach_copy_(dst, src)
+
+
 def same_strides(given: torch.Tensor) -> torch.Tensor:
     """A copy of ``given`` with the same sizes and strides (``clone`` would make a strided view contiguous)."""
     out = torch.empty_strided(given.size(), given.stride(), dtype=given.dtype, device=given.device)
@@ -241,24 +258,22 @@ class StepGraph:
 
     def feed(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int) -> None:
         """Refresh the static inputs from this step and point the GDN bucket's mask at ``n`` real rows."""
-        self.ids.copy_(input_ids)
-        self.pos.copy_(positions)
+        pairs = [(self.ids, input_ids), (self.pos, positions)]
         for first, static in self.attn.items():
             md = ctx.attn_metadata[first]
             if md.max_seq_len > static.max_seq_len:     # FA3 sizes its work from the captured longest sequence
                 raise ValueError(f"a sequence of {md.max_seq_len} tokens is longer than the {static.max_seq_len} "
                                  "the graph was captured for")
-            for name in FA_TENSORS:
-                refresh(getattr(static, name), getattr(md, name))
+            pairs.extend((getattr(static, name), getattr(md, name)) for name in FA_TENSORS)
         for static, layers in self.slot_groups:
             given = ctx.slot_mapping[layers[0]]
             if any(ctx.slot_mapping[layer].data_ptr() != given.data_ptr() for layer in layers[1:]):
                 raise ValueError(f"the layers {layers[0]}, ... no longer share one slot mapping")
-            refresh(static, given)
+            pairs.append((static, given))
         for first, (line, flag) in self.lines.items():
             md = ctx.attn_metadata[first]
-            line.copy_(md.prefill_state_indices[:1])
-            flag.copy_(md.prefill_has_initial_state[:1])
+            pairs += [(line, md.prefill_state_indices[:1]), (flag, md.prefill_has_initial_state[:1])]
+        refresh_all(pairs)
         self._bucket(n).set_length(n)
 
     def replay(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
