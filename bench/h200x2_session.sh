@@ -127,6 +127,8 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fortyninth2 (one GPU; ~300 s): the new default FP8 server once more on a fresh machine, paired at c=1 with
+#        --engine-core thread (the target's other route to 20 ms).
 # PLAN=fortyninth1 (one GPU; ~1,150 s by priority): the state lines read from the block table, not gathered
 #        (the state cache's cost on a short step) and a replay's inputs refreshed in one copy per dtype: the state
 #        cache's GPU cases first (exactness where the lines come from a cached state), then the default FP8 server
@@ -597,6 +599,13 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fortyninth2_queue0)   # ~300 s: launch with `wait 540` in the staging's last call
+  job paired_thread_c1_fp8 0 420 env COMPARE="fp8:fp8thread:short" PAIRS=250 TIME_LIMIT=20 PORT0=9360 \
+      bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
+      "fp8thread=--load-format dummy --quantization fp8 --engine-core thread"
   touch "$S/all.done"
   log "all done"
   ;;
