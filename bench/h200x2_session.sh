@@ -127,14 +127,15 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fortyninth2 (one GPU; ~300 s): the new default FP8 server once more on a fresh machine, paired at c=1 with
+# PLAN=fortyninth2 (one GPU; ~300 s; ran in the twenty-ninth session): the new default FP8 server once more on a fresh machine, paired at c=1 with
 #        --engine-core thread (the target's other route to 20 ms).
-# PLAN=fortyninth1 (one GPU; ~1,150 s by priority): the state lines read from the block table, not gathered
+# PLAN=fortyninth1 (one GPU; ~1,150 s by priority; ran in the twenty-ninth session, every job): the state lines read from the block table, not gathered
 #        (the state cache's cost on a short step) and a replay's inputs refreshed in one copy per dtype: the state
 #        cache's GPU cases first (exactness where the lines come from a cached state), then the default FP8 server
 #        paired with --state-cache off at c=1 (the cost was 1.020x), its steps' Python calls again, the tiny
 #        parity with the defaults, the metadata memo's replays.
-# PLAN=fortyeighth2 (one GPU; ~800 s by priority; its first job ran in the twenty-eighth session, the profiles not): two engines on the one GPU answer as one engine offline (the tiny
+# PLAN=fortyeighth2 (one GPU; ~800 s by priority; its first job ran in the twenty-eighth session, the profiles in the
+#        twenty-ninth with SKIP=server_dp2_1gpu): two engines on the one GPU answer as one engine offline (the tiny
 #        checkpoint, 256 requests at c=1/16/64 through `--dp 2 --engines-per-gpu 2`, each response against the same
 #        request answered offline); then one short FP8 decision's steps with the profiler's Python tracer, the state
 #        cache on and off (where its 0.45 ms goes).

@@ -35,9 +35,9 @@ own build, field by field, after builds of other lengths. ``--gdn-metadata-memo 
 state line per block of a sequence (``mamba_cache_mode="align"``) and finds a step's lines with
 ``mamba_get_block_table_tensor``: seven small GPU operations (the column ``(seq_len - 1) // block``, an
 ``arange``, a ``gather``) for every GDN group, three times a step on the 9B. Profiled with the
-Python tracer (``bench/results/clef_bench/h200_9b_fp8_stack_cache_{on,off}_py_calls.txt``) they were
-what the state cache added to one short step's attention metadata (0.86 of its 2.0 ms against 1.2
-ms with the cache off). The sequence lengths are known on the host (vLLM's ``_seq_lens_cpu``, exact
+Python tracer (``bench/results/clef_bench/h200_9b_fp8_stack_cache_{on,off}_py_calls_steps.txt``, the second
+step) they were what the state cache added to one short step's attention metadata (0.86 of its 2.0 ms
+against 1.2 ms with the cache off). The sequence lengths are known on the host (vLLM's ``_seq_lens_cpu``, exact
 outside asynchronous speculative decoding, which a pooling model never runs), so when every row of
 the step reads the same column, the lines are that column of the group's block table: a view for
 one sequence, one copy for several. Other steps keep vLLM's function. The tests compare both ways
