@@ -3,8 +3,9 @@ grid of row counts.
 
 Whether it removes CUDA's mid-step kernel loads is a GPU measurement (bench/step_timeline.py --gaps on a
 profiled step); here: the grid, that the shapes it runs are every GEMM shape the head's real work issues
-(the eager head and the per-token stage, recorded at the aten level), that it runs them all, and that the
-option reaches the worker.
+(the eager head and the per-token stage, recorded at the aten level), that it runs them all, that
+``--gemm-row-grid`` (:class:`GridRows`) makes every GEMM of that work run at a grid row count with the same
+answers, and that the options reach the worker.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from clef_vllm.features import decide_records
 from clef_vllm.tables import DenseTable
 from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
-from clef_vllm.worker.gemm_warmup import ROW_RATIO, linear_shapes, row_grid, warm_gemm_kernels
+from clef_vllm.worker.gemm_warmup import ROW_RATIO, GridRows, linear_shapes, row_grid, warm_gemm_kernels
 from support.gemm_shapes import GemmShapes
 
 
@@ -117,8 +118,94 @@ def test_linear_shapes_include_the_packed_attention_projections():
 
 
 def test_gemm_warmup_reaches_the_worker_unless_turned_off(tiny_release):
-    from clef_vllm.backends.vllm_backend import engine_kwargs
-    from clef_vllm.contract import GEMM_WARMUP_KEY
+    import pytest
 
-    assert engine_kwargs(tiny_release)["additional_config"][GEMM_WARMUP_KEY] is True
-    assert GEMM_WARMUP_KEY not in engine_kwargs(tiny_release, gemm_warmup=False).get("additional_config", {})
+    from clef_vllm.backends.options import OptionError
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.contract import GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY
+
+    default = engine_kwargs(tiny_release)["additional_config"]
+    assert default[GEMM_WARMUP_KEY] is True and default[GEMM_ROW_GRID_KEY] is True
+    off = engine_kwargs(tiny_release, gemm_warmup=False).get("additional_config", {})
+    assert GEMM_WARMUP_KEY not in off and GEMM_ROW_GRID_KEY not in off
+    warm_only = engine_kwargs(tiny_release, gemm_row_grid=False)["additional_config"]
+    assert warm_only[GEMM_WARMUP_KEY] is True and GEMM_ROW_GRID_KEY not in warm_only
+    with pytest.raises(OptionError, match="gemm_row_grid"):        # it would do nothing without the warm-up
+        engine_kwargs(tiny_release, gemm_warmup=False, gemm_row_grid=False)
+
+
+def test_grid_rows_pads_a_count_between_grid_points_to_the_next_one():
+    grid = GridRows(16384)
+    assert grid.grid == row_grid(16384)
+    assert [grid.target(n) for n in (1, 12, 13, 14, 400, 16217, 16384, 20000)] == [1, 12, 14, 14, 406, 16384, 16384,
+                                                                                   20000]
+    assert all(grid.target(n) == n for n in grid.grid)
+    assert all(n <= grid.target(n) <= n * ROW_RATIO + 1 for n in range(1, 16385))
+
+
+def test_grid_rows_runs_the_heads_gemms_at_grid_counts_with_the_same_answers():
+    """The per-token stage and the eager head of several records inside :class:`GridRows`: every GEMM they
+    issue (recorded at the aten level) runs at a row count of the grid, counts above it run as they are, and
+    the memory rows, span sums and probabilities equal those computed without it."""
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    rng = random.Random(11)
+    records = [random_record(rng, rng.randint(1, 4), rng.randint(40, 90), SMALL.hidden_size) for _ in range(5)]
+    plain = decide_records(head, table, finished(head, records), None)
+    grid = GridRows(256)
+    with GemmShapes() as seen:
+        with grid:
+            accs = finished(head, records)
+        probs = decide_records(head, table, accs, None, eager=grid)
+    on_grid = set(grid.grid)
+    assert seen.seen and all(rows in on_grid or rows > 256 for *_, rows in seen.seen)
+    assert any(rows > 256 for *_, rows in seen.seen)            # 5 records' memory: above this grid, as it is
+    assert grid.padded > 0 and grid.gemms >= len(seen.seen) and 0 < grid.extra_rows
+    assert len(probs) == len(plain)
+    for p, q in zip(probs, plain):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # the memory rows too: one step's per-token stage with and without the grid
+    hidden = torch.cat([r[0] for r in records])
+    with torch.no_grad():
+        states, memory = head.encode_tokens(hidden)
+        with GridRows(1024) as padded:
+            states2, memory2 = head.encode_tokens(hidden)
+    assert padded.padded == (0 if hidden.shape[0] in padded.grid else 1)
+    assert memory2.shape == memory.shape and memory2.is_contiguous()
+    torch.testing.assert_close(memory2, memory, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(states2, states)
+
+
+def test_grid_rows_keeps_shapes_bias_and_leading_dimensions():
+    """A padded ``F.linear`` returns exactly the unpadded result's shape and values for 1-, 2- and 3-D inputs,
+    with and without a bias, and leaves every other function alone."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(6, 5), torch.randn(6)
+    grid = GridRows(64)
+    for x in (torch.randn(5), torch.randn(13, 5), torch.randn(3, 5, 5), torch.randn(13, 5).t().contiguous().t()[:, :5]):
+        for b in (None, bias):
+            want = torch.nn.functional.linear(x, weight, b)
+            with grid:
+                got = torch.nn.functional.linear(x, weight, b)
+                other = torch.cat([x.reshape(-1), x.reshape(-1)])
+            assert got.shape == want.shape and other.shape == (2 * x.numel(),)
+            torch.testing.assert_close(got, want)
+    assert grid.padded == 6 and grid.extra_rows == 6          # 13 -> 14 (twice over), 15 -> 16: with and without bias
+
+
+def test_the_pooler_turns_the_row_grid_on_only_after_a_whole_warmup(monkeypatch):
+    """``--gemm-row-grid``: the pooler runs its GEMMs on the grid once the warm-up has run every count, not when
+    the warm-up stopped (the counts it did not reach would load their kernels mid-step anyway) nor when asked not to."""
+    import clef_vllm.worker.pooler as pooler_mod
+
+    head = random_head(SMALL)
+    table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # no GPU here: the step's device
+    for wanted, report, expect in ((True, {}, True), (True, {"stopped": "out of memory"}, False), (False, {}, False)):
+        monkeypatch.setattr(pooler_mod, "warm_gemm_kernels", lambda *a, _r=report: dict(_r))
+        pooler = pooler_mod.ClefPooler(head, table, gemm_warmup_rows=512, gemm_row_grid=wanted)
+        pooler._warm_gemms(torch.device("cuda"))
+        assert pooler.gemm_warmup_rows is None
+        assert (pooler.row_grid is not None) is expect
+        if expect:
+            assert pooler.row_grid.grid == row_grid(512)

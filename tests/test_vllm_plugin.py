@@ -538,6 +538,46 @@ def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_
     assert info["replays"] == 2 + 3 and not info["failed"] and not info["fallbacks"]
 
 
+@torch.inference_mode()
+def test_pooler_with_the_row_grid_runs_every_gemm_at_a_grid_count_and_answers_as_without(release_model, encoder):
+    """``--gemm-row-grid``: the real pooler over chunked steps of several requests with its row grid on (as after
+    the GPU warm-up): every GEMM of the per-token stage and the eager head runs at a grid row count (recorded
+    at the aten level), and each answer is the pooler's without the grid (float32 head: up to rounding)."""
+    from vllm.v1.pool.metadata import PoolingStates
+
+    from clef_vllm.worker.gemm_warmup import GridRows
+    from support.gemm_shapes import GemmShapes
+
+    m = release_model
+    specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
+    la, lb, lc = (s.num_tokens for s in specs)
+    steps = [([0, 1], [(0, 40), (0, 100)]), ([0, 1, 2], [(40, la), (100, 150), (0, lc)]), ([1], [(150, lb)])]
+
+    def run():
+        states, results = [PoolingStates() for _ in specs], {}
+        for which, ranges in steps:
+            x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
+            md = vllm_cpu.pooling_metadata([specs[i] for i in which], [b - a for a, b in ranges],
+                                           [b for _, b in ranges], [states[i] for i in which])
+            results.update((i, o) for i, o in zip(which, m.pooler(x, md)) if o is not None)
+        return results
+
+    dtype = m.head.dtype
+    m.head.float()
+    try:
+        plain = run()
+        m.pooler.row_grid = grid = GridRows(1024)
+        with GemmShapes() as seen:
+            gridded = run()
+    finally:
+        m.pooler.row_grid = None
+        m.head.to(dtype)
+    assert sorted(gridded) == [0, 1, 2] and grid.padded > 0
+    assert seen.seen and all(rows in set(grid.grid) for *_, rows in seen.seen)
+    for i in range(3):
+        torch.testing.assert_close(gridded[i], plain[i], atol=1e-5, rtol=0)
+
+
 def test_the_wire_spec_round_trips_packed_and_refuses_what_it_did_not_write(encoder):
     """A head spec crosses to the engine core as one int32 buffer (plus the state cache's limit and keys): it
     comes back equal, vLLM's deep copy of the parameters shares the buffer instead of copying ints one by

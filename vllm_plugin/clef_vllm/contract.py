@@ -43,6 +43,9 @@ BATCH_WAIT_KEY = "clef_batch_wait_ms"
 #: ``additional_config`` key: ``True`` has the first step that reaches the joint head run its GEMM shapes over a
 #: grid of row counts, so CUDA loads their kernels then (``--gemm-warmup``, on by default; absent: off).
 GEMM_WARMUP_KEY = "clef_gemm_warmup"
+#: ``additional_config`` key: ``True`` has the worker run the head's eager GEMMs at the warm-up grid's row counts
+#: once the warm-up has run (``--gemm-row-grid``, on by default; absent: off).
+GEMM_ROW_GRID_KEY = "clef_gemm_row_grid"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"

@@ -10,6 +10,7 @@ of finished records.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -282,30 +283,31 @@ def padding_groups(lengths: Sequence[int]) -> list[list[int]]:
 
 
 def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
-                   graphs=None) -> list[torch.Tensor]:
+                   graphs=None, eager=None) -> list[torch.Tensor]:
     """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
 
     Records are decided in groups of similar memory lengths (:func:`padding_groups`), so the padded
     work stays within a small factor of the real work; usually a step's records form one group.
     ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides a group from a
     CUDA graph when it can (one record, or up to its largest record bucket); otherwise the head runs
-    eagerly.
+    eagerly, inside the context ``eager`` when given (the worker's
+    :class:`~clef_vllm.worker.gemm_warmup.GridRows`).
     """
     lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
     groups = padding_groups(lengths.tolist())
     if len(groups) == 1:
-        return decide_group(head, table, records, graphs, lengths)
+        return decide_group(head, table, records, graphs, lengths, eager)
     out: list[torch.Tensor | None] = [None] * len(records)
     for group in groups:
-        for i, p in zip(group, decide_group(head, table, [records[i] for i in group], graphs, lengths[group])):
+        for i, p in zip(group, decide_group(head, table, [records[i] for i in group], graphs, lengths[group], eager)):
             out[i] = p
     return out
 
 
 def decide_group(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
-                 graphs=None, lengths: np.ndarray | None = None) -> list[torch.Tensor]:
+                 graphs=None, lengths: np.ndarray | None = None, eager=None) -> list[torch.Tensor]:
     """One group of :func:`decide_records`, every record padded to the group's longest memory (``lengths``:
-    the records' memory rows, when the caller has counted them).
+    the records' memory rows, when the caller has counted them; ``eager``: as there).
 
     All index data goes to the device in one pinned transfer and nothing here waits for the GPU,
     so the head's kernels queue behind the backbone's instead of stalling the step. Span means,
@@ -344,7 +346,8 @@ def decide_group(head: JointSchemaHead, table: LexicalTable, records: Sequence[R
                           option_lexical=lexical, layout=layout)
     probs = graphs.decide(batch) if graphs is not None else None
     if probs is None:
-        probs = head.probabilities(head.decide(batch), layout)
+        with eager or contextlib.nullcontext():
+            probs = head.probabilities(head.decide(batch), layout)
     return list(probs.split([r.spec.num_options for r in records]))
 
 

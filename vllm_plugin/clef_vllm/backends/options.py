@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, ENGINES_PER_GPU_KEY, GDN_MEMO_KEY,
-                                GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY, IDLE_CLEANUP_KEY,
-                                NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
+                                GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
+                                IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
                                 SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
@@ -206,6 +206,8 @@ def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
     """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) unless turned off."""
     if opts.gemm_warmup:
         tell_worker(kwargs, GEMM_WARMUP_KEY, True)
+        if opts.gemm_row_grid:
+            tell_worker(kwargs, GEMM_ROW_GRID_KEY, True)
 
 
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
@@ -379,6 +381,11 @@ class VllmOptions(_Validated):
                                "waits for the GPU to drain (default on: about half a second once; "
                                "docs/latency.md)",
                                flags=("--gemm-warmup",), engine=_gemm_warmup, kind=bool)
+    gemm_row_grid: bool = option(True, "with the GEMM warm-up on, run the head's GEMMs outside its graphs (the "
+                                 "per-token stage, steps the head graphs do not take) at the warm-up's row counts: "
+                                 "rows padded up to the next one (at most 1/8 more), so none meets a kernel CUDA "
+                                 "has not loaded (default on; docs/latency.md)",
+                                 flags=("--gemm-row-grid",), kind=bool)
     state_cache: bool = option(True, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
                                "of cached prefixes, default on; reference: the backbone's cache at the end of "
                                "each state, default off: the reference is the exact one; docs/state-cache.md)",
@@ -415,7 +422,7 @@ class VllmOptions(_Validated):
                           kind=bool, action="store_false")
 
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "prefill_graph_buckets": "prefill_graphs",
-                    "head_graph_records": "head_graphs",
+                    "head_graph_records": "head_graphs", "gemm_row_grid": "gemm_warmup",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
 

@@ -23,16 +23,25 @@ The head's attentions over a long memory run as batched GEMMs too (:func:`clef_v
 a few records' queries over 1,024 keys or more): the warm-up runs them at the memory grid's row counts from
 :data:`~clef_vllm.head.MATMUL_MIN_KEYS` on, for 4, 16 and 64 queries and 1, 2, 4 ... and the most records
 that take that route, laid out as the head lays them out (views of its projections' outputs).
+
+A row count between two grid points may still get a kernel of its own, and the head's GEMMs take a new row
+count nearly every step. So with ``--gemm-row-grid`` (on by default, with the warm-up) the worker runs the head's GEMMs
+outside its CUDA graphs inside :class:`GridRows`: each ``F.linear`` over a row count between two grid points runs on
+its rows padded up to the next one (at most :data:`ROW_RATIO` times as many), and only its real rows are kept.
+Every GEMM row is computed from its own input row alone, so the padding changes no other row; cuBLAS then only
+ever meets the row counts the warm-up ran.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from clef_vllm.head import MATMUL_MAX_TILES, attention_route, matmul_attention
 
@@ -135,3 +144,41 @@ def warm_gemm_kernels(module: nn.Module, max_rows: int, dtype: torch.dtype, devi
              "(%d GEMMs) in %.2f s", report["shapes"], report["row_counts"], max_rows, report["attentions"],
              report["gemms"], report["seconds"])
     return report
+
+
+class GridRows(TorchFunctionMode):
+    """Inside it (``with grid:``), ``F.linear`` runs at a row count of :func:`row_grid` (``max_rows``): its
+    input's rows (all dimensions but the last) padded up to the next grid count, the output cut back to the
+    real rows. Counts on the grid, above ``max_rows``, and GEMMs inside a CUDA graph capture run as they are.
+
+    The padding rows are not written (each output row depends only on its own input row) and cost at most
+    ``ROW_RATIO - 1`` of the GEMM and one copy of its input. Counters: :attr:`gemms` seen, :attr:`padded`
+    of them, :attr:`extra_rows` they added."""
+
+    def __init__(self, max_rows: int, ratio: float = ROW_RATIO):
+        super().__init__()
+        self.grid = row_grid(max_rows, ratio)
+        self.gemms = self.padded = self.extra_rows = 0
+
+    def target(self, rows: int) -> int:
+        """The grid count ``rows`` runs at: the smallest one at least ``rows``, or ``rows`` above the grid."""
+        i = bisect.bisect_left(self.grid, rows)
+        return self.grid[i] if i < len(self.grid) else rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            return self._linear(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        self.gemms += 1
+        fan_in = x.shape[-1]
+        rows = x.numel() // fan_in if fan_in else 0
+        target = self.target(rows) if rows else rows
+        if target == rows or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return F.linear(x, weight, bias)
+        padded = x.new_empty(target, fan_in)
+        padded[:rows].copy_(x.reshape(rows, fan_in))
+        self.padded += 1
+        self.extra_rows += target - rows
+        return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])

@@ -29,7 +29,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import (GDN_MEMO_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
+from clef_vllm.contract import (GDN_MEMO_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
                                 NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
@@ -141,7 +141,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         else:
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
         self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config),
-                                 self._head_graphs(vllm_config), self._gemm_warmup_rows(vllm_config))
+                                 self._head_graphs(vllm_config), self._gemm_warmup_rows(vllm_config),
+                                 bool(worker_setting(vllm_config, GEMM_ROW_GRID_KEY)))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)

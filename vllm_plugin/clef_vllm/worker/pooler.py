@@ -19,6 +19,7 @@ representative head work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Set
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from clef_vllm.head import JointSchemaHead
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
 from clef_vllm.worker import state_cache
-from clef_vllm.worker.gemm_warmup import warm_gemm_kernels
+from clef_vllm.worker.gemm_warmup import GridRows, warm_gemm_kernels
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 
 log = logging.getLogger("clef_vllm")
@@ -91,7 +92,8 @@ class ClefPooler(Pooler):
     """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.features`."""
 
     def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None,
-                 head_graphs: HeadGraphRunner | None = None, gemm_warmup_rows: int | None = None):
+                 head_graphs: HeadGraphRunner | None = None, gemm_warmup_rows: int | None = None,
+                 gemm_row_grid: bool = False):
         super().__init__()
         # Plain references: the head and the table are registered on the model itself.
         object.__setattr__(self, "_head", head)
@@ -101,6 +103,10 @@ class ClefPooler(Pooler):
         #: ``--gemm-warmup``: the most rows a step gives the head's GEMMs, until the first real step on a GPU
         #: has run them over a grid of row counts (:mod:`clef_vllm.worker.gemm_warmup`); then ``None``.
         self.gemm_warmup_rows = gemm_warmup_rows
+        self._row_grid_wanted = gemm_row_grid
+        #: ``--gemm-row-grid``: once the warm-up has run all its row counts, the head's GEMMs outside its graphs
+        #: (the per-token stage, the eager head) run at them (:class:`~clef_vllm.worker.gemm_warmup.GridRows`).
+        self.row_grid: GridRows | None = None
 
     def side_cache(self, device) -> state_cache.SideCache | None:
         """This worker's side cache when the state cache is on (made at the first call)."""
@@ -203,7 +209,11 @@ class ClefPooler(Pooler):
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
         rows, self.gemm_warmup_rows = self.gemm_warmup_rows, None
-        warm_gemm_kernels(self._head, rows, self._head.dtype, device)
+        report = warm_gemm_kernels(self._head, rows, self._head.dtype, device)
+        if self._row_grid_wanted and "stopped" not in report:
+            self.row_grid = GridRows(rows)
+            log.info("clef GEMM rows: the head's GEMMs outside its graphs run at the warm-up's %d row counts "
+                     "(--gemm-row-grid off: at their own)", len(self.row_grid.grid))
 
     def _forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
         cursor = pooling_metadata.get_pooling_cursor()
@@ -229,7 +239,9 @@ class ClefPooler(Pooler):
             offset += n
         if self.gemm_warmup_rows and pieces and not any(acc.synthetic for acc, *_ in pieces):
             self._warm_gemms(device)
-        accumulate(self._head, hidden_states, pieces)
+        grid = self.row_grid or contextlib.nullcontext()
+        with grid:
+            accumulate(self._head, hidden_states, pieces)
         if cache is not None:              # after every read of this step (the scheduler's grants)
             for acc, *_ in pieces:
                 self._store_blocks(acc, cache)
@@ -237,7 +249,7 @@ class ClefPooler(Pooler):
             records = [acc for _, acc in finishing]
             # vLLM's profiling and warm-up runs (synthetic specs) never capture graphs.
             graphs = None if any(acc.synthetic for acc in records) else self.head_graphs
-            probs = decide_records(self._head, self._table, records, graphs)
+            probs = decide_records(self._head, self._table, records, graphs, eager=grid)
             for (i, _), p in zip(finishing, probs):
                 out[i] = p
                 states[i].clef = None
