@@ -36,6 +36,14 @@ step (vLLM's ``execute_context_R(N)...`` annotation: R requests, N scheduled tok
                        (a GEMM op holding the host for ms before its one kernel, ended by a ``Lazy Function
                        Loading`` event, is CUDA loading a kernel on its first launch: docs/latency.md)
 
+    start_ms           when the step began, ms after the first step's start; gpu_start_ms: its first kernel, ms
+                       after its own start
+
+    and over all the steps of the trace (``window`` in the JSON's summary, one line of the table): their
+    requests and tokens, the span from the first step's first kernel to the last step's last kernel (the
+    gaps between steps included), the GPU's busy time in it, and tokens per ms of that span: two engines'
+    throughput over the same profiled window, whatever their steps' sizes
+
     lazy_loads         CUDA's lazy kernel loads in the step (the profiler's ``Lazy Function Loading`` events),
                        each with when it happened, the host op it ended (the innermost one around it: a GEMM
                        that waited from its call until the GPU drained holds the host that long) and every host
@@ -184,6 +192,7 @@ def steps(events: list[dict]) -> list[dict]:
         return [k for e in calls for k in gpu_by_corr.get(e.get("args", {}).get("correlation"), ())]
 
     out = []
+    origin = spans[0]["ts"] if spans else 0
     for span in spans:
         t0, t1 = span["ts"], span["ts"] + span["dur"]
         inside = [e for e in host if t0 <= e["ts"] < t1]
@@ -209,6 +218,8 @@ def steps(events: list[dict]) -> list[dict]:
             "requests": int(m.group(1)),
             "tokens": int(m.group(2)),
             "wall_ms": round(span["dur"] / 1000, 3),
+            "start_ms": round((t0 - origin) / 1000, 3),
+            "gpu_start_ms": round((min(k["ts"] for k in gpu) - t0) / 1000, 3) if gpu else None,
             "launch_ms": round((first - t0) / 1000, 3) if launches else None,
             "ops_before": len(ops),
             "ops_before_by_window": windows(ops, t0),
@@ -235,7 +246,22 @@ def summary(rows: list[dict]) -> dict:
     return {"steps": len(rows), "mean_requests": round(statistics.mean(r["requests"] for r in rows), 2),
             **{f"median_{k}": med(k) for k in
                                    ("wall_ms", "launch_ms", "ops_before", "gpu_busy_ms", "gpu_end_ms",
-                                    "gpu_idle_ms")}}
+                                    "gpu_idle_ms")},
+            "window": window(rows)}
+
+
+def window(rows: list[dict]) -> dict | None:
+    """All the steps together: requests, tokens, the span from the first one's first kernel to the last one's
+    last kernel (gaps between steps included), GPU busy and idle ms in it, tokens per ms of it."""
+    ran = [r for r in rows if r["gpu_start_ms"] is not None]
+    if not ran:
+        return None
+    span = ran[-1]["start_ms"] + ran[-1]["gpu_end_ms"] - (ran[0]["start_ms"] + ran[0]["gpu_start_ms"])
+    busy = sum(r["gpu_busy_ms"] for r in ran)
+    tokens = sum(r["tokens"] for r in ran)
+    return {"steps": len(ran), "requests": sum(r["requests"] for r in ran), "tokens": tokens,
+            "span_ms": round(span, 3), "busy_ms": round(busy, 3), "idle_ms": round(span - busy, 3),
+            "tokens_per_ms": round(tokens / span, 3) if span > 0 else None}
 
 
 def table(rows: list[dict]) -> str:
@@ -253,6 +279,11 @@ def table(rows: list[dict]) -> str:
     lines.append(f"{s['mean_requests']} requests a step (mean); median over {s['steps']} steps: wall {s['median_wall_ms']} ms, first graph launch at "
                  f"{s['median_launch_ms']} ms after {s['median_ops_before']} host ops, GPU busy {s['median_gpu_busy_ms']} ms, "
                  f"GPU done at {s['median_gpu_end_ms']} ms, GPU idle {s['median_gpu_idle_ms']} ms between its first and last kernel")
+    w = s["window"]
+    if w is not None:
+        lines.append(f"all {w['steps']} steps: {w['requests']} requests, {w['tokens']} tokens in {w['span_ms']} ms from the first "
+                     f"kernel to the last (GPU busy {w['busy_ms']}, idle {w['idle_ms']}, gaps between steps included): "
+                     f"{w['tokens_per_ms']} tokens per ms")
     return "\n".join(lines)
 
 

@@ -972,7 +972,20 @@ def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
     # gaps: 3.995 ms from the copy to the graph's first kernel, 9 x 20 µs inside it (short), 2.82 ms to the head,
     # 50 µs from the head to the Triton kernel (not short)
     assert step["gpu_idle_split"] == {"short_gaps_ms": 0.18, "before_host_copies_ms": 0.0, "other_ms": 6.865}
+    assert step["start_ms"] == 0.0 and step["gpu_start_ms"] == 0.2
+    # over all steps: from the first step's first kernel (0.2 ms) to the last one's last (9.0 ms)
+    assert json.loads(out.read_text())["summary"]["window"] == {
+        "steps": 1, "requests": 1, "tokens": 400, "span_ms": 8.8, "busy_ms": 1.755, "idle_ms": 7.045,
+        "tokens_per_ms": 45.455}
+    assert "all 1 steps: 1 requests, 400 tokens in 8.8 ms from the first kernel to the last" in proc.stdout
     timeline = bench_script("step_timeline")
+    # two steps 100 ms apart: the gap between them counts as idle, tokens per ms over the whole span
+    two = [{"requests": 3, "tokens": 1000, "start_ms": 0.0, "gpu_start_ms": 1.0, "gpu_end_ms": 41.0, "gpu_busy_ms": 38.0},
+           {"requests": 2, "tokens": 600, "start_ms": 100.0, "gpu_start_ms": 2.0, "gpu_end_ms": 31.0, "gpu_busy_ms": 27.0},
+           {"requests": 0, "tokens": 5, "start_ms": 200.0, "gpu_start_ms": None, "gpu_end_ms": None, "gpu_busy_ms": 0}]
+    assert timeline.window(two) == {"steps": 2, "requests": 5, "tokens": 1600, "span_ms": 130.0, "busy_ms": 65.0,
+                                    "idle_ms": 65.0, "tokens_per_ms": 12.308}
+    assert timeline.window(two[2:]) is None
     kernels = [x("kernel", "a", 0, 100), x("kernel", "b", 120, 100), x("gpu_memcpy", "Memcpy HtoD (Pinned)", 400, 5),
                x("kernel", "c", 390, 10), x("kernel", "d", 600, 10)]         # c overlaps the copy's start
     assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.02, "before_host_copies_ms": 0.0, "other_ms": 0.365}
