@@ -724,15 +724,46 @@ def test_blocks_alternate_abba_and_compare_throughput_per_pair():
 
     assert [block_side(k) for k in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]
 
-    def blk(side, rps, p50, sent=10, ok=10):
-        return {"side": side, "req_per_s": rps, "p50_ms": p50, "sent": sent, "ok": ok}
+    def blk(side, rps, p50, sent=10, ok=10, steady=None):
+        return {"side": side, "req_per_s": rps, "p50_ms": p50, "sent": sent, "ok": ok, "steady_req_per_s": steady}
 
-    s = blocks_summary([blk("a", 10, 100), blk("b", 12, 90), blk("b", 11, 95, ok=9), blk("a", 10, 100),
+    s = blocks_summary([blk("a", 10, 100, steady=10), blk("b", 12, 90, steady=10.5),
+                        blk("b", 11, 95, ok=9, steady=9), blk("a", 10, 100, steady=10),
                         blk("a", 10, 100)])     # a lone last block has no partner
     assert s["pair_ratios"] == [1.2, 1.1] and s["ratio"] == pytest.approx(1.15) and s["b_faster_pairs"] == 2
     assert s["a_req_per_s"] == 10 and s["b_req_per_s"] == 11.5 and s["p50_ratio"] == pytest.approx(0.925)
+    assert s["steady_pair_ratios"] == [1.05, 0.9] and s["steady_ratio"] == pytest.approx(0.975)
     assert s["unanswered"] == 1
-    assert blocks_summary([])["ratio"] is None
+    assert blocks_summary([])["ratio"] is None and blocks_summary([])["steady_ratio"] is None
+
+
+def test_a_blocks_steady_throughput_is_concurrency_over_mean_latency_after_its_start():
+    """Little's law per block: with c requests in flight, c over their mean latency, counting only the
+    requests started after STEADY_FROM of the block (the first ones meet a server that was idle). A
+    server whose first requests are slow, then steady at 20 ms, reads 4 / 20 ms = 200 req/s steady,
+    whatever its first requests and its drain did to the wall-time throughput."""
+    import asyncio
+
+    from clef_vllm.bench.loadgen import Outcome
+    from clef_vllm.bench.paired import STEADY_FROM, blocks_summary, paired_table, run_blocks
+
+    def sender(first_slow):
+        async def send(req):
+            t = 0.1 if req < first_slow else 0.02
+            await asyncio.sleep(t)
+            return Outcome("200", t)
+        return send
+
+    blocks, wrapped = asyncio.run(run_blocks(list(range(200)), 4, sender(4), sender(0), blocks=2, block_s=0.4))
+    a, b = blocks
+    assert STEADY_FROM * 0.4 < 0.1                 # A's slow first requests start before the steady part
+    assert a["steady_req_per_s"] == pytest.approx(200, rel=0.02) and b["steady_req_per_s"] == pytest.approx(200, rel=0.02)
+    assert a["req_per_s"] < b["req_per_s"]         # over the wall time the slow start counts
+    s = blocks_summary(blocks)
+    assert s["steady_ratio"] == pytest.approx(1.0, abs=0.03) and s["ratio"] > 1.05
+    table = paired_table({"target": {"a": "A", "b": "B"},
+                          "variants": [{"variant": "short", "concurrency": 4, "blocks": blocks, "wrapped": wrapped, **s}]})
+    assert "steady B/A (pairs)" in table and f"{s['steady_ratio']:.3f} (" in table
 
 
 def test_pairs_alternate_which_server_goes_first_and_stop_at_the_time_limit():

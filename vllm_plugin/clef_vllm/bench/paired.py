@@ -16,6 +16,14 @@ At a concurrency above 1 a request cannot be sent to both servers at once withou
 GPU, so the servers take turns in short time blocks instead (A B B A A B B A ...: a linear drift
 cancels), each block a closed loop of ``c`` clients on fresh requests. ``ratio`` is then B's
 throughput over A's, the median over consecutive (A, B) block pairs, with each pair's ratio.
+
+A block's throughput over its wall time counts its edges: it starts from an engine the other server's
+block left idle (``c`` requests arrive at once), and it ends with a drain, from the last request started
+until the last answer (up to a whole request's latency, by where in the step cycle the block's end
+falls). At c=64 on the H200 the drain moved a 5-second block's wall time by 0.3-0.7 s (thirtieth
+session). So each block also gives its steady throughput by Little's law: with ``c`` requests always in
+flight, throughput is ``c`` over their mean latency (``steady_req_per_s``, over the requests started
+after :data:`STEADY_FROM` of the block); ``steady_ratio`` compares those per pair.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from .workloads import BenchRequest
 DEFAULT_BLOCK = 20
 #: c > 1: which server runs time block k (A B B A, repeated)
 BLOCK_ORDER = (0, 1, 1, 0)
+#: c > 1: a block's steady throughput (Little's law) counts the requests started after this share of it
+STEADY_FROM = 0.2
 
 
 def pair_order(i: int) -> tuple[int, int]:
@@ -108,13 +118,21 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
     for k in range(blocks):
         side = block_side(k)
         reqs = [pool[(cursor + i) % len(pool)] for i in range(len(pool))]
-        outcomes, wall = await closed_loop(reqs, concurrency, sends[side], time_limit=block_s)
-        done = [o for o in outcomes if o is not None]
+        t0 = time.perf_counter()
+
+        async def timed(req, send=sends[side], t0=t0):
+            started = time.perf_counter() - t0
+            return started, await send(req)
+
+        results, wall = await closed_loop(reqs, concurrency, timed, time_limit=block_s)
+        done = [r for r in results if r is not None]
         cursor += len(done)
-        ok = [o.latency_s for o in done if o.ok]
-        statuses = dict(Counter(o.status for o in done))
+        ok = [o.latency_s for _, o in done if o.ok]
+        steady = [o.latency_s for started, o in done if o.ok and started >= STEADY_FROM * block_s]
+        statuses = dict(Counter(o.status for _, o in done))
         out.append({"side": "ab"[side], "sent": len(done), "ok": len(ok), "wall_s": round(wall, 4),
                     "req_per_s": round(len(ok) / max(wall, 1e-9), 4),
+                    "steady_req_per_s": round(concurrency / statistics.mean(steady), 4) if steady else None,
                     "p50_ms": None if not ok else round(percentile(ok, 50) * 1000, 3), "statuses": statuses})
         if on_done is not None:
             on_done(1)
@@ -130,6 +148,8 @@ def blocks_summary(blocks: Sequence[dict]) -> dict:
     b = [blk for blk in blocks if blk["side"] == "b"]
     pairs = [(x, y) if x["side"] == "a" else (y, x) for x, y in zip(blocks[::2], blocks[1::2]) if x["side"] != y["side"]]
     tput = [pb["req_per_s"] / pa["req_per_s"] for pa, pb in pairs if pa["req_per_s"] > 0]
+    steady = [pb["steady_req_per_s"] / pa["steady_req_per_s"] for pa, pb in pairs
+              if pa.get("steady_req_per_s") and pb.get("steady_req_per_s")]
     lat = [pb["p50_ms"] / pa["p50_ms"] for pa, pb in pairs if pa["p50_ms"] and pb["p50_ms"]]
     return {
         "a_req_per_s": None if not a else round(med(blk["req_per_s"] for blk in a), 3),
@@ -138,6 +158,8 @@ def blocks_summary(blocks: Sequence[dict]) -> dict:
         "pair_ratios": [round(r, 4) for r in tput],
         "b_faster_pairs": sum(r > 1 for r in tput),
         "p50_ratio": None if not lat else round(med(lat), 4),
+        "steady_ratio": None if not steady else round(med(steady), 4),
+        "steady_pair_ratios": [round(r, 4) for r in steady],
         "unanswered": sum(blk["sent"] - blk["ok"] for blk in blocks),
     }
 
@@ -168,6 +190,13 @@ def _spread(ratios: Sequence[float], count: int) -> str:
     return f"{min(ratios):.3f}-{max(ratios):.3f}, {count}/{len(ratios)}" if ratios else "-"
 
 
+def _steady_spread(v: dict) -> str:
+    """A block run's steady pair ratios as ``min-max, B faster/pairs`` (``-``: none, as in files written
+    before they were counted)."""
+    ratios = v.get("steady_pair_ratios") or []
+    return _spread(ratios, sum(r > 1 for r in ratios))
+
+
 def paired_table(results: dict) -> str:
     """The text table of a paired run."""
     a, b = results["target"]["a"], results["target"]["b"]
@@ -186,9 +215,10 @@ def paired_table(results: dict) -> str:
     if several:
         lines += ["c>1, the servers in turns (time blocks A B B A ...); B/A = B's req/s over A's, per (A, B) pair",
                   f"{'variant':<14} {'c':>3} {'blocks':>6} {'A req/s':>8} {'B req/s':>8} {'B/A':>7}  "
-                  "pairs B/A (min-max, B faster)  p50 B/A"]
+                  "pairs B/A (min-max, B faster)  p50 B/A  steady B/A (pairs)"]
         lines += [f"{v['variant']:<14} {v['concurrency']:>3} {len(v['blocks']):>6} {_num(v['a_req_per_s'], '.1f'):>8} "
                   f"{_num(v['b_req_per_s'], '.1f'):>8} {_num(v['ratio'], '.3f'):>7}  "
-                  f"{_spread(v['pair_ratios'], v['b_faster_pairs']):<28} {_num(v['p50_ratio'], '.3f')}"
+                  f"{_spread(v['pair_ratios'], v['b_faster_pairs']):<28} {_num(v['p50_ratio'], '.3f'):>7}  "
+                  f"{_num(v.get('steady_ratio'), '.3f')} ({_steady_spread(v)})"
                   + ("  (pool wrapped: requests repeated)" if v["wrapped"] else "") for v in several]
     return "\n".join(lines)
