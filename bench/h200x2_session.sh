@@ -127,6 +127,16 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftyfirst1 (one GPU; ~700 s; not run yet): issue 12's c=16/64 target read by each block's steady throughput
+#        (clef-bench --versus now reports c over the mean latency of the requests started after a block's first fifth,
+#        beside req/s over the block's wall time): the default server against raw vLLM, 16 blocks of 10 s a point.
+# PLAN=fiftieth2 (one GPU; ~750 s by priority; ran in the thirtieth session, every job): fiftieth1's jobs after its first (its machine was handed back while
+#        idle between two calls): grid against --gemm-row-grid off at c=64, the grid server's engine core profiled
+#        at c=64, the tiny parity, raw vLLM's engine core profiled at c=64 on the same machine.
+# PLAN=fiftieth1 (one GPU; ~1,100 s by priority; thirtieth session: its first job ran): --gemm-row-grid (the head's GEMMs outside its
+#        graphs at the warm-up's row counts): the default server against raw vLLM in time blocks at c=16/64 (issue
+#        12's c=64 target: 98.3 % before), against the same server with --gemm-row-grid off at c=64; the tiny
+#        parity and the state cache's GPU cases with it; its engine core profiled at c=64 (lazy loads a step).
 # PLAN=fortyninth2 (one GPU; ~300 s; ran in the twenty-ninth session): the new default FP8 server once more on a fresh machine, paired at c=1 with
 #        --engine-core thread (the target's other route to 20 ms).
 # PLAN=fortyninth1 (one GPU; ~1,150 s by priority; ran in the twenty-ninth session, every job): the state lines read from the block table, not gathered
@@ -600,6 +610,34 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftyfirst1_queue0)   # ~700 s: launch with `wait 540` in the staging's last call, then `wait 540` at once (an idle
+  # machine is handed back after ~30 s, and its jobs with it)
+  job paired_steady_raw 0 800 env COMPARE="grid:raw:short:16,64" PAIRS=2000 TIME_LIMIT=20 PORT0=9440 \
+      "BENCH_ARGS=--blocks 16 --block-seconds 10" bash bench/paired.sh "$NINE" "grid=--load-format dummy"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftieth2_queue0)   # ~750 s by priority: launch with `wait 540` in the staging's last call, then `wait 540`
+  job paired_grid_warm 0 480 env COMPARE="warm:grid:short:64" PAIRS=2000 TIME_LIMIT=20 PORT0=9420 \
+      "BENCH_ARGS=--blocks 24 --block-seconds 5" bash bench/paired.sh "$NINE" "grid=--load-format dummy" \
+      "warm=--load-format dummy --gemm-row-grid off"
+  profiled_9b profile_c64_grid 9430 9b-dummy-bf16-grid-profile-c64 "--load-format dummy" 64 96,32 300
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  PROFILE_PHASES=raw profiled_9b profile_raw_c64 9431 9b-dummy-bf16-raw-profile-c64 "--load-format dummy" 64 96,32 300
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftieth1_queue0)   # ~1,100 s by priority: launch with `wait 540` in the staging's last call, then `wait 540`
+  # 24 blocks of 5 s a point (the twenty-fifth session's 12 of one 200-request pool each, ~2.5 s: ~5 steps at c=64)
+  job paired_grid 0 900 env COMPARE="grid:raw:short:16,64 warm:grid:short:64" PAIRS=2000 TIME_LIMIT=20 PORT0=9400 \
+      "BENCH_ARGS=--blocks 24 --block-seconds 5" bash bench/paired.sh "$NINE" "grid=--load-format dummy" \
+      "warm=--load-format dummy --gemm-row-grid off"
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  job cache_cases_tiny 0 300 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
+  profiled_9b profile_c64_grid 9410 9b-dummy-bf16-grid-profile-c64 "--load-format dummy" 64 96,32 330
   touch "$S/all.done"
   log "all done"
   ;;
