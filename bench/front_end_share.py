@@ -14,6 +14,10 @@ CKPT: any checkpoint folder (its tokenizer). Prints, per concurrency, both req/s
 many requests a step took on each side (warm-up requests included on the server's), and the server's
 stages (``Server-Timing``); the JSON keeps it all with the settings. The defaults model the
 9B on one H200 (a 16k-token step ~409 ms of GPU work: ~25 µs per token; steps begin ~3 ms apart).
+
+Each side's req/s counts its start (c requests at once to an idle engine) and its drain (the last answers);
+``steady`` is each side's throughput by Little's law instead, c over its mean latency (as ``clef-bench
+--versus`` reports per time block), and ``steady_ratio`` the server's over the direct drive's.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int]
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     return {"requests": len(latencies), "req_per_s": round(len(latencies) / wall, 2),
-            "p50_ms": round(statistics.median(latencies) * 1000, 2)}
+            "p50_ms": round(statistics.median(latencies) * 1000, 2),
+            "steady_req_per_s": round(concurrency / statistics.mean(latencies), 2)}
 
 
 def bench_point(url: str, checkpoint: str, workload: str, concurrency: int, requests: int, out: Path,
@@ -129,18 +134,23 @@ def main(argv: list[str] | None = None) -> int:
                      "server_req_per_s": round(point["req_per_s"], 2), "server_p50_ms": point["latency_ms"]["p50"],
                      "engine_only_req_per_s": direct["req_per_s"], "engine_only_p50_ms": direct["p50_ms"],
                      "ratio": round(point["req_per_s"] / direct["req_per_s"], 3),
+                     # Little's law: c over the mean latency, on both sides (no start or drain in it)
+                     "server_steady_req_per_s": round(c * 1000 / point["latency_ms"]["mean"], 2),
+                     "engine_only_steady_req_per_s": direct["steady_req_per_s"],
+                     "steady_ratio": round(c * 1000 / point["latency_ms"]["mean"] / direct["steady_req_per_s"], 3),
                      "server_stages_p50_ms": point.get("server_stages_p50_ms"),
                      "server_requests_per_step": mean_per_step(server_steps),
                      "engine_only_requests_per_step": mean_per_step(engine.requests_per_step)})
     print(f"stand-in engine: steps of {a.step_ms} ms + {a.per_token_us} µs per token (at most {a.step_tokens} "
           f"tokens); {a.workload}, {a.num_requests} requests a point; driven directly, {a.direct_submit_ms:g} ms of shared host per submission")
-    print(" c  server req/s  engine-only req/s  ratio  requests a step (server / engine-only)  server p50 ms"
+    print(" c  server req/s  engine-only req/s  ratio  steady ratio  requests a step (server / engine-only)  server p50 ms"
           "  engine-only p50 ms  server stages p50 ms")
     for r in rows:
         stages = ", ".join(f"{k} {v}" for k, v in (r["server_stages_p50_ms"] or {}).items())
         per_step = f"{r['server_requests_per_step']:.1f} / {r['engine_only_requests_per_step']:.1f}"
         print(f"{r['concurrency']:2d}  {r['server_req_per_s']:12.1f}  {r['engine_only_req_per_s']:17.1f}  "
-              f"{r['ratio']:5.3f}  {per_step:>38}  {r['server_p50_ms']:13.1f}  {r['engine_only_p50_ms']:18.1f}  "
+              f"{r['ratio']:5.3f}  {r['steady_ratio']:12.3f}  {per_step:>38}  {r['server_p50_ms']:13.1f}  "
+              f"{r['engine_only_p50_ms']:18.1f}  "
               f"{stages}")
     save(a.out, a, rows)
     return 0

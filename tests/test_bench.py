@@ -1100,11 +1100,14 @@ def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release,
     for point in result["points"]:
         assert point["server_req_per_s"] > 0 and point["engine_only_req_per_s"] > 0
         assert point["ratio"] == round(point["server_req_per_s"] / point["engine_only_req_per_s"], 3)
+        assert point["server_steady_req_per_s"] > 0 and point["engine_only_steady_req_per_s"] > 0
+        assert point["steady_ratio"] == pytest.approx(point["server_steady_req_per_s"]
+                                                      / point["engine_only_steady_req_per_s"], abs=0.002)
         assert {"parse", "encode", "engine", "total"} <= set(point["server_stages_p50_ms"])
         assert point["server_requests_per_step"] >= 1 and point["engine_only_requests_per_step"] >= 1
     assert result["points"][0]["engine_only_requests_per_step"] == 1.0          # c=1: one request a step
     assert result["points"][0]["engine_only_p50_ms"] >= 0.5 + 2                 # its submission, then its step
-    assert "engine-only req/s" in proc.stdout and result["settings"]["step_ms"] == 2.0
+    assert "engine-only req/s" in proc.stdout and "steady ratio" in proc.stdout and result["settings"]["step_ms"] == 2.0
     assert result["settings"]["direct_submit_ms"] == 0.5
 
 
