@@ -4,6 +4,7 @@ refusals. A full backbone forward needs a GPU (tests/gpu/, bench/)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -495,6 +496,34 @@ def test_the_trace_marks_an_output_where_the_engine_core_sends_it_and_where_the_
 
 
 @torch.inference_mode()
+@contextlib.contextmanager
+def _float32_head(m):
+    """``m``'s head in float32 inside (padding must then be exact up to float32 rounding), its dtype after."""
+    dtype = m.head.dtype
+    m.head.float()
+    try:
+        yield
+    finally:
+        m.head.to(dtype)
+
+
+def _three_chunked_steps(m, specs, hidden) -> dict:
+    """The three requests of :func:`_specs_and_hidden` through ``m``'s pooler in three chunked steps (step 1:
+    A[0:40], B[0:100]; step 2: the rest of A, B[100:150], all of C; step 3: the rest of B): each answer by
+    request index."""
+    from vllm.v1.pool.metadata import PoolingStates
+
+    la, lb, lc = (s.num_tokens for s in specs)
+    steps = [([0, 1], [(0, 40), (0, 100)]), ([0, 1, 2], [(40, la), (100, 150), (0, lc)]), ([1], [(150, lb)])]
+    states, results = [PoolingStates() for _ in specs], {}
+    for which, ranges in steps:
+        x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
+        md = vllm_cpu.pooling_metadata([specs[i] for i in which], [b - a for a, b in ranges],
+                                       [b for _, b in ranges], [states[i] for i in which])
+        results.update((i, o) for i, o in zip(which, m.pooler(x, md)) if o is not None)
+    return results
+
+
 def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_the_eager_head(release_model,
                                                                                             encoder):
     """The real pooler, real encoded requests, chunked: step 2 finishes two requests, step 3 one. With a
@@ -502,34 +531,17 @@ def test_pooler_with_head_graphs_answers_chunked_steps_of_several_requests_like_
     the eager pooler's, and the runner graphed both finishing steps after one self-check per bucket. The
     head runs in float32 here, so padding must be exact up to float32 rounding (in bf16 the padded shapes
     round differently: tests/test_head_graphs.py bounds that)."""
-    from vllm.v1.pool.metadata import PoolingStates
-
     from support.graph_runner import CpuGraphRunner
 
     m = release_model
     specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
-    la, lb, lc = (s.num_tokens for s in specs)
-    steps = [([0, 1], [(0, 40), (0, 100)]), ([0, 1, 2], [(40, la), (100, 150), (0, lc)]), ([1], [(150, lb)])]
-
-    def run():
-        states, results = [PoolingStates() for _ in specs], {}
-        for which, ranges in steps:
-            x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
-            md = vllm_cpu.pooling_metadata([specs[i] for i in which], [b - a for a, b in ranges],
-                                           [b for _, b in ranges], [states[i] for i in which])
-            results.update((i, o) for i, o in zip(which, m.pooler(x, md)) if o is not None)
-        return results
-
-    dtype = m.head.dtype
-    m.head.float()
-    try:
-        eager = run()
-        runner = CpuGraphRunner(m.head, max_memory=2048, max_records=4)
-        m.pooler.head_graphs = runner
-        graphed = run()
-    finally:
-        m.pooler.head_graphs = None
-        m.head.to(dtype)
+    with _float32_head(m):
+        eager = _three_chunked_steps(m, specs, hidden)
+        runner = m.pooler.head_graphs = CpuGraphRunner(m.head, max_memory=2048, max_records=4)
+        try:
+            graphed = _three_chunked_steps(m, specs, hidden)
+        finally:
+            m.pooler.head_graphs = None
     assert sorted(graphed) == [0, 1, 2]
     for i in range(3):
         torch.testing.assert_close(graphed[i], eager[i], atol=1e-5, rtol=0)
@@ -543,35 +555,19 @@ def test_pooler_with_the_row_grid_runs_every_gemm_at_a_grid_count_and_answers_as
     """``--gemm-row-grid``: the real pooler over chunked steps of several requests with its row grid on (as after
     the GPU warm-up): every GEMM of the per-token stage and the eager head runs at a grid row count (recorded
     at the aten level), and each answer is the pooler's without the grid (float32 head: up to rounding)."""
-    from vllm.v1.pool.metadata import PoolingStates
-
     from clef_vllm.worker.gemm_warmup import GridRows
     from support.gemm_shapes import GemmShapes
 
     m = release_model
     specs, hidden = _specs_and_hidden(encoder, m.config.hidden_size)
-    la, lb, lc = (s.num_tokens for s in specs)
-    steps = [([0, 1], [(0, 40), (0, 100)]), ([0, 1, 2], [(40, la), (100, 150), (0, lc)]), ([1], [(150, lb)])]
-
-    def run():
-        states, results = [PoolingStates() for _ in specs], {}
-        for which, ranges in steps:
-            x = torch.cat([hidden[i][a:b] for i, (a, b) in zip(which, ranges)])
-            md = vllm_cpu.pooling_metadata([specs[i] for i in which], [b - a for a, b in ranges],
-                                           [b for _, b in ranges], [states[i] for i in which])
-            results.update((i, o) for i, o in zip(which, m.pooler(x, md)) if o is not None)
-        return results
-
-    dtype = m.head.dtype
-    m.head.float()
-    try:
-        plain = run()
-        m.pooler.row_grid = grid = GridRows(1024)
-        with GemmShapes() as seen:
-            gridded = run()
-    finally:
-        m.pooler.row_grid = None
-        m.head.to(dtype)
+    with _float32_head(m):
+        plain = _three_chunked_steps(m, specs, hidden)
+        grid = m.pooler.row_grid = GridRows(1024)
+        try:
+            with GemmShapes() as seen:
+                gridded = _three_chunked_steps(m, specs, hidden)
+        finally:
+            m.pooler.row_grid = None
     assert sorted(gridded) == [0, 1, 2] and grid.padded > 0
     assert seen.seen and all(rows in set(grid.grid) for *_, rows in seen.seen)
     for i in range(3):
