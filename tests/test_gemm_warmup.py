@@ -193,6 +193,24 @@ def test_grid_rows_keeps_shapes_bias_and_leading_dimensions():
     assert grid.padded == 6 and grid.extra_rows == 6          # 13 -> 14 (twice over), 15 -> 16: with and without bias
 
 
+def test_grid_rows_runs_a_gemm_unpadded_when_its_padded_copy_does_not_fit(monkeypatch):
+    """The padded copy is memory vLLM's profiling did not see: when it cannot be had, the GEMM runs at its own
+    row count (the answer the same), counted, and the step goes on."""
+    torch.manual_seed(1)
+    x, weight = torch.randn(13, 5), torch.randn(6, 5)
+    want = torch.nn.functional.linear(x, weight)
+
+    def no_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", no_memory)
+    grid = GridRows(64)
+    with grid:
+        got = torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(got, want)
+    assert grid.unpadded == 1 and grid.padded == 0 and grid.gemms == 1
+
+
 def test_the_pooler_turns_the_row_grid_on_only_after_a_whole_warmup(monkeypatch):
     """``--gemm-row-grid``: the pooler runs its GEMMs on the grid once the warm-up has run every count, not when
     the warm-up stopped (the counts it did not reach would load their kernels mid-step anyway) nor when asked not to."""

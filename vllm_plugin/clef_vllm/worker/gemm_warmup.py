@@ -152,13 +152,14 @@ class GridRows(TorchFunctionMode):
     real rows. Counts on the grid, above ``max_rows``, and GEMMs inside a CUDA graph capture run as they are.
 
     The padding rows are not written (each output row depends only on its own input row) and cost at most
-    ``ROW_RATIO - 1`` of the GEMM and one copy of its input. Counters: :attr:`gemms` seen, :attr:`padded`
-    of them, :attr:`extra_rows` they added."""
+    ``ROW_RATIO - 1`` of the GEMM and one copy of its input; a padded copy that does not fit in memory runs
+    the GEMM unpadded instead. Counters: :attr:`gemms` seen, :attr:`padded` of them, :attr:`extra_rows` they
+    added, :attr:`unpadded` for want of memory."""
 
     def __init__(self, max_rows: int, ratio: float = ROW_RATIO):
         super().__init__()
         self.grid = row_grid(max_rows, ratio)
-        self.gemms = self.padded = self.extra_rows = 0
+        self.gemms = self.padded = self.extra_rows = self.unpadded = 0
 
     def target(self, rows: int) -> int:
         """The grid count ``rows`` runs at: the smallest one at least ``rows``, or ``rows`` above the grid."""
@@ -177,7 +178,11 @@ class GridRows(TorchFunctionMode):
         target = self.target(rows) if rows else rows
         if target == rows or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return F.linear(x, weight, bias)
-        padded = x.new_empty(target, fan_in)
+        try:
+            padded = x.new_empty(target, fan_in)
+        except torch.OutOfMemoryError:     # the memory the KV cache left is short: this GEMM as it is
+            self.unpadded += 1
+            return F.linear(x, weight, bias)
         padded[:rows].copy_(x.reshape(rows, fan_in))
         self.padded += 1
         self.extra_rows += target - rows
