@@ -130,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         c, tokens_per_request = point["concurrency"], point["input_tokens"]["mean_expected"]
         engine = SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens)
         direct = asyncio.run(engine_only(engine, c, [round(tokens_per_request)] * point["ok"], a.direct_submit_ms))
+        steady = c * 1000 / point["latency_ms"]["mean"]      # Little's law: c over the mean latency (no start or drain)
         rows.append({"concurrency": c, "tokens_per_request": round(tokens_per_request, 1),
                      "server_req_per_s": round(point["req_per_s"], 2), "server_p50_ms": point["latency_ms"]["p50"],
                      "engine_only_req_per_s": direct["req_per_s"], "engine_only_p50_ms": direct["p50_ms"],
                      "ratio": round(point["req_per_s"] / direct["req_per_s"], 3),
-                     # Little's law: c over the mean latency, on both sides (no start or drain in it)
-                     "server_steady_req_per_s": round(c * 1000 / point["latency_ms"]["mean"], 2),
+                     "server_steady_req_per_s": round(steady, 2),
                      "engine_only_steady_req_per_s": direct["steady_req_per_s"],
-                     "steady_ratio": round(c * 1000 / point["latency_ms"]["mean"] / direct["steady_req_per_s"], 3),
+                     "steady_ratio": round(steady / direct["steady_req_per_s"], 3),
                      "server_stages_p50_ms": point.get("server_stages_p50_ms"),
                      "server_requests_per_step": mean_per_step(server_steps),
                      "engine_only_requests_per_step": mean_per_step(engine.requests_per_step)})
