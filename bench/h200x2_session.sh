@@ -127,9 +127,12 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftyfirst1 (one GPU; ~700 s; not run yet): issue 12's c=16/64 target read by each block's steady throughput
-#        (clef-bench --versus now reports c over the mean latency of the requests started after a block's first fifth,
-#        beside req/s over the block's wall time): the default server against raw vLLM, 16 blocks of 10 s a point.
+# PLAN=fiftyfirst1 (one GPU; ~1,500 s by priority): issue 12's c=16/64 target with vLLM's async scheduling on top of
+#        the row grid (the thirtieth session's profile: ~12 ms a step of host-bound input preparation between a
+#        step's last kernel and the next step's GEMMs, on both sides): the default server against
+#        --async-scheduling on at c=16/64, each against raw vLLM (16 blocks of 5 s a point, clef-bench's steady
+#        reading beside req/s), the async server's engine core profiled at c=64, FP8 short c=1 (the 20 ms target)
+#        with --gemm-row-grid off / the default / --async-scheduling on, the tiny parity with async scheduling.
 # PLAN=fiftieth2 (one GPU; ~750 s by priority; ran in the thirtieth session, every job): fiftieth1's jobs after its first (its machine was handed back while
 #        idle between two calls): grid against --gemm-row-grid off at c=64, the grid server's engine core profiled
 #        at c=64, the tiny parity, raw vLLM's engine core profiled at c=64 on the same machine.
@@ -613,10 +616,18 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fiftyfirst1_queue0)   # ~700 s: launch with `wait 540` in the staging's last call, then `wait 540` at once (an idle
-  # machine is handed back after ~30 s, and its jobs with it)
-  job paired_steady_raw 0 800 env COMPARE="grid:raw:short:16,64" PAIRS=2000 TIME_LIMIT=20 PORT0=9440 \
-      "BENCH_ARGS=--blocks 16 --block-seconds 10" bash bench/paired.sh "$NINE" "grid=--load-format dummy"
+fiftyfirst1_queue0)   # ~1,500 s by priority: launch with `wait 540` in the staging's last call, then `wait 540` at once
+  # (an idle machine is handed back after ~30 s, and its jobs with it)
+  job paired_async_raw 0 1000 env COMPARE="grid:async:short:16,64 async:raw:short:16,64 grid:raw:short:16,64" \
+      PAIRS=2000 TIME_LIMIT=20 PORT0=9440 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "grid=--load-format dummy" "async=--load-format dummy --async-scheduling on"
+  profiled_9b profile_c64_async 9450 9b-dummy-bf16-async-profile-c64 "--load-format dummy --async-scheduling on" 64 \
+      96,32 300
+  job paired_fp8_c1 0 480 env COMPARE="fp8off:fp8:short fp8:fp8async:short" PAIRS=250 TIME_LIMIT=20 PORT0=9460 \
+      bash bench/paired.sh "$NINE" "fp8off=--load-format dummy --quantization fp8 --gemm-row-grid off" \
+      "fp8=--load-format dummy --quantization fp8" "fp8async=--load-format dummy --quantization fp8 --async-scheduling on"
+  job parity_tiny_async 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny_async" --n 240 --skip-server \
+      --async-scheduling
   touch "$S/all.done"
   log "all done"
   ;;
