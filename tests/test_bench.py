@@ -1367,3 +1367,56 @@ def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(t
     with pytest.raises(SystemExit):
         plan.main([str(failed)])
     assert "latency.py's file without a sweep result (did its run fail? its results: [2])" in capsys.readouterr().err
+
+
+def test_the_simulation_shows_refill_merging_split_cohorts_of_closed_loop_clients(tmp_path):
+    """bench/batch_wait_sim.py with its defaults (a model of the 9B BF16 engine): at c=16, ``half`` leaves the
+    clients split into a large and a one-request cohort (the same as no wait), ``refill`` with 5 ms merges
+    them into steps of ~15 and more requests a second; the JSON holds every row."""
+    sim = bench_script("batch_wait_sim")
+    out = tmp_path / "sim.json"
+    assert sim.main(["-c", "16", "--seconds", "30", "--rules", "none", "half:2", "refill:5", "--json", str(out)]) == 0
+    rows = {r["rule"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["none"]["mean_step"] == pytest.approx(8.0, abs=0.5)          # 1 and 15, alternating
+    assert rows["half 2 ms"]["req_per_s"] == rows["none"]["req_per_s"]
+    assert rows["refill 5 ms"]["mean_step"] > 12 and rows["refill 5 ms"]["held_steps"] > 0
+    assert rows["refill 5 ms"]["req_per_s"] > 1.04 * rows["none"]["req_per_s"]
+
+
+def test_cohorts_groups_a_servers_answers_into_steps_and_times_the_clients_return(tmp_path, capsys):
+    """bench/cohorts.py on access-log lines written by the server's own formatters (text and JSON): answers
+    within --gap-ms are one step's, the sequence gives each group's size and its distance from the one
+    before, and each arrival (answer less duration) is timed against the latest answer before it."""
+    import logging
+
+    from clef_vllm.server.logs import JsonFormatter, TextFormatter
+
+    cohorts = bench_script("cohorts")
+    t0 = 1_764_800_000.0
+    # a cohort of 3 answered at t0 (+0, +1, +2 ms), its clients back 2, 3, 4 ms after the last answer and answered
+    # at t0 + 100 ms with one request that had waited since before t0; those four back 2-5 ms after t0 + 101 ms
+    # and answered together at t0 + 200 ms
+    answers = [(t0, 50), (t0 + 0.001, 50), (t0 + 0.002, 50),
+               (t0 + 0.100, 96), (t0 + 0.100, 95), (t0 + 0.101, 95), (t0 + 0.101, 151),
+               (t0 + 0.200, 97), (t0 + 0.200, 96), (t0 + 0.201, 96), (t0 + 0.201, 95)]
+    for name, formatter in (("text", TextFormatter()), ("json", JsonFormatter())):
+        lines = []
+        for when, ms in answers:
+            record = logging.LogRecord("clef_vllm.access", logging.INFO, __file__, 1, "request", None, None)
+            record.created, record.msecs = when, round((when - int(when)) * 1000)
+            for key, value in {"method": "POST", "path": "/v1/systemone", "status": 200, "reason": "ok",
+                               "duration_ms": ms, "input_tokens": 400, "questions": 3}.items():
+                setattr(record, key, value)
+            lines.append(formatter.format(record))
+        lines.insert(2, "2026-12-04 05:57:48,414 INFO clef_vllm: SIGTERM: graceful shutdown")
+        log = tmp_path / f"server_{name}.log"
+        log.write_text("\n".join(lines) + "\n")
+        out = tmp_path / f"{name}.json"
+        assert cohorts.main([str(log), "--json", str(out)]) == 0
+        summary = json.loads(out.read_text())
+        assert summary["answers"] == 11 and summary["groups"] == 3, name
+        assert summary["sizes"] == [[3, 1], [4, 2]]
+        assert [n for n, _ in summary["sequence"]] == [3, 4, 4]
+        assert [ms for _, ms in summary["sequence"]][1:] == [100, 100]
+        assert summary["back_ms_p10_p50_p90"] == [2.0, 3.0, 5.0], name        # of 2, 3, 4 and 2, 3, 4, 5 ms
+    assert "11 answers in 3 groups" in capsys.readouterr().out
