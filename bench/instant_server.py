@@ -8,7 +8,9 @@ check that a load generator is not the bottleneck (CPU only, no model).
 With ``--step-ms F --per-token-us P`` the backend answers in *steps*, as vLLM's engine does: the
 requests waiting when a step begins (up to ``--step-tokens``) finish together after F ms + P µs per
 token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`;
-``bench/front_end_share.py`` drives the same engine without HTTP to compare).
+``bench/front_end_share.py`` drives the same engine without HTTP to compare). ``--batch-wait-ms MS
+[--batch-wait-mode half|refill]`` has it hold new requests between steps by the scheduler's own rule 5
+(``clef_vllm.worker.batch_wait``), polling every millisecond as vLLM's idle engine core does.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from time import monotonic
 
 import torch
 import uvicorn
 
 from clef_vllm.backends.base import Backend
 from clef_vllm.backends.options import VllmOptions
+from clef_vllm.contract import BATCH_WAIT_MODES
 from clef_vllm.encoding import RequestEncoder
 from clef_vllm.server.app import create_app
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
+from clef_vllm.worker.batch_wait import BatchWait
 
 
 class InstantBackend(Backend):
@@ -48,13 +53,16 @@ class InstantBackend(Backend):
 class SteppedEngine:
     """A stand-in for an engine that batches by step: :meth:`run` returns when the step holding the
     request ends. A step takes every waiting request that fits ``budget`` tokens (at least one) and
-    lasts ``fixed_ms + per_token_us × tokens``; requests arriving during a step wait for the next."""
+    lasts ``fixed_ms + per_token_us × tokens``; requests arriving during a step wait for the next. With a
+    ``batch_wait`` (rule 5's decision) an idle engine may hold the waiting requests, looking again every
+    millisecond."""
 
-    def __init__(self, fixed_ms: float, per_token_us: float, budget: int = 16384):
+    def __init__(self, fixed_ms: float, per_token_us: float, budget: int = 16384, batch_wait: BatchWait | None = None):
         self.fixed_ms, self.per_token_us, self.budget = fixed_ms, per_token_us, budget
+        self.batch_wait = batch_wait or BatchWait(0.0)
         self.steps = 0
         self.requests_per_step: dict[int, int] = {}     # how many steps took how many requests
-        self._waiting: list[tuple[int, asyncio.Future]] = []
+        self._waiting: list[tuple[int, asyncio.Future, float]] = []     # (tokens, answer, arrival)
         self._stepping: asyncio.Task | None = None
 
     def step_seconds(self, tokens: int) -> float:
@@ -62,21 +70,28 @@ class SteppedEngine:
 
     async def run(self, tokens: int) -> None:
         done = asyncio.get_running_loop().create_future()
-        self._waiting.append((tokens, done))
+        self._waiting.append((tokens, done, monotonic()))
+        self.batch_wait.arrival()
         if self._stepping is None or self._stepping.done():
             self._stepping = asyncio.ensure_future(self._steps())
         await done
 
     async def _steps(self) -> None:
         while self._waiting:
+            if self.batch_wait.hold(monotonic(), running=0, waiting=len(self._waiting), oldest=self._waiting[0][2],
+                                    waiting_tokens=lambda: sum(t for t, _, _ in self._waiting), budget=self.budget):
+                await asyncio.sleep(0.001)
+                continue
             batch, used = [], 0
             while self._waiting and (not batch or used + self._waiting[0][0] <= self.budget):
-                tokens, done = self._waiting.pop(0)
+                tokens, done, _ = self._waiting.pop(0)
                 batch.append(done)
                 used += tokens
             self.requests_per_step[len(batch)] = self.requests_per_step.get(len(batch), 0) + 1
+            self.batch_wait.stepped(monotonic(), len(batch))
             await asyncio.sleep(self.step_seconds(used))
             self.steps += 1
+            self.batch_wait.finished(monotonic(), len(batch), 0)
             for done in batch:
                 if not done.done():
                     done.set_result(None)
@@ -99,6 +114,8 @@ class SteppedBackend(InstantBackend):
     def describe(self) -> dict:
         return {"backend": "stepped", "fixed_ms": self.engine.fixed_ms, "per_token_us": self.engine.per_token_us,
                 "step_tokens": self.engine.budget, "steps": self.engine.steps,
+                "batch_wait_ms": self.engine.batch_wait.wait_s * 1000, "batch_wait_mode": self.engine.batch_wait.mode,
+                "held_steps": self.engine.batch_wait.held_steps,
                 "requests_per_step": dict(sorted(self.engine.requests_per_step.items()))}
 
 
@@ -109,13 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=None, help="answer in steps of this fixed cost (ms) ...")
     ap.add_argument("--per-token-us", type=float, default=0.0, help="... plus this much per token (µs)")
     ap.add_argument("--step-tokens", type=int, default=16384, help="tokens a step takes at most [16384]")
+    ap.add_argument("--batch-wait-ms", type=float, default=0.0, help="hold new requests between steps up to MS [0]")
+    ap.add_argument("--batch-wait-mode", choices=BATCH_WAIT_MODES, default=BATCH_WAIT_MODES[0])
     ap.add_argument("--cpu-inline-bytes", type=int, default=DEFAULT_CPU_INLINE_BYTES,
                     help=f"the server's --cpu-inline-bytes [{DEFAULT_CPU_INLINE_BYTES}]")
     a = ap.parse_args(argv)
     if a.step_ms is None:
         make = lambda: InstantBackend(a.checkpoint)  # noqa: E731
     else:
-        make = lambda: SteppedBackend(a.checkpoint, SteppedEngine(a.step_ms, a.per_token_us, a.step_tokens))  # noqa: E731
+        make = lambda: SteppedBackend(a.checkpoint, SteppedEngine(  # noqa: E731
+            a.step_ms, a.per_token_us, a.step_tokens, BatchWait(a.batch_wait_ms / 1000.0, a.batch_wait_mode)))
     uvicorn.run(create_app(make, ServerSettings(cpu_inline_bytes=a.cpu_inline_bytes)), host="127.0.0.1", port=a.port,
                 log_level="warning")
     return 0
