@@ -127,11 +127,6 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftysecond1 (one GPU; ~1,100 s): the scheduler's --batch-wait-mode refill (hold the requests that waited
-#        through a step until the clients it answered are back: the thirty-first session's access logs show c=16
-#        clients split into cohorts such as 13/3, 14/2, 8/8 that the default rule never merges) against the default
-#        server at c=2-64, with 2 and 5 ms, and refill 5 ms against raw vLLM at c=16/64 (16 blocks of 5 s a point;
-#        bench/cohorts.py reads the cohorts from the returned server logs).
 # PLAN=fiftyfirst1 (one GPU; ~1,500 s by priority; ran in the thirty-first session, every job): issue 12's c=16/64 target with vLLM's async scheduling on top of
 #        the row grid (the thirtieth session's profile: ~12 ms a step of host-bound input preparation between a
 #        step's last kernel and the next step's GEMMs, on both sides): the default server against
@@ -618,14 +613,6 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
-  touch "$S/all.done"
-  log "all done"
-  ;;
-fiftysecond1_queue0)   # ~1,100 s: launch with `wait 540` in the staging's last call, then `wait 540` at once
-  job paired_refill 0 1300 env COMPARE="grid:refill5:short:2,4,8,16,64 grid:refill2:short:16,64 refill5:raw:short:16,64" \
-      PAIRS=2000 TIME_LIMIT=20 PORT0=9480 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
-      "grid=--load-format dummy" "refill5=--load-format dummy --batch-wait-mode refill --batch-wait-ms 5" \
-      "refill2=--load-format dummy --batch-wait-mode refill"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -8,9 +8,9 @@ check that a load generator is not the bottleneck (CPU only, no model).
 With ``--step-ms F --per-token-us P`` the backend answers in *steps*, as vLLM's engine does: the
 requests waiting when a step begins (up to ``--step-tokens``) finish together after F ms + P µs per
 token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`;
-``bench/front_end_share.py`` drives the same engine without HTTP to compare). ``--batch-wait-ms MS
-[--batch-wait-mode half|refill]`` has it hold new requests between steps by the scheduler's own rule 5
-(``clef_vllm.worker.batch_wait``), polling every millisecond as vLLM's idle engine core does.
+``bench/front_end_share.py`` drives the same engine without HTTP to compare). ``--batch-wait-ms MS`` has it
+hold new requests between steps by the scheduler's own rule 5 (``clef_vllm.worker.batch_wait``), polling
+every millisecond as vLLM's idle engine core does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import uvicorn
 
 from clef_vllm.backends.base import Backend
 from clef_vllm.backends.options import VllmOptions
-from clef_vllm.contract import BATCH_WAIT_MODES
 from clef_vllm.encoding import RequestEncoder
 from clef_vllm.server.app import create_app
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
@@ -71,15 +70,13 @@ class SteppedEngine:
     async def run(self, tokens: int) -> None:
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((tokens, done, monotonic()))
-        self.batch_wait.arrival()
         if self._stepping is None or self._stepping.done():
             self._stepping = asyncio.ensure_future(self._steps())
         await done
 
     async def _steps(self) -> None:
         while self._waiting:
-            if self.batch_wait.hold(monotonic(), running=0, waiting=len(self._waiting), oldest=self._waiting[0][2],
-                                    waiting_tokens=lambda: sum(t for t, _, _ in self._waiting), budget=self.budget):
+            if self.batch_wait.hold(monotonic(), running=0, waiting=len(self._waiting), oldest=self._waiting[0][2]):
                 await asyncio.sleep(0.001)
                 continue
             batch, used = [], 0
@@ -91,7 +88,6 @@ class SteppedEngine:
             self.batch_wait.stepped(monotonic(), len(batch))
             await asyncio.sleep(self.step_seconds(used))
             self.steps += 1
-            self.batch_wait.finished(monotonic(), len(batch), 0)
             for done in batch:
                 if not done.done():
                     done.set_result(None)
@@ -114,7 +110,7 @@ class SteppedBackend(InstantBackend):
     def describe(self) -> dict:
         return {"backend": "stepped", "fixed_ms": self.engine.fixed_ms, "per_token_us": self.engine.per_token_us,
                 "step_tokens": self.engine.budget, "steps": self.engine.steps,
-                "batch_wait_ms": self.engine.batch_wait.wait_s * 1000, "batch_wait_mode": self.engine.batch_wait.mode,
+                "batch_wait_ms": self.engine.batch_wait.wait_s * 1000,
                 "held_steps": self.engine.batch_wait.held_steps,
                 "requests_per_step": dict(sorted(self.engine.requests_per_step.items()))}
 
@@ -127,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-token-us", type=float, default=0.0, help="... plus this much per token (µs)")
     ap.add_argument("--step-tokens", type=int, default=16384, help="tokens a step takes at most [16384]")
     ap.add_argument("--batch-wait-ms", type=float, default=0.0, help="hold new requests between steps up to MS [0]")
-    ap.add_argument("--batch-wait-mode", choices=BATCH_WAIT_MODES, default=BATCH_WAIT_MODES[0])
     ap.add_argument("--cpu-inline-bytes", type=int, default=DEFAULT_CPU_INLINE_BYTES,
                     help=f"the server's --cpu-inline-bytes [{DEFAULT_CPU_INLINE_BYTES}]")
     a = ap.parse_args(argv)
@@ -135,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         make = lambda: InstantBackend(a.checkpoint)  # noqa: E731
     else:
         make = lambda: SteppedBackend(a.checkpoint, SteppedEngine(  # noqa: E731
-            a.step_ms, a.per_token_us, a.step_tokens, BatchWait(a.batch_wait_ms / 1000.0, a.batch_wait_mode)))
+            a.step_ms, a.per_token_us, a.step_tokens, BatchWait(a.batch_wait_ms / 1000.0)))
     uvicorn.run(create_app(make, ServerSettings(cpu_inline_bytes=a.cpu_inline_bytes)), host="127.0.0.1", port=a.port,
                 log_level="warning")
     return 0

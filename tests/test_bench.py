@@ -1085,6 +1085,34 @@ def test_the_stepped_engine_batches_like_vllm_steps():
     assert wall >= 0.030 + 0.008 + 0.030 + 0.004 + 0.030 + 0.050     # each step its fixed and per-token cost
 
 
+def test_the_stepped_engine_holds_by_the_schedulers_batch_wait():
+    """With ``--batch-wait-ms`` the stand-in engine decides with the scheduler's own rule 5: after a step of
+    four, a lone arrival is held (polling each millisecond) and joins the one that follows it 3 ms later;
+    without the wait it runs alone."""
+    import asyncio
+
+    from clef_vllm.worker.batch_wait import BatchWait
+
+    SteppedEngine = bench_script("instant_server").SteppedEngine
+
+    def run(wait_ms):
+        engine = SteppedEngine(fixed_ms=5, per_token_us=0, budget=1000, batch_wait=BatchWait(wait_ms / 1000))
+
+        async def scenario():
+            await asyncio.gather(*(engine.run(10) for _ in range(4)))
+            second = asyncio.ensure_future(engine.run(10))
+            await asyncio.sleep(0.003)
+            await asyncio.gather(second, engine.run(10))
+
+        asyncio.run(scenario())
+        return engine
+
+    held = run(20)
+    assert held.requests_per_step == {4: 1, 2: 1} and held.batch_wait.held_steps >= 2
+    plain = run(0)
+    assert plain.requests_per_step == {4: 1, 1: 2} and plain.batch_wait.held_steps == 0
+
+
 def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release, tmp_path):
     """bench/front_end_share.py: the real app over the stepped engine under clef-bench, then the same engine
     driven directly, per concurrency: both req/s, their ratio and the server's stages."""
@@ -1367,20 +1395,6 @@ def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(t
     with pytest.raises(SystemExit):
         plan.main([str(failed)])
     assert "latency.py's file without a sweep result (did its run fail? its results: [2])" in capsys.readouterr().err
-
-
-def test_the_simulation_shows_refill_merging_split_cohorts_of_closed_loop_clients(tmp_path):
-    """bench/batch_wait_sim.py with its defaults (a model of the 9B BF16 engine): at c=16, ``half`` leaves the
-    clients split into a large and a one-request cohort (the same as no wait), ``refill`` with 5 ms merges
-    them into steps of ~15 and more requests a second; the JSON holds every row."""
-    sim = bench_script("batch_wait_sim")
-    out = tmp_path / "sim.json"
-    assert sim.main(["-c", "16", "--seconds", "30", "--rules", "none", "half:2", "refill:5", "--json", str(out)]) == 0
-    rows = {r["rule"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["none"]["mean_step"] == pytest.approx(8.0, abs=0.5)          # 1 and 15, alternating
-    assert rows["half 2 ms"]["req_per_s"] == rows["none"]["req_per_s"]
-    assert rows["refill 5 ms"]["mean_step"] > 12 and rows["refill 5 ms"]["held_steps"] > 0
-    assert rows["refill 5 ms"]["req_per_s"] > 1.04 * rows["none"]["req_per_s"]
 
 
 def test_cohorts_groups_a_servers_answers_into_steps_and_times_the_clients_return(tmp_path, capsys):

@@ -167,65 +167,6 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
     assert not off.batch_wait.steps                                                    # without the wait nothing is kept
 
 
-def test_refill_holds_the_requests_that_waited_through_a_step_until_its_clients_are_back(tiny_release, monkeypatch,
-                                                                                          caplog):
-    """``--batch-wait-mode refill``: after a step answers N requests, an idle engine holds the waiting ones (also
-    those that arrived while that step ran, which ``half`` never holds) until N new requests arrived, the step's
-    token budget has no room for one more, or MS passed since it went idle; one request at a time never waits."""
-    from clef_vllm.contract import BATCH_WAIT_KEY, BATCH_WAIT_MODE_KEY
-    from clef_vllm.worker import scheduler as clef_scheduler
-
-    clock = [10.0]
-    monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
-    with caplog.at_level(logging.INFO, logger="clef_vllm"):
-        sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128,
-                                       additional_config={BATCH_WAIT_KEY: 3, BATCH_WAIT_MODE_KEY: "refill"})
-    assert "the clients its last step answered are not back" in caplog.text
-
-    def finish(out):
-        sched.update_from_output(out, vllm_cpu.runner_output(sched, out))
-
-    def submit(*names):
-        for name in names:
-            sched.add_request(vllm_cpu.pooling_request(sched, name, ids(20, ord(name[0]) + len(name))))
-
-    def step():
-        return sorted(sched.schedule(False).num_scheduled_tokens)
-
-    for name in "ab":                             # one at a time: its own answer is the one that comes back
-        submit(name)
-        out = sched.schedule(False)
-        assert list(out.num_scheduled_tokens) == [name] and sched.held_steps == 0
-        finish(out)
-    submit("c", "d", "e", "f")                    # a step of four
-    out = sched.schedule(False)
-    assert len(out.num_scheduled_tokens) == 4
-    clock[0] += 0.05
-    submit("g", "h")                              # arrive while it runs
-    finish(out)                                   # four answered, the engine idle
-    assert step() == [] and sched.held_steps == 1          # g and h waited through the step: still held
-    clock[0] += 0.001
-    submit("c2", "d2", "e2")                      # three of the four are back: held
-    assert step() == [] and sched.held_steps == 2
-    submit("f2")                                  # all four back: one step of six
-    out = sched.schedule(False)
-    assert sorted(out.num_scheduled_tokens) == ["c2", "d2", "e2", "f2", "g", "h"]
-    finish(out)                                   # six answered
-    submit("x")
-    assert step() == [] and sched.held_steps == 3
-    clock[0] += 0.0031                            # 3 ms idle: it runs with what it has
-    out = sched.schedule(False)
-    assert list(out.num_scheduled_tokens) == ["x"]
-    finish(out)                                   # one answered: the next arrival is the one expected
-    submit("y")
-    out = sched.schedule(False)
-    assert list(out.num_scheduled_tokens) == ["y"] and sched.held_steps == 3
-    submit(*(f"z{i}" for i in range(6)))          # arrive while y runs: 120 of the 128 tokens
-    finish(out)
-    out = sched.schedule(False)                   # y's client is not back, but no room for one more: no hold
-    assert len(out.num_scheduled_tokens) == 6 and sched.held_steps == 3
-
-
 def test_a_busy_engine_holds_nothing_back(tiny_release, monkeypatch):
     """Rule 5 holds requests only while nothing runs: a prompt in chunks keeps running, and a request that
     arrives meanwhile joins its next step (the clock standing still, so an idle engine would hold it)."""

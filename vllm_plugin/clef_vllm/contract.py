@@ -40,10 +40,6 @@ IDLE_CLEANUP_KEY = "clef_idle_cleanup_step"
 #: ``additional_config`` key: milliseconds an idle engine may hold new requests to batch them
 #: (``--batch-wait-ms``; absent: none).
 BATCH_WAIT_KEY = "clef_batch_wait_ms"
-#: ``additional_config`` key: how the scheduler decides to hold (``--batch-wait-mode``, one of
-#: :data:`BATCH_WAIT_MODES`, the first the default; absent: the default)
-BATCH_WAIT_MODE_KEY = "clef_batch_wait_mode"
-BATCH_WAIT_MODES = ("half", "refill")
 #: ``additional_config`` key: ``True`` has the first step that reaches the joint head run its GEMM shapes over a
 #: grid of row counts, so CUDA loads their kernels then (``--gemm-warmup``, on by default; absent: off).
 GEMM_WARMUP_KEY = "clef_gemm_warmup"

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, BATCH_WAIT_MODE_KEY, BATCH_WAIT_MODES, DEFAULT_NVFP4_KERNEL, ENGINES_PER_GPU_KEY, GDN_MEMO_KEY,
+from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, ENGINES_PER_GPU_KEY, GDN_MEMO_KEY,
                                 GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
                                 IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
                                 SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, tell_worker)
@@ -243,8 +243,6 @@ def _batch_wait(opts: "VllmOptions", kwargs: dict) -> None:
     """The scheduler's rule 5: an idle engine may hold a few new requests up to this long to batch them."""
     if opts.resolved_batch_wait_ms:
         tell_worker(kwargs, BATCH_WAIT_KEY, opts.resolved_batch_wait_ms)
-        if opts.batch_wait_mode != BATCH_WAIT_MODES[0]:
-            tell_worker(kwargs, BATCH_WAIT_MODE_KEY, opts.batch_wait_mode)
 
 
 #: ``--gpu-memory-utilization``'s default for one engine on a GPU (vLLM's own)
@@ -420,11 +418,6 @@ class VllmOptions(_Validated):
                                          "never; docs/latency.md)",
                                          flags=("--batch-wait-ms",), engine=_batch_wait, kind=float, minimum=0.0,
                                          maximum=50.0, metavar="MS")
-    batch_wait_mode: str = option(BATCH_WAIT_MODES[0], "when the batch wait holds: 'half' while fewer requests "
-                                  "wait than half the largest step of the last second, 'refill' while the clients "
-                                  "the last step answered are not back and the step has room (experimental; "
-                                  "docs/latency.md)", flags=("--batch-wait-mode",), engine=_batch_wait, kind=str,
-                                  choices=BATCH_WAIT_MODES)
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
 
@@ -466,9 +459,6 @@ class VllmOptions(_Validated):
         if self.batch_wait_ms and not self.one_engine_process:
             raise OptionError("vllm backend option 'batch_wait_ms' is for one engine in its own process: leave "
                               "data_parallel_size at 1 and engine_core 'process', or the wait at 0", "batch_wait_ms")
-        if self.batch_wait_mode != BATCH_WAIT_MODES[0] and not self.resolved_batch_wait_ms:
-            self._no_effect("batch_wait_mode", "no batch wait (batch_wait_ms 0, or more than one engine process)",
-                            "leave it out or give batch_wait_ms")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "

@@ -50,12 +50,12 @@ lookup and chunk split; rule 0 holds for them too.
    Under load a closed loop of clients resubmits over a few milliseconds after a large step answers
    them; an idle engine starts the first one or two at once, and each such step runs padded to a graph
    bucket for one request (the seventeenth session's c=16 profile: steps of 14, 1, 1, 2, 14, ...
-   requests). With a wait, while nothing is running, new requests are held for this step (vLLM's own
-   ``PAUSED_NEW`` state for the one ``schedule`` call): the engine core steps empty and polls again a
-   millisecond later (vLLM's idle sleep). When to hold is :mod:`clef_vllm.worker.batch_wait`'s decision
-   (``--batch-wait-mode``): by default while the waiting requests are fewer than half the largest step of
-   the last second and the oldest has waited less than MS (one request at a time never waits); ``refill``
-   holds the requests that waited through the last step until the clients it answered are back.
+   requests). With a wait, while nothing is running, the waiting requests are fewer than half the
+   largest step of the last second and the oldest has waited less than MS (counted from its arrival at
+   this scheduler), new requests are held for this step (vLLM's own ``PAUSED_NEW`` state for the one
+   ``schedule`` call): the engine core steps empty and polls again a millisecond later (vLLM's idle
+   sleep). One request at a time (a peak of 1) never waits. The decision itself is
+   :mod:`clef_vllm.worker.batch_wait`'s.
    Measured on the H200 (BF16, short decisions, 2 ms against none): 1.062x the req/s at c=16, 1.001x at c=64.
 """
 
@@ -69,8 +69,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from clef_vllm import trace
-from clef_vllm.contract import (BATCH_WAIT_KEY, BATCH_WAIT_MODE_KEY, BATCH_WAIT_MODES, IDLE_CLEANUP_KEY, PARAMS_KEY,
-                                worker_setting)
+from clef_vllm.contract import BATCH_WAIT_KEY, IDLE_CLEANUP_KEY, PARAMS_KEY, worker_setting
 from clef_vllm.state_keys import KEY_UNIT
 from clef_vllm.worker import state_cache
 from clef_vllm.worker.batch_wait import BatchWait
@@ -202,14 +201,11 @@ class ClefScheduler(Scheduler):
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
         self._idle_cleanup = bool(worker_setting(self.vllm_config, IDLE_CLEANUP_KEY, False))
-        self.batch_wait = BatchWait(float(worker_setting(self.vllm_config, BATCH_WAIT_KEY, 0) or 0) / 1000.0,
-                                    worker_setting(self.vllm_config, BATCH_WAIT_MODE_KEY, BATCH_WAIT_MODES[0]))
+        self.batch_wait = BatchWait(float(worker_setting(self.vllm_config, BATCH_WAIT_KEY, 0) or 0) / 1000.0)
         if self.batch_wait.on:
-            log.info("clef scheduler: an idle engine holds up to %g ms for a batch while %s (--batch-wait-ms; 0 "
-                     "turns it off)", self.batch_wait.wait_s * 1000.0,
-                     "fewer requests wait than half the largest step of the last second"
-                     if self.batch_wait.mode == "half" else "the clients its last step answered are not back "
-                     "and the step has room (--batch-wait-mode refill)")
+            log.info("clef scheduler: an idle engine holds up to %g ms for a batch while fewer requests wait than "
+                     "half the largest step of the last second (--batch-wait-ms; 0 turns it off)",
+                     self.batch_wait.wait_s * 1000.0)
 
     @property
     def held_steps(self) -> int:
@@ -221,11 +217,7 @@ class ClefScheduler(Scheduler):
         if not self.batch_wait.on or not self.waiting or self._pause_state != PauseState.UNPAUSED:
             return False
         return self.batch_wait.hold(now, running=len(self.running), waiting=len(self.waiting),
-                                    oldest=getattr(self.waiting.peek_request(), ARRIVED, now),
-                                    waiting_tokens=self._waiting_tokens, budget=self.max_num_scheduled_tokens)
-
-    def _waiting_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+                                    oldest=getattr(self.waiting.peek_request(), ARRIVED, now))
 
     def has_finished_requests(self) -> bool:
         """Rule 4: finished ids alone do not make the engine core step (vLLM's ``has_requests`` asks this
@@ -246,7 +238,6 @@ class ClefScheduler(Scheduler):
     def add_request(self, request) -> None:
         trace.event("engine_add", request.request_id)
         setattr(request, ARRIVED, monotonic())
-        self.batch_wait.arrival()
         super().add_request(request)
 
     def schedule(self, *args, **kwargs):
@@ -259,8 +250,7 @@ class ClefScheduler(Scheduler):
         finally:
             if hold:
                 self._pause_state = PauseState.UNPAUSED
-        if self.batch_wait.on:
-            self.batch_wait.stepped(now, len(out.num_scheduled_tokens))
+        self.batch_wait.stepped(now, len(out.num_scheduled_tokens))
         if trace.PATH is not None:
             for new in out.scheduled_new_reqs:
                 trace.event("engine_scheduled", new.req_id)
@@ -268,11 +258,8 @@ class ClefScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self.batch_wait.on or trace.PATH is not None:
-            done = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in self.requests]
-            if self.batch_wait.on and scheduler_output.num_scheduled_tokens:
-                self.batch_wait.finished(monotonic(), len(done), len(self.running))
         if trace.PATH is not None:
+            done = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in self.requests]
             graphs = trace.report() if done else None      # the worker's counters, once per step
             for rid in done:
                 trace.event("engine_done", rid, graphs=graphs)
