@@ -1,5 +1,6 @@
 """The cohorts a closed loop of clients settles into, read from a server's access log: answers that leave
-within a few milliseconds of each other came from one engine step, so their groups show the steps' sizes
+within a few milliseconds of each other came from one engine step (``clef_vllm.bench.cohorts``), so their
+groups show the steps' sizes
 over time (e.g. a c=16 load alternating steps of 14 and 2 requests instead of running all 16 at once), and
 each request's arrival (its answer's time less its duration) against the answers before it shows how
 long the clients took to come back.
@@ -18,7 +19,8 @@ import datetime
 import json
 import sys
 import re
-from collections import Counter
+
+from clef_vllm.bench.cohorts import GROUP_GAP_S, size_histogram, split_groups
 
 TEXT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO clef_vllm\.access\b.*? duration_ms=([\d.]+)")
 
@@ -45,17 +47,6 @@ def answers(lines) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def groups(done: list[tuple[float, float]], gap_s: float) -> list[list[tuple[float, float]]]:
-    """Answers split where more than ``gap_s`` separates two in a row."""
-    out: list[list[tuple[float, float]]] = []
-    for a in done:
-        if out and a[0] - out[-1][-1][0] <= gap_s:
-            out[-1].append(a)
-        else:
-            out.append([a])
-    return out
-
-
 def quantiles(values: list[float], qs=(0.1, 0.5, 0.9)) -> list[float]:
     values = sorted(values)
     return [round(values[min(int(q * len(values)), len(values) - 1)], 2) for q in qs] if values else []
@@ -64,16 +55,16 @@ def quantiles(values: list[float], qs=(0.1, 0.5, 0.9)) -> list[float]:
 def summary(done: list[tuple[float, float]], gap_s: float) -> dict:
     """Group sizes (histogram, the sequence with the milliseconds from one group's first answer to the next's) and
     each arrival's milliseconds after the latest answer before it."""
-    grouped = groups(done, gap_s)
     ends = [a[0] for a in done]
+    grouped = split_groups(ends, gap_s)
     back = []
     for when, took in done:
         i = bisect.bisect_right(ends, when - took) - 1
         if i >= 0:
             back.append((when - took - ends[i]) * 1000.0)
     return {"answers": len(done), "groups": len(grouped),
-            "sizes": sorted(Counter(len(g) for g in grouped).items()),
-            "sequence": [(len(g), round((g[0][0] - grouped[i - 1][0][0]) * 1000.0) if i else 0)
+            "sizes": size_histogram(grouped),
+            "sequence": [(len(g), round((g[0] - grouped[i - 1][0]) * 1000.0) if i else 0)
                          for i, g in enumerate(grouped)],
             "back_ms_p10_p50_p90": quantiles(back)}
 
@@ -83,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("log")
     ap.add_argument("--since", help="HH:MM:SS on the log's own clock (text format) or UTC (JSON)")
     ap.add_argument("--until")
-    ap.add_argument("--gap-ms", type=float, default=15.0)
+    ap.add_argument("--gap-ms", type=float, default=GROUP_GAP_S * 1000.0)
     ap.add_argument("--show", type=int, default=60, help="groups of the sequence to print")
     ap.add_argument("--json", help="also write the summary here")
     args = ap.parse_args(argv)

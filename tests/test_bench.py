@@ -764,6 +764,10 @@ def test_a_blocks_steady_throughput_is_concurrency_over_mean_latency_after_its_s
     table = paired_table({"target": {"a": "A", "b": "B"},
                           "variants": [{"variant": "short", "concurrency": 4, "blocks": blocks, "wrapped": wrapped, **s}]})
     assert "steady B/A (pairs)" in table and f"{s['steady_ratio']:.3f} (" in table
+    # every answer of a 20 ms server comes back in step with the other three: groups of 4, as the table says
+    assert all(blk["answers_per_group"] == pytest.approx(4, abs=0.5) for blk in blocks)
+    assert b["answer_groups"][-1][0] == 4 and sum(size * n for size, n in b["answer_groups"]) == b["ok"]
+    assert s["answers_per_group"]["b"] == pytest.approx(4, abs=0.5) and "answers/group A B" in table
 
 
 def test_pairs_alternate_which_server_goes_first_and_stop_at_the_time_limit():

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Sequence
 
+from .cohorts import size_histogram, split_groups
 from .loadgen import Outcome, closed_loop, percentile, stage_medians
 from .workloads import BenchRequest
 
@@ -130,10 +131,14 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
         ok = [o.latency_s for _, o in done if o.ok]
         steady = [o.latency_s for started, o in done if o.ok and started >= STEADY_FROM * block_s]
         statuses = dict(Counter(o.status for _, o in done))
+        answered = split_groups(sorted(started + o.latency_s for started, o in done if o.ok))
         out.append({"side": "ab"[side], "sent": len(done), "ok": len(ok), "wall_s": round(wall, 4),
                     "req_per_s": round(len(ok) / max(wall, 1e-9), 4),
                     "steady_req_per_s": round(concurrency / statistics.mean(steady), 4) if steady else None,
-                    "p50_ms": None if not ok else round(percentile(ok, 50) * 1000, 3), "statuses": statuses})
+                    "p50_ms": None if not ok else round(percentile(ok, 50) * 1000, 3), "statuses": statuses,
+                    # the answers as they came back, in groups (one engine step's each): the clients' cohorts
+                    "answer_groups": size_histogram(answered),
+                    "answers_per_group": round(len(ok) / len(answered), 2) if answered else None})
         if on_done is not None:
             on_done(1)
     return out, cursor > len(pool)
@@ -161,6 +166,10 @@ def blocks_summary(blocks: Sequence[dict]) -> dict:
         "steady_ratio": None if not steady else round(med(steady), 4),
         "steady_pair_ratios": [round(r, 4) for r in steady],
         "unanswered": sum(blk["sent"] - blk["ok"] for blk in blocks),
+        # per server, the median over its blocks of the answers per group (None in files written before)
+        "answers_per_group": {name: None if not sides or sides[0].get("answers_per_group") is None else
+                              med(blk["answers_per_group"] for blk in sides if blk.get("answers_per_group"))
+                              for name, sides in (("a", a), ("b", b))},
     }
 
 
@@ -197,6 +206,12 @@ def _steady_spread(v: dict) -> str:
     return _spread(ratios, sum(r > 1 for r in ratios))
 
 
+def _groups(v: dict) -> str:
+    """A block run's answers per group, A and B (``-``: not recorded)."""
+    per = v.get("answers_per_group") or {}
+    return f"{_num(per.get('a'), '.1f')} {_num(per.get('b'), '.1f')}"
+
+
 def paired_table(results: dict) -> str:
     """The text table of a paired run."""
     a, b = results["target"]["a"], results["target"]["b"]
@@ -215,10 +230,10 @@ def paired_table(results: dict) -> str:
     if several:
         lines += ["c>1, the servers in turns (time blocks A B B A ...); B/A = B's req/s over A's, per (A, B) pair",
                   f"{'variant':<14} {'c':>3} {'blocks':>6} {'A req/s':>8} {'B req/s':>8} {'B/A':>7}  "
-                  "pairs B/A (min-max, B faster)  p50 B/A  steady B/A (pairs)"]
+                  "pairs B/A (min-max, B faster)  p50 B/A  steady B/A (pairs)  answers/group A B"]
         lines += [f"{v['variant']:<14} {v['concurrency']:>3} {len(v['blocks']):>6} {_num(v['a_req_per_s'], '.1f'):>8} "
                   f"{_num(v['b_req_per_s'], '.1f'):>8} {_num(v['ratio'], '.3f'):>7}  "
                   f"{_spread(v['pair_ratios'], v['b_faster_pairs']):<28} {_num(v['p50_ratio'], '.3f'):>7}  "
-                  f"{_num(v.get('steady_ratio'), '.3f')} ({_steady_spread(v)})"
+                  f"{_num(v.get('steady_ratio'), '.3f')} ({_steady_spread(v)})  {_groups(v)}"
                   + ("  (pool wrapped: requests repeated)" if v["wrapped"] else "") for v in several]
     return "\n".join(lines)
