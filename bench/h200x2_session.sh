@@ -127,6 +127,9 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftysecond1 (one GPU; ~450 s; not run yet): the clients' cohorts on both sides: the default server against raw
+#        vLLM at c=16/64, 16 blocks of 5 s a point, with clef-bench's per-block answer groups (answers per group A
+#        and B: do raw's in-process clients stay in one cohort where the server's split?).
 # PLAN=fiftyfirst1 (one GPU; ~1,500 s by priority; ran in the thirty-first session, every job): issue 12's c=16/64 target with vLLM's async scheduling on top of
 #        the row grid (the thirtieth session's profile: ~12 ms a step of host-bound input preparation between a
 #        step's last kernel and the next step's GEMMs, on both sides): the default server against
@@ -613,6 +616,12 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftysecond1_queue0)   # ~450 s: launch with `wait 540` in the staging's last call
+  job paired_cohorts 0 600 env COMPARE="grid:raw:short:16,64" PAIRS=2000 TIME_LIMIT=20 PORT0=9480 \
+      "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" "grid=--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;
