@@ -1,7 +1,6 @@
 """The cohorts a closed loop of clients settles into, read from a server's access log: answers that leave
 within a few milliseconds of each other came from one engine step (``clef_vllm.bench.cohorts``), so their
-groups show the steps' sizes
-over time (e.g. a c=16 load alternating steps of 14 and 2 requests instead of running all 16 at once), and
+groups show the steps' sizes over time (e.g. a c=16 load alternating steps of 14 and 2 requests instead of running all 16 at once), and
 each request's arrival (its answer's time less its duration) against the answers before it shows how
 long the clients took to come back.
 
@@ -17,8 +16,8 @@ import argparse
 import bisect
 import datetime
 import json
-import sys
 import re
+import sys
 
 from clef_vllm.bench.cohorts import GROUP_GAP_S, size_histogram, split_groups
 

@@ -144,6 +144,12 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
     return out, cursor > len(pool)
 
 
+def _median_of(blocks: Sequence[dict], key: str) -> float | None:
+    """The median of ``key`` over the blocks that have it (None: none has)."""
+    values = [blk[key] for blk in blocks if blk.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def blocks_summary(blocks: Sequence[dict]) -> dict:
     """The comparison of a block run: per server the median throughput and p50 over its blocks, and per
     consecutive (A, B) block pair B's throughput over A's (``pair_ratios``; ``ratio`` their median) and
@@ -167,9 +173,7 @@ def blocks_summary(blocks: Sequence[dict]) -> dict:
         "steady_pair_ratios": [round(r, 4) for r in steady],
         "unanswered": sum(blk["sent"] - blk["ok"] for blk in blocks),
         # per server, the median over its blocks of the answers per group (None in files written before)
-        "answers_per_group": {name: None if not sides or sides[0].get("answers_per_group") is None else
-                              med(blk["answers_per_group"] for blk in sides if blk.get("answers_per_group"))
-                              for name, sides in (("a", a), ("b", b))},
+        "answers_per_group": {name: _median_of(sides, "answers_per_group") for name, sides in (("a", a), ("b", b))},
     }
 
 
