@@ -127,6 +127,13 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftythird2 (one GPU; ~400 s): fiftythird1's tiny check again, each request's answer alone now from its step
+#        graph's replay (its third run), then the tiny parity (240 requests a layout) with the split on.
+# PLAN=fiftythird1 (one GPU; ~900 s; ran in the thirty-second session, every job): small batches replayed one sequence at a time (--step-graph-split, default 4):
+#        the tiny GPU check first (a group of up to 4 requests answers bit-identically to its requests alone),
+#        then the default server against raw vLLM at c=16/64 and against --step-graph-split 0 at c=4/16,
+#        16 blocks of 5 s a point (issue 12's c=16/64 target: the c=16 cohorts' small steps ran ~66 ms for
+#        ~30 ms of GPU work).
 # PLAN=fiftysecond1 (one GPU; ~450 s; not run yet): the clients' cohorts on both sides: the default server against raw
 #        vLLM at c=16/64, 16 blocks of 5 s a point, with clef-bench's per-block answer groups (answers per group A
 #        and B: do raw's in-process clients stay in one cohort where the server's split?).
@@ -616,6 +623,20 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftythird2_queue0)   # ~400 s: launch with `wait 520` in the staging's last call
+  job split_tiny 0 360 python3 tests/gpu/fast_paths.py --out "$S/split_tiny" --only split
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftythird1_queue0)   # ~900 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job split_tiny 0 360 python3 tests/gpu/fast_paths.py --out "$S/split_tiny" --only split
+  job paired_split 0 1000 env COMPARE="split:raw:short:16,64 off:split:short:4,16" PAIRS=2000 TIME_LIMIT=20 \
+      PORT0=9490 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "split=--load-format dummy" "off=--load-format dummy --step-graph-split 0"
   touch "$S/all.done"
   log "all done"
   ;;

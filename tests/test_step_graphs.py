@@ -343,3 +343,164 @@ def test_the_default_scope_is_step_wherever_step_graphs_can_run(tiny_release):
     default = engine_kwargs(tiny_release, max_model_len=1000, max_num_batched_tokens=1000)
     step = engine_kwargs(tiny_release, prefill_graph_scope="step", max_model_len=1000, max_num_batched_tokens=1000)
     assert default["compilation_config"] == step["compilation_config"]      # the buckets alone above the smallest
+
+
+# --------------------------------------------------------------------------- small batches, one sequence at a time
+
+
+def test_a_split_plan_gives_each_sequence_its_bucket_and_kind():
+    from clef_vllm.worker.step_graphs import CONTEXT, FRESH, SPLIT_TOKENS, Part, split_plan
+
+    buckets = (64, 128, 400, 448)
+    plan = split_plan([0, 400, 790, 1210], [400, 390, 420 + 300], buckets, 4, 4)
+    assert plan == [Part(0, 400, 400, FRESH), Part(400, 790, 400, FRESH), Part(790, 1210, 448, CONTEXT)]
+    assert [p.tokens for p in plan] == [400, 390, 420]
+    # a sequence whose context still fits its bucket takes the fresh graph (FA3's longest sequence is the size)
+    assert split_plan([0, 100, 200], [100, 120], buckets, 4, 4)[1].kind == FRESH
+    assert split_plan([0, 100], [100], buckets, 4, 4) == "split_metadata"           # one sequence: no split
+    assert split_plan([0, 100, 200], [100], buckets, 4, 4) == "split_metadata"
+    assert split_plan([0, 10, 20, 30, 40, 50], [10] * 5, buckets, 4, 4) == "split_seqs"
+    assert split_plan([0, 10, 20, 30, 40, 50], [10] * 5, buckets, 4, 5) != "split_seqs"
+    assert split_plan([0, 448, 896, 1344, 1792, 2240], [448] * 5, buckets, 4, 5) == "split_tokens"
+    assert SPLIT_TOKENS == 2048 and split_plan([0, 100, 103], [100, 3], buckets, 4, 4) == "split_too_short"
+    assert split_plan([0, 100, 600], [100, 500], buckets, 4, 4) == "split_too_long"
+
+
+def batch_context(lens, lines, contexts=None, mode=PIECEWISE):
+    """A step of several prefill sequences as vLLM 0.28 describes it (the GDN metadata with the host-side query
+    start locations and sequence lengths clef_vllm.worker.gdn_metadata keeps on it)."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from clef_vllm.worker.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
+
+    contexts = contexts or [0] * len(lens)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    total, seq_lens = starts[-1], [c + n for c, n in zip(contexts, lens)]
+    a = FlashAttentionMetadata(num_actual_tokens=total, max_query_len=max(lens), max_seq_len=max(seq_lens),
+                               query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                               seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                               block_table=torch.tensor([[10 * i + 1, 10 * i + 2] + [0] * 6 for i in range(len(lens))],
+                                                        dtype=torch.int32),
+                               slot_mapping=torch.arange(total, dtype=torch.int64) + 1000, use_cascade=False,
+                               common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+                               suffix_kv_lens=None, scheduler_metadata=None)
+    g = GDNAttentionMetadata(num_prefills=len(lens), num_prefill_tokens=total, num_decodes=0, num_decode_tokens=0,
+                             num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=total,
+                             prefill_state_indices=torch.tensor(lines, dtype=torch.int32),
+                             prefill_has_initial_state=torch.tensor([c > 0 for c in contexts]))
+    g.__dict__[QUERY_START_CPU] = torch.tensor(starts, dtype=torch.int32)
+    g.__dict__[SEQ_LENS_CPU] = torch.tensor(seq_lens, dtype=torch.int32)
+    md = {"layers.0.linear_attn": g, "layers.1.linear_attn": g, "layers.3.self_attn": a, "layers.7.self_attn": a}
+    return SimpleNamespace(attn_metadata=md, cudagraph_runtime_mode=mode,
+                           slot_mapping={"layers.3.self_attn": a.slot_mapping + 5000,
+                                         "layers.7.self_attn": None}), total
+
+
+class Replayed:
+    """A captured step graph on CPU: its replay writes what it read from the static inputs into its output rows
+    (token id, state line, initial-state flag, block-table row, FA3 sequence length and query end, slot mappings)."""
+
+    def __init__(self, graph):
+        self.graph, self.replays = graph, 0
+
+    def replay(self):
+        g, self.replays = self.graph, self.replays + 1
+        fa3 = g.attn["layers.3.self_attn"]
+        line, flag = next(iter(g.lines.values()))
+        (slots, _), = g.slot_groups
+        cols = [g.ids.float(), line.float().expand(g.ids.shape[0]), flag.float().expand(g.ids.shape[0]),
+                fa3.block_table[0, 0].float().expand(g.ids.shape[0]), fa3.seq_lens.float().expand(g.ids.shape[0]),
+                fa3.query_start_loc[1].float().expand(g.ids.shape[0]), fa3.slot_mapping.float(), slots.float()]
+        g.out.copy_(torch.stack(cols, dim=1))
+
+
+def captured(gdn_runner, size, max_len):
+    graph = StepGraph(gdn_runner, max_len)
+    one = context(size - 3)
+    one.slot_mapping["layers.7.self_attn"] = one.slot_mapping["layers.3.self_attn"]
+    graph.statics(one, torch.arange(size), torch.arange(size).expand(3, size).clone())
+    graph.out, graph.graph = torch.zeros(size, 8), None
+    graph.graph = Replayed(graph)
+    return graph
+
+
+def test_a_small_batch_replays_each_sequences_step_graph_in_turn(monkeypatch):
+    """Each sequence's rows, FA3 metadata row, slot mappings and state line go to its bucket's graph (fresh or
+    with context), its output rows come back at its place in the step, vLLM's padding rows are zeros; a step
+    that does not qualify runs vLLM's path."""
+    import vllm.forward_context
+    from vllm.config import CUDAGraphMode
+
+    gdn_runner = GdnGraphRunner(buckets=(16, 32))
+    for size in (16, 32):
+        gdn_runner._buckets[size] = make_bucket(size)
+    runner = StepGraphRunner(gdn_runner, max_len=4096, split_seqs=3)
+    fresh16, context32 = captured(gdn_runner, 16, 16), captured(gdn_runner, 32, 4096)
+    runner._graphs.update({(16, "fresh"): fresh16, (32, "context"): context32})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ctx, total = batch_context([9, 20, 5], lines=[3, 4, 5], contexts=[0, 40, 0], mode=CUDAGraphMode.PIECEWISE)
+    ctx.slot_mapping["layers.7.self_attn"] = ctx.slot_mapping["layers.3.self_attn"]
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx)
+    ids = torch.arange(40) + 100                          # 34 real rows, padded by vLLM to 40
+    pos = torch.arange(40).expand(3, 40).clone()
+    out = runner.run(lambda i, p: pytest.fail("vLLM's path ran"), ids, pos)
+    assert out.shape == (40, 8) and runner.split_steps == 1 and runner.split_replays == 3
+    assert (fresh16.graph.replays, context32.graph.replays) == (2, 1)
+    for (start, end), line, flag, block, seq_len in (((0, 9), 3, 0, 1, 9), ((9, 29), 4, 1, 11, 60),
+                                                     ((29, 34), 5, 0, 21, 5)):
+        rows = out[start:end]
+        assert rows[:, 0].tolist() == list(range(100 + start, 100 + end))          # its own tokens
+        assert set(rows[:, 1].tolist()) == {line} and set(rows[:, 2].tolist()) == {flag}
+        assert set(rows[:, 3].tolist()) == {block} and set(rows[:, 4].tolist()) == {seq_len}
+        assert set(rows[:, 5].tolist()) == {end - start}                           # FA3's query [0, n]
+        assert rows[:, 6].tolist() == list(range(1000 + start, 1000 + end))        # KV writes: its slots only
+        assert rows[:, 7].tolist() == list(range(6000 + start, 6000 + end))
+    assert out[34:].eq(0).all()
+    # the graphs' padded rows write no KV: -1 after the last part's rows
+    assert fresh16.attn["layers.3.self_attn"].slot_mapping[5:].eq(-1).all()
+    assert fresh16.slot_groups[0][0][5:].eq(-1).all()
+    assert runner.describe()["split_steps"] == 1 and runner.describe()["split_seqs"] == 3
+
+    def fallback(ctx_, expect):
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx_)
+        before = runner.split_steps
+        assert runner.run(lambda i, p: None, ids, pos) is None
+        assert runner.split_steps == before and runner.stats.fallbacks[expect] >= 1
+
+    four, _ = batch_context([5, 5, 5, 5], lines=[1, 2, 3, 4], mode=CUDAGraphMode.PIECEWISE)
+    fallback(four, "split_seqs")
+    uncaptured, _ = batch_context([9, 20], lines=[1, 2], mode=CUDAGraphMode.PIECEWISE)   # (32, fresh): no graph
+    fallback(uncaptured, "split_uncaptured")
+    for off in (0, 1):                                    # --step-graph-split 0/1: a batch keeps vLLM's path
+        runner.split_seqs = off
+        ctx2, _ = batch_context([9, 5], lines=[1, 2], mode=CUDAGraphMode.PIECEWISE)
+        fallback(ctx2, "batch")
+    runner.split_seqs = 3
+    # a part that does not fit its graph is found before any replay: nothing runs, vLLM's path does it all
+    wide, _ = batch_context([9, 5], lines=[1, 2], mode=CUDAGraphMode.PIECEWISE)
+    wide.slot_mapping["layers.7.self_attn"] = wide.slot_mapping["layers.3.self_attn"]
+    wide.attn_metadata["layers.3.self_attn"].block_table = torch.zeros(2, 9, dtype=torch.int32)
+    replays = fresh16.graph.replays
+    fallback(wide, "split_inputs")
+    assert fresh16.graph.replays == replays
+
+
+def test_the_split_is_an_engine_option_for_whole_step_graphs(tiny_release):
+    from clef_vllm.backends.options import OptionError
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.contract import DEFAULT_STEP_GRAPH_SPLIT, PREFILL_GRAPHS_KEY
+
+    def setting(**options):
+        return engine_kwargs(tiny_release, **options)["additional_config"][PREFILL_GRAPHS_KEY]
+
+    assert setting()["split"] == DEFAULT_STEP_GRAPH_SPLIT == 4
+    assert setting(step_graph_split=0)["split"] == 0 and setting(step_graph_split=8)["split"] == 8
+    assert "split" not in setting(prefill_graph_scope="core")
+    with pytest.raises(OptionError, match="no effect with prefill graph scope 'core'") as refused:
+        engine_kwargs(tiny_release, prefill_graph_scope="core", step_graph_split=2)
+    assert refused.value.option == "step_graph_split"
+    with pytest.raises(OptionError, match="no effect with 'prefill_graphs' off"):
+        engine_kwargs(tiny_release, prefill_graphs=False, step_graph_split=2)

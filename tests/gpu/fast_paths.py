@@ -1,7 +1,7 @@
 """GPU checks of the two engine features on a tiny checkpoint: prefill graphs and the state cache.
 
     python3 tests/gpu/fast_paths.py --out $OUT [--n 120] [--scope core|layer|step]
-        [--only graphs,cache,eviction,memo,nvfp4,api]
+        [--only graphs,cache,eviction,memo,nvfp4,api,split]
 
 1. **graphs**: the same requests (varied lengths, some longer than a step's token budget, so
    chunked), ONE AT A TIME, through an engine with prefill and head graphs and one without (state cache
@@ -28,6 +28,10 @@
 5. **offline API**: ``Clef(backend="vllm")`` (AsyncLLM: leader/follower and affinity) answers 12
    requests about one state in one batch; how many read the state from the cache, and the answers
    against the reference backend.
+6. **split**: small batches (2-5 requests submitted together) through an engine with whole-step graphs and
+   ``--step-graph-split 4`` and one with ``0``: each request alone first (three times: its graphs captured, then
+   replayed), then its group. With the split, a group of up to 4 answers bit-identically to its requests alone; the worker's
+   counters say how many steps were split; the groups against vLLM's batched path.
 
 Every engine runs in its own subprocess (in-process engine core: the script reads the worker's
 counters and this process's side cache directly). Results: ``$OUT/fast_paths.json``.
@@ -44,7 +48,7 @@ import tempfile
 from pathlib import Path
 
 from clef_vllm.backends.options import VllmOptions
-from clef_vllm.contract import PREFILL_GRAPH_SCOPES
+from clef_vllm.contract import DEFAULT_STEP_GRAPH_SPLIT, PREFILL_GRAPH_SCOPES
 
 HERE = Path(__file__).resolve()
 
@@ -82,7 +86,8 @@ def run_engine(config: dict) -> dict:
     kw = engine_kwargs(ckpt, gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=2048,
                        max_model_len=4096, prefill_graphs=config["graphs"], head_graphs=config["graphs"],
                        state_cache=config["cache"], nvfp4_kernel=config.get("nvfp4_kernel", "vllm"),
-                       prefill_graph_scope=config.get("scope") if config["graphs"] else None)
+                       prefill_graph_scope=config.get("scope") if config["graphs"] else None,
+                       **({"step_graph_split": config["step_graph_split"]} if "step_graph_split" in config else {}))
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
         kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
@@ -192,7 +197,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--n", type=int, default=120)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="graphs,cache,eviction,memo,nvfp4,api", help="which parts to run")
+    ap.add_argument("--only", default="graphs,cache,eviction,memo,nvfp4,api,split", help="which parts to run")
     ap.add_argument("--scope", default=VllmOptions().resolved_prefill_graph_scope, choices=PREFILL_GRAPH_SCOPES,
                     help="the prefill graph scope of the engines with graphs (--prefill-graph-scope; default: the "
                          "server's): part 1 compares it "
@@ -337,6 +342,44 @@ def main() -> int:
         else:
             report["nvfp4_bf16_vs_vllm"] = runs
         print(json.dumps({k: v for k, v in report["nvfp4_bf16_vs_vllm"].items() if k != "tokens"}), flush=True)
+        save()
+    # 6. small batches replayed one sequence at a time (--step-graph-split): each request alone (three times: the
+    # first captures the bucket's GDN graphs, the second its step graph, the third replays it), then its group
+    # submitted together; with the split a request's answer in
+    # its group must be bit-identical to its answer alone (the same graph, the same inputs), without it the
+    # group runs vLLM's batched path (the BF16 noise floor)
+    if "split" in parts:
+        bodies = synthetic_parity_set(18, seed=17, max_words=60)   # 2 groups over 2,048 tokens or 4 requests
+        sizes, groups_, at = (2, 3, 4, 5, 2, 2), [], 0
+        for size in sizes:
+            groups_.append(bodies[at:at + size])
+            at += size
+        program = []
+        for g, group in enumerate(groups_):
+            program += [{"name": f"warm{g}_{i}_{w}", "bodies": [b]} for w in range(2) for i, b in enumerate(group)]
+            program += [{"name": f"alone{g}_{i}", "bodies": [b]} for i, b in enumerate(group)]
+            program.append({"name": f"group{g}", "bodies": group})
+        report["split"] = {}
+        runs = {}
+        for split in (DEFAULT_STEP_GRAPH_SPLIT, 0):
+            name = f"split{split}"
+            runs[name] = run = child({"ckpt": str(ckpt), "graphs": True, "cache": False, "scope": "step",
+                                      "step_graph_split": split, "program": program}, work, name)
+            if "steps" not in run:
+                report["split"][name] = run
+                continue
+            got = {st["name"]: st["results"] for st in run["steps"]}
+            report["split"][name] = {
+                "groups": [{"requests": len(group), "tokens": [r["tokens"] for r in got[f"group{g}"]],
+                            **compare([got[f"alone{g}_{i}"][0]["probs"] for i in range(len(group))],
+                                      [r["probs"] for r in got[f"group{g}"]])} for g, group in enumerate(groups_)],
+                "step_graphs": run["worker"].get("step_graphs")}
+        if all("steps" in r for r in runs.values()):
+            on, off = ({st["name"]: st["results"] for st in r["steps"]} for r in runs.values())
+            names = [f"group{g}" for g in range(len(groups_))]
+            report["split"]["groups_split_vs_batched"] = compare([r["probs"] for n in names for r in off[n]],
+                                                                 [r["probs"] for n in names for r in on[n]])
+        print(json.dumps(report["split"]), flush=True)
         save()
     if "api" not in parts:
         return 0

@@ -18,11 +18,15 @@ PARAMS_KEY = "clef"
 HEAD_DTYPE_KEY = "clef_head_dtype"
 #: Values ``HEAD_DTYPE_KEY`` may take.
 HEAD_DTYPES = ("bfloat16", "float32")
-#: ``additional_config`` key: ``{"buckets": [...]}`` turns on the GDN prefill graphs (absent: off).
+#: ``additional_config`` key: ``{"buckets": [...], "scope": ..., "split": N}`` turns on the GDN prefill graphs
+#: (absent: off).
 PREFILL_GRAPHS_KEY = "clef_prefill_graphs"
 #: What a prefill graph holds (``--prefill-graph-scope``): the GDN core, vLLM's whole packed GDN op, or the
 #: whole backbone of a single-sequence step (over the core graphs).
 PREFILL_GRAPH_SCOPES = ("core", "layer", "step")
+#: ``--step-graph-split``'s default: with whole-step graphs, a step of up to this many prefill sequences replays each
+#: one's step graph in turn (the ``"split"`` entry of the PREFILL_GRAPHS_KEY setting; absent or below 2: never).
+DEFAULT_STEP_GRAPH_SPLIT = 4
 #: ``additional_config`` key: ``{"records": N}`` turns on the joint head's CUDA graphs for steps finishing up
 #: to N requests (absent: off).
 HEAD_GRAPHS_KEY = "clef_head_graphs"

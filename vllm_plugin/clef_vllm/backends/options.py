@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, ENGINES_PER_GPU_KEY, GDN_MEMO_KEY,
-                                GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
+from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, ENGINES_PER_GPU_KEY,
+                                GDN_MEMO_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
                                 IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
                                 SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
@@ -181,7 +181,10 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     # with no checkpoint to read, get the generic list
     buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
     scope = opts.resolved_prefill_graph_scope
-    tell_worker(kwargs, PREFILL_GRAPHS_KEY, {"buckets": buckets, "scope": scope})
+    setting = {"buckets": buckets, "scope": scope}
+    if scope == "step":
+        setting["split"] = opts.step_graph_split
+    tell_worker(kwargs, PREFILL_GRAPHS_KEY, setting)
     if not opts.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
             budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
@@ -366,6 +369,12 @@ class VllmOptions(_Validated):
         "with a BF16 backbone also 400, with online FP8 480 instead of 384 and 448: sizes where the "
         "H200's GEMMs are cheap); finer buckets pad less and capture more graphs at start (docs/latency.md)",
         flags=("--prefill-graph-buckets",), kind=(str, tuple, list), metavar="N,N,...")
+    step_graph_split: int = option(DEFAULT_STEP_GRAPH_SPLIT,
+                                   "with whole-step graphs, a step of 2 to N prefill sequences (2,048 tokens at "
+                                   "most) replays each sequence's step graph in turn instead of running vLLM's "
+                                   "eager path, whose launches outlast the GPU's work for a few short requests "
+                                   f"(default {DEFAULT_STEP_GRAPH_SPLIT}; 0 or 1: never; docs/latency.md)",
+                                   flags=("--step-graph-split",), kind=int, minimum=0, maximum=64, metavar="N")
     gdn_metadata_memo: bool = option(True, "answer a single-sequence prefill step of a length seen before with "
                                      "the GDN attention metadata built then (its state indices this step's; "
                                      "default on; docs/latency.md)", flags=("--gdn-metadata-memo",),
@@ -422,6 +431,7 @@ class VllmOptions(_Validated):
                           kind=bool, action="store_false")
 
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "prefill_graph_buckets": "prefill_graphs",
+                    "step_graph_split": "prefill_graphs",
                     "head_graph_records": "head_graphs", "gemm_row_grid": "gemm_warmup",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
@@ -459,6 +469,12 @@ class VllmOptions(_Validated):
         if self.batch_wait_ms and not self.one_engine_process:
             raise OptionError("vllm backend option 'batch_wait_ms' is for one engine in its own process: leave "
                               "data_parallel_size at 1 and engine_core 'process', or the wait at 0", "batch_wait_ms")
+        if self.step_graph_split != DEFAULT_STEP_GRAPH_SPLIT and self.prefill_graphs \
+                and self.resolved_prefill_graph_scope != "step":
+            # the split replays whole-step graphs, which only scope step captures
+            self._no_effect("step_graph_split", f"prefill graph scope {self.resolved_prefill_graph_scope!r} (it "
+                            "replays whole-step graphs)", "use --prefill-graph-scope step or auto, or leave the "
+                            "split out")
         if self.prefill_graph_scope == "step" and self.enforce_eager:
             # the step graphs replay only steps vLLM runs in its piecewise CUDA-graph mode
             self._no_effect("prefill_graph_scope", "'enforce_eager' on (no piecewise CUDA graphs, so no step "

@@ -52,6 +52,9 @@ import dataclasses
 SEQ_LENS = "_clef_seq_lens"
 #: ... and the same lengths on the host (``None`` where vLLM has none), for :func:`state_table`
 SEQ_LENS_CPU = "_clef_seq_lens_cpu"
+#: ... and the step's query start locations on the host (where each sequence's rows begin), for the step
+#: graphs' replay of a small batch one sequence at a time (:mod:`clef_vllm.worker.step_graphs`)
+QUERY_START_CPU = "_clef_query_start_loc_cpu"
 #: where a builder keeps its single-prefill metadata, by :func:`memo_key`
 MEMO = "_clef_memo"
 #: how many single-prefill keys a builder keeps, the least recently used going first (one key holds ~20 KB
@@ -106,6 +109,7 @@ def with_state_indices(builder, metadata, blk_table, seq_lens, seq_lens_cpu=None
                                   **fields)
     updated.__dict__[SEQ_LENS] = seq_lens
     updated.__dict__[SEQ_LENS_CPU] = seq_lens_cpu
+    updated.__dict__[QUERY_START_CPU] = metadata.__dict__.get(QUERY_START_CPU)
     return updated
 
 
@@ -128,6 +132,7 @@ def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
     if memo is not None and key in memo:
         STATS["reused"] += 1
         memo[key] = kept = memo.pop(key)                  # the most recently used now
+        kept.__dict__[QUERY_START_CPU] = common.query_start_loc_cpu
         return with_state_indices(builder, kept, common.block_table_tensor, common.seq_lens,
                                   getattr(common, "_seq_lens_cpu", None),
                                   non_spec_query_start_loc=common.query_start_loc,
@@ -135,6 +140,7 @@ def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
     metadata = build(builder, common_prefix_len, common, *extra, **kwargs)
     metadata.__dict__[SEQ_LENS] = common.seq_lens
     metadata.__dict__[SEQ_LENS_CPU] = getattr(common, "_seq_lens_cpu", None)
+    metadata.__dict__[QUERY_START_CPU] = common.query_start_loc_cpu
     if memo is not None and metadata.num_prefills == 1 and metadata.num_decodes == 0 and \
             metadata.spec_sequence_masks is None:
         STATS["built"] += 1

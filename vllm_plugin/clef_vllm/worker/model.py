@@ -41,7 +41,7 @@ from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
-from clef_vllm.worker.step_graphs import StepGraphRunner
+from clef_vllm.worker.step_graphs import SPLIT_TOKENS, StepGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
@@ -228,9 +228,12 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         setting = worker_setting(vllm_config, PREFILL_GRAPHS_KEY)
         if self.prefill_graphs is None or not isinstance(setting, dict) or setting.get("scope") != "step":
             return None
-        runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len)
+        runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len,
+                                 split_seqs=int(setting.get("split") or 0))
         log.info("clef step graphs: single-sequence prefill steps padded to %s tokens replay the whole backbone "
-                 "from one CUDA graph", list(runner.sizes))
+                 "from one CUDA graph%s", list(runner.sizes),
+                 f"; steps of 2-{runner.split_seqs} sequences ({SPLIT_TOKENS} tokens at most) replay each one's "
+                 "graph in turn" if runner.split_seqs > 1 else "")
         return runner
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

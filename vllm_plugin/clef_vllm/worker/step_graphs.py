@@ -23,6 +23,16 @@ The padded rows hold whatever the graph's memory held (FA3 writes no row after t
 the GDN bodies select zeros for them on the way in (``GdnGraphRunner._replay``), every other layer is
 row-wise.
 
+**Small batches, one sequence at a time** (``--step-graph-split N``, default
+``clef_vllm.contract.DEFAULT_STEP_GRAPH_SPLIT``): a step of 2 to N prefill sequences of at most
+:data:`SPLIT_TOKENS` tokens in all runs vLLM's path eagerly between its piecewise graphs: 24 GDN layers of Triton
+launches whose host time exceeds the GPU's work for a few short requests (a step of three ~400-token decisions
+took ~66 ms through the server where its GPU work is ~30 ms). Such a step replays each sequence's own step graph
+in turn instead (:func:`split_plan`: every sequence needs a bucket and a graph already captured for it), each fed
+that sequence's rows, metadata row and state line, its real output rows copied into the step's hidden states.
+Sequences of a prefill step never see each other (causal attention per sequence, one recurrent state each, every
+other layer row-wise), so each gets what it would get alone in a step.
+
 Measured on an H200 (docs/latency.md): bit-identical to vLLM's path at the probed sizes
 (``bench/step_graph_probe.py``; the ``fresh`` kind also where the model's longest sequence changed
 FA3's split), the 240-request parity against the reference unchanged, and 8-19 % (BF16) / 18 % (FP8)
@@ -40,6 +50,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from clef_vllm.worker.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
 from clef_vllm.worker.prefill_graphs import SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason
 
 log = logging.getLogger("clef_vllm")
@@ -82,8 +93,6 @@ def step_reason(ctx, gdn_buckets: Sequence[int], min_tokens: int, sizes: Sequenc
     md_all = ctx.attn_metadata
     if not isinstance(md_all, dict) or not md_all:
         return "no_metadata"
-    if size not in sizes:
-        return "size"
     kinds = {type(md).__name__ for md in md_all.values()}
     if kinds - {FA_METADATA, GDN_METADATA}:
         return "attention_backend"
@@ -91,9 +100,11 @@ def step_reason(ctx, gdn_buckets: Sequence[int], min_tokens: int, sizes: Sequenc
     if not gdn:
         return "no_gdn"
     for md in gdn.values():
-        reason = fallback_reason(md, gdn_buckets, min_tokens)
+        reason = fallback_reason(md, gdn_buckets, min_tokens)     # "batch": several sequences (a split's)
         if reason is not None:
             return reason
+    if size not in sizes:
+        return "size"
     n = next(iter(gdn.values())).num_actual_tokens
     if choose_bucket(n, gdn_buckets) is None or choose_bucket(n, gdn_buckets) < size:
         return "size"
@@ -114,6 +125,51 @@ def step_kind(md_all: dict, size: int) -> str:
     """:data:`FRESH` or :data:`CONTEXT` for a step padded to ``size`` tokens (host-side fields only)."""
     longest = max((md.max_seq_len for md in groups(md_all, FA_METADATA).values()), default=0)
     return FRESH if longest <= size else CONTEXT
+
+
+#: The most tokens they may have together: above ~2,000 tokens a batched step's GPU work, not its
+#: host's launches, sets its time, and one batched pass over the rows beats several replays
+SPLIT_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One sequence of a split step: its rows ``[start, end)`` of the step and the graph it replays."""
+
+    start: int
+    end: int
+    size: int
+    kind: str
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+def split_plan(query_start: Sequence[int], seq_lens: Sequence[int], buckets: Sequence[int], min_tokens: int,
+               max_seqs: int, max_tokens: int = SPLIT_TOKENS) -> list[Part] | str:
+    """How a step of several prefill sequences replays their step graphs one at a time, or why it cannot (a
+    fallback reason). ``query_start``: the step's query start locations on the host (``[0, n1, n1 + n2, ...]``);
+    ``seq_lens``: each sequence's length after the step (context included). A sequence with nothing before
+    its rows that fits its bucket takes the bucket's :data:`FRESH` graph, any other its :data:`CONTEXT` graph."""
+    k = len(query_start) - 1
+    if k < 2 or len(seq_lens) != k:
+        return "split_metadata"
+    if k > max_seqs:
+        return "split_seqs"
+    if query_start[0] != 0 or query_start[-1] > max_tokens:
+        return "split_tokens"
+    parts = []
+    for i in range(k):
+        start, end = int(query_start[i]), int(query_start[i + 1])
+        n = end - start
+        if n < min_tokens:
+            return "split_too_short"
+        size = choose_bucket(n, buckets)
+        if size is None:
+            return "split_too_long"
+        parts.append(Part(start, end, size, FRESH if int(seq_lens[i]) <= size else CONTEXT))
+    return parts
 
 
 def refresh(static: torch.Tensor, given: torch.Tensor) -> None:
@@ -150,6 +206,15 @@ def same_strides(given: torch.Tensor) -> torch.Tensor:
     out = torch.empty_strided(given.size(), given.stride(), dtype=given.dtype, device=given.device)
     out.copy_(given)
     return out
+
+
+def shared_slots(ctx, layers: Sequence[str]) -> torch.Tensor:
+    """The one slot mapping the ``layers`` of a KV-cache group share in this step (a ``ValueError`` when
+    they no longer share one: a step graph copies one per group)."""
+    given = ctx.slot_mapping[layers[0]]
+    if any(ctx.slot_mapping[layer].data_ptr() != given.data_ptr() for layer in layers[1:]):
+        raise ValueError(f"the layers {layers[0]}, ... no longer share one slot mapping")
+    return given
 
 
 def static_slots(given: torch.Tensor, rows: int) -> torch.Tensor:
@@ -266,13 +331,48 @@ class StepGraph:
                                  "the graph was captured for")
             pairs.extend((getattr(static, name), getattr(md, name)) for name in FA_TENSORS)
         for static, layers in self.slot_groups:
-            given = ctx.slot_mapping[layers[0]]
-            if any(ctx.slot_mapping[layer].data_ptr() != given.data_ptr() for layer in layers[1:]):
-                raise ValueError(f"the layers {layers[0]}, ... no longer share one slot mapping")
-            pairs.append((static, given))
+            pairs.append((static, shared_slots(ctx, layers)))
         for first, (line, flag) in self.lines.items():
             md = ctx.attn_metadata[first]
             pairs += [(line, md.prefill_state_indices[:1]), (flag, md.prefill_has_initial_state[:1])]
+        refresh_all(pairs)
+        self._bucket(n).set_length(n)
+
+    def part_inputs(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor, index: int,
+                    part: Part) -> tuple[list, list]:
+        """What :meth:`feed_part` copies for the ``index``-th sequence of a split step: ``(pairs, no_write)``,
+        the (static, given) pairs and the slot mappings' padded rows to point at no slot. Views only, no GPU
+        work: a step checks every part's before it replays the first (a replay writes its sequence's state,
+        which vLLM's path must not advance again after a later part failed)."""
+        n, rows = part.tokens, slice(part.start, part.end)
+        pairs = [(self.ids[:n], input_ids[rows]), (self.pos[..., :n], positions[..., rows])]
+        no_write = []
+        for first, static in self.attn.items():
+            md = ctx.attn_metadata[first]
+            pairs += [(static.seq_lens, md.seq_lens[index:index + 1]),
+                      (static.block_table, md.block_table[index:index + 1]),
+                      (static.slot_mapping[:n], md.slot_mapping[rows])]
+            no_write.append(static.slot_mapping[n:])
+        for static, layers in self.slot_groups:
+            pairs.append((static[:n], shared_slots(ctx, layers)[rows]))
+            no_write.append(static[n:])
+        for first, (line, flag) in self.lines.items():
+            md = ctx.attn_metadata[first]
+            pairs += [(line, md.prefill_state_indices[index:index + 1]),
+                      (flag, md.prefill_has_initial_state[index:index + 1])]
+        for static, given in pairs:
+            if static.shape != given.shape:
+                raise ValueError(f"a step input of shape {tuple(given.shape)} does not fit its static "
+                                 f"{tuple(static.shape)}")
+        return pairs, no_write
+
+    def feed_part(self, inputs: tuple[list, list], n: int) -> None:
+        """Refresh the static inputs from one sequence's :meth:`part_inputs` (``n`` real rows)."""
+        pairs, no_write = inputs
+        for static in self.attn.values():
+            static.query_start_loc[1:].fill_(n)
+        for rows in no_write:
+            rows.fill_(-1)
         refresh_all(pairs)
         self._bucket(n).set_length(n)
 
@@ -298,10 +398,15 @@ class StepGraphRunner:
     """Captures and replays :class:`StepGraph` per padded size and kind (:func:`step_kind`); wraps nothing,
     the model's ``forward`` calls :meth:`run` first."""
 
-    def __init__(self, gdn: GdnGraphRunner, max_len: int, sizes: Sequence[int] | None = None):
+    def __init__(self, gdn: GdnGraphRunner, max_len: int, sizes: Sequence[int] | None = None,
+                 split_seqs: int = 0):
         self.gdn = gdn
         self.max_len = max_len
         self.sizes = tuple(sorted(set(sizes if sizes is not None else gdn.buckets)))
+        #: steps of up to this many prefill sequences replay each one's graph in turn (below 2: never)
+        self.split_seqs = int(split_seqs)
+        self.split_steps = 0
+        self.split_replays = 0
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, str], StepGraph] = {}
         self._broken: dict[tuple[int, str], str] = {}   # (size, kind) -> why it keeps the per-layer graphs
@@ -321,6 +426,8 @@ class StepGraphRunner:
         reason = step_reason(ctx, self.gdn.buckets, self.gdn.min_tokens, self.sizes, size, CUDAGraphMode.PIECEWISE)
         if reason is None and torch.cuda.is_current_stream_capturing():
             reason = "capturing"
+        if reason == "batch" and self.split_seqs > 1:
+            return self._split(ctx, input_ids, positions)
         if reason is not None:
             return self._fallback(reason)
         key = (size, step_kind(ctx.attn_metadata, size))
@@ -357,6 +464,68 @@ class StepGraphRunner:
         self.stats.replays += 1
         return graph.launch()
 
+    def split_reason(self, ctx) -> list[Part] | str:
+        """The parts of a step of several prefill sequences (:func:`split_plan`), or why it keeps vLLM's
+        path: host-side checks only."""
+        for md in groups(ctx.attn_metadata, FA_METADATA).values():
+            reason = attention_reason(md)
+            if reason is not None:
+                return reason
+        gdn = groups(ctx.attn_metadata, GDN_METADATA)
+        for md in gdn.values():
+            if getattr(md, "spec_sequence_masks", None) is not None or getattr(md, "num_spec_decodes", 0):
+                return "speculative"
+            if md.num_decodes:
+                return "decodes"
+            if md.num_prefill_tokens != md.num_actual_tokens:
+                return "padded_metadata"
+            if md.prefill_state_indices is None or md.prefill_state_indices.shape[0] != md.num_prefills:
+                return "state_indices"
+        first = next(iter(gdn.values()))
+        query_start, seq_lens = first.__dict__.get(QUERY_START_CPU), first.__dict__.get(SEQ_LENS_CPU)
+        if query_start is None or seq_lens is None or len(query_start) != first.num_prefills + 1 \
+                or int(query_start[-1]) != first.num_actual_tokens:
+            return "split_metadata"
+        plan = split_plan(query_start.tolist(), seq_lens.tolist(), self.gdn.buckets, self.gdn.min_tokens,
+                          self.split_seqs)
+        if isinstance(plan, str):
+            return plan
+        for part in plan:
+            key = (part.size, part.kind)
+            if key in self._broken:
+                return self._broken[key]
+            if key not in self._graphs:
+                return "split_uncaptured"          # a single-sequence step of that size and kind captures it
+        return plan
+
+    def _split(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The hidden states of a small batch, each sequence replayed from its own step graph (the module
+        docstring), or ``None``: the caller runs vLLM's path."""
+        plan = self.split_reason(ctx)
+        if isinstance(plan, str):
+            return self._fallback(plan)
+        graphs = [self._graphs[(part.size, part.kind)] for part in plan]
+        try:
+            inputs = [graph.part_inputs(ctx, input_ids, positions, i, part)
+                      for i, (graph, part) in enumerate(zip(graphs, plan))]
+        except (ValueError, RuntimeError, KeyError, IndexError) as exc:   # before any replay: nothing written
+            if not self.stats.fallbacks["split_inputs"]:
+                log.warning("clef step graphs: a step of %d sequences does not fit their graphs (%s: %s); such "
+                            "steps run vLLM's path", len(plan), type(exc).__name__, exc)
+            return self._fallback("split_inputs")
+        out = None
+        for graph, part, given in zip(graphs, plan, inputs):
+            graph.feed_part(given, part.tokens)
+            hidden = graph.launch()
+            if out is None:
+                out = hidden.new_empty((input_ids.shape[0], *hidden.shape[1:]))
+            out[part.start:part.end].copy_(hidden[:part.tokens])
+        if plan[-1].end < out.shape[0]:
+            out[plan[-1].end:].zero_()                # vLLM's padding rows: never read, but not left undefined
+        self.split_steps += 1
+        self.split_replays += len(plan)
+        return out
+
     def _fallback(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
         return None
@@ -364,5 +533,6 @@ class StepGraphRunner:
     def describe(self) -> dict:
         kinds = Counter(kind for _, kind in self._graphs)
         return {"sizes": list(self.sizes), "graphs": len(self._graphs), "fresh_graphs": kinds[FRESH],
-                "context_graphs": kinds[CONTEXT], "replays": self.stats.replays,
+                "context_graphs": kinds[CONTEXT], "replays": self.stats.replays, "split_seqs": self.split_seqs,
+                "split_steps": self.split_steps, "split_replays": self.split_replays,
                 "captures": self.stats.captures, "fallbacks": dict(self.stats.fallbacks)}
