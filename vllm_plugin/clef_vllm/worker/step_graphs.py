@@ -501,7 +501,7 @@ class StepGraphRunner:
     def _split(self, ctx, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The hidden states of a small batch, each sequence replayed from its own step graph (the module
         docstring), or ``None``: the caller runs vLLM's path."""
-        plan = self.split_reason(ctx)
+        plan = "capturing" if torch.cuda.is_current_stream_capturing() else self.split_reason(ctx)
         if isinstance(plan, str):
             return self._fallback(plan)
         graphs = [self._graphs[(part.size, part.kind)] for part in plan]
