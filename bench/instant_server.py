@@ -10,15 +10,20 @@ requests waiting when a step begins (up to ``--step-tokens``) finish together af
 token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`;
 ``bench/front_end_share.py`` drives the same engine without HTTP to compare). ``--batch-wait-ms MS`` has it
 hold new requests between steps by the scheduler's own rule 5 (``clef_vllm.worker.batch_wait``), polling
-every millisecond as vLLM's idle engine core does.
+every millisecond as vLLM's idle engine core does. Like ``clef-systemone`` it freezes start-up's objects out of the
+garbage collector's full collections once loaded (``--no-freeze-heap``: not); ``--gc-log PATH`` records every full
+collection's length (with vLLM's client imported, as the real front end has it) and writes them at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import json
 import sys
-from time import monotonic
+from pathlib import Path
+from time import monotonic, perf_counter, time
 
 import torch
 import uvicorn
@@ -125,15 +130,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-wait-ms", type=float, default=0.0, help="hold new requests between steps up to MS [0]")
     ap.add_argument("--cpu-inline-bytes", type=int, default=DEFAULT_CPU_INLINE_BYTES,
                     help=f"the server's --cpu-inline-bytes [{DEFAULT_CPU_INLINE_BYTES}]")
+    ap.add_argument("--no-freeze-heap", dest="freeze_heap", action="store_false",
+                    help="leave start-up's objects in the garbage collector's full collections (clef-systemone "
+                         "freezes them once loaded)")
+    ap.add_argument("--gc-log", default=None, metavar="PATH",
+                    help="write each full garbage collection's time and milliseconds here (JSON) at exit")
     a = ap.parse_args(argv)
+    if a.gc_log:
+        import vllm.v1.engine.async_llm  # noqa: F401  # the real front end holds vLLM's client: so does this heap
+    pauses = full_collections() if a.gc_log else None
     if a.step_ms is None:
         make = lambda: InstantBackend(a.checkpoint)  # noqa: E731
     else:
         make = lambda: SteppedBackend(a.checkpoint, SteppedEngine(  # noqa: E731
             a.step_ms, a.per_token_us, a.step_tokens, BatchWait(a.batch_wait_ms / 1000.0)))
-    uvicorn.run(create_app(make, ServerSettings(cpu_inline_bytes=a.cpu_inline_bytes)), host="127.0.0.1", port=a.port,
-                log_level="warning")
+    uvicorn.run(create_app(make, ServerSettings(cpu_inline_bytes=a.cpu_inline_bytes, freeze_heap=a.freeze_heap)),
+                host="127.0.0.1", port=a.port, log_level="warning")
+    if pauses is not None:
+        Path(a.gc_log).write_text(json.dumps({"freeze_heap": a.freeze_heap, "frozen_objects": gc.get_freeze_count(),
+                                              "full_collections": pauses}, indent=1) + "\n")
     return 0
+
+
+def full_collections() -> list[tuple[float, float]]:
+    """A list that receives ``(unix time, milliseconds)`` for each full (generation 2) collection from now on."""
+    out: list[tuple[float, float]] = []
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                began[0] = perf_counter()
+            else:
+                out.append((round(time(), 3), round((perf_counter() - began[0]) * 1000.0, 2)))
+
+    gc.callbacks.append(on_gc)
+    return out
 
 
 if __name__ == "__main__":

@@ -1438,3 +1438,19 @@ def test_cohorts_groups_a_servers_answers_into_steps_and_times_the_clients_retur
         assert [ms for _, ms in summary["sequence"]][1:] == [100, 100]
         assert summary["back_ms_p10_p50_p90"] == [2.0, 3.0, 5.0], name        # of 2, 3, 4 and 2, 3, 4, 5 ms
     assert "11 answers in 3 groups" in capsys.readouterr().out
+
+
+def test_clef_bench_measures_with_its_heap_frozen_and_gives_it_back():
+    """A full garbage collection over the bench process's ~0.5 M start-up objects pauses every client for ~0.4 s
+    (bench/results/cpu_gc_full_collections_*.json): clef-bench freezes them while it measures, and unfreezes them
+    after, since tests call its main in their own process."""
+    import gc
+
+    from clef_vllm.heap import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap() as frozen:
+        assert frozen > 1000 and gc.get_freeze_count() > 1000
+        made = [[] for _ in range(10)]                   # allocated after the freeze: not among the frozen
+        assert gc.get_freeze_count() <= frozen
+    assert gc.get_freeze_count() == 0 and made

@@ -32,6 +32,7 @@ from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
 from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point,
                                      systemone_url, wait_ready)
+from clef_vllm.heap import frozen_heap
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHARED_STATES, DEFAULT_SHORT_TOKENS, WARM_START, WORKLOADS,
@@ -479,15 +480,16 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
             log(f"engine ready in {engine.start_s:.1f}s")
             describe_sides()
         try:
-            for item in plan:
-                for side in sides:
-                    if item.warm:
-                        async with side.sender(1) as send:
-                            await closed_loop(item.warm, 1, send)
-                for c in item.concurrencies:
-                    results["variants"].append(await point(item, c))
-                    log(f"{item.name} c={c}: B/A {results['variants'][-1]['ratio']}")
-                    out.write_text(dumps(results) + "\n")
+            with steady_heap(log):
+                for item in plan:
+                    for side in sides:
+                        if item.warm:
+                            async with side.sender(1) as send:
+                                await closed_loop(item.warm, 1, send)
+                    for c in item.concurrencies:
+                        results["variants"].append(await point(item, c))
+                        log(f"{item.name} c={c}: B/A {results['variants'][-1]['ratio']}")
+                        out.write_text(dumps(results) + "\n")
         finally:
             if engine is not None:
                 await engine.finish_profile()
@@ -502,6 +504,15 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
     log(f"results: {out} (table: {out.with_suffix('.txt')})")
     bad = [v for v in results["variants"] if v.get("unpaired") or v.get("unanswered")]
     return 1 if (bad and args.fail_on_error) else 0
+
+
+@contextlib.contextmanager
+def steady_heap(log: Callable[[str], None]):
+    """clef-bench measures with its objects so far out of the garbage collector's full collections
+    (:func:`clef_vllm.heap.frozen_heap`)."""
+    with frozen_heap() as frozen:
+        log(f"garbage collector: {frozen} objects frozen while measuring")
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"engine ready in {engine.start_s:.1f}s")
             results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm, **engine.describe()}
             try:
-                return await run_plan(plan, session, time_limit=args.time_limit, progress=args.progress, log=log,
-                                      on_point=lambda pts: save(pts, False))
+                with steady_heap(log):
+                    return await run_plan(plan, session, time_limit=args.time_limit, progress=args.progress, log=log,
+                                          on_point=lambda pts: save(pts, False))
             finally:
                 results["target"] = {"kind": "raw-vllm", "model_dir": args.raw_vllm, **engine.describe()}
                 await engine.finish_profile()
@@ -598,9 +610,10 @@ def main(argv: list[str] | None = None) -> int:
         _wait_until_ready((args.url,), args.wait_ready, headers, log)
         results["target"] = {"kind": "http", "url": systemone_url(args.url)}
         results["server"] = server_info(args.url, headers)
-        points = asyncio.run(run_plan(plan, http_session_factory(args.url, args.timeout, headers),
-                                      time_limit=args.time_limit, progress=args.progress, log=log,
-                                      on_point=lambda pts: save(pts, False)))
+        with steady_heap(log):
+            points = asyncio.run(run_plan(plan, http_session_factory(args.url, args.timeout, headers),
+                                          time_limit=args.time_limit, progress=args.progress, log=log,
+                                          on_point=lambda pts: save(pts, False)))
     save(points, True)
     print(bench_table(results))
     log(f"results: {out} (table: {out.with_suffix('.txt')})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import gc
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import Any, Awaitable, Callable, Iterator
 from clef_vllm.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
 from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.heap import freeze_heap
 from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
@@ -106,6 +108,7 @@ class Trimmer:
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 
 
+
 class DecisionService:
     """Owns the backend, admission control, metrics and the server state."""
 
@@ -153,6 +156,10 @@ class DecisionService:
         m.gauge("clef_bulk_streams", "Open bulk streams", lambda: float(self.bulk_streams))
         m.gauge("clef_bulk_records_in_progress", "Bulk records read and not yet answered",
                 lambda: float(self.bulk_records_in_progress))
+        m.gauge("clef_gc_frozen_objects", "Objects kept out of the garbage collector's scans since start-up",
+                lambda: float(gc.get_freeze_count()))
+        m.gauge("clef_gc_full_collections", "Full (generation 2) garbage collections in this process",
+                lambda: float(gc.get_stats()[2]["collections"]))
         m.gauge("clef_cpu_jobs", "Jobs (decode, validate, encode, serialise) queued or running in the CPU pool",
                 lambda: float(self.pool.queued))
         m.gauge("clef_buffered_body_bytes", "Request body bytes held in memory", lambda: float(self.buffered_bytes))
@@ -184,6 +191,10 @@ class DecisionService:
         queue = self.settings.max_queue if self.settings.max_queue is not None else 2 * in_flight
         self.admission = Admission(in_flight, queue)
         self.limits = backend.encoder.request_limits()
+        if self.settings.freeze_heap:
+            frozen, took_ms = freeze_heap()
+            log.info("garbage collector: %d objects from start-up frozen (a full collection over them took %.0f ms "
+                     "and stopped the event loop for as long)", frozen, took_ms)
         if self.status == LOADING:
             self.status = READY
         log.info("ready: %s; max in flight %d, queue %d, request timeout %s s, %d CPU workers; limits: %s",
