@@ -20,6 +20,7 @@ import re
 import sys
 
 from clef_vllm.bench.cohorts import GROUP_GAP_S, size_histogram, split_groups
+from clef_vllm.bench.loadgen import percentile
 
 TEXT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO clef_vllm\.access\b.*? duration_ms=([\d.]+)")
 
@@ -46,11 +47,6 @@ def answers(lines) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def quantiles(values: list[float], qs=(0.1, 0.5, 0.9)) -> list[float]:
-    values = sorted(values)
-    return [round(values[min(int(q * len(values)), len(values) - 1)], 2) for q in qs] if values else []
-
-
 def summary(done: list[tuple[float, float]], gap_s: float) -> dict:
     """Group sizes (histogram, the sequence with the milliseconds from one group's first answer to the next's) and
     each arrival's milliseconds after the latest answer before it."""
@@ -65,7 +61,7 @@ def summary(done: list[tuple[float, float]], gap_s: float) -> dict:
             "sizes": size_histogram(grouped),
             "sequence": [(len(g), round((g[0] - grouped[i - 1][0]) * 1000.0) if i else 0)
                          for i, g in enumerate(grouped)],
-            "back_ms_p10_p50_p90": quantiles(back)}
+            "back_ms_p10_p50_p90": [round(percentile(back, q), 2) for q in (10, 50, 90)] if back else []}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1436,7 +1436,7 @@ def test_cohorts_groups_a_servers_answers_into_steps_and_times_the_clients_retur
         assert summary["sizes"] == [[3, 1], [4, 2]]
         assert [n for n, _ in summary["sequence"]] == [3, 4, 4]
         assert [ms for _, ms in summary["sequence"]][1:] == [100, 100]
-        assert summary["back_ms_p10_p50_p90"] == [2.0, 3.0, 5.0], name        # of 2, 3, 4 and 2, 3, 4, 5 ms
+        assert summary["back_ms_p10_p50_p90"] == [2.0, 3.0, 4.4], name   # of 2, 3, 4 and 2, 3, 4, 5 ms (interpolated)
     assert "11 answers in 3 groups" in capsys.readouterr().out
 
 
