@@ -28,7 +28,7 @@ def run_point(url: str, checkpoint: str, workload: str, concurrency: int, reques
     """One clef-bench run: req/s, client p50 and the server's stage medians."""
     point = bench_point(url, checkpoint, workload, concurrency, requests, out, warmup=8)
     return {"req_per_s": round(point["req_per_s"], 2), "p50_ms": point["latency_ms"]["p50"],
-            "stages_p50_ms": point.get("server_stages_p50_ms")}
+            "p99_ms": point["latency_ms"]["p99"], "stages_p50_ms": point.get("server_stages_p50_ms")}
 
 
 def median_of(rounds: list[dict]) -> dict:
@@ -36,7 +36,8 @@ def median_of(rounds: list[dict]) -> dict:
     for name in (rounds[0]["stages_p50_ms"] or {}):
         stages[name] = round(statistics.median(r["stages_p50_ms"][name] for r in rounds), 3)
     return {"req_per_s": round(statistics.median(r["req_per_s"] for r in rounds), 2),
-            "p50_ms": round(statistics.median(r["p50_ms"] for r in rounds), 3), "stages_p50_ms": stages}
+            "p50_ms": round(statistics.median(r["p50_ms"] for r in rounds), 3),
+            "p99_ms": round(statistics.median(r["p99_ms"] for r in rounds), 3), "stages_p50_ms": stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     print(f"A: instant_server.py {a.a or '(defaults)'}   B: instant_server.py {a.b or '(defaults)'}   "
           f"{a.workload}, {a.num_requests} requests a run, {a.rounds} rounds a side, medians")
-    print(" c   A req/s   B req/s   B/A   A p50 ms   B p50 ms   A stages p50 ms / B stages p50 ms")
+    print(" c   A req/s   B req/s   B/A   A p50 ms   B p50 ms   A p99 ms   B p99 ms   A stages p50 ms / B stages p50 ms")
     for c, sides in results.items():
         ma, mb = median_of(sides["a"]), median_of(sides["b"])
         ratio = round(mb["req_per_s"] / ma["req_per_s"], 3)
         points.append({"concurrency": c, "a": ma, "b": mb, "b_over_a_req_per_s": ratio, "rounds": sides})
         fmt = lambda m: ", ".join(f"{k} {v}" for k, v in m["stages_p50_ms"].items())  # noqa: E731
         print(f"{c:2d}  {ma['req_per_s']:8.1f}  {mb['req_per_s']:8.1f}  {ratio:5.3f}  {ma['p50_ms']:9.2f}  "
-              f"{mb['p50_ms']:9.2f}   {fmt(ma)} / {fmt(mb)}")
+              f"{mb['p50_ms']:9.2f}  {ma['p99_ms']:9.2f}  {mb['p99_ms']:9.2f}   {fmt(ma)} / {fmt(mb)}")
     save(a.out, a, points)
     return 0
 
