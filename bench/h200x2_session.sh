@@ -127,9 +127,10 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftyfourth1 (one GPU; ~650 s; not run yet): the default server (the split, start-up's objects frozen out of
+# PLAN=fiftyfourth1 (one GPU; ~850 s; not run yet): the default server (the split, start-up's objects frozen out of
 #        the garbage collector's scans, clef-bench's own heap frozen while it measures) against raw vLLM at c=16/64,
-#        16 blocks of 5 s a point; its access log's cohorts (do the ~300 ms holds at c=64 go?); then the default
+#        16 blocks of 5 s a point; its access log's cohorts (do the ~300 ms holds at c=64 go?); then --gc-freeze off
+#        against the default at c=64 (clef_gc_pause_seconds in each server's metrics_NAME.txt), and the default
 #        against --async-scheduling on at c=64 (async's extra small steps now replay from the step graphs).
 # PLAN=fiftythird2 (one GPU; ~400 s): fiftythird1's tiny check again, each request's answer alone now from its step
 #        graph's replay (its third run), then the tiny parity (240 requests a layout) with the split on.
@@ -630,9 +631,10 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   touch "$S/all.done"
   log "all done"
   ;;
-fiftyfourth1_queue0)   # ~650 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
-  job paired_frozen 0 900 env COMPARE="dflt:raw:short:16,64 dflt:async:short:64" PAIRS=2000 TIME_LIMIT=20 \
-      PORT0=9500 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" "dflt=--load-format dummy" \
+fiftyfourth1_queue0)   # ~850 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_frozen 0 1100 env COMPARE="dflt:raw:short:16,64 nofreeze:dflt:short:64 dflt:async:short:64" PAIRS=2000 \
+      TIME_LIMIT=20 PORT0=9500 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "dflt=--load-format dummy" "nofreeze=--load-format dummy --gc-freeze off" \
       "async=--load-format dummy --async-scheduling on"
   touch "$S/all.done"
   log "all done"

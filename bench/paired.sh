@@ -16,7 +16,8 @@
 # GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
 # BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
 # $OUT/<A>_vs_<B>_c<CONCURRENCIES>.json/.txt otherwise (e.g. core_vs_step_c16-64), $OUT/server_<NAME>.log,
-# $OUT/startup.txt (each server's start: seconds to ready, weights, KV cache, kernel lines), $OUT/paired.log.
+# $OUT/startup.txt (each server's start: seconds to ready, weights, KV cache, kernel lines), $OUT/metrics_<NAME>.txt
+# (each server's /metrics after the last comparison), $OUT/paired.log.
 set -uo pipefail
 CKPT=${1:?usage: COMPARE="a:b:short" bash bench/paired.sh CKPT NAME=ARGS...}
 shift
@@ -86,5 +87,8 @@ for entry in $COMPARE; do
       --label "$a vs $b" -o "$stem.json" $BENCH_ARGS >"$stem.log" 2>&1
   log "$a vs $b: rc $?"
   cat "$stem.txt" 2>/dev/null | tee -a "$OUT/paired.log"
+done
+for name in "${!URL[@]}"; do           # each server's counters after every comparison (stages, GC pauses, ...)
+  curl -s -m 10 "${URL[$name]}/metrics" >"$OUT/metrics_$name.txt" || log "no /metrics from $name"
 done
 log "done"

@@ -958,6 +958,9 @@ def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_
     startup = (tmp_path / "startup.txt").read_text()          # each server's start, in one place
     assert startup.count("== x: ready after") == 1 and startup.count("== y: ready after") == 1
     assert "reference backend:" in startup
+    for name in ("x", "y"):                                    # each server's /metrics after the comparisons
+        metrics = (tmp_path / f"metrics_{name}.txt").read_text()
+        assert "clef_requests_total" in metrics and "clef_gc_pause_seconds" in metrics
 
 
 def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):

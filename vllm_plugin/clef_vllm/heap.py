@@ -34,3 +34,26 @@ def frozen_heap() -> Iterator[int]:
         yield gc.get_freeze_count()
     finally:
         gc.unfreeze()
+
+
+class FullCollections:
+    """Times this process's full (generation 2) garbage collections from :meth:`install` on: ``count`` and
+    ``seconds`` in all (``clef_gc_pause_seconds`` on the server's /metrics). One hook on ``gc.callbacks``."""
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+        self._began = 0.0
+
+    def install(self) -> "FullCollections":
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._began

@@ -289,7 +289,8 @@ def bucket_list(value: Any) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def _on_off(text: str) -> bool:
+def on_off(text: str) -> bool:
+    """``on`` / ``off`` as a flag's value (argparse type)."""
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return text == "on"
@@ -583,7 +584,7 @@ def add_flags(group, backend: str) -> None:
         if m.get("action"):
             kw["action"] = m["action"]
         elif m["kind"] is bool:
-            kw.update(type=_on_off, metavar="{on,off}")
+            kw.update(type=on_off, metavar="{on,off}")
         else:
             kinds = m["kind"] if isinstance(m["kind"], tuple) else (m["kind"],)
             kw["type"] = kinds[0] if kinds[0] in (int, float) else str

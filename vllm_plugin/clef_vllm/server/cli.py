@@ -25,7 +25,7 @@ import uvicorn
 
 from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
-from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options
+from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import Dialect
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     obs.add_argument("--near-tie-margin", type=float, default=0.05,
                      help="an answer whose top-2 probabilities differ by less counts as a near tie in /metrics "
                           "(default 0.05)")
+    obs.add_argument("--gc-freeze", type=on_off, default=True, metavar="{on,off}",
+                     help="once loaded, freeze start-up's objects out of Python's full garbage collections, which "
+                          "otherwise walk ~0.5 M of them on the event loop (~0.4 s) every few seconds under load "
+                          "(default on; /metrics: clef_gc_pause_seconds; docs/operating.md)")
 
     # Backend flags come from the typed options (clef_vllm.backends.options): a flag given for the
     # backend that does not run is an error (exit 2), never silently ignored.
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         max_bulk_streams=args.max_bulk_streams, header_timeout_s=args.header_timeout or None,
         body_timeout_s=args.body_timeout or None, min_body_rate=args.min_body_rate or None,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
-        cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, freeze_heap=True, on_ready=on_ready,
+        cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, freeze_heap=args.gc_freeze, gc_metrics=True, on_ready=on_ready,
         on_load_error=on_load_error, on_fatal=on_fatal, on_drained=on_drained)
     if keys:
         log.info("API key required on /v1/* and the hosted route%s (%d key(s))",

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Iterator
 from clef_vllm.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
 from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.heap import freeze_heap
+from clef_vllm.heap import FullCollections, freeze_heap
 from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
@@ -160,6 +160,10 @@ class DecisionService:
                 lambda: float(gc.get_freeze_count()))
         m.gauge("clef_gc_full_collections", "Full (generation 2) garbage collections in this process",
                 lambda: float(gc.get_stats()[2]["collections"]))
+        if self.settings.gc_metrics:
+            pauses = FullCollections().install()
+            m.gauge("clef_gc_pause_seconds", "Time this process spent in full garbage collections since the "
+                    "server started (the event loop stops meanwhile)", lambda: pauses.seconds)
         m.gauge("clef_cpu_jobs", "Jobs (decode, validate, encode, serialise) queued or running in the CPU pool",
                 lambda: float(self.pool.queued))
         m.gauge("clef_buffered_body_bytes", "Request body bytes held in memory", lambda: float(self.buffered_bytes))

@@ -62,8 +62,10 @@ class ServerSettings:
     bulk_concurrency: int = 8
     max_bulk_streams: int = 4
     # process: once loaded, move what start-up allocated out of the garbage collector's full collections
-    # (``clef_vllm.server.service.freeze_heap``; the CLI's own process does, in-process users need not)
+    # (``clef_vllm.heap.freeze_heap``; ``--gc-freeze``), and time the full collections for /metrics
+    # (``clef_gc_pause_seconds``: a process-wide hook). The CLI's own process does both; in-process users need not.
     freeze_heap: bool = False
+    gc_metrics: bool = False
     # hooks (the CLI uses them to print the banner and to set the exit status)
     on_ready: Callable[[], None] | None = None
     on_load_error: Callable[[BaseException], None] | None = None
