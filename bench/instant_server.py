@@ -23,7 +23,7 @@ import gc
 import json
 import sys
 from pathlib import Path
-from time import monotonic, perf_counter, time
+from time import monotonic
 
 import torch
 import uvicorn
@@ -31,6 +31,7 @@ import uvicorn
 from clef_vllm.backends.base import Backend
 from clef_vllm.backends.options import VllmOptions
 from clef_vllm.encoding import RequestEncoder
+from clef_vllm.heap import FullCollections
 from clef_vllm.server.app import create_app
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
 from clef_vllm.worker.batch_wait import BatchWait
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.gc_log:
         import vllm.v1.engine.async_llm  # noqa: F401  # the real front end holds vLLM's client: so does this heap
-    pauses = full_collections() if a.gc_log else None
+    pauses = FullCollections(keep_each=True).install() if a.gc_log else None
     if a.step_ms is None:
         make = lambda: InstantBackend(a.checkpoint)  # noqa: E731
     else:
@@ -148,24 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 host="127.0.0.1", port=a.port, log_level="warning")
     if pauses is not None:
         Path(a.gc_log).write_text(json.dumps({"freeze_heap": a.freeze_heap, "frozen_objects": gc.get_freeze_count(),
-                                              "full_collections": pauses}, indent=1) + "\n")
+                                              "full_collections": pauses.each}, indent=1) + "\n")
     return 0
-
-
-def full_collections() -> list[tuple[float, float]]:
-    """A list that receives ``(unix time, milliseconds)`` for each full (generation 2) collection from now on."""
-    out: list[tuple[float, float]] = []
-    began = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                began[0] = perf_counter()
-            else:
-                out.append((round(time(), 3), round((perf_counter() - began[0]) * 1000.0, 2)))
-
-    gc.callbacks.append(on_gc)
-    return out
 
 
 if __name__ == "__main__":

@@ -37,12 +37,13 @@ def frozen_heap() -> Iterator[int]:
 
 
 class FullCollections:
-    """Times this process's full (generation 2) garbage collections from :meth:`install` on: ``count`` and
-    ``seconds`` in all (``clef_gc_pause_seconds`` on the server's /metrics). One hook on ``gc.callbacks``."""
+    """Times this process's full (generation 2) garbage collections from :meth:`install` on: ``seconds`` in all
+    (``clef_gc_pause_seconds`` on the server's /metrics) and, with ``keep_each``, each one as ``(unix time,
+    milliseconds)`` in :attr:`each` (``bench/instant_server.py --gc-log``). One hook on ``gc.callbacks``."""
 
-    def __init__(self):
-        self.count = 0
+    def __init__(self, keep_each: bool = False):
         self.seconds = 0.0
+        self.each: list[tuple[float, float]] | None = [] if keep_each else None
         self._began = 0.0
 
     def install(self) -> "FullCollections":
@@ -54,6 +55,8 @@ class FullCollections:
             return
         if phase == "start":
             self._began = time.perf_counter()
-        else:
-            self.count += 1
-            self.seconds += time.perf_counter() - self._began
+            return
+        took = time.perf_counter() - self._began
+        self.seconds += took
+        if self.each is not None:
+            self.each.append((round(time.time(), 3), round(took * 1000.0, 2)))

@@ -32,11 +32,11 @@ from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
 from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point,
                                      systemone_url, wait_ready)
-from clef_vllm.heap import frozen_heap
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHARED_STATES, DEFAULT_SHORT_TOKENS, WARM_START, WORKLOADS,
                                        BenchRequest, RequestFactory, Variant, build_variants)
+from clef_vllm.heap import frozen_heap
 from clef_vllm.records import load_request_file
 
 LONG_REQUEST_TOKENS = 2048

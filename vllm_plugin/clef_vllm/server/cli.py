@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         max_bulk_streams=args.max_bulk_streams, header_timeout_s=args.header_timeout or None,
         body_timeout_s=args.body_timeout or None, min_body_rate=args.min_body_rate or None,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
-        cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, freeze_heap=args.gc_freeze, gc_metrics=True, on_ready=on_ready,
-        on_load_error=on_load_error, on_fatal=on_fatal, on_drained=on_drained)
+        cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, freeze_heap=args.gc_freeze,
+        gc_metrics=True, on_ready=on_ready, on_load_error=on_load_error, on_fatal=on_fatal, on_drained=on_drained)
     if keys:
         log.info("API key required on /v1/* and the hosted route%s (%d key(s))",
                  " and the probes" if args.auth_health_metrics else "", len(keys))

@@ -108,7 +108,6 @@ class Trimmer:
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 
 
-
 class DecisionService:
     """Owns the backend, admission control, metrics and the server state."""
 
