@@ -88,6 +88,24 @@ def choose_bucket(value: int, buckets: Sequence[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+def prefill_reason(md: Any, sequences: int | None = None) -> str | None:
+    """Why a step's GDN metadata is not a plain prefill step (``None``: it is): speculative tokens, decodes,
+    not ``sequences`` prefills (``"batch"`` for more; ``None``: any number), padded metadata, or not one state
+    line per prefill. Host-side fields only. Single-sequence graphs ask for one sequence, the step graphs'
+    split of a small batch (``clef_vllm.worker.step_graphs``) for any."""
+    if getattr(md, "spec_sequence_masks", None) is not None or getattr(md, "num_spec_decodes", 0):
+        return "speculative"
+    if md.num_decodes:
+        return "decodes"
+    if sequences is not None and md.num_prefills != sequences:
+        return "batch" if md.num_prefills > sequences else "no_prefill"
+    if md.num_prefill_tokens != md.num_actual_tokens:
+        return "padded_metadata"
+    if md.prefill_state_indices is None or md.prefill_state_indices.shape[0] != md.num_prefills:
+        return "state_indices"
+    return None
+
+
 def fallback_reason(md: Any, buckets: Sequence[int], min_tokens: int) -> str | None:
     """Why a step's GDN metadata cannot use a graph (``None``: it can).
 
@@ -97,16 +115,9 @@ def fallback_reason(md: Any, buckets: Sequence[int], min_tokens: int) -> str | N
     """
     if md is None:
         return "no_metadata"
-    if getattr(md, "spec_sequence_masks", None) is not None or getattr(md, "num_spec_decodes", 0):
-        return "speculative"
-    if md.num_decodes:
-        return "decodes"
-    if md.num_prefills != 1:
-        return "batch" if md.num_prefills > 1 else "no_prefill"
-    if md.num_prefill_tokens != md.num_actual_tokens:
-        return "padded_metadata"
-    if md.prefill_state_indices is None or md.prefill_state_indices.shape[0] != 1:
-        return "state_indices"
+    reason = prefill_reason(md, sequences=1)
+    if reason is not None:
+        return reason
     n = md.num_actual_tokens
     if n < min_tokens:
         return "too_short"

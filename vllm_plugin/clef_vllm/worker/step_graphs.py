@@ -51,7 +51,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from clef_vllm.worker.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
-from clef_vllm.worker.prefill_graphs import SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason
+from clef_vllm.worker.prefill_graphs import (SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason,
+                                             prefill_reason)
 
 log = logging.getLogger("clef_vllm")
 
@@ -473,14 +474,9 @@ class StepGraphRunner:
                 return reason
         gdn = groups(ctx.attn_metadata, GDN_METADATA)
         for md in gdn.values():
-            if getattr(md, "spec_sequence_masks", None) is not None or getattr(md, "num_spec_decodes", 0):
-                return "speculative"
-            if md.num_decodes:
-                return "decodes"
-            if md.num_prefill_tokens != md.num_actual_tokens:
-                return "padded_metadata"
-            if md.prefill_state_indices is None or md.prefill_state_indices.shape[0] != md.num_prefills:
-                return "state_indices"
+            reason = prefill_reason(md)
+            if reason is not None:
+                return reason
         first = next(iter(gdn.values()))
         query_start, seq_lens = first.__dict__.get(QUERY_START_CPU), first.__dict__.get(SEQ_LENS_CPU)
         if query_start is None or seq_lens is None or len(query_start) != first.num_prefills + 1 \
