@@ -132,11 +132,12 @@ def memo_build(builder, build, common_prefix_len, common, *extra, **kwargs):
     if memo is not None and key in memo:
         STATS["reused"] += 1
         memo[key] = kept = memo.pop(key)                  # the most recently used now
-        kept.__dict__[QUERY_START_CPU] = common.query_start_loc_cpu
-        return with_state_indices(builder, kept, common.block_table_tensor, common.seq_lens,
-                                  getattr(common, "_seq_lens_cpu", None),
-                                  non_spec_query_start_loc=common.query_start_loc,
-                                  prefill_query_start_loc=common.query_start_loc)
+        answer = with_state_indices(builder, kept, common.block_table_tensor, common.seq_lens,
+                                    getattr(common, "_seq_lens_cpu", None),
+                                    non_spec_query_start_loc=common.query_start_loc,
+                                    prefill_query_start_loc=common.query_start_loc)
+        answer.__dict__[QUERY_START_CPU] = common.query_start_loc_cpu
+        return answer
     metadata = build(builder, common_prefix_len, common, *extra, **kwargs)
     metadata.__dict__[SEQ_LENS] = common.seq_lens
     metadata.__dict__[SEQ_LENS_CPU] = getattr(common, "_seq_lens_cpu", None)
