@@ -127,7 +127,12 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftyfourth1 (one GPU; ~850 s; not run yet): the default server (the split, start-up's objects frozen out of
+# PLAN=fiftyfourth2 (one GPU; ~600 s): fiftyfourth1's first comparison on its own (there, three servers at 0.28 of the
+#        GPU each held 48-49 GiB, so raw vLLM's engine found 12.9 GiB free and did not start, and the async server ran
+#        out of memory at c=64): the default server against raw vLLM at c=16/64, 16 blocks of 5 s a point, the
+#        worker's memory ledger in its log ("clef memory:" lines: what the plugin's graphs and warm-up took after
+#        vLLM sized its KV cache).
+# PLAN=fiftyfourth1 (one GPU; ~850 s; ran in the thirty-third session: the raw comparison failed, see fiftyfourth2): the default server (the split, start-up's objects frozen out of
 #        the garbage collector's scans, clef-bench's own heap frozen while it measures) against raw vLLM at c=16/64,
 #        16 blocks of 5 s a point; its access log's cohorts (do the ~300 ms holds at c=64 go?); then --gc-freeze off
 #        against the default at c=64 (clef_gc_pause_seconds in each server's metrics_NAME.txt), and the default
@@ -628,6 +633,12 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftyfourth2_queue0)   # ~600 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_raw 0 700 env COMPARE="dflt:raw:short:16,64" PAIRS=2000 TIME_LIMIT=20 PORT0=9510 \
+      "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" "dflt=--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;

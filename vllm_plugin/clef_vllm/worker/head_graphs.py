@@ -40,6 +40,7 @@ import torch
 
 from clef_vllm.contract import HEAD_GRAPH_RECORDS
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
+from clef_vllm.worker import memory
 from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph, choose_bucket
 
 log = logging.getLogger("clef_vllm")
@@ -272,6 +273,10 @@ class HeadGraphRunner:
 
     def _capture_all(self, device) -> None:
         """Capture every bucket's graph, the largest memories first (they size the shared pool)."""
+        with memory.LEDGER.taking(memory.HEAD_GRAPHS):
+            self._capture_buckets(device)
+
+    def _capture_buckets(self, device) -> None:
         cfg = self.head.config
         self._inputs = StaticInputs(cfg.hidden_size, cfg.width, self.buckets, self.head.dtype, device)
         t0 = time.perf_counter()

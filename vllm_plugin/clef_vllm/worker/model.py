@@ -26,6 +26,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+from vllm.platforms import current_platform
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
@@ -36,7 +37,7 @@ from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREF
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.worker import gdn_metadata, nvfp4_bf16
+from clef_vllm.worker import gdn_metadata, memory, nvfp4_bf16
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
@@ -148,6 +149,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
         self.step_graphs = self._step_graphs(vllm_config)
         self._steps = 0
+        if current_platform.is_cuda():     # what the plugin's own GPU work holds is said against this budget
+            memory.LEDGER.budget_fraction = float(vllm_config.cache_config.gpu_memory_utilization)
         if trace.PATH is not None:          # engine_done events carry their counters; steps their runner events
             trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
             trace.instrument_runner()
@@ -179,8 +182,6 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         setting = worker_setting(vllm_config, key)
         if not setting:
             return None
-        from vllm.platforms import current_platform
-
         if not current_platform.is_cuda():
             log.info("clef %s graphs: off (no CUDA device)", name)
             return None
@@ -250,9 +251,12 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if trace.PATH is not None:
             trace.event("step_forward", trace.STEP)
         self._steps += 1
+        if memory.LEDGER.dirty:            # plugin work (a capture, the GEMM warm-up) ran in an earlier step
+            memory.LEDGER.settle()
         if self._steps % GRAPH_REPORT_EVERY == 0:
             for name, runner in self.graph_runners().items():
                 log.info("clef %s graphs: %s", name, runner.describe())
+            memory.LEDGER.log_report()
         if self.step_graphs is not None and intermediate_tensors is None and inputs_embeds is None:
             out = self.step_graphs.run(self._backbone, input_ids, positions)
             if out is not None:

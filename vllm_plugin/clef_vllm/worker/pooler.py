@@ -33,7 +33,7 @@ from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_r
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
-from clef_vllm.worker import state_cache
+from clef_vllm.worker import memory, state_cache
 from clef_vllm.worker.gemm_warmup import GridRows, warm_gemm_kernels
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 
@@ -209,7 +209,8 @@ class ClefPooler(Pooler):
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
         rows, self.gemm_warmup_rows = self.gemm_warmup_rows, None
-        report = warm_gemm_kernels(self._head, rows, self._head.dtype, device)
+        with memory.LEDGER.taking(memory.GEMM_WARMUP):
+            report = warm_gemm_kernels(self._head, rows, self._head.dtype, device)
         if self._row_grid_wanted and "stopped" not in report:
             self.row_grid = GridRows(rows)
             log.info("clef GEMM rows: the head's GEMMs outside its graphs run at the warm-up's %d row counts "

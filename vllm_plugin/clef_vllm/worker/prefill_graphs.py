@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from clef_vllm import trace
+from clef_vllm.worker import memory
 
 log = logging.getLogger("clef_vllm")
 
@@ -534,7 +535,8 @@ class GdnGraphRunner:
             bucket.set_length(bucket.size)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph, _ = capture_graph(body, self._pool)
+            with memory.LEDGER.taking(memory.GDN_GRAPHS):
+                graph, _ = capture_graph(body, self._pool)
         except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
             self._broken.add(key)
             log.warning("clef prefill graphs: %s capture for %s at %d tokens failed (%s: %s); that bucket uses "

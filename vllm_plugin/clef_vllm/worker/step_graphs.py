@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from clef_vllm.worker import memory
 from clef_vllm.worker.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
 from clef_vllm.worker.prefill_graphs import (SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason,
                                              prefill_reason)
@@ -444,7 +445,8 @@ class StepGraphRunner:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = StepGraph(self.gdn, size if key[1] == FRESH else self.max_len)
             try:
-                graph.capture(ctx, input_ids, positions, n, forward, self._pool, CUDAGraphMode.NONE)
+                with memory.LEDGER.taking(memory.STEP_GRAPHS):
+                    graph.capture(ctx, input_ids, positions, n, forward, self._pool, CUDAGraphMode.NONE)
             except Exception as exc:  # noqa: BLE001 - a capture failure must only cost speed
                 self._broken[key] = "capture_failed"
                 log.warning("clef step graphs: %s capture at %d tokens failed (%s: %s); those steps use the "
