@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def freeze_heap() -> tuple[int, float]:
@@ -36,14 +36,22 @@ def frozen_heap() -> Iterator[int]:
         gc.unfreeze()
 
 
+#: A full collection at least this long (ms) is a long pause: the server logs each one once it is ready.
+LONG_PAUSE_MS = 50.0
+
+
 class FullCollections:
     """Times this process's full (generation 2) garbage collections from :meth:`install` on: ``seconds`` in all
-    (``clef_gc_pause_seconds`` on the server's /metrics) and, with ``keep_each``, each one as ``(unix time,
-    milliseconds)`` in :attr:`each` (``bench/instant_server.py --gc-log``). One hook on ``gc.callbacks``."""
+    (``clef_gc_pause_seconds`` on the server's /metrics), with ``keep_each`` each one as ``(unix time,
+    milliseconds)`` in :attr:`each` (``bench/instant_server.py --gc-log``), and each one of at least
+    ``long_ms`` handed to ``on_long`` (its milliseconds and how many unreachable objects it freed: the server logs
+    them). One hook on ``gc.callbacks``."""
 
-    def __init__(self, keep_each: bool = False):
+    def __init__(self, keep_each: bool = False, long_ms: float = LONG_PAUSE_MS,
+                 on_long: Callable[[float, int], None] | None = None):
         self.seconds = 0.0
         self.each: list[tuple[float, float]] | None = [] if keep_each else None
+        self.long_ms, self.on_long = long_ms, on_long
         self._began = 0.0
 
     def install(self) -> "FullCollections":
@@ -60,3 +68,5 @@ class FullCollections:
         self.seconds += took
         if self.each is not None:
             self.each.append((round(time.time(), 3), round(took * 1000.0, 2)))
+        if self.on_long is not None and took * 1000.0 >= self.long_ms:
+            self.on_long(took * 1000.0, int(info.get("collected", 0)))

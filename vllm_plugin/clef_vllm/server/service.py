@@ -160,12 +160,19 @@ class DecisionService:
         m.gauge("clef_gc_full_collections", "Full (generation 2) garbage collections in this process",
                 lambda: float(gc.get_stats()[2]["collections"]))
         if self.settings.gc_metrics:
-            pauses = FullCollections().install()
+            pauses = FullCollections(on_long=self._long_gc_pause).install()
             m.gauge("clef_gc_pause_seconds", "Time this process spent in full garbage collections since the "
                     "server started (the event loop stops meanwhile)", lambda: pauses.seconds)
         m.gauge("clef_cpu_jobs", "Jobs (decode, validate, encode, serialise) queued or running in the CPU pool",
                 lambda: float(self.pool.queued))
         m.gauge("clef_buffered_body_bytes", "Request body bytes held in memory", lambda: float(self.buffered_bytes))
+
+    def _long_gc_pause(self, ms: float, freed: int) -> None:
+        """A full garbage collection of ``ms`` (at least :data:`clef_vllm.heap.LONG_PAUSE_MS`) stopped the event
+        loop: say so once serving (the load's and the freeze's own collections are expected)."""
+        if self.status in (READY, DRAINING):
+            log.warning("garbage collector: a full collection stopped the event loop for %.0f ms (it freed %d "
+                        "unreachable objects; %d frozen objects not walked)", ms, freed, gc.get_freeze_count())
 
     async def run(self, load_backend: Callable[[], Backend]) -> None:
         """Load the backend (in a thread), start it, then watch its health until the loop ends."""
