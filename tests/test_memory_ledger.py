@@ -16,9 +16,11 @@ class FakeDevice:
         self.reserved = int(reserved_gib * GIB)
         self.total = int(total_gib * GIB)
 
-    def ledger(self, fraction: float | None = 0.5) -> memory.Ledger:
+    def ledger(self, fraction: float | None = 0.5, used_over_reserved_gib: float | None = None) -> memory.Ledger:
+        used = None if used_over_reserved_gib is None else \
+            (lambda: self.reserved + int(used_over_reserved_gib * GIB))   # the CUDA context, kernels, workspaces
         ledger = memory.Ledger(reserved=lambda: self.reserved, allocated=lambda: self.reserved - GIB,
-                               total=lambda: self.total)
+                               total=lambda: self.total, used=used or (lambda: None))
         ledger.budget_fraction = fraction
         return ledger
 
@@ -52,27 +54,50 @@ def test_report_within_and_beyond_the_budget():
     level, line = ledger.report()
     assert level == logging.WARNING
     assert "2.00 GiB beyond the budget" in line and "--gpu-memory-utilization 0.480" in line
+    assert "libraries' workspaces come on top" in line   # the allocator's figure only: the rest is unknown
     assert memory.Ledger().report() is None      # no budget known: nothing to say
 
 
-def test_settle_logs_the_first_overrun_once_then_every_gib_taken(caplog):
+def test_report_holds_the_drivers_count_for_the_process_against_the_budget_where_nvml_gives_it():
+    dev = FakeDevice(47)
+    ledger = dev.ledger(0.5, used_over_reserved_gib=4.5)   # 51.5 GiB by the driver's count, 47 in the allocator
+    level, line = ledger.report()
+    assert level == logging.WARNING
+    assert "this process holds 51.50 GiB of the device, its allocator 47.00 GiB (46.00 GiB in use)" in line
+    assert "1.50 GiB beyond the budget: leave the device that much more, e.g. --gpu-memory-utilization 0.485" in line
+    dev.reserved -= 2 * GIB                                 # 49.5 by the driver's count: within
+    assert ledger.report()[0] == logging.INFO
+
+
+def test_settle_logs_the_first_overrun_once_then_every_gib_more_held(caplog):
     dev = FakeDevice(49)
     ledger = dev.ledger(0.5)
     caplog.set_level(logging.INFO, logger="clef_vllm")
 
-    def grow(gib):
-        with ledger.taking(memory.STEP_GRAPHS):
+    def lines():
+        got = [r for r in caplog.records if r.getMessage().startswith("clef memory:")]
+        caplog.clear()
+        return got
+
+    def grow(gib, capture=True):
+        if capture:
+            with ledger.taking(memory.STEP_GRAPHS):
+                dev.reserved += int(gib * GIB)
+        else:                                        # the allocator grew under load (a new step shape)
             dev.reserved += int(gib * GIB)
         ledger.settle()
-        lines = [r for r in caplog.records if r.getMessage().startswith("clef memory:")]
-        caplog.clear()
-        return lines
+        return lines()
 
-    assert grow(0.25) == []                          # small and within the budget: quiet
+    assert len(grow(0.25)) == 1                      # the first look: 49.25 GiB held, 1 GiB more than nothing said
     over = grow(0.9)                                 # 50.15 GiB: the first overrun is said at once
     assert [r.levelno for r in over] == [logging.WARNING]
-    assert grow(0.5) == []                           # still over, not 1 GiB more since: quiet
-    assert len(grow(0.6)) == 1                       # 1.1 GiB taken since the last line
+    assert grow(0.5) == []                           # still over, less than 1 GiB more since: quiet
+    assert len(grow(0.6, capture=False)) == 1        # 1.1 GiB more held since the last line, under load
+    dev.reserved -= 3 * GIB                          # a capture emptied the cache: held shrinks, nothing to say
+    assert grow(0.2) == []
     assert not ledger.dirty
     ledger.log_report()                              # the periodic report always says it
-    assert len([r for r in caplog.records if r.getMessage().startswith("clef memory:")]) == 1
+    assert len(lines()) == 1
+    quiet = memory.Ledger()                          # not a GPU worker: settle() never says anything
+    quiet.settle()
+    assert lines() == []

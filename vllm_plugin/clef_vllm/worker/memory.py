@@ -6,15 +6,18 @@ prefill, step and head graphs), their static buffers and the head's GEMM warm-up
 that sizing, so they come out of what the budget leaves of the device. :data:`LEDGER` counts, per
 kind of work, how much the caching allocator's reserved memory grew while that work ran
 (:meth:`Ledger.taking`), and :meth:`Ledger.report` says what the worker's process holds against
-the budget: logged at the step after such work when it first holds more than the budget or has
-taken another :data:`LOG_EVERY_BYTES` since it last said so (:meth:`Ledger.settle`; a few lines
-during the server's warm-up), and with every periodic graph report.
+the budget. :meth:`Ledger.settle` looks at the step after such work and every
+:data:`CHECK_EVERY_STEPS` steps (the allocator also grows under load: steps of new shapes), and logs
+the report when the allocator first holds more than the budget or holds another
+:data:`LOG_EVERY_BYTES` since the report was last logged (a few lines during the server's warm-up);
+the periodic graph report logs it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 
@@ -26,8 +29,10 @@ GIB = float(1 << 30)
 
 #: The kinds of plugin work the ledger counts, in the order the report names them.
 STEP_GRAPHS, GDN_GRAPHS, HEAD_GRAPHS, GEMM_WARMUP = "step graphs", "GDN graphs", "head graphs", "GEMM warm-up"
-#: :meth:`Ledger.settle` says so again after the plugin's work took this much more.
+#: :meth:`Ledger.settle` logs the report again once the allocator holds this much more than when it last did.
 LOG_EVERY_BYTES = 1 << 30
+#: ... and looks every this many steps besides the steps after the plugin's own work.
+CHECK_EVERY_STEPS = 200
 
 
 def _reserved() -> int:
@@ -38,6 +43,30 @@ def _allocated() -> int:
     return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _process_used() -> int | None:
+    """This process's memory on its current device by the driver's count (NVML, as ``nvidia-smi`` shows it: the
+    allocator's reservations plus the CUDA context, kernels and libraries' workspaces); ``None`` where NVML
+    cannot say (no NVML, or the process not listed, e.g. in another PID namespace)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from vllm.third_party import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(torch.cuda.current_device()))
+        pid = os.getpid()
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == pid and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - a figure for a log line: without NVML the line goes without it
+        return None
+    return None
+
+
 def _device_total() -> int:
     return int(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else 0
 
@@ -45,17 +74,18 @@ def _device_total() -> int:
 class Ledger:
     """Reserved-memory growth per kind of plugin work, and the budget it is held against.
 
-    ``reserved`` / ``allocated`` / ``total`` read the allocator and the device (injectable for tests);
-    ``budget_fraction`` is vLLM's ``gpu_memory_utilization`` (``None``: not a GPU worker)."""
+    ``reserved`` / ``allocated`` / ``used`` / ``total`` read the allocator, the driver's count for this process
+    and the device (injectable for tests); ``budget_fraction`` is vLLM's ``gpu_memory_utilization`` (``None``:
+    not a GPU worker)."""
 
     def __init__(self, reserved: Callable[[], int] = _reserved, allocated: Callable[[], int] = _allocated,
-                 total: Callable[[], int] = _device_total):
-        self._reserved, self._allocated, self._total = reserved, allocated, total
+                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = _process_used):
+        self._reserved, self._allocated, self._total, self._used = reserved, allocated, total, used
         self.taken: Counter[str] = Counter()
         self.times: Counter[str] = Counter()
         self.budget_fraction: float | None = None
         self.dirty = False           # plugin work ran since the last settle()
-        self._logged_taken = 0       # what had been taken when settle() last logged
+        self._logged_held = 0        # what the allocator held when the report was last logged
         self._warned = False
 
     @contextlib.contextmanager
@@ -71,44 +101,50 @@ class Ledger:
             self.dirty = True
 
     def report(self) -> tuple[int, str] | None:
-        """``(level, line)`` saying what this process's allocator holds against vLLM's budget and what the
-        plugin's work took of it; WARNING when the allocator holds more than the budget. ``None`` before
-        the budget is known (not a GPU worker)."""
+        """``(level, line)`` saying what this process holds against vLLM's budget (by the driver's count where
+        NVML gives it, else the allocator's) and what the plugin's work took of it; WARNING when that is more
+        than the budget. ``None`` before the budget is known (not a GPU worker)."""
         if self.budget_fraction is None:
             return None
         total = self._total()
         budget = self.budget_fraction * total
-        held = self._reserved()
+        held, used = self._reserved(), self._used()
         parts = [f"{what} {self.taken[what] / GIB:.2f} GiB ({self.times[what]}x)"
                  for what in (STEP_GRAPHS, GDN_GRAPHS, HEAD_GRAPHS, GEMM_WARMUP) if self.times[what]]
-        line = (f"clef memory: the allocator holds {held / GIB:.2f} GiB ({self._allocated() / GIB:.2f} GiB in use) "
-                f"against vLLM's budget of {budget / GIB:.2f} GiB (--gpu-memory-utilization {self.budget_fraction:g} "
-                f"of {total / GIB:.1f} GiB); taken after vLLM sized its KV cache: "
+        process = f"this process holds {used / GIB:.2f} GiB of the device, its allocator " if used is not None else \
+            "the allocator holds "
+        line = (f"clef memory: {process}{held / GIB:.2f} GiB ({self._allocated() / GIB:.2f} GiB in use) against "
+                f"vLLM's budget of {budget / GIB:.2f} GiB (--gpu-memory-utilization {self.budget_fraction:g} of "
+                f"{total / GIB:.1f} GiB); taken after vLLM sized its KV cache: "
                 + (", ".join(parts) if parts else "nothing"))
-        if held <= budget:
+        counted = used if used is not None else held
+        if counted <= budget:
             return logging.INFO, line
-        over = held - budget
-        return logging.WARNING, (f"{line}. That is {over / GIB:.2f} GiB beyond the budget (the CUDA context and "
-                                 f"libraries' workspaces come on top): leave the device that much more, e.g. "
-                                 f"--gpu-memory-utilization {max(self.budget_fraction - over / total, 0.0):.3f}")
+        over = counted - budget
+        beside = "" if used is not None else " (the CUDA context and libraries' workspaces come on top)"
+        return logging.WARNING, (f"{line}. That is {over / GIB:.2f} GiB beyond the budget{beside}: leave the "
+                                 f"device that much more, e.g. --gpu-memory-utilization "
+                                 f"{max(self.budget_fraction - over / total, 0.0):.3f}")
 
     def log_report(self, got: tuple[int, str] | None = None) -> None:
         """Log :meth:`report` (or ``got``, one just made; nothing before the budget is known)."""
         got = got or self.report()
         if got is not None:
             log.log(*got)
-            self._logged_taken = sum(self.taken.values())
+            self._logged_held = self._reserved()
             self._warned = self._warned or got[0] >= logging.WARNING
 
     def settle(self) -> None:
-        """After plugin work (the next step's start): log the report when the allocator first holds more than
-        the budget, or the work has taken :data:`LOG_EVERY_BYTES` more since the report was last logged."""
+        """At a step after plugin work, or a periodic one: log the report when the allocator first holds more
+        than the budget, or holds :data:`LOG_EVERY_BYTES` more than when the report was last logged."""
+        if self.budget_fraction is None or _capturing():
+            return                       # a graph capture (vLLM's) runs the model's forward: not now
         self.dirty = False
-        got = self.report()
-        if got is None:
+        if self._reserved() - self._logged_held >= LOG_EVERY_BYTES:
+            self.log_report()
             return
-        if (got[0] >= logging.WARNING and not self._warned) or \
-                sum(self.taken.values()) - self._logged_taken >= LOG_EVERY_BYTES:
+        got = self.report()
+        if got[0] >= logging.WARNING and not self._warned:
             self.log_report(got)
 
 

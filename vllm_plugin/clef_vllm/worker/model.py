@@ -251,12 +251,12 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if trace.PATH is not None:
             trace.event("step_forward", trace.STEP)
         self._steps += 1
-        if memory.LEDGER.dirty:            # plugin work (a capture, the GEMM warm-up) ran in an earlier step
-            memory.LEDGER.settle()
         if self._steps % GRAPH_REPORT_EVERY == 0:
             for name, runner in self.graph_runners().items():
                 log.info("clef %s graphs: %s", name, runner.describe())
             memory.LEDGER.log_report()
+        if memory.LEDGER.dirty or self._steps % memory.CHECK_EVERY_STEPS == 0:
+            memory.LEDGER.settle()         # after plugin work (a capture, the GEMM warm-up), and now and then
         if self.step_graphs is not None and intermediate_tensors is None and inputs_embeds is None:
             out = self.step_graphs.run(self._backbone, input_ids, positions)
             if out is not None:
