@@ -127,7 +127,14 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftyfourth2 (one GPU; ~600 s): fiftyfourth1's first comparison on its own (there, three servers at 0.28 of the
+# PLAN=fiftyfifth1 (one GPU; ~750 s; not run yet): c=64's last ~1 % (thirty-third session: 99.0 % of raw in two runs,
+#        raw faster in every pair): two servers at 0.25 of the GPU each (three at 0.28 left raw too little, fiftyfourth1),
+#        the default and --head-graph-records 64 (a c=64 step's 41 or 23 finishing requests decided from a graph, not
+#        the eager head), each against raw vLLM at c=64 and against each other, 16 blocks of 5 s a point; the servers'
+#        logs now say each full garbage collection of 50 ms or more (hold them against bench/cohorts.py's reshaped
+#        cohorts) and what each engine holds under load (`clef memory:` lines, every GiB more: the driver's count
+#        for the process where NVML lists it, and the allocator's).
+# PLAN=fiftyfourth2 (one GPU; ~600 s; ran twice in the thirty-third session): fiftyfourth1's first comparison on its own (there, three servers at 0.28 of the
 #        GPU each held 48-49 GiB, so raw vLLM's engine found 12.9 GiB free and did not start, and the async server ran
 #        out of memory at c=64): the default server against raw vLLM at c=16/64, 16 blocks of 5 s a point, the
 #        worker's memory ledger in its log ("clef memory:" lines: what the plugin's graphs and warm-up took after
@@ -633,6 +640,13 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftyfifth1_queue0)   # ~750 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_hg64 0 900 env COMPARE="dflt:hg64:short:64 dflt:raw:short:64 hg64:raw:short:64" PAIRS=2000 \
+      TIME_LIMIT=20 PORT0=9520 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "dflt=--load-format dummy" "hg64=--load-format dummy --head-graph-records 64"
   touch "$S/all.done"
   log "all done"
   ;;
