@@ -591,6 +591,8 @@ def test_metrics_count_requests_stages_tokens_batches_and_answers(live):
     assert before[("clef_gc_frozen_objects", ())] > 50_000
     assert ("clef_gc_full_collections", ()) in before and before[("clef_gc_pause_seconds", ())] >= 0
     assert re.search(r"garbage collector: \d+ objects from start-up frozen", live.log())
+    # the event loop's timers are watched from ready on (20 a second): a held loop reads and answers nothing
+    wait_until(lambda: metric(live, "clef_event_loop_lag_seconds_count") > 0, "the loop watcher", 10)
 
     def delta(name, **labels):
         now = metric(live, name, **labels)

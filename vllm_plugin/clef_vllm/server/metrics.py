@@ -11,6 +11,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from clef_vllm import __version__
+from clef_vllm.server.loop_lag import INTERVAL_S, LAG_BUCKETS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                    300.0)
@@ -64,6 +65,9 @@ class ServerMetrics:
                                      "(timeout, client gone)", registry=r)
         self.engine_failures = Counter("clef_engine_failures", "Engine calls that raised", ["reason"], registry=r)
         Gauge("clef_near_tie_margin", "Threshold of the near-tie counter", registry=r).set(near_tie_margin)
+        self.loop_lag = Histogram("clef_event_loop_lag_seconds", "How late the event loop ran a timer due every "
+                                  f"{INTERVAL_S:g} s (nothing is read or sent while it is held)",
+                                  buckets=LAG_BUCKETS, registry=r)
         self.load_seconds = Gauge("clef_model_load_seconds", "Time to load and warm the model", registry=r)
         Info("clef_build", "Server version", registry=r).info({"version": __version__})
 

@@ -29,6 +29,7 @@ from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_r
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
+from clef_vllm.server.loop_lag import watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
 
@@ -211,6 +212,8 @@ class DecisionService:
                  backend.describe(), in_flight, queue, self.settings.request_timeout_s, self.pool.workers, self.limits)
         if self.settings.on_ready is not None:
             self.settings.on_ready()
+        self._tasks.append(self.loop.create_task(
+            watch_loop_lag(self.metrics.loop_lag.observe, lambda: self.status in (READY, DRAINING))))
         await self._watch_health()
 
     async def _load(self, load_backend: Callable[[], Backend]) -> Backend:

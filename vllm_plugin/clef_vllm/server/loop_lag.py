@@ -1,0 +1,39 @@
+"""How late the server's event loop runs its timers: a stalled loop reads no request and sends no answer.
+
+A closed loop of clients at c=64 runs as two cohorts a cycle (41 + 23 short decisions on a 9B); a cohort
+whose requests the front end reads ~200 ms late misses the step it would have joined, and the cycle reshapes
+for a while (docs/latency.md, "Garbage collection stopped the front end"). Whatever holds the loop (a full
+garbage collection, a slow synchronous call), :func:`watch_loop_lag` sees it as a timer that fires late:
+every :data:`INTERVAL_S` it sleeps and measures how much later than asked it woke, hands each lag to
+``observe`` (the server's ``clef_event_loop_lag_seconds``) and logs each stall of :data:`STALL_S` or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("clef_vllm")
+
+#: The watcher wakes this often (s): 20 timers a second, a few microseconds each.
+INTERVAL_S = 0.05
+#: A timer this late (s) or later is a stall, logged as a WARNING.
+STALL_S = 0.1
+#: ``clef_event_loop_lag_seconds``' buckets (s).
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+async def watch_loop_lag(observe: Callable[[float], None], running: Callable[[], bool],
+                         interval_s: float = INTERVAL_S, stall_s: float = STALL_S) -> None:
+    """Until ``running()`` turns false: sleep ``interval_s``, hand the lateness of the wake-up to ``observe`` and
+    log it when it is ``stall_s`` or more."""
+    loop = asyncio.get_running_loop()
+    while running():
+        asked = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        lag = max(loop.time() - asked, 0.0)
+        observe(lag)
+        if lag >= stall_s:
+            log.warning("event loop: a timer ran %.0f ms late (no request was read and no answer sent meanwhile; "
+                        "a full garbage collection in that time says so on its own line)", lag * 1000.0)
