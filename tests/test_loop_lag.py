@@ -1,10 +1,20 @@
-"""The server's event-loop watcher (clef_vllm.server.loop_lag): every lateness observed, a stall logged."""
+"""The event-loop watchers (clef_vllm.server.loop_lag): every lateness observed, a stall logged; the server
+watches its own loop and the backend's."""
 
 import asyncio
 import logging
+import threading
 import time
 
+from clef_vllm.backends.base import Backend
 from clef_vllm.server.loop_lag import watch_loop_lag
+from clef_vllm.server.metrics import ServerMetrics
+from clef_vllm.server.service import READY, DecisionService
+from clef_vllm.server.settings import ServerSettings
+
+
+def stall_lines(caplog, name):
+    return [r for r in caplog.records if r.getMessage().startswith(f"event loop ({name}): a timer ran")]
 
 
 def test_a_held_loop_is_observed_and_logged_and_the_watcher_stops_when_told(caplog):
@@ -13,7 +23,7 @@ def test_a_held_loop_is_observed_and_logged_and_the_watcher_stops_when_told(capl
 
     async def main():
         watcher = asyncio.get_running_loop().create_task(
-            watch_loop_lag(lags.append, lambda: running[0], interval_s=0.01, stall_s=0.15))
+            watch_loop_lag(lags.append, lambda: running[0], "http", interval_s=0.01, stall_s=0.15))
         await asyncio.sleep(0.1)
         time.sleep(0.3)                      # a synchronous call holds the loop
         await asyncio.sleep(0.1)
@@ -21,9 +31,57 @@ def test_a_held_loop_is_observed_and_logged_and_the_watcher_stops_when_told(capl
         await asyncio.wait_for(watcher, 1.0)  # it ends on its own once told
 
     asyncio.run(main())
-    stalls = [r for r in caplog.records if r.getMessage().startswith("event loop: a timer ran")]
+    stalls = stall_lines(caplog, "http")
     assert len(stalls) == 1 and stalls[0].levelno == logging.WARNING
+    assert "no request was read and no answer sent meanwhile" in stalls[0].getMessage()
     late = int(stalls[0].getMessage().split(" ran ")[1].split(" ms")[0])
     assert 200 <= late <= 400
     assert len(lags) >= 10 and max(lags) >= 0.2 and min(lags) >= 0.0
     assert sorted(lags)[len(lags) // 2] < 0.15  # a free loop's timers run about on time
+
+
+class LoopBackend(Backend):
+    """A backend with an event loop of its own in a thread (as the vLLM backend's engine thread)."""
+
+    name = "loops"
+
+    def __init__(self):
+        self.engine_loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.engine_loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def event_loops(self):
+        return {"engine": self.engine_loop}
+
+    def decide_batch(self, encoded):
+        raise NotImplementedError
+
+    def close(self):
+        self.engine_loop.call_soon_threadsafe(self.engine_loop.stop)
+        self.thread.join(5)
+
+
+def test_the_server_watches_its_loop_and_the_backends_and_cancels_the_backends_watcher_first(caplog):
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    metrics = ServerMetrics()
+    service = DecisionService(ServerSettings(), metrics)
+    backend = LoopBackend()
+
+    async def main():
+        service.loop = asyncio.get_running_loop()
+        service.status = READY
+        service._watch_loops(backend)
+        await asyncio.sleep(0.3)
+        backend.engine_loop.call_soon_threadsafe(time.sleep, 0.25)   # the engine thread's loop is held
+        await asyncio.sleep(0.5)
+        watcher = service._loop_watchers[0]
+        await service.close()                 # cancels the watchers, then closes the backend
+        assert watcher.done() and not watcher.cancelled()     # it ended on its own
+
+    service.backend = backend
+    asyncio.run(main())
+    counts = {loop: metrics.registry.get_sample_value("clef_event_loop_lag_seconds_count", {"loop": loop})
+              for loop in ("http", "engine")}
+    assert counts["http"] >= 5 and counts["engine"] >= 5
+    assert len(stall_lines(caplog, "engine")) == 1 and stall_lines(caplog, "http") == []
+    assert "no request reached the engine" in stall_lines(caplog, "engine")[0].getMessage()

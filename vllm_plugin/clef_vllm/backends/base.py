@@ -103,6 +103,11 @@ class Backend(ABC):
         """What runs where, for startup logs and ``/v1/models``."""
         return {"backend": self.name}
 
+    def event_loops(self) -> dict[str, asyncio.AbstractEventLoop]:
+        """The event loops of the backend's own threads, by name (the server watches how late their timers run,
+        as it does its own: :mod:`clef_vllm.server.loop_lag`). None by default."""
+        return {}
+
     def check_health(self) -> None:  # noqa: B027 - optional hook: healthy by default
         """Raise :class:`BackendDeadError` if the engine can no longer serve (cheap; polled by the server)."""
 

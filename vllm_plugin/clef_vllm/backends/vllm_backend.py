@@ -498,6 +498,10 @@ class VllmBackend(Backend):
         if not self._thread.is_alive():
             raise BackendDeadError("the vLLM engine loop thread stopped")
 
+    def event_loops(self) -> dict[str, asyncio.AbstractEventLoop]:
+        """The engine thread's loop: AsyncLLM's output handling and every request's engine call run on it."""
+        return {"engine": self._loop}
+
     def suggested_max_in_flight(self) -> int:
         """vLLM's own concurrency: max_num_seqs per engine, times the data-parallel engines."""
         return int(self.kwargs["max_num_seqs"]) * int(self.kwargs["data_parallel_size"])

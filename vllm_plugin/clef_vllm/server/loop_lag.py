@@ -20,14 +20,18 @@ log = logging.getLogger("clef_vllm")
 INTERVAL_S = 0.05
 #: A timer this late (s) or later is a stall, logged as a WARNING.
 STALL_S = 0.1
+#: What a held loop stops, by its name.
+HELD = {"http": "no request was read and no answer sent meanwhile",
+        "engine": "no request reached the engine and no engine output was handed on meanwhile"}
 #: ``clef_event_loop_lag_seconds``' buckets (s).
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-async def watch_loop_lag(observe: Callable[[float], None], running: Callable[[], bool],
+async def watch_loop_lag(observe: Callable[[float], None], running: Callable[[], bool], name: str = "http",
                          interval_s: float = INTERVAL_S, stall_s: float = STALL_S) -> None:
-    """Until ``running()`` turns false: sleep ``interval_s``, hand the lateness of the wake-up to ``observe`` and
-    log it when it is ``stall_s`` or more."""
+    """On the running loop (``name`` in the log: ``http``, the server's; ``engine``, the vLLM backend's engine
+    thread's), until ``running()`` turns false: sleep ``interval_s``, hand the lateness of the wake-up to
+    ``observe`` and log it when it is ``stall_s`` or more."""
     loop = asyncio.get_running_loop()
     while running():
         asked = loop.time() + interval_s
@@ -35,5 +39,5 @@ async def watch_loop_lag(observe: Callable[[float], None], running: Callable[[],
         lag = max(loop.time() - asked, 0.0)
         observe(lag)
         if lag >= stall_s:
-            log.warning("event loop: a timer ran %.0f ms late (no request was read and no answer sent meanwhile; "
-                        "a full garbage collection in that time says so on its own line)", lag * 1000.0)
+            log.warning("event loop (%s): a timer ran %.0f ms late (%s; a full garbage collection in that time says "
+                        "so on its own line)", name, lag * 1000.0, HELD.get(name, "held"))

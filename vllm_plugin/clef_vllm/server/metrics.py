@@ -65,9 +65,9 @@ class ServerMetrics:
                                      "(timeout, client gone)", registry=r)
         self.engine_failures = Counter("clef_engine_failures", "Engine calls that raised", ["reason"], registry=r)
         Gauge("clef_near_tie_margin", "Threshold of the near-tie counter", registry=r).set(near_tie_margin)
-        self.loop_lag = Histogram("clef_event_loop_lag_seconds", "How late the event loop ran a timer due every "
-                                  f"{INTERVAL_S:g} s (nothing is read or sent while it is held)",
-                                  buckets=LAG_BUCKETS, registry=r)
+        self.loop_lag = Histogram("clef_event_loop_lag_seconds", "How late an event loop ran a timer due every "
+                                  f"{INTERVAL_S:g} s (http: the server's, nothing is read or sent while it is held; "
+                                  "engine: the backend's engine thread's)", ["loop"], buckets=LAG_BUCKETS, registry=r)
         self.load_seconds = Gauge("clef_model_load_seconds", "Time to load and warm the model", registry=r)
         Info("clef_build", "Server version", registry=r).info({"version": __version__})
 

@@ -9,6 +9,7 @@ or ``failed`` (load failed, or the engine died: refuse everything and let the CL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import gc
@@ -29,7 +30,7 @@ from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_r
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
-from clef_vllm.server.loop_lag import watch_loop_lag
+from clef_vllm.server.loop_lag import INTERVAL_S, watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
 
@@ -130,6 +131,8 @@ class DecisionService:
         self.abandon: asyncio.Event | None = None      # the shutdown timeout passed: answer everything now
         self.abandon_cause = "--shutdown-timeout"      # or "a second SIGTERM" (abandon_now)
         self._tasks: list[asyncio.Task] = []
+        self._loop_watchers: list = []           # concurrent futures of the watchers on the backend's own loops
+        self._closing = False
         self.limits: RequestLimits | None = None
         self.pool = CpuPool(settings.cpu_workers or default_cpu_workers(), settings.cpu_inline_bytes)
         self.trimmer = Trimmer(self.pool)
@@ -212,9 +215,19 @@ class DecisionService:
                  backend.describe(), in_flight, queue, self.settings.request_timeout_s, self.pool.workers, self.limits)
         if self.settings.on_ready is not None:
             self.settings.on_ready()
-        self._tasks.append(self.loop.create_task(
-            watch_loop_lag(self.metrics.loop_lag.observe, lambda: self.status in (READY, DRAINING))))
+        self._watch_loops(backend)
         await self._watch_health()
+
+    def _watch_loops(self, backend: Backend) -> None:
+        """Watch how late this loop's timers run, and the backend's own loops' (``clef_event_loop_lag_seconds``)."""
+        def serving() -> bool:
+            return self.status in (READY, DRAINING) and not self._closing
+
+        lag = self.metrics.loop_lag
+        self._tasks.append(self.loop.create_task(watch_loop_lag(lag.labels("http").observe, serving, "http")))
+        for name, loop in backend.event_loops().items():
+            self._loop_watchers.append(asyncio.run_coroutine_threadsafe(
+                watch_loop_lag(lag.labels(name).observe, serving, name), loop))
 
     async def _load(self, load_backend: Callable[[], Backend]) -> Backend:
         backend = await in_daemon_thread(load_backend)
@@ -283,8 +296,12 @@ class DecisionService:
             callback(*args)
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
+        for watcher in self._loop_watchers:      # they end at their next wake-up, before the backend stops their loops
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.wrap_future(watcher), 4 * INTERVAL_S)
         self.pool.close()
         if self.backend is not None:
             backend, self.backend = self.backend, None
