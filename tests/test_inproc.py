@@ -262,6 +262,8 @@ def test_the_vllm_backend_answers_through_the_engine_thread_and_reports_its_deat
 
     with vllm_cpu.bare_vllm_backend(max_num_seqs=8, data_parallel_size=1) as backend:
         backend.engine = ThreadedEngine(lambda: Pooling(steps=1), backend._loop)
+        # the loop every engine call and AsyncLLM's output handling run on: the server watches its timers too
+        assert backend.event_loops() == {"engine": backend._loop} and backend._loop.is_running()
         try:
             [probs] = backend.decide_batch([encoded])
             assert torch.equal(probs, torch.tensor([0.25, 0.75]))
