@@ -768,6 +768,42 @@ def test_a_blocks_steady_throughput_is_concurrency_over_mean_latency_after_its_s
     assert all(blk["answers_per_group"] == pytest.approx(4, abs=0.5) for blk in blocks)
     assert b["answer_groups"][-1][0] == 4 and sum(size * n for size, n in b["answer_groups"]) == b["ok"]
     assert s["answers_per_group"]["b"] == pytest.approx(4, abs=0.5) and "answers/group A B" in table
+    # each block says when it started and how late the clients' own loop ran its timers (none held here)
+    assert all(blk["started_unix"] > 1.7e9 and blk["client_loop_stalls"] == [] for blk in blocks)
+    assert all(0 <= blk["client_loop_lag_max_ms"] < 100 for blk in blocks)
+
+
+def test_a_block_records_when_the_clients_own_loop_was_held():
+    """A client whose loop is held (a synchronous 0.25 s call in one send) shows as a stall of its block, at
+    the time it happened; the other block has none."""
+    import asyncio
+    import time
+
+    from clef_vllm.bench.loadgen import Outcome
+    from clef_vllm.bench.paired import blocks_summary, paired_table, run_blocks
+
+    held = []
+
+    async def holding(req):
+        await asyncio.sleep(0.01)
+        if not held:
+            held.append(req)
+            time.sleep(0.25)
+        return Outcome("200", 0.01)
+
+    async def free(req):
+        await asyncio.sleep(0.01)
+        return Outcome("200", 0.01)
+
+    blocks, _ = asyncio.run(run_blocks(list(range(400)), 2, holding, free, blocks=2, block_s=0.6))
+    a, b = blocks
+    assert len(a["client_loop_stalls"]) == 1 and b["client_loop_stalls"] == []
+    at, ms = a["client_loop_stalls"][0]
+    assert 200 <= ms <= 400 and 0.0 <= at <= 0.5 and a["client_loop_lag_max_ms"] == ms
+    table = paired_table({"target": {"a": "A", "b": "B"},
+                          "variants": [{"variant": "short", "concurrency": 2, "blocks": blocks, "wrapped": False,
+                                        **blocks_summary(blocks)}]})
+    assert "(clients' loop held >= 100 ms: A 1, B 0)" in table
 
 
 def test_pairs_alternate_which_server_goes_first_and_stop_at_the_time_limit():

@@ -28,6 +28,9 @@ after :data:`STEADY_FROM` of the block); ``steady_ratio`` compares those per pai
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
 import statistics
 import time
 from collections import Counter
@@ -36,6 +39,7 @@ from typing import Any, Callable, Sequence
 from .cohorts import size_histogram, split_groups
 from .loadgen import Outcome, closed_loop, percentile, stage_medians
 from .workloads import BenchRequest
+from clef_vllm.server.loop_lag import STALL_S, watch_loop_lag
 
 #: consecutive pairs per block: a block is one short stretch of time, and its ratio one sample
 DEFAULT_BLOCK = 20
@@ -119,13 +123,27 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
     for k in range(blocks):
         side = block_side(k)
         reqs = [pool[(cursor + i) % len(pool)] for i in range(len(pool))]
-        t0 = time.perf_counter()
+        t0, started_unix = time.perf_counter(), time.time()
 
         async def timed(req, send=sends[side], t0=t0):
             started = time.perf_counter() - t0
             return started, await send(req)
 
-        results, wall = await closed_loop(reqs, concurrency, timed, time_limit=block_s)
+        # the clients' own loop: a late timer here holds every client (and an in-process raw engine's output
+        # handling), whichever server the block is on
+        lags: list[tuple[float, float]] = []
+        running = [True]
+        watcher = asyncio.get_running_loop().create_task(watch_loop_lag(
+            lambda lag, t0=t0, lags=lags: lags.append((time.perf_counter() - t0, lag)),
+            lambda running=running: running[0], "client",
+            stall_s=math.inf))
+        try:
+            results, wall = await closed_loop(reqs, concurrency, timed, time_limit=block_s)
+        finally:
+            running[0] = False
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         done = [r for r in results if r is not None]
         cursor += len(done)
         ok = [o.latency_s for _, o in done if o.ok]
@@ -138,7 +156,12 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
                     "p50_ms": None if not ok else round(percentile(ok, 50) * 1000, 3), "statuses": statuses,
                     # the answers as they came back, in groups (one engine step's each): the clients' cohorts
                     "answer_groups": size_histogram(answered),
-                    "answers_per_group": round(len(ok) / len(answered), 2) if answered else None})
+                    "answers_per_group": round(len(ok) / len(answered), 2) if answered else None,
+                    # when the block started (to hold against a server's log) and how late the clients' loop ran
+                    # its timers: the worst, and each one STALL_S late or more as (seconds into the block, ms)
+                    "started_unix": round(started_unix, 3),
+                    "client_loop_lag_max_ms": round(max((lag for _, lag in lags), default=0.0) * 1000, 1),
+                    "client_loop_stalls": [[round(at, 3), round(lag * 1000, 1)] for at, lag in lags if lag >= STALL_S]})
         if on_done is not None:
             on_done(1)
     return out, cursor > len(pool)
@@ -239,5 +262,16 @@ def paired_table(results: dict) -> str:
                   f"{_num(v['b_req_per_s'], '.1f'):>8} {_num(v['ratio'], '.3f'):>7}  "
                   f"{_spread(v['pair_ratios'], v['b_faster_pairs']):<28} {_num(v['p50_ratio'], '.3f'):>7}  "
                   f"{_num(v.get('steady_ratio'), '.3f')} ({_steady_spread(v)})  {_groups(v)}"
-                  + ("  (pool wrapped: requests repeated)" if v["wrapped"] else "") for v in several]
+                  + ("  (pool wrapped: requests repeated)" if v["wrapped"] else "") + _client_stalls(v)
+                  for v in several]
     return "\n".join(lines)
+
+
+def _client_stalls(variant: dict) -> str:
+    """``"  (clients' loop held >= 100 ms: A 1, B 0)"`` when a block's clients were held (their own loop ran a
+    timer that late: every client of that block waited, whichever server it was on), else nothing."""
+    held = {side: sum(len(blk.get("client_loop_stalls") or ()) for blk in variant["blocks"] if blk["side"] == side)
+            for side in "ab"}
+    if not any(held.values()):
+        return ""
+    return f"  (clients' loop held >= {STALL_S * 1000:.0f} ms: A {held['a']}, B {held['b']})"
