@@ -132,8 +132,8 @@
 #        the default and --head-graph-records 64 (a c=64 step's 41 or 23 finishing requests decided from a graph, not
 #        the eager head), each against raw vLLM at c=64 and against each other, 16 blocks of 5 s a point; the servers'
 #        logs now say each full garbage collection of 50 ms or more and each event-loop timer 100 ms late (hold
-#        them against bench/cohorts.py's reshaped cohorts: a cohort read ~230 ms late in the thirty-third session;
-#        clef-bench's blocks now also record their clients' own loop stalls and start times) and what each engine holds under load (`clef memory:` lines, every GiB more: the driver's count
+#        them against bench/cohorts.py's late groups, `--blocks` with the run's clef-bench JSON; clef-bench's
+#        blocks now also record their clients' own loop stalls and start times) and what each engine holds under load (`clef memory:` lines, every GiB more: the driver's count
 #        for the process where NVML lists it, and the allocator's).
 # PLAN=fiftyfourth2 (one GPU; ~600 s; ran twice in the thirty-third session): fiftyfourth1's first comparison on its own (there, three servers at 0.28 of the
 #        GPU each held 48-49 GiB, so raw vLLM's engine found 12.9 GiB free and did not start, and the async server ran

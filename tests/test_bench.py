@@ -1479,6 +1479,53 @@ def test_cohorts_groups_a_servers_answers_into_steps_and_times_the_clients_retur
     assert "11 answers in 3 groups" in capsys.readouterr().out
 
 
+def test_cohorts_lists_late_groups_with_the_servers_held_loop_lines_and_leaves_out_block_ends(tmp_path, capsys):
+    """A group of 6 answers whose clients came back only 230 ms later is a late group, printed with the server's
+    held-loop line 100 ms after it (and not with one 5 s away); given clef-bench's blocks, a group that a block's
+    start follows is a block's end instead. A group whose clients came back at once is not late."""
+    import logging
+
+    from clef_vllm.server.logs import JsonFormatter, TextFormatter
+
+    cohorts = bench_script("cohorts")
+    t0 = 1_764_800_000.0
+
+    def record(level, logger, msg, when, **fields):
+        rec = logging.LogRecord(logger, level, __file__, 1, msg, None, None)
+        rec.created, rec.msecs = when, round((when - int(when)) * 1000)
+        for key, value in fields.items():
+            setattr(rec, key, value)
+        return rec
+
+    def access(when, ms):
+        return record(logging.INFO, "clef_vllm.access", "request", when, method="POST", path="/v1/systemone",
+                      status=200, reason="ok", duration_ms=ms, input_tokens=400, questions=3)
+
+    # 6 answered at t0 (back within 3 ms: answered at t0 + 0.1), those 6 answered at t0 + 0.1 and back only at
+    # t0 + 0.33, answered at t0 + 0.5
+    answers = [access(t0 + 0.001 * i, 90) for i in range(6)]
+    answers += [access(t0 + 0.1 + 0.001 * i, 97 - i) for i in range(6)]
+    answers += [access(t0 + 0.5 + 0.001 * i, 170 - i) for i in range(6)]
+    held = [record(logging.WARNING, "clef_vllm", "event loop (http): a timer ran 220 ms late (held)", t0 + 0.2),
+            record(logging.WARNING, "clef_vllm", "garbage collector: a full collection stopped the event loop for "
+                   "60 ms", t0 + 5.0)]
+    for name, formatter in (("text", TextFormatter()), ("json", JsonFormatter())):
+        log = tmp_path / f"server_{name}.log"
+        log.write_text("\n".join(formatter.format(r) for r in answers + held) + "\n")
+        out = tmp_path / f"{name}.json"
+        assert cohorts.main([str(log), "--json", str(out)]) == 0
+        summary = json.loads(out.read_text())
+        assert [(g["size"], g["back"]) for g in summary["late_groups"]] == [(6, 0)], name
+        late = summary["late_groups"][0]
+        assert 225 <= late["next_after_ms"] <= 235 and summary["held_lines"] == 1, name   # the GC line is later
+        assert [ms for ms, _ in late["held_lines_near"]] == [95] and "220 ms late" in late["held_lines_near"][0][1]
+        bench = tmp_path / "bench.json"
+        bench.write_text(json.dumps({"variants": [{"blocks": [{"started_unix": t0 - 10}, {"started_unix": t0 + 0.3}]}]}))
+        assert cohorts.main([str(log), "--blocks", str(bench), "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["late_groups"] == [], name
+    assert "late groups (fewer than half back within 50 ms): 1" in capsys.readouterr().out
+
+
 def test_clef_bench_measures_with_its_heap_frozen_and_gives_it_back():
     """A full garbage collection over the bench process's ~0.5 M start-up objects pauses every client for ~0.4 s
     (bench/results/cpu_gc_full_collections_*.json): clef-bench freezes them while it measures, and unfreezes them

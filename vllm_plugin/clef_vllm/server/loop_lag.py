@@ -1,9 +1,10 @@
 """How late the server's event loop runs its timers: a stalled loop reads no request and sends no answer.
 
 A closed loop of clients at c=64 runs as two cohorts a cycle (41 + 23 short decisions on a 9B); a cohort
-whose requests the front end reads ~200 ms late misses the step it would have joined, and the cycle reshapes
-for a while (docs/latency.md, "Garbage collection stopped the front end"). Whatever holds the loop (a full
-garbage collection, a slow synchronous call), :func:`watch_loop_lag` sees it as a timer that fires late:
+whose requests the front end reads late misses the step it would have joined, and the cycle reshapes for a
+while (full garbage collections held cohorts ~300 ms before start-up's objects were frozen: docs/latency.md,
+"Garbage collection stopped the front end"). Whatever holds the loop (a full garbage collection, a slow
+synchronous call), :func:`watch_loop_lag` sees it as a timer that fires late:
 every :data:`INTERVAL_S` it sleeps and measures how much later than asked it woke, hands each lag to
 ``observe`` (the server's ``clef_event_loop_lag_seconds``) and logs each stall of :data:`STALL_S` or more.
 """
