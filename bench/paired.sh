@@ -17,7 +17,8 @@
 # BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
 # $OUT/<A>_vs_<B>_c<CONCURRENCIES>.json/.txt otherwise (e.g. core_vs_step_c16-64), $OUT/server_<NAME>.log,
 # $OUT/startup.txt (each server's start: seconds to ready, weights, KV cache, kernel lines), $OUT/metrics_<NAME>.txt
-# (each server's /metrics after the last comparison), $OUT/paired.log.
+# (each server's /metrics after the last comparison), $OUT/paired.log. GPU_EXTRA [0.07]: what each engine holds
+# beyond its share (below); a plan whose servers and raw engine cannot fit on the GPU exits 2 before starting any.
 set -uo pipefail
 CKPT=${1:?usage: COMPARE="a:b:short" bash bench/paired.sh CKPT NAME=ARGS...}
 shift
@@ -31,6 +32,23 @@ TIME_LIMIT=${TIME_LIMIT:-25}
 BENCH_ARGS=${BENCH_ARGS:-}
 PORT0=${PORT0:-8900}
 log() { echo "[paired $(date +%H:%M:%S)] $*" | tee -a "$OUT/paired.log" >&2; }
+
+# The GPU's memory: each engine holds its share and ~GPU_EXTRA more by the driver's count (a 9B engine at 0.28 of
+# an H200 held 48-49 GiB under load in the thirty-third session, ~0.065 of the GPU beyond its budget: the plugin's
+# graphs and buffers, the CUDA context), and raw vLLM's engine (started last, inside clef-bench) needs its share
+# free when it starts. Plans that cannot fit are refused before any server starts (that session's three servers at
+# 0.28 left raw 12.9 GiB and it did not start). Skipped for servers without a GPU (--backend reference).
+GPU_EXTRA=${GPU_EXTRA:-0.07}
+if [[ " $SERVER_FLAGS " != *" --backend reference "* ]]; then
+  raw=0
+  for entry in $COMPARE; do IFS=: read -r _ b _ <<<"$entry"; [ "$b" = raw ] && raw=1; done
+  need=$(awk -v n=$# -v r=$raw -v s="$GPU_SHARE" -v e="$GPU_EXTRA" 'BEGIN { printf "%.3f", n * (s + e) + r * s }')
+  if awk -v x="$need" 'BEGIN { exit !(x > 1.0) }'; then
+    with_raw=""; (( raw )) && with_raw=" and raw vLLM's engine"
+    log "refused: $# server(s) at GPU_SHARE $GPU_SHARE (each ~$GPU_EXTRA more beyond it)$with_raw need $need of the GPU; lower GPU_SHARE or compare fewer servers at once"
+    exit 2
+  fi
+fi
 
 declare -A URL=()
 PGIDS=()

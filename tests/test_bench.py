@@ -973,6 +973,28 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_paired_script_refuses_a_plan_whose_engines_cannot_fit_on_the_gpu(tiny_release, tmp_path):
+    """Three GPU servers at 0.28 of the GPU and raw vLLM after them (the thirty-third session's first plan: the
+    servers held 48-49 GiB each and raw's engine did not start) are refused before any server starts, naming
+    what they need; two at 0.25 with raw fit, and so do reference servers (no GPU)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def run(compare, *servers, **extra):
+        env = {**os.environ, "OUT": str(tmp_path), "COMPARE": compare, "PORT0": str(_free_port_pair()),
+               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **extra}
+        return subprocess.run(["bash", str(root / "bench/paired.sh"), str(tiny_release), *servers], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    proc = run("a:raw:short:16,64 b:a:short:64", "a=--load-format dummy", "b=--gc-freeze off", "c=")
+    assert proc.returncode == 2
+    assert ("refused: 3 server(s) at GPU_SHARE 0.28 (each ~0.07 more beyond it) and raw vLLM's engine need 1.330 "
+            "of the GPU") in proc.stderr
+    assert not list(tmp_path.glob("server_*.log"))            # nothing started
+    fits = run("a:raw:short:64", "a=--definitely-not-a-flag", GPU_SHARE="0.25", GPU_EXTRA="0.07")
+    assert "refused" not in fits.stderr and fits.returncode != 2  # past the check (this server then fails to start)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_tokens, tmp_path):
     """bench/paired.sh on two reference servers: the same two servers compared at c=1 and at c=2 leave two
     result files (the c=2 entry once overwrote the c=1 one, and a GPU session's per-pair data was lost)."""
