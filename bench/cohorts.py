@@ -54,28 +54,6 @@ def block_starts(path: str) -> list[float]:
                   if blk.get("started_unix") is not None)
 
 
-def held_lines(lines) -> list[tuple[float, str]]:
-    """``(time, message)`` of the server's lines about a held event loop (text and JSON formats)."""
-    out = []
-    for line in lines:
-        if line.startswith("{"):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            msg = str(rec.get("message", ""))
-            if msg.startswith(HELD_JSON):
-                when = datetime.datetime.strptime(rec["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-                    tzinfo=datetime.timezone.utc).timestamp()
-                out.append((when, msg))
-            continue
-        m = HELD.match(line)
-        if m:
-            when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
-            out.append((when, m.group(3)))
-    return sorted(out)
-
-
 def late_groups(done: list[tuple[float, float]], gap_s: float, back_s: float, smallest: int = 4,
                 starts: list[float] = ()) -> list[dict]:
     """Groups of at least ``smallest`` answers of which fewer than half came back (a request arriving) within
@@ -102,26 +80,35 @@ def late_groups(done: list[tuple[float, float]], gap_s: float, back_s: float, sm
     return out
 
 
-def answers(lines) -> list[tuple[float, float]]:
-    """``(answered_at, duration_s)`` of every access-log line (seconds since the epoch, local clock)."""
-    out = []
+def read_log(lines) -> tuple[list[tuple[float, float]], list[tuple[float, str]]]:
+    """From a server log (text or JSON format): ``(answered_at, duration_s)`` of every access-log line, and
+    ``(time, message)`` of the server's lines about a held event loop; seconds since the epoch (the text
+    format's local clock), each list in time order."""
+    done, held = [], []
     for line in lines:
         if line.startswith("{"):
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("logger") != "clef_vllm.access" or "duration_ms" not in rec:
+            if "ts" not in rec:
                 continue
             when = datetime.datetime.strptime(rec["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(
                 tzinfo=datetime.timezone.utc).timestamp()
-            out.append((when, float(rec["duration_ms"]) / 1000.0))
+            message = str(rec.get("message", ""))
+            if rec.get("logger") == "clef_vllm.access" and "duration_ms" in rec:
+                done.append((when, float(rec["duration_ms"]) / 1000.0))
+            elif message.startswith(HELD_JSON):
+                held.append((when, message))
             continue
-        m = TEXT.match(line)
+        m = TEXT.match(line) or HELD.match(line)
         if m:
             when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
-            out.append((when, float(m.group(3)) / 1000.0))
-    return sorted(out)
+            if m.re is TEXT:
+                done.append((when, float(m.group(3)) / 1000.0))
+            else:
+                held.append((when, m.group(3)))
+    return sorted(done), sorted(held)
 
 
 def summary(done: list[tuple[float, float]], gap_s: float) -> dict:
@@ -155,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with open(args.log, errors="replace") as fh:
         lines = fh.readlines()
-    done, held = answers(lines), held_lines(lines)
+    done, held = read_log(lines)
 
     def clock(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%H:%M:%S")
