@@ -91,7 +91,10 @@ def test_settle_logs_the_first_overrun_once_then_every_gib_more_held(caplog):
     assert len(grow(0.25)) == 1                      # the first look: 49.25 GiB held, 1 GiB more than nothing said
     over = grow(0.9)                                 # 50.15 GiB: the first overrun is said at once
     assert [r.levelno for r in over] == [logging.WARNING]
+    queried = []
+    ledger._used = lambda: queried.append(1)         # the driver's count is asked only to report
     assert grow(0.5) == []                           # still over, less than 1 GiB more since: quiet
+    assert queried == []                             # and, the overrun said, the driver is not asked again
     assert len(grow(0.6, capture=False)) == 1        # 1.1 GiB more held since the last line, under load
     dev.reserved -= 3 * GIB                          # a capture emptied the cache: held shrinks, nothing to say
     assert grow(0.2) == []

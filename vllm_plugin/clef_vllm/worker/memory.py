@@ -143,8 +143,10 @@ class Ledger:
         if self._reserved() - self._logged_held >= LOG_EVERY_BYTES:
             self.log_report()
             return
+        if self._warned:
+            return                       # the overrun was said: only growth is news (no driver query per check)
         got = self.report()
-        if got[0] >= logging.WARNING and not self._warned:
+        if got[0] >= logging.WARNING:
             self.log_report(got)
 
 
