@@ -132,16 +132,13 @@ async def run_blocks(pool: Sequence[BenchRequest], concurrency: int, send_a: Cal
         # the clients' own loop: a late timer here holds every client (and an in-process raw engine's output
         # handling), whichever server the block is on
         lags: list[tuple[float, float]] = []
-        running = [True]
         watcher = asyncio.get_running_loop().create_task(watch_loop_lag(
-            lambda lag, t0=t0, lags=lags: lags.append((time.perf_counter() - t0, lag)),
-            lambda running=running: running[0], "client",
+            lambda lag, t0=t0, lags=lags: lags.append((time.perf_counter() - t0, lag)), lambda: True, "client",
             stall_s=math.inf))
         try:
             results, wall = await closed_loop(reqs, concurrency, timed, time_limit=block_s)
         finally:
-            running[0] = False
-            watcher.cancel()
+            watcher.cancel()                     # on this loop: it stops at once
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         done = [r for r in results if r is not None]
