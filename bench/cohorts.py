@@ -32,12 +32,15 @@ import sys
 
 from clef_vllm.bench.cohorts import GROUP_GAP_S, size_histogram, split_groups
 from clef_vllm.bench.loadgen import percentile
+from clef_vllm.heap import LONG_PAUSE_LINE
+from clef_vllm.server.loop_lag import STALL_LINE
 
 TEXT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO clef_vllm\.access\b.*? duration_ms=([\d.]+)")
-#: the server's lines about a held event loop (clef_vllm.heap, clef_vllm.server.loop_lag), text format
+#: the server's lines about a held event loop (clef_vllm.heap, clef_vllm.server.loop_lag) start so
+HELD_JSON = (LONG_PAUSE_LINE, STALL_LINE)
+#: ... and in the text format
 HELD = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) WARNING \S+: "
-                  r"((?:garbage collector: a full collection stopped|event loop \().*)")
-HELD_JSON = ("garbage collector: a full collection stopped", "event loop (")
+                  r"((?:" + "|".join(re.escape(start) for start in HELD_JSON) + r").*)")
 #: a late group's neighbourhood, seconds each side, for the held-loop lines printed with it
 NEAR_S = 0.5
 #: no request for this long after a group: the clients stopped (a time block's end), not a late group

@@ -21,6 +21,8 @@ log = logging.getLogger("clef_vllm")
 INTERVAL_S = 0.05
 #: A timer this late (s) or later is a stall, logged as a WARNING.
 STALL_S = 0.1
+#: How a stall's log line starts (then the loop's name): ``bench/cohorts.py`` finds these lines by it.
+STALL_LINE = "event loop ("
 #: What a held loop stops, by its name.
 HELD = {"http": "no request was read and no answer sent meanwhile",
         "engine": "no request reached the engine and no engine output was handed on meanwhile"}
@@ -40,5 +42,5 @@ async def watch_loop_lag(observe: Callable[[float], None], running: Callable[[],
         lag = max(loop.time() - asked, 0.0)
         observe(lag)
         if lag >= stall_s:
-            log.warning("event loop (%s): a timer ran %.0f ms late (%s; a full garbage collection in that time says "
-                        "so on its own line)", name, lag * 1000.0, HELD.get(name, "held"))
+            log.warning(STALL_LINE + "%s): a timer ran %.0f ms late (%s; a full garbage collection in that time "
+                        "says so on its own line)", name, lag * 1000.0, HELD.get(name, "held"))

@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable, Iterator
 from clef_vllm.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
 from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.heap import FullCollections, freeze_heap
+from clef_vllm.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
 from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
@@ -175,8 +175,8 @@ class DecisionService:
         """A full garbage collection of ``ms`` (at least :data:`clef_vllm.heap.LONG_PAUSE_MS`) stopped the event
         loop: say so once serving (the load's and the freeze's own collections are expected)."""
         if self.status in (READY, DRAINING):
-            log.warning("garbage collector: a full collection stopped the event loop for %.0f ms (it freed %d "
-                        "unreachable objects; %d frozen objects not walked)", ms, freed, gc.get_freeze_count())
+            log.warning(LONG_PAUSE_LINE + " for %.0f ms (it freed %d unreachable objects; %d frozen objects not "
+                        "walked)", ms, freed, gc.get_freeze_count())
 
     async def run(self, load_backend: Callable[[], Backend]) -> None:
         """Load the backend (in a thread), start it, then watch its health until the loop ends."""
