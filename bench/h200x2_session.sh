@@ -127,6 +127,17 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftysixth2 (one GPU; ~650 s): fiftysixth1 again at c=64 after its finding: vLLM turns on Triton's disk cache
+#        of autotuning results, so the tuned server (started first) had written its last class's choices for every
+#        later process on the machine: --gdn-tuning off and raw vLLM ran them too (both matched the tuned server).
+#        The classed tuners now neither read nor write that cache: the default against raw vLLM and against
+#        --gdn-tuning off at c=64, 16 blocks of 5 s a point, on a fresh machine.
+# PLAN=fiftysixth1 (one GPU; ~1,150 s; ran in the thirty-fourth session, every job): the GDN kernels tuned per shape class at start-up (--gdn-tuning, the new
+#        default; bench/gdn_configs.py timed every config at each step shape: vLLM's one tuning at 64 tokens costs
+#        a 41-request step ~10.8 ms) and the span sums over span rows only (~0.9 ms of a 41-request step's head):
+#        two servers at 0.25 of the GPU, the default against raw vLLM at c=16/64 and against --gdn-tuning off at
+#        c=64, 16 blocks of 5 s a point (the server logs say what the tuning chose, how long it took, and any
+#        kernel tuned later at a first call); then the tiny parity (240 requests a layout).
 # PLAN=fiftyfifth1 (one GPU; ~750 s; not run yet): c=64's last ~1 % (thirty-third session: 99.0 % of raw in two runs,
 #        raw faster in every pair): two servers at 0.25 of the GPU each (three at 0.28 left raw too little, fiftyfourth1),
 #        the default and --head-graph-records 64 (a c=64 step's 41 or 23 finishing requests decided from a graph, not
@@ -641,6 +652,21 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftysixth2_queue0)   # ~650 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_tune 0 900 env COMPARE="dflt:raw:short:64 notune:dflt:short:64" PAIRS=2000 \
+      TIME_LIMIT=20 PORT0=9540 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftysixth1_queue0)   # ~1,150 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_tune 0 1000 env COMPARE="dflt:raw:short:16,64 notune:dflt:short:64" PAIRS=2000 \
+      TIME_LIMIT=20 PORT0=9530 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
+  job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   touch "$S/all.done"
   log "all done"
   ;;

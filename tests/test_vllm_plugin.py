@@ -124,6 +124,9 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # the GDN metadata memo: on unless told (the worker reads an explicit False)
     assert "clef_gdn_metadata_memo" not in one.additional_config
     assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
+    # the GDN kernels tuned per shape class at start-up unless told (clef_vllm.worker.gdn_tuning)
+    assert one.additional_config["clef_gdn_tuning"] is True
+    assert "clef_gdn_tuning" not in engine_kwargs(tiny_release, gdn_tuning=False)["additional_config"]
     # NVFP4 layers: auto unless told (the worker's nvfp4_bf16.install reads the key and resolves auto by its GPU);
     # vLLM's own kernel with --nvfp4-kernel vllm
     assert one.additional_config["clef_nvfp4_kernel"] == "auto"
@@ -408,7 +411,7 @@ def test_the_pooler_marks_each_step_in_the_request_trace(release_model, encoder,
     from clef_vllm.worker.model import ClefFlashForDecision
 
     seen = []
-    stand_in = SimpleNamespace(_steps=0, step_graphs=None, graph_runners=dict,
+    stand_in = SimpleNamespace(_steps=0, step_graphs=None, graph_runners=dict, _gdn_tuning=None,
                                model=lambda *a: seen.append(path.read_text().count("step_forward")) or "hidden")
     assert ClefFlashForDecision.forward(stand_in, torch.zeros(4, dtype=torch.long), torch.arange(4)) == "hidden"
     assert seen == [1]

@@ -53,6 +53,9 @@ GEMM_ROW_GRID_KEY = "clef_gemm_row_grid"
 #: ``additional_config`` key: ``False`` turns off the GDN metadata memo of single-prefill steps
 #: (``--gdn-metadata-memo off``; absent: on).
 GDN_MEMO_KEY = "clef_gdn_metadata_memo"
+#: ``additional_config`` key: ``True`` has the worker autotune the GDN prefill's Triton kernels per shape class at
+#: its first forward (``--gdn-tuning``, on by default; absent: vLLM's one tuning at 64 tokens).
+GDN_TUNING_KEY = "clef_gdn_tuning"
 #: ``additional_config`` key: ``"bf16"`` runs NVFP4 layers as BF16 GEMMs on weights dequantized at load,
 #: ``"auto"`` does so where vLLM's own kernel would be Marlin W4A16 (``--nvfp4-kernel``; absent: vLLM's own NVFP4 kernel).
 NVFP4_KERNEL_KEY = "clef_nvfp4_kernel"

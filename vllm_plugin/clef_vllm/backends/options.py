@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, ENGINES_PER_GPU_KEY,
-                                GDN_MEMO_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
+                                GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
                                 IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
                                 SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
@@ -195,6 +195,12 @@ def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
     the worker is told otherwise."""
     if not opts.gdn_metadata_memo:
         tell_worker(kwargs, GDN_MEMO_KEY, False)
+
+
+def _gdn_tuning(opts: "VllmOptions", kwargs: dict) -> None:
+    """The GDN prefill's Triton kernels tuned per shape class at start-up (:mod:`clef_vllm.worker.gdn_tuning`)."""
+    if opts.gdn_tuning:
+        tell_worker(kwargs, GDN_TUNING_KEY, True)
 
 
 def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
@@ -380,6 +386,11 @@ class VllmOptions(_Validated):
                                      "the GDN attention metadata built then (its state indices this step's; "
                                      "default on; docs/latency.md)", flags=("--gdn-metadata-memo",),
                                      engine=_gdn_memo, kind=bool)
+    gdn_tuning: bool = option(True, "at start-up, autotune the GDN prefill's Triton kernels for one short "
+                              "sequence, one long one and a batch of sequences, and run each step with its "
+                              "class's choice (vLLM tunes them once, at 64 tokens, for every step; default on: "
+                              "a few seconds once; docs/latency.md)", flags=("--gdn-tuning",),
+                              engine=_gdn_tuning, kind=bool)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -30,14 +31,14 @@ from vllm.platforms import current_platform
 
 from clef_vllm import trace
 from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-from clef_vllm.contract import (GDN_MEMO_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
+from clef_vllm.contract import (GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
                                 NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.worker import gdn_metadata, memory, nvfp4_bf16
+from clef_vllm.worker import gdn_metadata, gdn_tuning, memory, nvfp4_bf16
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
@@ -148,6 +149,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
         self.step_graphs = self._step_graphs(vllm_config)
+        self._gdn_tuning = self._install_gdn_tuning(vllm_config)
         self._steps = 0
         if current_platform.is_cuda():     # what the plugin's own GPU work holds is said against this budget
             memory.LEDGER.budget_fraction = float(vllm_config.cache_config.gpu_memory_utilization)
@@ -237,6 +239,38 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                  "graph in turn" if runner.split_seqs > 1 else "")
         return runner
 
+    def _install_gdn_tuning(self, vllm_config: VllmConfig) -> tuple[int, int, torch.dtype] | None:
+        """``--gdn-tuning``: the GDN kernels' per-class autotuner caches, installed now (before vLLM's warm-up
+        of them); the first forward tunes them. Returns the step budget, request limit and activation dtype
+        the tuning needs, or ``None`` (off, or no CUDA device)."""
+        if not worker_setting(vllm_config, GDN_TUNING_KEY):
+            return None
+        if not current_platform.is_cuda():
+            log.info("clef GDN tuning: off (no CUDA device)")
+            return None
+        gdn_tuning.install()
+        log.info("clef GDN tuning: %d autotuned GDN kernels keep one tuning per shape class (%s); the first forward "
+                 "tunes them", len(gdn_tuning.TUNERS), ", ".join(gdn_tuning.CLASSES))
+        return (vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.model_config.max_model_len,
+                vllm_config.model_config.dtype)
+
+    def _tune_gdn(self, device: torch.device) -> None:
+        """Once, at the first forward on the GPU outside a graph capture (vLLM's memory profiling)."""
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        budget, max_len, dtype = self._gdn_tuning
+        self._gdn_tuning = None
+        t0 = time.perf_counter()
+        try:
+            report = gdn_tuning.tune(self.model, budget, max_len, dtype, device)
+        except Exception as exc:  # noqa: BLE001  (the server runs on: a kernel then tunes at its first call)
+            log.warning("clef GDN tuning failed (%s: %s); a kernel without a tuning for a step's class tunes at its "
+                        "first call (--gdn-tuning off keeps vLLM's)", type(exc).__name__, str(exc)[:300])
+            return
+        log.info("clef GDN tuning: %s in %.1f s (%s)", ", ".join(
+            f"{cls} at {r['sequences']} x {r['tokens_each']} tokens" for cls, r in report.items()),
+            time.perf_counter() - t0, gdn_tuning.describe())
+
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, None, None)
 
@@ -254,7 +288,11 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if self._steps % GRAPH_REPORT_EVERY == 0:
             for name, runner in self.graph_runners().items():
                 log.info("clef %s graphs: %s", name, runner.describe())
+            if gdn_tuning.TUNERS:
+                log.info("clef GDN tuning: %s", gdn_tuning.describe())
             memory.LEDGER.log_report()
+        if self._gdn_tuning is not None:
+            self._tune_gdn(positions.device)
         if memory.LEDGER.dirty or self._steps % memory.CHECK_EVERY_STEPS == 0:
             memory.LEDGER.settle()         # after plugin work (a capture, the GEMM warm-up), and now and then
         if self.step_graphs is not None and intermediate_tensors is None and inputs_embeds is None:
