@@ -127,7 +127,8 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftysixth2 (one GPU; ~650 s): fiftysixth1 again at c=64 after its finding: vLLM turns on Triton's disk cache
+# PLAN=fiftysixth2 (one GPU; ~650 s; ran in the thirty-fourth session: its first comparison; the device time ran out
+#        in the second): fiftysixth1 again at c=64 after its finding: vLLM turns on Triton's disk cache
 #        of autotuning results, so the tuned server (started first) had written its last class's choices for every
 #        later process on the machine: --gdn-tuning off and raw vLLM ran them too (both matched the tuned server).
 #        The classed tuners now neither read nor write that cache: the default against raw vLLM and against

@@ -398,3 +398,30 @@ def test_head_work_per_step_does_not_grow_with_the_number_of_records():
         return count(head, table, [40 + 3 * i for i in range(batch)])["tensor_ops"]
 
     assert ops(4) == ops(32)
+
+
+def test_span_sums_take_only_span_rows_across_chunks_and_offsets():
+    """One step's rows for several records (at offsets, with a row no record owns between them), each record in
+    two chunks: the fp32 sums of every question and option span equal a direct sum of its normalised rows, and
+    the overflow row (tokens outside every span) is never summed."""
+    torch.manual_seed(3)
+    head = random_head(SMALL).double()
+    records = [random_record(random.Random(seed), n, 60 + 9 * n, SMALL.hidden_size) for seed, n in ((1, 2), (2, 3), (5, 1))]
+    specs = [spec_of(*r) for r in records]
+    hiddens = [r[0].double() for r in records]
+    accs = [RecordAccumulator(s) for s in specs]
+    cut = [s.num_tokens // 2 for s in specs]
+    for part in (0, 1):
+        rows, pieces, offset = [], [], 0
+        for acc, x, c in zip(accs, hiddens, cut):
+            start, end = (0, c) if part == 0 else (c, x.shape[0])
+            rows += [x[start:end], torch.randn(1, x.shape[1], dtype=x.dtype)]     # a row no record owns
+            pieces.append((acc, offset, end - start, start))
+            offset += end - start + 1
+        accumulate(head, torch.cat(rows), pieces)
+    for acc, x in zip(accs, hiddens):
+        states = head.hidden_norm(x).float()
+        want = torch.stack([states[a:b].sum(0) for a, b in acc.spec.spans()])
+        torch.testing.assert_close(acc.sums[:acc.spec.num_segments], want, rtol=1e-6, atol=1e-6)
+        assert not acc.sums[acc.spec.num_segments].any()
+        assert acc.complete and torch.equal(acc.last_state, head.hidden_norm(x)[-1])
