@@ -14,7 +14,10 @@ shape, and times every config of it there (Triton's own benchmark of the autotun
 Per shape and kernel it reports the config the warm-up chose, the best one, and their times; per shape,
 what the op's tuned kernels would save per step over 24 GDN layers.
 
-    PYTHONPATH=/root/site python3 bench/gdn_configs.py --out $OUT/gdn_configs.json
+    PYTHONPATH=/root/site:$PWD/vllm_plugin python3 bench/gdn_configs.py --out $OUT/gdn_configs.json
+
+(``h200_gdn_configs.json`` was made by this script with its own copy of the kernel lookup, before that lookup
+moved to ``clef_vllm.worker.gdn_tuning.autotuned_kernels``.)
 """
 
 from __future__ import annotations
@@ -31,23 +34,6 @@ SHAPES = ((1, 64), (1, 416), (4, 400), (16, 400), (41, 391), (1, 4096), (1, 1638
 GDN_LAYERS = 24
 
 
-def autotuners():
-    """The flash-linear-attention ops' autotuned kernels, by name (heuristics wrappers unwrapped)."""
-    from triton.runtime.autotuner import Autotuner
-    from vllm.third_party.flash_linear_attention import ops
-    from vllm.third_party.flash_linear_attention.ops import chunk  # noqa: F401  (imports every kernel module)
-
-    found = {}
-    for module in vars(ops).values():
-        for obj in vars(module).values() if hasattr(module, "__dict__") else ():
-            fn = obj
-            while fn is not None and not isinstance(fn, Autotuner):
-                fn = getattr(fn, "fn", None)
-            if isinstance(fn, Autotuner) and len(fn.configs) > 1:
-                found[fn.base_fn.__name__] = fn
-    return found
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -59,7 +45,9 @@ def main() -> int:
     from vllm.third_party.flash_linear_attention.ops import chunk as chunk_ops
     from vllm.third_party.flash_linear_attention.ops.index import prepare_chunk_indices, prepare_chunk_offsets
 
-    tuners = autotuners()
+    from clef_vllm.worker.gdn_tuning import autotuned_kernels
+
+    tuners = autotuned_kernels()
     calls: dict[str, tuple] = {}
     for name, tuner in tuners.items():
         original = tuner.run
