@@ -127,6 +127,10 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftyseventh1 (one GPU; ~950 s; not run yet): what fiftysixth2 could not finish, at c=16 and c=64: the default
+#        (GDN kernels tuned per shape class) against raw vLLM with its own tuning, and against --gdn-tuning off (the
+#        tuning's own effect; that server starts second and tunes at 64 tokens itself, raw then reads its disk cache:
+#        vLLM's own behaviour), 16 blocks of 5 s a point, on a fresh machine.
 # PLAN=fiftysixth2 (one GPU; ~650 s; ran in the thirty-fourth session: its first comparison; the device time ran out
 #        in the second): fiftysixth1 again at c=64 after its finding: vLLM turns on Triton's disk cache
 #        of autotuning results, so the tuned server (started first) had written its last class's choices for every
@@ -653,6 +657,13 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftyseventh1_queue0)   # ~950 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_tune 0 1100 env COMPARE="dflt:raw:short:16,64 notune:dflt:short:16,64" PAIRS=2000 \
+      TIME_LIMIT=20 PORT0=9550 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -129,3 +129,33 @@ def test_tune_needs_a_gdn_layer(fresh_stats):
     pytest.importorskip("vllm")
     gdn_tuning.install({"k": StandInTuner()})
     assert gdn_tuning.tune(torch.nn.Linear(2, 2), 16384, 16384, torch.bfloat16, "cpu") == {}
+
+
+def test_the_worker_tunes_once_at_its_first_forward_and_a_failure_only_warns(fresh_stats, monkeypatch, caplog):
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from clef_vllm.worker.model import ClefFlashForDecision
+
+    cuda = SimpleNamespace(type="cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    calls = []
+    monkeypatch.setattr(gdn_tuning, "tune", lambda *a: calls.append(a) or {
+        "several": {"sequences": 40, "tokens_each": 400, "seconds": 1.0}})
+    worker = SimpleNamespace(_gdn_tuning=(16384, 16384, torch.bfloat16), model="backbone")
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        ClefFlashForDecision._tune_gdn(worker, SimpleNamespace(type="cpu"))     # not on a GPU: later
+        assert worker._gdn_tuning is not None and not calls
+        ClefFlashForDecision._tune_gdn(worker, cuda)
+    assert worker._gdn_tuning is None and calls == [("backbone", 16384, 16384, torch.bfloat16, cuda)]
+    assert "clef GDN tuning: several at 40 x 400 tokens in" in caplog.text
+
+    def broken(*a):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(gdn_tuning, "tune", broken)
+    worker._gdn_tuning = (16384, 16384, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="clef_vllm"):
+        ClefFlashForDecision._tune_gdn(worker, cuda)
+    assert worker._gdn_tuning is None
+    assert "clef GDN tuning failed (RuntimeError: out of resources)" in caplog.text
