@@ -375,6 +375,12 @@ cache_gpu_cases_tiny() {  # the state cache's GPU cases on the tiny checkpoint (
   job cache_cases_tiny "$B" 360 python3 tests/gpu/fast_paths.py --out "$S/cache_cases_tiny" --only cache,eviction
 }
 
+tuning_pairs() {  # tuning_pairs LIMIT_S PORT0 COMPARE: the default (GDN kernels tuned per class) and --gdn-tuning off,
+  # two 9B servers at 0.25 of the GPU, 16 blocks of 5 s a point (the default starts first: it writes no disk cache)
+  job paired_tune 0 "$1" env COMPARE="$3" PAIRS=2000 \
+      TIME_LIMIT=20 PORT0="$2" GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
+      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
+}
 cache_parity_tiny() {  # clef-parity: the tiny server with the cache on vs the reference backend (the receipt), GPU 1
   job cache_parity_tiny "$B" 420 env PHASES=parity LABEL=tiny-cache-on READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
       SERVER_ARGS="--state-cache on" \
@@ -661,23 +667,17 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
   log "all done"
   ;;
 fiftyseventh1_queue0)   # ~950 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
-  job paired_tune 0 1100 env COMPARE="dflt:raw:short:16,64 notune:dflt:short:16,64" PAIRS=2000 \
-      TIME_LIMIT=20 PORT0=9550 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
-      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
+  tuning_pairs 1100 9550 "dflt:raw:short:16,64 notune:dflt:short:16,64"
   touch "$S/all.done"
   log "all done"
   ;;
 fiftysixth2_queue0)   # ~650 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
-  job paired_tune 0 900 env COMPARE="dflt:raw:short:64 notune:dflt:short:64" PAIRS=2000 \
-      TIME_LIMIT=20 PORT0=9540 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
-      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
+  tuning_pairs 900 9540 "dflt:raw:short:64 notune:dflt:short:64"
   touch "$S/all.done"
   log "all done"
   ;;
 fiftysixth1_queue0)   # ~1,150 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
-  job paired_tune 0 1000 env COMPARE="dflt:raw:short:16,64 notune:dflt:short:64" PAIRS=2000 \
-      TIME_LIMIT=20 PORT0=9530 GPU_SHARE=0.25 "BENCH_ARGS=--blocks 16 --block-seconds 5" bash bench/paired.sh "$NINE" \
-      "dflt=--load-format dummy" "notune=--load-format dummy --gdn-tuning off"
+  tuning_pairs 1000 9530 "dflt:raw:short:16,64 notune:dflt:short:64"
   job parity_tiny 0 420 python3 tests/gpu/vllm_parity.py --out "$S/parity_tiny" --n 240 --skip-server
   touch "$S/all.done"
   log "all done"

@@ -183,18 +183,21 @@ def test_the_plugins_graphs_need_the_backends_setting_and_a_cuda_device(monkeypa
 
     from vllm.platforms import current_platform
 
-    from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY
+    from clef_vllm.contract import GDN_TUNING_KEY, HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY
     from clef_vllm.worker.model import ClefFlashForDecision
 
     caplog.set_level(logging.INFO, logger="clef_vllm")
-    setting = ClefFlashForDecision._graph_setting
-    config = SimpleNamespace(additional_config={PREFILL_GRAPHS_KEY: {"buckets": [64]}, HEAD_GRAPHS_KEY: {"records": 4}})
-    assert setting(SimpleNamespace(additional_config=None), HEAD_GRAPHS_KEY, "head") is None
-    assert setting(config, HEAD_GRAPHS_KEY, "head") is None and "clef head graphs: off (no CUDA device)" in caplog.text
+    setting = ClefFlashForDecision._gpu_setting
+    config = SimpleNamespace(additional_config={PREFILL_GRAPHS_KEY: {"buckets": [64]}, HEAD_GRAPHS_KEY: {"records": 4},
+                                                GDN_TUNING_KEY: True})
+    assert setting(SimpleNamespace(additional_config=None), HEAD_GRAPHS_KEY, "head graphs") is None
+    assert setting(config, HEAD_GRAPHS_KEY, "head graphs") is None and "clef head graphs: off (no CUDA device)" in caplog.text
+    assert setting(config, GDN_TUNING_KEY, "GDN tuning") is None and "clef GDN tuning: off (no CUDA device)" in caplog.text
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    assert setting(config, HEAD_GRAPHS_KEY, "head") == {"records": 4}
-    assert setting(config, PREFILL_GRAPHS_KEY, "prefill") == {"buckets": [64]}
-    assert setting(SimpleNamespace(additional_config={}), PREFILL_GRAPHS_KEY, "prefill") is None
+    assert setting(config, HEAD_GRAPHS_KEY, "head graphs") == {"records": 4}
+    assert setting(config, PREFILL_GRAPHS_KEY, "prefill graphs") == {"buckets": [64]}
+    assert setting(config, GDN_TUNING_KEY, "GDN tuning") is True
+    assert setting(SimpleNamespace(additional_config={}), PREFILL_GRAPHS_KEY, "prefill graphs") is None
     # the runners that are on, by name: what the periodic log line and the trace's engine_done report
     prefill, step, head = object(), object(), object()
     runners = ClefFlashForDecision.graph_runners

@@ -89,7 +89,8 @@ def call_shape(arg_names, args: tuple, kwargs: dict) -> tuple[int, int]:
 
 class ClassedTuner:
     """One autotuner's caches by shape class. :meth:`run` stands in for the autotuner's ``run``: it points the
-    autotuner's cache at the call's class, runs it, and counts a tuning the call made outside :meth:`tuning`."""
+    autotuner's cache at the call's class, runs it, and counts a tuning the call made outside the start-up
+    tuning (``tuning_now``)."""
 
     def __init__(self, tuner, name: str):
         self.tuner, self.name = tuner, name
@@ -112,17 +113,17 @@ class ClassedTuner:
         return out
 
     def run(self, *args, **kwargs):
-        cls = shape_class(*call_shape(self.tuner.arg_names, args, kwargs))
+        sequences, tokens = call_shape(self.tuner.arg_names, args, kwargs)
+        cls = shape_class(sequences, tokens)
         cache = self.tuner.cache = self.caches.setdefault(cls, {})
         before = len(cache)
         out = self._run(*args, **kwargs)
         if len(cache) > before:
-            key = f"{self.name}/{cls}"
             STATS["tuned" if self.tuning_now else "late"] += 1
             if not self.tuning_now:
-                STATS[f"late {key}"] += 1
+                STATS[f"late {self.name}/{cls}"] += 1
                 log.info("clef GDN tuning: %s autotuned at its first call in class %s (%d sequence(s), %d tokens)",
-                         self.name, cls, *call_shape(self.tuner.arg_names, args, kwargs))
+                         self.name, cls, sequences, tokens)
         return out
 
     def forget(self, cls: str) -> None:

@@ -178,14 +178,14 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                                   vllm_config.cache_config.gpu_memory_utilization, capacity)
 
     @staticmethod
-    def _graph_setting(vllm_config: VllmConfig, key: str, name: str):
-        """The backend's setting for one of the plugin's graph runners (``None``: not asked for, or no
-        CUDA device to capture on)."""
+    def _gpu_setting(vllm_config: VllmConfig, key: str, label: str):
+        """The backend's setting for one of the plugin's GPU-only features (its graph runners, the GDN tuning;
+        ``label`` names it in the log): ``None`` when not asked for, or when there is no CUDA device."""
         setting = worker_setting(vllm_config, key)
         if not setting:
             return None
         if not current_platform.is_cuda():
-            log.info("clef %s graphs: off (no CUDA device)", name)
+            log.info("clef %s: off (no CUDA device)", label)
             return None
         return setting
 
@@ -201,7 +201,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
         """The joint head's graph runner when the backend asked for it (CUDA only)."""
-        setting = self._graph_setting(vllm_config, HEAD_GRAPHS_KEY, "head")
+        setting = self._gpu_setting(vllm_config, HEAD_GRAPHS_KEY, "head graphs")
         if setting is None:
             return None
         records = setting.get("records", 1) if isinstance(setting, dict) else 1
@@ -213,7 +213,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
         """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
-        setting = self._graph_setting(vllm_config, PREFILL_GRAPHS_KEY, "prefill")
+        setting = self._gpu_setting(vllm_config, PREFILL_GRAPHS_KEY, "prefill graphs")
         if setting is None:
             return None
         buckets = setting.get("buckets") if isinstance(setting, dict) else None
@@ -243,10 +243,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         """``--gdn-tuning``: the GDN kernels' per-class autotuner caches, installed now (before vLLM's warm-up
         of them); the first forward tunes them. Returns the step budget, request limit and activation dtype
         the tuning needs, or ``None`` (off, or no CUDA device)."""
-        if not worker_setting(vllm_config, GDN_TUNING_KEY):
-            return None
-        if not current_platform.is_cuda():
-            log.info("clef GDN tuning: off (no CUDA device)")
+        if not self._gpu_setting(vllm_config, GDN_TUNING_KEY, "GDN tuning"):
             return None
         gdn_tuning.install()
         log.info("clef GDN tuning: %d autotuned GDN kernels keep one tuning per shape class (%s); the first forward "
