@@ -127,7 +127,7 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
-# PLAN=fiftyseventh1 (one GPU; ~950 s; not run yet): what fiftysixth2 could not finish, at c=16 and c=64: the default
+# PLAN=fiftyseventh1 (one GPU; ~950 s, ran 685 s in the thirty-fifth session, every job; the c=1 pair after it by hand): what fiftysixth2 could not finish, at c=16 and c=64: the default
 #        (GDN kernels tuned per shape class) against raw vLLM with its own tuning, and against --gdn-tuning off (the
 #        tuning's own effect; that server starts second and tunes at 64 tokens itself, raw then reads its disk cache:
 #        vLLM's own behaviour), 16 blocks of 5 s a point, on a fresh machine.
