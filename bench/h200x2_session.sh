@@ -127,6 +127,11 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftyseventh2 (one GPU; ~450 s): FlashInfer's GDN prefill through the server on Hopper: a 9B server with
+#        --gdn-prefill-backend flashinfer (started first: it JIT-compiles at its first forward) and the default,
+#        one short decision at a time, 200 pairs. Stage with EXTRA_WHEELS="nvidia-cutlass-dsl==4.8.1
+#        nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1"
+#        (five parts) and put /root/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH.
 # PLAN=fiftyseventh1 (one GPU; ~950 s, ran 685 s in the thirty-fifth session, every job; the c=1 pair after it by hand): what fiftysixth2 could not finish, at c=16 and c=64: the default
 #        (GDN kernels tuned per shape class) against raw vLLM with its own tuning, and against --gdn-tuning off (the
 #        tuning's own effect; that server starts second and tunes at 64 tokens itself, raw then reads its disk cache:
@@ -663,6 +668,12 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftyseventh2_queue0)   # ~450 s: stage with nvidia-cutlass-dsl (see the plan's comment), launch with `wait 520`
+  job paired_fi 0 560 env COMPARE="dflt:fi:short:1" PAIRS=200 TIME_LIMIT=20 PORT0=9570 GPU_SHARE=0.25 \
+      bash bench/paired.sh "$NINE" "fi=--load-format dummy --gdn-prefill-backend flashinfer" "dflt=--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -131,6 +131,36 @@ def test_tune_needs_a_gdn_layer(fresh_stats):
     assert gdn_tuning.tune(torch.nn.Linear(2, 2), 16384, 16384, torch.bfloat16, "cpu") == {}
 
 
+def test_gdn_features_are_off_where_the_gdn_prefill_is_not_triton(fresh_stats, monkeypatch, caplog):
+    """FlashInfer's GDN prefill (--gdn-prefill-backend flashinfer): neither the tuning nor the prefill graphs
+    install, and the log says why."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from clef_vllm.worker.model import ClefFlashForDecision
+    from clef_vllm.worker.prefill_graphs import triton_gdn
+
+    class StandInLayer(QwenGatedDeltaNetAttention):
+        def __init__(self, backend):
+            torch.nn.Module.__init__(self)
+            self.gdn_prefill_backend = backend
+
+    installed = []
+    monkeypatch.setattr(gdn_tuning, "install", lambda *a: installed.append(a))
+    fi = torch.nn.Sequential(StandInLayer("flashinfer"), StandInLayer("flashinfer"))
+    worker = SimpleNamespace(model=fi, _gpu_setting=lambda *a: {"scope": "core"})
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        assert ClefFlashForDecision._install_gdn_tuning(worker, None) is None
+        assert ClefFlashForDecision._install_prefill_graphs(worker, None) is None
+    assert not installed
+    for label in ("GDN tuning", "prefill graphs"):
+        assert f"clef {label}: off: the GDN prefill runs on flashinfer" in caplog.text
+    assert triton_gdn(torch.nn.Sequential(StandInLayer("triton")), "x")
+    assert triton_gdn(torch.nn.Linear(2, 2), "x")          # no GDN layer: nothing to refuse
+
+
 def test_the_worker_tunes_once_at_its_first_forward_and_a_failure_only_warns(fresh_stats, monkeypatch, caplog):
     pytest.importorskip("vllm")
     from types import SimpleNamespace

@@ -2,6 +2,9 @@
 # this working tree's plugin on PYTHONPATH and registers the plugin's entry points (a .dist-info
 # next to the staged packages), so every vLLM process (engine cores, workers) loads it.
 export PYTHONPATH=/root/site:$PWD/vllm_plugin VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# FlashInfer's GDN prefill on Hopper imports cutlass (nvidia-cutlass-dsl, staged only when asked for): its
+# wheel's .pth file is not read from PYTHONPATH, so its package folder goes there itself
+[ -d /root/site/nvidia_cutlass_dsl/dsl_packages ] && PYTHONPATH=$PYTHONPATH:/root/site/nvidia_cutlass_dsl/dsl_packages
 export CLEF_VLLM_CACHE=/root/clef-cache TRITON_CACHE_DIR=/root/.triton/cache
 python3 - <<'PY'
 import pathlib, re

@@ -217,7 +217,8 @@ def run_chunk_op(layer, sequences: int, each: int, dtype, device) -> None:
 
 def tune(model, budget: int, max_len: int, dtype, device) -> dict:
     """Tune every class of :func:`tuning_shapes` on ``model``'s first GDN layer; returns what ran, by class
-    (sequences, tokens each, seconds)."""
+    (sequences, tokens each, seconds). The worker calls it only where the layers run the Triton GDN kernels
+    (:func:`clef_vllm.worker.prefill_graphs.triton_gdn`)."""
     import torch
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 

@@ -42,7 +42,7 @@ from clef_vllm.worker import gdn_metadata, gdn_tuning, memory, nvfp4_bf16
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
-from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
+from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner, triton_gdn
 from clef_vllm.worker.step_graphs import SPLIT_TOKENS, StepGraphRunner
 
 log = logging.getLogger("clef_vllm")
@@ -214,7 +214,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
         """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
         setting = self._gpu_setting(vllm_config, PREFILL_GRAPHS_KEY, "prefill graphs")
-        if setting is None:
+        if setting is None or not triton_gdn(self.model, "prefill graphs"):
             return None
         buckets = setting.get("buckets") if isinstance(setting, dict) else None
         scope = setting.get("scope", "core") if isinstance(setting, dict) else "core"
@@ -243,7 +243,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         """``--gdn-tuning``: the GDN kernels' per-class autotuner caches, installed now (before vLLM's warm-up
         of them); the first forward tunes them. Returns the step budget, request limit and activation dtype
         the tuning needs, or ``None`` (off, or no CUDA device)."""
-        if not self._gpu_setting(vllm_config, GDN_TUNING_KEY, "GDN tuning"):
+        if not self._gpu_setting(vllm_config, GDN_TUNING_KEY, "GDN tuning") or not triton_gdn(self.model, "GDN tuning"):
             return None
         gdn_tuning.install()
         log.info("clef GDN tuning: %d autotuned GDN kernels keep one tuning per shape class (%s); the first forward "

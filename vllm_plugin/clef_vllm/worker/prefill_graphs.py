@@ -326,6 +326,22 @@ class GraphStats:
     fallbacks: Counter = field(default_factory=Counter)
 
 
+def triton_gdn(model: torch.nn.Module, label: str) -> bool:
+    """Whether ``model``'s GDN layers run vLLM's Triton prefill kernels, which the plugin's prefill graphs hold
+    and its GDN tuning tunes; if they run another backend (vLLM's ``gdn_prefill_backend`` choice, e.g.
+    FlashInfer), the feature named ``label`` says in the log that it is off."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    backends = {getattr(m, "gdn_prefill_backend", "triton") for m in model.modules()
+                if isinstance(m, QwenGatedDeltaNetAttention)}
+    other = sorted(backends - {"triton"})
+    if other:
+        log.info("clef %s: off: the GDN prefill runs on %s (the feature is for vLLM's Triton GDN kernels; "
+                 "--gdn-prefill-backend triton turns it on)", label, ", ".join(other))
+        return False
+    return True
+
+
 class GdnGraphRunner:
     """Owns the per-(layer, bucket) graphs and replays them for eligible steps.
 
