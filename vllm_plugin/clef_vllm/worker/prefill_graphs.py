@@ -422,8 +422,6 @@ class GdnGraphRunner:
         md_all = step.attn_metadata
         md = md_all.get(layer.prefix) if isinstance(md_all, dict) else None
         reason = fallback_reason(md, self.buckets, self.min_tokens)
-        if reason is None and layer.gdn_prefill_backend != "triton":
-            reason = "gdn_backend"
         if reason is None and not self.inline and torch.cuda.is_current_stream_capturing():
             reason = "capturing"
         if reason is not None:
