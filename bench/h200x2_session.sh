@@ -127,6 +127,10 @@
 #        --engine-core thread paired against the default (FP8, short c=1 then c=16/64); one short
 #        decision's engine time at c=1 split by the worker's step events (CLEF_VLLM_TRACE; no profiler), FP8 and BF16
 #        with the state cache on; the FP8 step profiled (48 fewer kernels a step expected).
+# PLAN=fiftyeighth1 (one GPU; ~700 s; not run yet): the caching allocator's free blocks under load (~9 GiB beyond
+#        vLLM's budget at c=64 in the thirty-fourth and thirty-fifth sessions): the default against the same server
+#        with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (bench/paired.sh's ENV_<NAME>), short c=16/64,
+#        16 blocks of 5 s a point; each server's `clef memory` lines (server_*.log) give what it held.
 # PLAN=fiftyseventh2 (one GPU; ~450 s): FlashInfer's GDN prefill through the server on Hopper: a 9B server with
 #        --gdn-prefill-backend flashinfer (started first: it JIT-compiles at its first forward) and the default,
 #        one short decision at a time, 200 pairs. Stage with EXTRA_WHEELS="nvidia-cutlass-dsl==4.8.1
@@ -668,6 +672,13 @@ thirtyeighth1_queue0)   # ~1,000 s: launch with `wait 540` in the staging's last
       TIME_LIMIT=20 PORT0=9150 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread" \
       "fp8switch=--load-format dummy --quantization fp8 --engine-core thread --engine-thread-switch-ms 0.5"
+  touch "$S/all.done"
+  log "all done"
+  ;;
+fiftyeighth1_queue0)   # ~700 s: launch with `wait 520` in the staging's last call, then `wait 540` at once
+  job paired_alloc 0 800 env COMPARE="dflt:exp:short:16,64" PAIRS=2000 TIME_LIMIT=20 PORT0=9590 GPU_SHARE=0.25 \
+      ENV_exp=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "BENCH_ARGS=--blocks 16 --block-seconds 5" \
+      bash bench/paired.sh "$NINE" "dflt=--load-format dummy" "exp=--load-format dummy"
   touch "$S/all.done"
   log "all done"
   ;;

@@ -14,7 +14,8 @@
 # more raw options, e.g. "--raw-quantization fp8"), e.g. COMPARE="bf16:raw:short:1,16,64". Environment: OUT [./bench-out], GPU_SHARE [0.28] (each
 # server's --gpu-memory-utilization), SERVER_FLAGS [--gdn-prefill-backend triton --gpu-memory-utilization
 # GPU_SHARE] (flags every server gets; "--backend reference" tries this script without a GPU), PAIRS [300] (-n), TIME_LIMIT [25] (seconds per variant),
-# BENCH_ARGS (more clef-bench flags), PORT0 [8900]. Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
+# BENCH_ARGS (more clef-bench flags), PORT0 [8900], ENV_<NAME> (VAR=VALUE ... for server NAME's environment only,
+# e.g. ENV_exp=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Results: $OUT/<A>_vs_<B>.json/.txt at c=1,
 # $OUT/<A>_vs_<B>_c<CONCURRENCIES>.json/.txt otherwise (e.g. core_vs_step_c16-64), $OUT/server_<NAME>.log,
 # $OUT/startup.txt (each server's start: seconds to ready, weights, KV cache, kernel lines), $OUT/metrics_<NAME>.txt
 # (each server's /metrics after the last comparison), $OUT/paired.log. GPU_EXTRA [0.07]: what each engine holds
@@ -65,9 +66,10 @@ for spec in "$@"; do
   name=${spec%%=*}
   args=${spec#*=}
   port=$((port + 1))
+  env_var="ENV_$name"
   set -m
   # shellcheck disable=SC2086
-  python3 -m clef_vllm.server.cli --model "$CKPT" --host 127.0.0.1 --port "$port" $SERVER_FLAGS $args \
+  env ${!env_var:-} python3 -m clef_vllm.server.cli --model "$CKPT" --host 127.0.0.1 --port "$port" $SERVER_FLAGS $args \
       >"$OUT/server_$name.log" 2>&1 &
   PGIDS+=($!)
   set +m
@@ -76,9 +78,9 @@ for spec in "$@"; do
   if ! wait_healthy "${URL[$name]}" "${PGIDS[-1]}" 400; then
     log "server $name did not start:"; tail -20 "$OUT/server_$name.log" >&2; exit 1
   fi
-  log "server $name ready on ${URL[$name]} after $((SECONDS - t0))s ($args)"
+  log "server $name ready on ${URL[$name]} after $((SECONDS - t0))s ($args${!env_var:+; env ${!env_var}})"
   # what each server's start cost and left it: time, weights, KV cache, the worker's kernel lines
-  { echo "== $name: ready after $((SECONDS - t0))s ($args)"
+  { echo "== $name: ready after $((SECONDS - t0))s ($args${!env_var:+; env ${!env_var}})"
     grep -hE "engine up in|Model loading took|Available KV cache memory|Maximum concurrency|clef kernels in use|reference backend:" \
         "$OUT/server_$name.log"; } >>"$OUT/startup.txt"
 done

@@ -997,9 +997,12 @@ def test_paired_script_refuses_a_plan_whose_engines_cannot_fit_on_the_gpu(tiny_r
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_tokens, tmp_path):
     """bench/paired.sh on two reference servers: the same two servers compared at c=1 and at c=2 leave two
-    result files (the c=2 entry once overwrote the c=1 one, and a GPU session's per-pair data was lost)."""
+    result files (the c=2 entry once overwrote the c=1 one, and a GPU session's per-pair data was lost); ENV_<NAME>
+    reaches that server's environment only (here the loader's gate, already open, which the server logs)."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OUT": str(tmp_path), "PORT0": str(_free_port_pair()),
+    gate = tmp_path / "gate"
+    gate.touch()
+    env = {**os.environ, "OUT": str(tmp_path), "PORT0": str(_free_port_pair()), "ENV_y": f"CLEF_VLLM_LOAD_GATE={gate}",
            "COMPARE": "x:y:short x:y:short:2", "PAIRS": "4", "TIME_LIMIT": "20",
            "SERVER_FLAGS": "--backend reference",
            "BENCH_ARGS": f"--short-tokens {tiny_short_tokens} --blocks 2 --block-seconds 0.3",
@@ -1015,7 +1018,9 @@ def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_
     assert log.count("x vs y: rc 0") == 2 and "c>1, the servers in turns" in log and "c=1, the same requests" in log
     startup = (tmp_path / "startup.txt").read_text()          # each server's start, in one place
     assert startup.count("== x: ready after") == 1 and startup.count("== y: ready after") == 1
-    assert "reference backend:" in startup
+    assert "reference backend:" in startup and f"; env CLEF_VLLM_LOAD_GATE={gate})" in startup
+    assert "CLEF_VLLM_LOAD_GATE is set" in (tmp_path / "server_y.log").read_text()
+    assert "CLEF_VLLM_LOAD_GATE" not in (tmp_path / "server_x.log").read_text()
     for name in ("x", "y"):                                    # each server's /metrics after the comparisons
         metrics = (tmp_path / f"metrics_{name}.txt").read_text()
         assert "clef_requests_total" in metrics and "clef_gc_pause_seconds" in metrics
