@@ -339,8 +339,9 @@ class VllmOptions(_Validated):
     enforce_eager: bool = option(False, "no CUDA graphs / torch.compile (faster start, slower steps)",
                                  flags=("--enforce-eager",), engine="enforce_eager", kind=bool, action="store_true")
     gdn_prefill_backend: str | None = option("triton", "GDN prefill kernel (default triton: FlashInfer's JITs on "
-                                             "first use on Hopper and runs without "
-                                             "the prefill graphs and the GDN tuning; docs/latency.md)", flags=("--gdn-prefill-backend", "--gdn-backend"),
+                                             "first use on Hopper and runs without the prefill graphs and the "
+                                             "GDN tuning; docs/latency.md)",
+                                             flags=("--gdn-prefill-backend", "--gdn-backend"),
                                              engine="gdn_prefill_backend", kind=str,
                                              choices=("triton", "flashinfer", "cutedsl"))
     linear_backend: str | None = option(None, "vLLM --linear-backend (e.g. emulation: true W4A4 NVFP4 numerics on "
