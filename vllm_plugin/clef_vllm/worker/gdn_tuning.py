@@ -220,11 +220,13 @@ def tune(model, budget: int, max_len: int, dtype, device) -> dict:
     (sequences, tokens each, seconds). The worker calls it only where the layers run the Triton GDN kernels
     (:func:`clef_vllm.worker.prefill_graphs.triton_gdn`)."""
     import torch
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-    layer = next((m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)), None)
-    if layer is None or not TUNERS:
+    from clef_vllm.worker.prefill_graphs import gdn_layers
+
+    layers = gdn_layers(model)
+    if not layers or not TUNERS:
         return {}
+    layer = layers[0]
     report = {}
     with torch.inference_mode(), _fast_bench():
         for cls, sequences, each in tuning_shapes(budget, max_len):

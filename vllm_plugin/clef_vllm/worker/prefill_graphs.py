@@ -326,14 +326,18 @@ class GraphStats:
     fallbacks: Counter = field(default_factory=Counter)
 
 
+def gdn_layers(model: torch.nn.Module) -> list:
+    """``model``'s GDN layers (vLLM's ``QwenGatedDeltaNetAttention`` modules), in module order."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    return [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
+
+
 def triton_gdn(model: torch.nn.Module, label: str) -> bool:
     """Whether ``model``'s GDN layers run vLLM's Triton prefill kernels, which the plugin's prefill graphs hold
     and its GDN tuning tunes; if they run another backend (vLLM's ``gdn_prefill_backend`` choice, e.g.
     FlashInfer), the feature named ``label`` says in the log that it is off."""
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
-
-    backends = {getattr(m, "gdn_prefill_backend", "triton") for m in model.modules()
-                if isinstance(m, QwenGatedDeltaNetAttention)}
+    backends = {getattr(m, "gdn_prefill_backend", "triton") for m in gdn_layers(model)}
     other = sorted(backends - {"triton"})
     if other:
         log.info("clef %s: off: the GDN prefill runs on %s (the feature is for vLLM's Triton GDN kernels; "
@@ -381,11 +385,9 @@ class GdnGraphRunner:
 
     def install(self, model: torch.nn.Module) -> int:
         """Wrap every GDN layer of ``model``; returns how many were wrapped."""
-        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
-
         count = 0
-        for module in model.modules():
-            if isinstance(module, QwenGatedDeltaNetAttention) and not getattr(module, "_clef_graphs", False):
+        for module in gdn_layers(model):
+            if not getattr(module, "_clef_graphs", False):
                 original = module._forward_core
                 module._forward_core = self._wrap(module, original)
                 if self.scope == "layer":
