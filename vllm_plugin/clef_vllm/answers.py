@@ -52,8 +52,13 @@ def build_answer(question, option_ids: Sequence[str], probs: Sequence[float], di
 
 def build_response(request: SystemOneRequest, encoded: EncodedRequest, probs,
                    dialect: Dialect | str = Dialect.REFERENCE) -> dict[str, Any]:
-    """The SystemOne response body (bare; the HTTP layer adds the hosted envelope for workers-ai)."""
+    """The SystemOne response body (bare; the HTTP layer adds the hosted envelope for workers-ai); for
+    the ``openai`` dialect, the Decisions response built from the reference one (clef_vllm.openai_decisions)."""
     dialect = Dialect(dialect)
+    if dialect is Dialect.OPENAI:
+        from clef_vllm.openai_decisions import decision_response
+
+        return decision_response(request._decision, build_response(request, encoded, probs, Dialect.REFERENCE))
     values = probs.tolist() if hasattr(probs, "tolist") else list(probs)
     answers, start = {}, 0
     for f in encoded.fields:

@@ -4,6 +4,8 @@
 >>> with Clef("path/to/checkpoint", backend="reference") as clef:
 ...     clef.systemone({"model": "clef-flash", "state": "Checkout is down.",
 ...                     "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}})
+...     clef.decisions({"model": "clef-flash", "input": "Checkout is down.",
+...                     "questions": [{"type": "predicate", "name": "urgent", "instructions": "Is this urgent?"}]})
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from clef_vllm.backends import Backend, make_backend
 from clef_vllm.demo import resolve_model_dir
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
+from clef_vllm.openai_decisions import check_fits
 from clef_vllm.protocol import Dialect, parse_request
 
 
@@ -48,12 +51,27 @@ class Clef:
         """Answer many requests in one batch (order preserved). An invalid request raises
         :class:`~clef_vllm.errors.RequestError` naming its index (``requests[3].questions.x...``)
         before any work is done."""
+        return self._batch(requests, self.dialect)
+
+    def decisions(self, request: dict) -> dict:
+        """Answer one request in OpenAI's Decisions format (the body ``client.decisions.create`` sends:
+        ``model``, ``input``, ``questions``), as ``POST /v1/decisions`` does (clef_vllm.openai_decisions);
+        an input that does not fit ``max_model_len`` raises (``context_length_exceeded``), it is not cut."""
+        return self.decisions_batch([request])[0]
+
+    def decisions_batch(self, requests: Sequence[dict]) -> list[dict]:
+        """Many Decisions requests in one batch (order preserved), as :meth:`systemone_batch`."""
+        return self._batch(requests, Dialect.OPENAI)
+
+    def _batch(self, requests: Sequence[dict], dialect: Dialect) -> list[dict]:
         parsed, encoded = [], []
         limits = self.backend.encoder.request_limits()
         for i, body in enumerate(requests):
             try:
-                req = parse_request(body, self.dialect, limits)
+                req = parse_request(body, dialect, limits)
                 enc = self.backend.encoder.encode(req)
+                if dialect is Dialect.OPENAI:
+                    check_fits(enc)
             except ClefError as exc:
                 raise exc.with_field_prefix(f"requests[{i}]" if len(requests) > 1 else None) from None
             parsed.append(req)
@@ -61,7 +79,7 @@ class Clef:
         if not encoded:
             return []
         probs = self.backend.decide_batch(encoded)
-        return [build_response(r, e, p, self.dialect) for r, e, p in zip(parsed, encoded, probs)]
+        return [build_response(r, e, p, dialect) for r, e, p in zip(parsed, encoded, probs)]
 
     def close(self) -> None:
         self.backend.close()

@@ -14,6 +14,10 @@ Two dialects:
 * ``workers-ai`` applies the hosted service's limits: 1-64 questions, 2-255 choice options,
   2-10 score levels, ids ``[A-Za-z0-9_.-]{1,100}``, required non-empty instructions, unknown
   fields refused; confidence is the normalised Gini purity and bodies use the hosted envelope.
+
+A third, ``openai``, is not a SystemOne dialect but OpenAI's Decisions wire format
+(``POST /v1/decisions``): :func:`parse_request` maps such a body to a SystemOne request through
+:mod:`clef_vllm.openai_decisions`, which also shapes its answers and errors.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from clef_vllm.errors import Kind, RequestError
 
-__all__ = ["Dialect", "DialectRules", "RULES", "RequestLimits", "RequestError", "SystemOneRequest", "parse_request",
+__all__ = ["Dialect", "SYSTEMONE_DIALECTS", "DialectRules", "RULES", "RequestLimits", "RequestError", "SystemOneRequest",
+           "parse_request",
            "question_field", "QUESTION_TYPES", "TYPE_IDS"]
 
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -41,6 +46,11 @@ class Dialect(str, Enum):
 
     REFERENCE = "reference"
     WORKERS_AI = "workers-ai"
+    OPENAI = "openai"          # OpenAI's Decisions wire format (clef_vllm.openai_decisions)
+
+
+#: The dialects of the SystemOne body itself (``--dialect``).
+SYSTEMONE_DIALECTS = (Dialect.REFERENCE, Dialect.WORKERS_AI)
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,8 @@ class SystemOneRequest(BaseModel):
     videos: list[Any] | None = Field(default=None, description="Not supported by this build (HTTP 400 if non-empty).")
 
     _at_least_one = field_validator("questions")(_require_non_empty("at least one question is required"))
+    #: The OpenAI Decisions request this one was mapped from (``clef_vllm.openai_decisions.DecisionPlan``).
+    _decision: Any = PrivateAttr(default=None)
 
 
 class NoulAnswer(BaseModel):
@@ -366,6 +378,12 @@ def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
     ``limits`` (default: sized for 16,384 tokens; ``None``: none) are checked first, on the raw
     structure, then the request is validated field by field."""
     dialect = Dialect(dialect)
+    if dialect is Dialect.OPENAI:
+        from clef_vllm.openai_decisions import parse_decision_request
+
+        plan = parse_decision_request(body, limits)
+        plan.request._decision = plan
+        return plan.request
     rules = RULES[dialect]
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")

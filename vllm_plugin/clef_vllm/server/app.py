@@ -1,4 +1,5 @@
-"""FastAPI app: ``POST /v1/systemone``, ``POST /v1/systemone/bulk``, ``GET /health``,
+"""FastAPI app: ``POST /v1/systemone``, ``POST /v1/systemone/bulk``, OpenAI's ``POST /v1/decisions``
+and ``POST /v1/decisions/bulk`` (server/decisions.py), ``GET /health``,
 ``GET /health/live``, ``GET /metrics``, ``GET /v1/models``, Workers AI's REST route
 ``POST [/client/v4]/accounts/{account_id}/ai/run/{model_name}`` (server/hosted.py); API
 documentation at ``/docs`` and ``/redoc`` (assets served by this server: no CDN), OpenAPI at
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +37,7 @@ from clef_vllm.errors import ClefError, ClientClosed
 from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
 from clef_vllm.server.body import HOSTED_TYPES, JSON_TYPES, NDJSON_TYPES, check_media_type, decode_json  # noqa: F401 - API
 from clef_vllm.server.bulk import BulkStream
+from clef_vllm.server.decisions import install_decisions_routes
 from clef_vllm.server.errors import error_response, from_http_exception, outcome
 from clef_vllm.server.hosted import hosted_path, install_hosted_routes
 from clef_vllm.server.metrics import ServerMetrics
@@ -51,6 +54,7 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     metrics = ServerMetrics(settings.near_tie_margin)
     service = DecisionService(settings, metrics)
     dialect = settings.dialect
+    started = int(time.time())
 
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(service.run(load_backend))
@@ -101,7 +105,7 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
     @app.get("/v1/models", summary="The served model and backend, once per name (--served-model-name)")
     async def models():
         info = service.backend.describe() if service.backend is not None else {}
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "clef-vllm",
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "clef-vllm",
                                              "clef_vllm_version": __version__, **info}
                                             for name in settings.served_models]}
 
@@ -130,6 +134,7 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
         return BulkStream(service, ctx)
 
     install_hosted_routes(app, settings.served_models, systemone)
+    install_decisions_routes(app, systemone, bulk)
     _install_docs(app)
 
     app.add_middleware(EdgeMiddleware, metrics=metrics, dialect=dialect,
@@ -143,7 +148,7 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
 
 
 #: POST routes whose body is NDJSON; every other POST route takes ``application/json``.
-NDJSON_ROUTES = frozenset({"/v1/systemone/bulk"})
+NDJSON_ROUTES = frozenset({"/v1/systemone/bulk", "/v1/decisions/bulk"})
 
 
 async def require_media_type(request: Request) -> None:

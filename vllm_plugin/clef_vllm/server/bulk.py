@@ -29,7 +29,7 @@ from clef_vllm.errors import ClefError, ClientClosed, Kind, ServiceError
 from clef_vllm.server.admission import BULK
 from clef_vllm.server.body import BodyReader, body_too_large
 from clef_vllm.server.context import RequestContext
-from clef_vllm.server.errors import error_body, outcome
+from clef_vllm.server.errors import error_body, error_status, outcome
 from clef_vllm.server.logs import LOG_CONTEXT
 from clef_vllm.server.service import DecisionService
 
@@ -222,7 +222,8 @@ class BulkStream(Response):
     async def _record(self, index: int, line, out: asyncio.Queue, slots: asyncio.Semaphore,
                       reader: BodyReader) -> None:
         service = self.service
-        ctx = RequestContext(self.ctx.request_id, "bulk", record=index, timeout_s=self.ctx.timeout_s,
+        dialect = self.ctx.dialect or service.dialect       # /v1/decisions/bulk: OpenAI's format
+        ctx = RequestContext(self.ctx.request_id, "bulk", record=index, timeout_s=self.ctx.timeout_s, dialect=dialect,
                              body_bytes=0 if line is TOO_LONG else len(line))   # a small line's work: on the loop
         LOG_CONTEXT.set({"request_id": ctx.request_id, "record": index})
         try:
@@ -231,12 +232,12 @@ class BulkStream(Response):
                     raise body_too_large(service.settings.max_body_bytes, "line")
                 status, body = 200, await service.answer(line, ctx, BULK)
             except ClefError as exc:
-                status, body = outcome(exc).status, error_body(exc, service.dialect)
+                status, body = error_status(exc, dialect), error_body(exc, dialect)
                 ctx.reason = outcome(exc).reason
             except Exception as exc:  # noqa: BLE001 - one record's failure never ends the stream
                 log.error("bulk record failed: %s", exc, exc_info=exc)
                 failure = ServiceError("internal server error", kind=Kind.INTERNAL)
-                status, ctx.reason, body = 500, "internal", error_body(failure, service.dialect)
+                status, ctx.reason, body = 500, "internal", error_body(failure, dialect)
             self.counts["records"] += 1
             self.counts["ok" if status == 200 else "failed"] += 1
             service.metrics.bulk_records.labels(str(status), ctx.reason).inc()

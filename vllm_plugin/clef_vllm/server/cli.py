@@ -1,12 +1,15 @@
-"""``clef-systemone``: serve a Clef checkpoint over SystemOne (``POST /v1/systemone``).
+"""``clef-systemone``: serve a Clef checkpoint over SystemOne (``POST /v1/systemone``) and OpenAI's
+Decisions API (``POST /v1/decisions``).
 
 Without ``--model`` it serves the generated demo checkpoint (built on first use) on the backend
 ``auto`` picks: vLLM when a CUDA GPU and vLLM are usable, else the CPU/GPU reference backend.
 Engine flags follow vLLM's names.
 
-Operating it (limits, auth, metrics, errors, graceful shutdown): docs/operating.md. Exit status:
-0 after a graceful shutdown (SIGTERM/SIGINT: accepted requests finish, new ones get 503), 1 when
-the model fails to load or the engine dies while serving, 2 for bad flags.
+Operating it (limits, auth, metrics, errors, graceful shutdown): docs/operating.md.
+
+Exit status: 0 after a graceful shutdown (SIGTERM/SIGINT: accepted requests finish, new ones get
+503); 1 when the model fails to load or the engine dies while serving; 2 for bad flags; 3 when
+the server cannot listen (the port is in use, or the host cannot be bound).
 
 Testing hooks (``CLEF_VLLM_LOAD_GATE``, ``CLEF_VLLM_FAULTS``): clef_vllm/server/faults.py.
 """
@@ -27,7 +30,7 @@ from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
-from clef_vllm.protocol import Dialect
+from clef_vllm.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                        DEFAULT_MAX_CONNECTIONS, DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S,
@@ -49,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--dialect", choices=[d.value for d in Dialect], default=Dialect.REFERENCE.value,
-                   help="acceptance rules, confidence formula and envelope (default: reference)")
+    p.add_argument("--dialect", choices=[d.value for d in SYSTEMONE_DIALECTS], default=Dialect.REFERENCE.value,
+                   help="acceptance rules, confidence formula and envelope of POST /v1/systemone "
+                        "(default: reference; POST /v1/decisions always speaks OpenAI's format)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="the model's dtype (default bfloat16). float32 runs the reference backend in float32 "
                         "throughout, backbone and head, as the release's own loader; the vLLM backend runs bfloat16")
@@ -142,14 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def curl_example(host: str, port: int) -> str:
+def curl_example(host: str, port: int, auth: bool = False) -> str:
+    """The start-up "try:" command; with ``auth`` (an API key is set) it sends ``$CLEF_API_KEY``."""
     body = {"model": "clef-flash", "state": "Checkout has been failing for every customer for the last hour.",
             "questions": {"urgent": {"type": "noul", "instructions": "Is this support request urgent?"},
                           "team": {"type": "choice", "instructions": "Which team should handle it?",
                                    "criteria": {"billing": "Payments and refunds", "technical": "Outages and errors"}},
                           "severity": {"type": "score", "criteria": ["No impact", "Minor", "Major", "Critical"]}}}
     shown = "localhost" if host in ("0.0.0.0", "::") else host
-    return (f"curl -s http://{shown}:{port}/v1/systemone -H 'Content-Type: application/json' "
+    key = f"-H \"Authorization: Bearer ${API_KEY_ENV}\" " if auth else ""
+    return (f"curl -s http://{shown}:{port}/v1/systemone {key}-H 'Content-Type: application/json' "
             f"-d '{json.dumps(body)}'")
 
 
@@ -234,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.log_format == "json":     # keep the output one JSON object per line
             log.info("serving", extra={"url": f"http://{args.host}:{args.port}", "version": __version__})
             return
+        key_note = ""
+        if keys and (args.api_key or len(keys) > 1):
+            key_note = f"  (with {API_KEY_ENV} set to one of this server's API keys)\n"
         print(f"\nclef-systemone {__version__} is serving on http://{args.host}:{args.port}  (docs: /docs)\n"
-              f"try:\n  {curl_example(args.host, args.port)}\n", flush=True)
+              f"try:\n  {curl_example(args.host, args.port, auth=bool(keys))}\n{key_note}", flush=True)
 
     def on_load_error(exc: BaseException):
         load_failure.append(exc)

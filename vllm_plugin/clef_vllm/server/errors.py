@@ -51,9 +51,25 @@ OUTCOMES: dict[Kind, Outcome] = {
 
 _HTTP_KINDS = {404: Kind.NOT_FOUND, 405: Kind.METHOD_NOT_ALLOWED}
 
+#: OpenAI's Decisions route (``Dialect.OPENAI``): the kinds whose status differs there (OpenAI answers a
+#: request it cannot take with 400, a prompt that does not fit included), and each kind's ``code``.
+OPENAI_STATUS = {Kind.INVALID: 400, Kind.TOO_COMPLEX: 400, Kind.SCHEMA_TOO_LONG: 400, Kind.TOO_MANY_TOKENS: 400}
+OPENAI_CODES = {Kind.MALFORMED: "invalid_json", Kind.UNSUPPORTED: "unsupported_value", Kind.INVALID: "invalid_value",
+                Kind.TOO_COMPLEX: "request_too_large", Kind.SCHEMA_TOO_LONG: "context_length_exceeded",
+                Kind.TOO_MANY_TOKENS: "context_length_exceeded", Kind.BODY_TOO_LARGE: "request_too_large",
+                Kind.UNAUTHORIZED: "invalid_api_key", Kind.NOT_FOUND: "not_found",
+                Kind.UNKNOWN_MODEL: "model_not_found", Kind.OVERLOADED: "rate_limit_exceeded",
+                Kind.BULK_STREAMS: "rate_limit_exceeded"}
+
 
 def outcome(exc: ClefError) -> Outcome:
     return OUTCOMES[exc.kind]
+
+
+def error_status(exc: ClefError, dialect: Dialect | str = Dialect.REFERENCE) -> int:
+    """The HTTP status of ``exc`` on a route of ``dialect``."""
+    status = outcome(exc).status
+    return OPENAI_STATUS.get(exc.kind, status) if Dialect(dialect) is Dialect.OPENAI else status
 
 
 def from_http_exception(exc: StarletteHTTPException) -> ClefError:
@@ -73,6 +89,9 @@ def error_body(exc: ClefError, dialect: Dialect | str = Dialect.REFERENCE) -> di
         return {"success": False, "errors": [{"code": out.hosted_code, "message": str(exc)}], "messages": [],
                 "result": None}
     kind = "invalid_request_error" if out.status < 500 else "server_error"
+    if Dialect(dialect) is Dialect.OPENAI:     # OpenAI's envelope: a string code, the param as a JSON path
+        return {"error": {"message": str(exc), "type": kind, "param": exc.field,
+                          "code": OPENAI_CODES.get(exc.kind, exc.kind.value)}}
     return {"error": {"message": str(exc), "type": kind, "param": exc.field, "code": out.status}}
 
 
@@ -88,5 +107,5 @@ def error_headers(exc: ClefError) -> dict[str, str]:
 def error_response(exc: ClefError, dialect: Dialect | str = Dialect.REFERENCE,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """The error as an HTTP response: status, dialect body, ``Retry-After`` / ``WWW-Authenticate``."""
-    return JSONResponse(error_body(exc, dialect), status_code=outcome(exc).status,
+    return JSONResponse(error_body(exc, dialect), status_code=error_status(exc, dialect),
                         headers={**error_headers(exc), **(headers or {})})

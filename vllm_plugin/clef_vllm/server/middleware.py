@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from clef_vllm.errors import ClefError, ClientClosed, Kind
 from clef_vllm.protocol import Dialect
 from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request_id
+from clef_vllm.server.decisions import DECISIONS_DIALECT, DECISIONS_PREFIX, DECISIONS_ROUTES, decisions_path
 from clef_vllm.server.errors import OUTCOMES, error_response, outcome
 from clef_vllm.server.hosted import HOSTED_DIALECT, HOSTED_ROUTE, hosted_path, hosted_route_label
 from clef_vllm.server.logs import LOG_CONTEXT
@@ -24,14 +25,14 @@ log = logging.getLogger("clef_vllm.server")
 access_log = logging.getLogger("clef_vllm.access")
 
 #: Routes with their own metrics label; anything else is "other".
-ROUTES = ("/v1/systemone", "/v1/systemone/bulk", "/v1/models", "/health", "/health/live", "/metrics",
+ROUTES = ("/v1/systemone", "/v1/systemone/bulk", *DECISIONS_ROUTES, "/v1/models", "/health", "/health/live", "/metrics",
           "/openapi.json", "/docs", "/redoc")
 PROBES = ("/health", "/health/live", "/metrics")
 #: The API documentation: open, or behind the key with the probes (``--auth-health-metrics``).
 DOCS = ("/docs", "/redoc", "/openapi.json")
 DOCS_ASSETS = "/docs/assets/"
 #: Routes whose whole time is observed as ``clef_stage_seconds{stage="total", kind="interactive"}``.
-INTERACTIVE_ROUTES = ("/v1/systemone", HOSTED_ROUTE)
+INTERACTIVE_ROUTES = ("/v1/systemone", HOSTED_ROUTE, DECISIONS_PREFIX)
 _STATUS_REASON = {o.status: o.reason for kind, o in reversed(OUTCOMES.items())}
 
 class BearerAuth:
@@ -73,7 +74,8 @@ class EdgeMiddleware:
         path = scope["path"]
         route = path if path in ROUTES else hosted_route_label(path) or "other"
         ctx = RequestContext(accept_request_id(headers.get("x-request-id")), route,
-                             dialect=HOSTED_DIALECT if hosted_path(path) else self.dialect)
+                             dialect=HOSTED_DIALECT if hosted_path(path) else
+                             DECISIONS_DIALECT if decisions_path(path) else self.dialect)
         scope.setdefault("state", {})[CONTEXT_KEY] = ctx
         token = LOG_CONTEXT.set({"request_id": ctx.request_id})
         status: int | None = None

@@ -26,6 +26,7 @@ from clef_vllm.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
 from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
 from clef_vllm.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
+from clef_vllm.openai_decisions import check_fits
 from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
@@ -485,6 +486,8 @@ class DecisionService:
     def _encode(self, parsed: SystemOneRequest, ctx: RequestContext):
         encoded = self.backend.encoder.encode(parsed, checkpoint=ctx.checkpoint)
         parsed.state = None                  # the answer does not need it; a large state is freed now
+        if (ctx.dialect or self.dialect) is Dialect.OPENAI:      # OpenAI's route never cuts the input
+            check_fits(encoded)
         if encoded.truncated_state_tokens and self.settings.over_length == "reject":
             cut = encoded.truncated_state_tokens
             need, state = encoded.num_tokens + cut, encoded.state_tokens + cut
