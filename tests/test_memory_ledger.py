@@ -49,7 +49,7 @@ def test_report_within_and_beyond_the_budget():
     assert "holds 48.00 GiB (47.00 GiB in use)" in line and "budget of 50.00 GiB" in line
     assert "--gpu-memory-utilization 0.5 of 100.0 GiB" in line and "GDN graphs 3.00 GiB (1x)" in line
     assert "step graphs" not in line             # kinds that never ran are not named
-    with ledger.taking(memory.GEMM_WARMUP):
+    with ledger.taking(memory.HEAD_GRAPHS):
         dev.reserved += 4 * GIB                  # 52 GiB: 2 beyond
     level, line = ledger.report()
     assert level == logging.WARNING

@@ -15,7 +15,7 @@ from clef_vllm.worker import shared_gpu
 
 def test_engines_per_gpu_reach_the_engine_as_the_worker_class_and_each_engine_gets_its_share_of_memory():
     one = engine_args(backend_options("vllm", {}))
-    assert one["gpu_memory_utilization"] == 0.9 and "worker_cls" not in one
+    assert one["gpu_memory_utilization"] == 0.9 and one["worker_cls"] == "clef_vllm.worker.budget.ClefWorker"
     assert "clef_engines_per_gpu" not in one["additional_config"]
     two = engine_args(backend_options("vllm", {"data_parallel_size": 4, "engines_per_gpu": 2}))
     assert two["worker_cls"] == "clef_vllm.worker.shared_gpu.SharedGpuWorker"

@@ -317,18 +317,43 @@ def test_release_layout_loads_every_tensor(release_model, tiny_release):
     assert not any(n.startswith(("mtp", "visual", "model.visual")) for n in params)
 
 
-def test_repacked_layout_dequantizes_the_embedding_and_keeps_lm_head_int8(repacked_model, release_model):
+def test_repacked_layout_keeps_both_tables_int8(repacked_model, release_model, tiny_repacked):
+    from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.tables import load_int8_tables
+    from clef_vllm.worker.embedding import Int8RowEmbedding
+
     a, b = repacked_model, release_model
     assert a.lm_table.weight.dtype == torch.int8
-    emb_err = (a.model.embed_tokens.weight.float() - b.model.embed_tokens.weight.float()).abs().max()
-    assert 0 < emb_err < 0.05 * b.model.embed_tokens.weight.float().abs().max()
-    ids = torch.tensor([1, 5, 77, 300])
-    rows = a.lm_table.rows(ids, torch.float32)
-    ref = b.lm_table.rows(ids, torch.float32)
-    assert torch.nn.functional.cosine_similarity(rows, ref, dim=1).min() > 0.999
+    emb = a.model.embed_tokens
+    assert isinstance(emb, Int8RowEmbedding) and emb.weight.dtype == torch.int8 and emb.scale.dtype == torch.float32
+    assert "model.embed_tokens.weight" not in dict(a.named_parameters())        # no 16-bit copy anywhere
+    # the gathered rows are bit for bit the rows of the table dequantized whole (the former path)
+    table = load_int8_tables(locate_checkpoint(tiny_repacked).tables_file)["embed_tokens"]
+    ids = torch.tensor([[0, 1, 5, 77], [300, 5, 5, table.num_rows - 1]])
+    dequantized = table.dequantize(torch.bfloat16)
+    assert torch.equal(emb(ids), dequantized[ids])
+    assert torch.equal(a.embed_input_ids(ids.flatten()), dequantized[ids.flatten()])
+    # and close to the release's 16-bit embedding (per-row int8)
+    ref = b.model.embed_tokens.weight
+    err = (dequantized[: ref.shape[0]].float() - ref[: dequantized.shape[0]].float()).abs().max()
+    assert 0 < err < 0.05 * ref.float().abs().max()
+    rows = a.lm_table.rows(ids.flatten(), torch.float32)
+    lm_ref = b.lm_table.rows(ids.flatten(), torch.float32)
+    assert torch.nn.functional.cosine_similarity(rows, lm_ref, dim=1).min() > 0.999
     # the backbone layers are identical
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert torch.equal(pa["model.layers.2.mlp.down_proj.weight"], pb["model.layers.2.mlp.down_proj.weight"])
+
+
+def test_int8_embedding_splits_the_vocabulary_as_vllm_does():
+    from clef_vllm.worker.embedding import vocab_slice
+
+    assert vocab_slice(248320, 0, 1) == (0, 248320)
+    # vLLM pads 248,320 rows to a multiple of 64 (already one) and gives each of 4 ranks 62,080
+    assert [vocab_slice(248320, r, 4) for r in range(4)] == [(0, 62080), (62080, 124160), (124160, 186240),
+                                                             (186240, 248320)]
+    # a vocabulary that needs padding: the last rank's slice ends at the real rows
+    assert [vocab_slice(1000, r, 2) for r in range(2)] == [(0, 512), (512, 1000)]
 
 
 # --------------------------------------------------------------------------- pooler

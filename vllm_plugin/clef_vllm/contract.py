@@ -67,6 +67,9 @@ NVFP4_KERNELS = ("vllm", "bf16", "auto")
 DEFAULT_NVFP4_KERNEL = "auto"
 #: ``additional_config`` key: how many data-parallel engines share each GPU (``--engines-per-gpu``; absent: one).
 ENGINES_PER_GPU_KEY = "clef_engines_per_gpu"
+#: vLLM's ``worker_cls`` for a Clef engine: vLLM's GPU worker, with the plugin's memory taken out of the KV cache
+#: and the allocator capped at the budget (:mod:`clef_vllm.worker.budget`).
+CLEF_WORKER = "clef_vllm.worker.budget.ClefWorker"
 #: vLLM's ``worker_cls`` for engines that share a GPU: it places them and starts them one at a time
 #: (:mod:`clef_vllm.worker.shared_gpu`).
 SHARED_GPU_WORKER = "clef_vllm.worker.shared_gpu.SharedGpuWorker"

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, ENGINES_PER_GPU_KEY,
                                 GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
                                 IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
-                                SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, tell_worker)
+                                SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, CLEF_WORKER, tell_worker)
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
@@ -158,8 +158,10 @@ def _gpu_memory(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _engines_per_gpu(opts: "VllmOptions", kwargs: dict) -> None:
-    """Engines that share a GPU run the plugin's worker class, which places them and starts them one at a time
-    (:mod:`clef_vllm.worker.shared_gpu`)."""
+    """Every engine runs the plugin's worker class, which keeps the process inside its memory budget
+    (:mod:`clef_vllm.worker.budget`); engines that share a GPU run its subclass that places them and starts them
+    one at a time (:mod:`clef_vllm.worker.shared_gpu`)."""
+    kwargs["worker_cls"] = CLEF_WORKER
     if opts.engines_per_gpu > 1:
         tell_worker(kwargs, ENGINES_PER_GPU_KEY, opts.engines_per_gpu)
         kwargs["worker_cls"] = SHARED_GPU_WORKER

@@ -28,7 +28,7 @@ log = logging.getLogger("clef_vllm")
 GIB = float(1 << 30)
 
 #: The kinds of plugin work the ledger counts, in the order the report names them.
-STEP_GRAPHS, GDN_GRAPHS, HEAD_GRAPHS, GEMM_WARMUP = "step graphs", "GDN graphs", "head graphs", "GEMM warm-up"
+STEP_GRAPHS, GDN_GRAPHS, HEAD_GRAPHS = "step graphs", "GDN graphs", "head graphs"
 #: :meth:`Ledger.settle` logs the report again once the allocator holds this much more than when it last did.
 LOG_EVERY_BYTES = 1 << 30
 #: ... and looks every this many steps besides the steps after the plugin's own work.
@@ -47,7 +47,7 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _process_used() -> int | None:
+def process_used() -> int | None:
     """This process's memory on its current device by the driver's count (NVML, as ``nvidia-smi`` shows it: the
     allocator's reservations plus the CUDA context, kernels and libraries' workspaces); ``None`` where NVML
     cannot say (no NVML, or the process not listed, e.g. in another PID namespace)."""
@@ -79,11 +79,13 @@ class Ledger:
     not a GPU worker)."""
 
     def __init__(self, reserved: Callable[[], int] = _reserved, allocated: Callable[[], int] = _allocated,
-                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = _process_used):
+                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = process_used):
         self._reserved, self._allocated, self._total, self._used = reserved, allocated, total, used
         self.taken: Counter[str] = Counter()
         self.times: Counter[str] = Counter()
         self.budget_fraction: float | None = None
+        #: What :class:`~clef_vllm.worker.budget.ClefWorker` took out of the KV cache for the plugin's graphs.
+        self.reserved_for_graphs: int | None = None
         self.dirty = False           # plugin work ran since the last settle()
         self._logged_held = 0        # what the allocator held when the report was last logged
         self._warned = False
@@ -110,13 +112,15 @@ class Ledger:
         budget = self.budget_fraction * total
         held, used = self._reserved(), self._used()
         parts = [f"{what} {self.taken[what] / GIB:.2f} GiB ({self.times[what]}x)"
-                 for what in (STEP_GRAPHS, GDN_GRAPHS, HEAD_GRAPHS, GEMM_WARMUP) if self.times[what]]
+                 for what in (STEP_GRAPHS, GDN_GRAPHS, HEAD_GRAPHS) if self.times[what]]
         process = f"this process holds {used / GIB:.2f} GiB of the device, its allocator " if used is not None else \
             "the allocator holds "
         line = (f"clef memory: {process}{held / GIB:.2f} GiB ({self._allocated() / GIB:.2f} GiB in use) against "
                 f"vLLM's budget of {budget / GIB:.2f} GiB (--gpu-memory-utilization {self.budget_fraction:g} of "
                 f"{total / GIB:.1f} GiB); taken after vLLM sized its KV cache: "
-                + (", ".join(parts) if parts else "nothing"))
+                + (", ".join(parts) if parts else "nothing")
+                + (f" (reserved for them: {self.reserved_for_graphs / GIB:.2f} GiB)"
+                   if self.reserved_for_graphs is not None else ""))
         counted = used if used is not None else held
         if counted <= budget:
             return logging.INFO, line

@@ -10,7 +10,8 @@ head and the lm_head table live on the model and run inside the worker through
 Weights: the backbone streams through vLLM's loader (both layouts; vision and MTP tensors are
 skipped; ``lm_head.weight`` of the release goes to the lexical table). The head and the int8
 tables are read with :mod:`clef_vllm.checkpoint` / :mod:`clef_vllm.tables` — the same loaders
-as the reference backend. After loading, every expected tensor must have arrived and be
+as the reference backend — and both tables stay int8 with their row scales on the GPU (the
+embedding: :class:`~clef_vllm.worker.embedding.Int8RowEmbedding`). After loading, every expected tensor must have arrived and be
 finite, or the model refuses to start (vLLM does not check this for quantized checkpoints).
 """
 
@@ -40,6 +41,7 @@ from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
 from clef_vllm.worker import gdn_metadata, gdn_tuning, memory, nvfp4_bf16
 from clef_vllm.worker.dummy_loader import is_dummy
+from clef_vllm.worker.embedding import Int8RowEmbedding
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner, triton_gdn
@@ -136,6 +138,10 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             raise CheckpointError(f"{self.files.head_config_file}: hidden_size {head_config.hidden_size} "
                                   f"!= backbone hidden_size {config.hidden_size}")
         self.model = Qwen3_5Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if self.files.layout == "repacked":    # the int8 table stays int8: vLLM's 16-bit embedding goes
+            self.model.embed_tokens = Int8RowEmbedding(config.vocab_size, config.hidden_size, model_config.dtype)
+            if self.dummy:                     # vLLM's dummy loaders fill parameters only
+                self.model.embed_tokens.fill_dummy()
         self.head = JointSchemaHead(head_config).to(dtype=_head_dtype(vllm_config))
         vocab, hidden = config.vocab_size, config.hidden_size
         if self.files.layout == "repacked":
@@ -205,7 +211,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if setting is None:
             return None
         records = setting.get("records", 1) if isinstance(setting, dict) else 1
-        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len, max_records=records)
+        max_memory = (setting.get("memory") if isinstance(setting, dict) else None) or vllm_config.model_config.max_model_len
+        runner = HeadGraphRunner(self.head, max_memory=max_memory, max_records=records)
         log.info("clef head graphs: a step finishing up to %d request(s) runs the joint head from a CUDA graph "
                  "(%d buckets; memory up to %d rows)", runner.record_buckets[-1], len(runner.buckets),
                  runner.memory_buckets[-1])
@@ -352,12 +359,11 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             if (table.num_rows, table.width) != want:
                 raise CheckpointError(f"{files.tables_file}: {name} is {table.num_rows}x{table.width}, "
                                       f"expected {want[0]}x{want[1]}")
-        # Embedding dequantized once into vLLM's (TP-aware) embedding; lm_head stays int8.
-        param = self.model.embed_tokens.weight
-        param.weight_loader(param, embed.dequantize(param.dtype))
+        # Both tables stay int8 with their row scales: the embedding (this rank's rows) and the lm_head.
+        self.model.embed_tokens.load(embed)
         self.lm_table.weight.copy_(lm.weight)
         self.lm_table.scale.copy_(lm.scale)
-        return {"model.embed_tokens.weight"} | {f"lm_table.{n}" for n, _ in self.lm_table.named_buffers()}
+        return {f"lm_table.{n}" for n, _ in self.lm_table.named_buffers()}
 
     def _load_head(self) -> set[str]:
         state = load_head_state(self.files, self.head.config)

@@ -33,7 +33,7 @@ from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_r
 from clef_vllm.head import JointSchemaHead
 from clef_vllm.state_keys import KEY_UNIT, block_keys
 from clef_vllm.tables import LexicalTable
-from clef_vllm.worker import memory, state_cache
+from clef_vllm.worker import state_cache
 from clef_vllm.worker.gemm_warmup import GridRows, warm_gemm_kernels
 from clef_vllm.worker.head_graphs import HeadGraphRunner
 
@@ -204,13 +204,12 @@ class ClefPooler(Pooler):
     forward = trace.phased(trace.PHASE_HEAD, forward)
 
     def _warm_gemms(self, device) -> None:
-        """Once, before the first real step's head (vLLM's profiling runs, synthetic, come earlier and may
-        not spend memory on it); only on a GPU outside a graph capture."""
+        """Once, at the first call on a GPU outside a graph capture: vLLM's memory profiling run, so the warm-up's
+        transient memory (the head's largest shapes) is part of the peak vLLM sizes the KV cache around."""
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
         rows, self.gemm_warmup_rows = self.gemm_warmup_rows, None
-        with memory.LEDGER.taking(memory.GEMM_WARMUP):
-            report = warm_gemm_kernels(self._head, rows, self._head.dtype, device)
+        report = warm_gemm_kernels(self._head, rows, self._head.dtype, device)
         if self._row_grid_wanted and "stopped" not in report:
             self.row_grid = GridRows(rows)
             log.info("clef GEMM rows: the head's GEMMs outside its graphs run at the warm-up's %d row counts "
@@ -238,7 +237,7 @@ class ClefPooler(Pooler):
             elif acc is None and done:
                 out[i] = torch.full((1,), float("nan"), device=device)
             offset += n
-        if self.gemm_warmup_rows and pieces and not any(acc.synthetic for acc, *_ in pieces):
+        if self.gemm_warmup_rows and pieces:
             self._warm_gemms(device)
         grid = self.row_grid or contextlib.nullcontext()
         with grid:

@@ -33,9 +33,8 @@ import os
 import tempfile
 import time
 
-from vllm.v1.worker.gpu_worker import Worker
-
 from clef_vllm.contract import ENGINES_PER_GPU_KEY, worker_setting
+from clef_vllm.worker.budget import ClefWorker
 
 log = logging.getLogger("clef_vllm")
 
@@ -101,8 +100,8 @@ class StartLock:
             os.close(fd)
 
 
-class SharedGpuWorker(Worker):
-    """vLLM's GPU worker, placed ``--engines-per-gpu`` engines to a GPU and started one at a time per GPU."""
+class SharedGpuWorker(ClefWorker):
+    """The Clef worker (:mod:`clef_vllm.worker.budget`), placed ``--engines-per-gpu`` engines to a GPU and started one at a time per GPU."""
 
     def init_device(self):
         per_gpu = int(worker_setting(self.vllm_config, ENGINES_PER_GPU_KEY, 1))

@@ -1,0 +1,126 @@
+"""The worker's memory budget: everything the engine's process holds stays inside ``--gpu-memory-utilization``.
+
+vLLM 0.28 sizes the KV cache as the budget (``gpu_memory_utilization`` x the device) less what its
+profiling run measured: the weights, the peak of one step's activations (the plugin's head, its GEMM
+warm-up and the state cache's side rows run inside that profiling) and its own CUDA graphs' estimate.
+Three things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
+
+* the CUDA context and what the device held for this process before vLLM's first snapshot (vLLM
+  measures from there, so by its count the context comes on top of the budget);
+* the plugin's own CUDA graphs and their buffers (the step, GDN and head graphs), captured after the
+  KV cache exists: :func:`plugin_reservation` estimates them from the settings the worker got
+  (:mod:`clef_vllm.worker.graph_costs` holds the per-feature figures);
+* and, once the engine is warm, the caching allocator is capped at what the budget leaves beside
+  the non-PyTorch memory (``torch.cuda.set_per_process_memory_fraction``): under load the allocator
+  frees its cached blocks instead of growing past the budget (it grew ~9 GiB beyond it on a 9B engine
+  at 64 concurrent requests otherwise).
+
+A plugin graph that would not fit then fails its capture and that feature runs eagerly (each runner
+logs it once); the process never holds more than the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.v1.worker.gpu_worker import Worker
+
+from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
+from clef_vllm.worker.graph_costs import graph_reservation
+from clef_vllm.worker import memory
+
+log = logging.getLogger("clef_vllm")
+
+GIB = float(1 << 30)
+#: Kept free under the allocator's cap for non-PyTorch memory that grows after the cap is set (cuBLAS
+#: workspaces of new streams, CUDA graph executables).
+CAP_MARGIN_BYTES = 256 << 20
+#: The CUDA context and libraries' device memory where the driver cannot say (NVML lists no process here).
+DEFAULT_CONTEXT_BYTES = 600 << 20
+
+
+class MemoryBudgetError(RuntimeError):
+    """The budget leaves the KV cache nothing once the plugin's needs are taken out."""
+
+
+def process_memory() -> int | None:
+    """This process's memory on its device by the driver's count, or ``None`` (:mod:`clef_vllm.worker.memory`)."""
+    return memory.process_used()
+
+
+def context_bytes() -> int:
+    """What this process holds on the device outside PyTorch's allocator now (the CUDA context, libraries'
+    workspaces): the driver's count less the allocator's reservations, or :data:`DEFAULT_CONTEXT_BYTES`."""
+    used = process_memory()
+    if used is None:
+        return DEFAULT_CONTEXT_BYTES
+    return max(0, used - int(torch.cuda.memory_reserved()))
+
+
+def plugin_graph_bytes(vllm_config) -> dict[str, int]:
+    """The plugin's CUDA graphs this worker will capture after the KV cache exists, by kind, in bytes (the
+    settings the backend gave it; :func:`clef_vllm.worker.graph_costs.graph_reservation` holds the figures)."""
+    if not torch.cuda.is_available():
+        return {}
+    head = worker_setting(vllm_config, HEAD_GRAPHS_KEY)
+    prefill = worker_setting(vllm_config, PREFILL_GRAPHS_KEY)
+    config = vllm_config.model_config.hf_text_config
+    return graph_reservation(
+        hidden=config.hidden_size, intermediate=config.intermediate_size,
+        max_model_len=vllm_config.model_config.max_model_len,
+        head_records=int(head.get("records", 1)) if isinstance(head, dict) else (1 if head else 0),
+        head_memory=int(head.get("memory") or 0) if isinstance(head, dict) else 0,
+        prefill_buckets=list(prefill.get("buckets") or ()) if isinstance(prefill, dict) else [],
+        step_graphs=isinstance(prefill, dict) and prefill.get("scope") == "step")
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+class ClefWorker(Worker):
+    """vLLM's GPU worker, with the plugin's memory taken out of the KV cache and the allocator capped."""
+
+    def init_device(self):
+        out = super().init_device()
+        self._clef_context = context_bytes()       # before any weight: the context and its kernels
+        return out
+
+    def determine_available_memory(self) -> int:
+        available = super().determine_available_memory()
+        keep = {"CUDA context": getattr(self, "_clef_context", DEFAULT_CONTEXT_BYTES)}
+        keep.update(plugin_graph_bytes(self.vllm_config))
+        kv = int(available - sum(keep.values()))
+        parts = ", ".join(f"{name} {gib(n)}" for name, n in keep.items() if n)
+        if kv <= 0:
+            raise MemoryBudgetError(
+                f"clef memory budget: vLLM left {gib(available)} for the KV cache and the plugin needs "
+                f"{gib(sum(keep.values()))} of it ({parts}): nothing is left. Free memory with a shorter "
+                "--max-model-len or --max-num-batched-tokens, --head-graphs off, --prefill-graphs off, "
+                "--nvfp4-kernel vllm, or a larger --gpu-memory-utilization")
+        log.info("clef memory budget: vLLM's KV cache %s less what its profiling does not count (%s): KV cache %s",
+                 gib(available), parts, gib(kv))
+        memory.LEDGER.reserved_for_graphs = sum(n for name, n in keep.items() if name != "CUDA context")
+        return kv
+
+    def compile_or_warm_up_model(self):
+        out = super().compile_or_warm_up_model()
+        if torch.cuda.is_available():
+            cap_allocator(int(self.requested_memory))
+        return out
+
+
+def cap_allocator(budget_bytes: int, device=None) -> float:
+    """Cap PyTorch's caching allocator so that it and this process's non-PyTorch memory stay within
+    ``budget_bytes``; returns the fraction set."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    outside = context_bytes()
+    cap = max(budget_bytes - outside - CAP_MARGIN_BYTES, int(torch.cuda.memory_reserved(device)))
+    fraction = min(cap / total, 1.0)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("clef memory budget: PyTorch's allocator capped at %s (the budget %s less %s outside it and %s "
+             "kept free); it frees cached blocks rather than grow past it", gib(cap), gib(budget_bytes),
+             gib(outside), gib(CAP_MARGIN_BYTES))
+    return fraction
