@@ -384,9 +384,11 @@ def check_fits(encoded) -> None:
     cut = encoded.truncated_state_tokens
     if cut:
         about = "" if encoded.truncation_exact else "about "
-        raise RequestError(f"the input is {about}{cut} tokens too long: the request needs {about}"
-                           f"{encoded.num_tokens + cut} tokens, the model's context is {encoded.num_tokens} "
-                           "(--max-model-len)", kind=Kind.TOO_MANY_TOKENS, field="input")
+        # "Input tokens exceed the configured limit" is one of the phrases LangChain maps to its
+        # context-overflow error (the SDK's exception text carries the message, not the code).
+        raise RequestError(f"Input tokens exceed the configured limit of {encoded.num_tokens} tokens (max_model_len): "
+                           f"the request needs {about}{encoded.num_tokens + cut}, the input is {about}{cut} too many; "
+                           "this route does not cut the input", kind=Kind.TOO_MANY_TOKENS, field="input")
 
 
 def decision_response(plan: DecisionPlan, systemone: dict) -> dict:

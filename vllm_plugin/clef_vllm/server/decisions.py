@@ -37,7 +37,7 @@ def install_decisions_routes(app: FastAPI, native: Callable[[Request], Awaitable
     ``/v1/systemone`` handlers, which answer in the request's dialect."""
     error = {"description": 'OpenAI error body: {"error": {"message", "type", "param", "code"}}'}
     responses = {200: {"description": "A Decisions response: {model, answers: [...], usage}"},
-                 400: error, 401: error, 413: error, 415: error, 429: error, 503: error, 504: error}
+                 400: error, 401: error, 408: error, 413: error, 415: error, 429: error, 503: error, 504: error}
     app.add_api_route(DECISIONS_PREFIX, native, methods=["POST"], name="decisions", response_model=None,
                       responses=responses, tags=["OpenAI Decisions"],
                       openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
