@@ -335,6 +335,23 @@ def format_layers(report: Report) -> list[str]:
     return lines
 
 
+def missing_dependency(checkpoint: Path) -> str | None:
+    """The one line to print instead of a report when this environment cannot check ``checkpoint``: a
+    compressed-tensors checkpoint needs the ``compressed-tensors`` package (not in the plugin's base install)."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+        quantized = "quantization_config" in config or "quantization_config" in config.get("text_config", {})
+    except (OSError, ValueError, AttributeError):
+        return None                               # no readable config: the report says so
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        if quantized:
+            return (f"clef-load: {checkpoint} is quantized (compressed-tensors) and this environment has no "
+                    "compressed-tensors: pip install './vllm_plugin[vllm]' (or 'compressed-tensors==0.17.0')")
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="clef-load", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -354,6 +371,10 @@ def main(argv=None) -> int:
                          "global scale (in place, or to --out), then check the result")
     ap.add_argument("--out", type=Path, help="with --fix-fused-scales: write the fixed checkpoint here")
     a = ap.parse_args(argv)
+    missing = missing_dependency(a.checkpoint)
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     if a.fix_fused_scales:
         from clef_vllm.quant.fused_scales import fix_fused_global_scales
 
