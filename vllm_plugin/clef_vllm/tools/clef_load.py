@@ -7,9 +7,11 @@ resolves to (per layer); missing, unexpected, mis-shaped and non-finite backbone
 global-scale consistency across vLLM's fused modules; and the kernels vLLM will pick on this GPU
 (or ``--capability 9.0``). Uses the plugin's loaders (``clef_vllm.checkpoint``,
 ``clef_vllm.tables``, ``clef_vllm.quant``). Exit status 1 when anything would fail or silently
-mis-compute.
+mis-compute. With ``--gpu-memory``, it prints the checkpoint's GPU memory plan for a device of that size
+instead (:mod:`clef_vllm.memory_plan`; no GPU needed) and exits 1 when the plan does not fit.
 
     clef-load CKPT
+    clef-load CKPT --gpu-memory 16GiB [--gpu-memory-utilization 0.9 --max-model-len 16384]
     clef-load CKPT --capability 9.0 --json report.json
     clef-load CKPT --fix-fused-scales --out FIXED     # re-export shards at one fused global scale
 """
@@ -335,6 +337,45 @@ def format_layers(report: Report) -> list[str]:
     return lines
 
 
+def print_memory_plan(a) -> int:
+    """``--gpu-memory``: the fitted memory plan (or why none fits), and ``--json`` with it; the exit status."""
+    from clef_vllm import memory_plan as MP
+    from clef_vllm.backends.options import VllmOptions
+    from clef_vllm.checkpoint import CheckpointError
+
+    result: dict = {"path": str(a.checkpoint), "device_total_bytes": a.gpu_memory}
+    try:
+        given = dict(max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+                     max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+        options = VllmOptions(nvfp4_kernel=a.nvfp4_kernel, **{k: v for k, v in given.items() if v is not None})
+        plan = MP.plan_for_checkpoint(a.checkpoint, device_total_bytes=a.gpu_memory, options=options,
+                                      gpu_memory_utilization=options.resolved_gpu_memory_utilization,
+                                      capability=a.capability)
+    except (MP.PlanDoesNotFit, CheckpointError, ValueError) as exc:
+        print(f"DOES NOT FIT: {exc}" if isinstance(exc, MP.PlanDoesNotFit) else f"ERROR: {exc}")
+        result.update(ok=False, error=str(exc))
+        ok = False
+    else:
+        print(f"device {MP.gib(a.gpu_memory)} GiB x --gpu-memory-utilization "
+              f"{options.resolved_gpu_memory_utilization:g}")
+        print("\n".join(plan.describe()))
+        result.update(ok=True, plan=plan.to_dict())
+        ok = True
+    if a.json:
+        write_json(a.json, result)
+    print(("PASS" if ok else "FAIL") + f": {a.checkpoint}")
+    return 0 if ok else 1
+
+
+def _size(text: str) -> int:
+    from clef_vllm.memory_plan import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def missing_dependency(checkpoint: Path) -> str | None:
     """The one line to print instead of a report when this environment cannot check ``checkpoint``: a
     compressed-tensors checkpoint needs the ``compressed-tensors`` package (not in the plugin's base install)."""
@@ -364,7 +405,13 @@ def main(argv=None) -> int:
                                                        "'language_model.model.' for vLLM's VL class)")
     ap.add_argument("--config-only", action="store_true", help="check config.json and the head config only "
                                                                 "(weights not built yet, e.g. the repo root)")
-    ap.add_argument("--json", type=Path, help="also write the report as JSON")
+    ap.add_argument("--json", type=Path, help="also write the report (or the memory plan) as JSON")
+    ap.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+                    help="print the GPU memory plan for a device of SIZE (16GiB, 15.92GiB, 24GB = 10^9 bytes, "
+                         "16303MiB, bytes) instead of the checks; exit 1 when it does not fit")
+    for flag in ("--gpu-memory-utilization", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
+        ap.add_argument(flag, type=float if flag == "--gpu-memory-utilization" else int,
+                        help=f"with --gpu-memory: the server's {flag} (default: the server's)")
     ap.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
     ap.add_argument("--fix-fused-scales", action="store_true",
                     help="first re-export NVFP4 shards of vLLM-fused modules at their group's shared (min) weight "
@@ -375,6 +422,8 @@ def main(argv=None) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 1
+    if a.gpu_memory is not None:
+        return print_memory_plan(a)
     if a.fix_fused_scales:
         from clef_vllm.quant.fused_scales import fix_fused_global_scales
 

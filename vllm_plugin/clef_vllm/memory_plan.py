@@ -1,0 +1,649 @@
+"""The GPU memory plan: what a Clef checkpoint and the server's features take of a memory budget, and
+what that leaves vLLM for its KV cache.
+
+The budget is ``--gpu-memory-utilization`` of the device's memory. The plan counts, in bytes:
+
+* **weights**, exactly, from the parameter shapes vLLM 0.28 builds for the checkpoint's config: FP8 W8A8
+  linears (1 byte a weight + a float32 scale per output channel), NVFP4 W4A4 linears as the chosen kernel
+  stores them (``bf16``: 2 bytes a weight; ``vllm``: 0.5 byte a weight + an FP8 block scale per 16
+  weights + the fused module's global scales), BF16 linears (unquantized modules: the Hybrid's GDN
+  ``in_proj_a`` / ``in_proj_b``), the BF16 leftovers (norms, GDN ``conv1d`` / ``A_log`` / ``dt_bias``,
+  the rotary cache), the token tables (int8 + a float32 scale per row in a repacked checkpoint, 16-bit
+  in a release-layout one), the joint head (its parameters in the head's dtype) and the vision tower
+  (never loaded: text-only);
+* **vLLM's runtime**: one step's activations, vLLM's CUDA graphs, memory held outside PyTorch's
+  allocator, the CUDA context;
+* **the plugin's features**: the prefill (GDN) graphs, the whole-step graphs, the head graphs, the head's
+  GEMM warm-up (a transient peak: only what exceeds one step's activations counts) and the state cache's
+  memory rows;
+* **the KV cache**: the rest, in blocks, tokens and sequences of ``--max-model-len`` tokens exactly as
+  vLLM 0.28 counts them (:class:`KvLayout`).
+
+The non-weight costs are module constants measured on the 9B (``REF_*`` shapes) and scaled linearly to
+other shapes; each says what it models. Pure arithmetic on config dicts: no torch, no GPU, no vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+GIB = 1 << 30
+
+# --------------------------------------------------------------------------- calibrated constants
+
+#: The 9B shapes the constants below were measured at (hidden, intermediate, decoder layers, head width,
+#: max_model_len); a constant scales linearly from them to another checkpoint's shapes.
+REF_HIDDEN, REF_INTERMEDIATE, REF_LAYERS, REF_WIDTH, REF_MODEL_LEN = 4096, 12288, 32, 1024, 16384
+
+#: One step's activation peak per batched token (vLLM's profiling run at ``--max-num-batched-tokens``:
+#: the backbone's widest intermediates, the GDN prefill's chunk tensors, the head's per-token stage).
+#: Scales with hidden + intermediate size. 2.0 GiB at 16,384 tokens on the 9B.
+ACTIVATION_BYTES_PER_TOKEN = 128 << 10
+#: vLLM's CUDA-graph memory estimate (subtracted from the KV cache since vLLM 0.21) for its default
+#: piecewise capture sizes. Scales with hidden + intermediate size.
+VLLM_GRAPH_BYTES = int(0.5 * GIB)
+#: What the process holds outside PyTorch's allocator once vLLM has profiled (cuBLAS and Triton
+#: workspaces, attention-backend buffers), CUDA context excluded. With activations and vLLM's graphs:
+#: ~3.1 GiB of non-weight memory measured on the 9B Hybrid at 16,384 batched tokens, features off.
+NON_TORCH_BYTES = int(0.55 * GIB)
+#: The CUDA context and the kernels' modules. vLLM sizes its budget after the context exists, so its own
+#: accounting leaves this out; the plan counts it so that the process, as ``nvidia-smi`` sees it, stays
+#: within the budget.
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+#: The prefill graphs make vLLM capture its piecewise graphs up to the step's token budget instead of its
+#: default sizes: the 9B Hybrid's KV cache was 0.46 GiB smaller with them on. Scales with hidden +
+#: intermediate size.
+PREFILL_CAPTURE_BYTES = int(0.46 * GIB)
+#: The plugin's GDN prefill graphs and their static buffers (0.22-0.38 GiB measured at 9B). Scales with
+#: hidden size x layers.
+GDN_GRAPH_BYTES = int(0.38 * GIB)
+#: The whole-step graphs of single-sequence prefill steps (0.66 GiB at 9B). Scales with hidden x layers.
+STEP_GRAPH_BYTES = int(0.66 * GIB)
+#: The head graphs of one finishing request: memory buckets up to ``max_model_len`` rows (at 9B,
+#: 16,384 rows). Scales with head width x max_model_len.
+HEAD_GRAPH_SINGLE_BYTES = int(0.66 * GIB)
+#: ... and each record bucket beyond one (2, 4, 8, 16, ... finishing requests; 1.34 GiB in all at 16
+#: records). Scales with head width.
+HEAD_GRAPH_BUCKET_BYTES = int(0.17 * GIB)
+#: The head's GEMM warm-up: transient bytes per row of its largest row count (2.3-3.6 GiB measured at
+#: 16,384 rows on the 9B). Scales with hidden + head width. It frees what it takes, so only the part
+#: above one step's activations raises the peak.
+GEMM_WARMUP_BYTES_PER_ROW = 230 << 10
+#: The row count :func:`fit` caps the GEMM warm-up at first.
+GEMM_WARMUP_CAP_ROWS = 4096
+
+#: :func:`fit`'s default target: the KV cache holds this many sequences of ``max_model_len`` tokens.
+MIN_SEQUENCES = 2
+#: :func:`choose_nvfp4_kernel` picks BF16 NVFP4 weights only when they leave this many sequences.
+MIN_BF16_SEQUENCES = 4
+
+#: vLLM's attention kernels' block alignment (FlashAttention / FlashInfer: multiples of 16 tokens).
+KERNEL_BLOCK_ALIGNMENT = 16
+NVFP4_GROUP = 16
+FP8_KINDS = ("fp8_w8a8", "fp8_w8a16")
+NVFP4_KINDS = ("nvfp4_w4a4", "nvfp4_w4a16")
+NVFP4_KERNELS = ("bf16", "vllm")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class PlanDoesNotFit(RuntimeError):
+    """Even the leanest settings leave the KV cache less than one ``max_model_len`` sequence; the message
+    names the biggest consumers and the flags that would free memory."""
+
+
+# --------------------------------------------------------------------------- the model's shapes
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """How vLLM 0.28 lays out the KV cache of a hybrid (attention + GDN) model and counts its capacity.
+
+    * Block size (``Platform._align_hybrid_block_size``, mamba cache mode ``none`` / ``align``): the
+      smallest multiple of the kernel alignment whose attention page (``block x 2 x kv_heads x head_dim x
+      2 bytes`` per layer) holds one GDN state (conv state ``conv_dim x (kernel - 1)`` in the model dtype
+      + recurrent state ``v_heads x v_dim x k_dim`` in ``mamba_ssm_dtype``); GDN pages are padded to it.
+    * Groups (``_get_kv_cache_groups_uniform_page_size``): layers of one kind in groups of the smaller
+      kind's count (the larger one's when it is under 1.5x), so the 9B's 8 attention + 24 GDN layers are 4
+      groups of 8; every group shares ``group_size`` tensors of one page per block.
+    * Blocks (``get_kv_cache_config_from_groups``): ``kv_bytes // page // group_size``.
+    * Capacity (``get_max_concurrency_for_kv_cache_config``): a ``max_model_len`` request takes
+      ``ceil(max_model_len / block)`` blocks per attention group and 1 (``none``) or 2 (``align``: prefix
+      caching, the state cache) per GDN group; concurrency = blocks / that sum, and the logged token count
+      is ``int(concurrency x max_model_len)``.
+    """
+
+    attention_layers: int
+    gdn_layers: int
+    block_size: int
+    page_bytes: int
+    group_size: int
+    attention_groups: int
+    gdn_groups: int
+
+    @classmethod
+    def from_text_config(cls, text: Mapping, dtype_bytes: int = 2) -> "KvLayout":
+        types = layer_types(text)
+        attn = sum(t == "full_attention" for t in types)
+        gdn = sum(t == "linear_attention" for t in types)
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        token_page = 2 * text["num_key_value_heads"] * head_dim * dtype_bytes
+        block = KERNEL_BLOCK_ALIGNMENT
+        if gdn:
+            mamba_page = gdn_state_bytes(text, dtype_bytes)
+            block = KERNEL_BLOCK_ALIGNMENT * -(-mamba_page // (KERNEL_BLOCK_ALIGNMENT * token_page))
+        counts = [n for n in (attn, gdn) if n]
+        group = min(counts)
+        if max(counts) < 1.5 * group:
+            group = max(counts)
+        return cls(attn, gdn, block, block * token_page, group, -(-attn // group) if attn else 0,
+                   -(-gdn // group) if gdn else 0)
+
+    def blocks(self, kv_bytes: int) -> int:
+        """KV blocks vLLM makes of ``kv_bytes``."""
+        return max(int(kv_bytes) // self.page_bytes // self.group_size, 0)
+
+    def blocks_per_sequence(self, max_model_len: int, prefix_caching: bool) -> int:
+        """Blocks one ``max_model_len`` request takes, summed over the groups."""
+        return self.attention_groups * -(-max_model_len // self.block_size) + self.gdn_groups * (
+            2 if prefix_caching else 1)
+
+    def concurrency(self, kv_bytes: int, max_model_len: int, prefix_caching: bool) -> float:
+        """vLLM's "Maximum concurrency for N tokens per request"."""
+        return self.blocks(kv_bytes) / self.blocks_per_sequence(max_model_len, prefix_caching)
+
+    def tokens(self, kv_bytes: int, max_model_len: int, prefix_caching: bool) -> int:
+        """vLLM's "GPU KV cache size: N tokens"."""
+        return int(self.concurrency(kv_bytes, max_model_len, prefix_caching) * max_model_len)
+
+    def bytes_for(self, sequences: float, max_model_len: int, prefix_caching: bool) -> int:
+        """The fewest KV bytes that hold ``sequences`` requests of ``max_model_len`` tokens."""
+        blocks = math.ceil(sequences * self.blocks_per_sequence(max_model_len, prefix_caching))
+        return blocks * self.page_bytes * self.group_size
+
+    @property
+    def attention_bytes_per_token(self) -> int:
+        """KV bytes one token takes in the attention layers (what the state cache's share is set against)."""
+        return self.attention_layers * self.page_bytes // self.block_size
+
+
+def layer_types(text: Mapping) -> list[str]:
+    """``layer_types`` of a Qwen3.5 text config (or the ``full_attention_interval`` rule)."""
+    n = int(text["num_hidden_layers"])
+    return list(text.get("layer_types") or [
+        "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(n)])
+
+
+def gdn_state_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
+    """One GDN layer's state per sequence (vLLM's ``gated_delta_net_state_shape`` / ``_dtype``): the conv
+    state in the model dtype, the recurrent state in ``mamba_ssm_dtype`` (float32 for Qwen3.5)."""
+    kh, vh = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv = (2 * kh * kd + vh * vd) * (text["linear_conv_kernel_dim"] - 1) * dtype_bytes
+    ssm_bytes = _DTYPE_BYTES.get(str(text.get("mamba_ssm_dtype") or "").removeprefix("torch."), dtype_bytes)
+    return conv + vh * vd * kd * ssm_bytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs from a checkpoint, counted from its ``config.json`` and head config.
+
+    Linear weights are counted per scheme as vLLM 0.28 resolves it (:func:`clef_vllm.quant.schemes.scheme_table`)
+    over the leaf shapes :func:`clef_vllm.tools.clef_load.linear_shapes` gives."""
+
+    fp8_weights: int               # FP8 linear weights
+    fp8_channels: int              # their output channels (one float32 scale each)
+    fp8_modules: int
+    nvfp4_weights: int
+    nvfp4_rows: int
+    nvfp4_modules: int             # vLLM modules (fused shards share one set of global scales)
+    nvfp4_layers: tuple[int, ...]
+    fp8_layers: tuple[int, ...]
+    bf16_linear_weights: int       # unquantized linears
+    leftover_bytes: int            # norms, GDN conv1d / A_log / dt_bias, rotary cache (vLLM's dtypes)
+    vocab: int
+    hidden: int
+    intermediate: int
+    num_layers: int
+    int8_tables: bool              # repacked checkpoint: int8 tables + row scales
+    vision: bool                   # the config has a vision tower (never loaded)
+    head_params: int
+    head_width: int
+    kv: KvLayout
+
+    @classmethod
+    def from_configs(cls, config: Mapping, head_config, *, int8_tables: bool = True) -> "ModelShape":
+        """``config``: the checkpoint's ``config.json`` dict; ``head_config``: ``joint_head_config.json`` as a
+        dict or a :class:`clef_vllm.head.HeadConfig`; ``int8_tables``: the repacked layout's int8 tables."""
+        from clef_vllm.head import HeadConfig, count_parameters
+        from clef_vllm.layout import text_config
+        from clef_vllm.quant import schemes as S
+        from clef_vllm.tools.clef_load import linear_shapes
+
+        if not isinstance(head_config, HeadConfig):
+            head_config = HeadConfig.from_dict(dict(head_config))
+        text = text_config(config)
+        shapes = linear_shapes(text)
+        counts = dict(fp8_weights=0, fp8_channels=0, fp8_modules=0, nvfp4_weights=0, nvfp4_rows=0,
+                      nvfp4_modules=0, bf16_linear_weights=0)
+        fp8_layers, nvfp4_layers = set(), set()
+        for row in S.scheme_table(config):
+            n = sum(shapes[s][0] for s in row.module.shards)
+            k = shapes[row.module.shards[0]][1]
+            if row.kind in FP8_KINDS:
+                counts["fp8_weights"] += n * k
+                counts["fp8_channels"] += n
+                counts["fp8_modules"] += 1
+                fp8_layers.add(row.module.layer)
+            elif row.kind in NVFP4_KINDS:
+                counts["nvfp4_weights"] += n * k
+                counts["nvfp4_rows"] += n
+                counts["nvfp4_modules"] += 1
+                nvfp4_layers.add(row.module.layer)
+            elif row.kind == S.UNQUANTIZED:
+                counts["bf16_linear_weights"] += n * k
+            else:
+                raise ValueError(f"{row.name}: scheme {row.kind} is outside what the memory plan counts")
+        return cls(**counts, nvfp4_layers=tuple(sorted(nvfp4_layers)), fp8_layers=tuple(sorted(fp8_layers)),
+                   leftover_bytes=_leftover_bytes(text), vocab=int(text["vocab_size"]),
+                   hidden=int(text["hidden_size"]), intermediate=int(text["intermediate_size"]),
+                   num_layers=int(text["num_hidden_layers"]), int8_tables=int8_tables,
+                   vision=isinstance(config.get("vision_config"), Mapping),
+                   head_params=count_parameters(head_config), head_width=head_config.width,
+                   kv=KvLayout.from_text_config(text))
+
+
+def _leftover_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
+    """The backbone's parameters and buffers outside its linears and token tables, in vLLM's dtypes: RMSNorm
+    weights, GDN ``conv1d`` / ``dt_bias`` / gated norm (model dtype) and ``A_log`` (float32), attention
+    q/k norms, the final norm, and the rotary cos/sin cache (``max_position_embeddings x rotary_dim``)."""
+    h = text["hidden_size"]
+    head_dim = text.get("head_dim") or h // text["num_attention_heads"]
+    kh, vh = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv = (2 * kh * kd + vh * vd) * text["linear_conv_kernel_dim"]
+    total = h * dtype_bytes                                               # final norm
+    for kind in layer_types(text):
+        total += 2 * h * dtype_bytes                                      # input / post-attention norms
+        if kind == "linear_attention":
+            total += (conv + vh + vd) * dtype_bytes + vh * 4              # conv1d, dt_bias, norm; A_log fp32
+        else:
+            total += 2 * head_dim * dtype_bytes                           # q_norm, k_norm
+    rope = text.get("rope_parameters") or {}
+    rotary = int(head_dim * float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))))
+    return total + int(text.get("max_position_embeddings", 0)) * rotary * dtype_bytes
+
+
+# --------------------------------------------------------------------------- inputs and the plan
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The budget and the server settings that decide memory.
+
+    ``nvfp4_kernel``: ``bf16`` (NVFP4 layers dequantized to BF16 at load) or ``vllm`` (packed). A
+    ``head_graph_records`` of 0 is the head graphs off; ``gemm_warmup_rows`` ``None`` is the worker's
+    row count (``max(max_num_batched_tokens, max_model_len)``); ``state_cache_bytes`` ``None`` is the
+    worker's share of the KV room (the memory rows of every token the KV cache can hold), 0 is the state
+    cache off (and vLLM's prefix caching with it)."""
+
+    budget_bytes: int
+    max_model_len: int = REF_MODEL_LEN
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = REF_MODEL_LEN
+    nvfp4_kernel: str = "bf16"
+    cuda_graphs: bool = True
+    head_graph_records: int = 16
+    prefill_graphs: bool = True
+    step_graphs: bool = True
+    gemm_warmup: bool = True
+    gemm_warmup_rows: int | None = None
+    state_cache_bytes: int | None = None
+    int8_embedding: bool = True
+    head_dtype: str = "bfloat16"
+
+    @classmethod
+    def from_options(cls, options, budget_bytes: int, **overrides) -> "PlanInputs":
+        """The inputs of a ``clef_vllm.backends.options.VllmOptions`` (duck-typed: its field names)."""
+        batched = options.max_num_batched_tokens or max(8192, min(int(options.max_model_len), 16384))
+        scope = getattr(options, "resolved_prefill_graph_scope", "step")
+        values = dict(
+            budget_bytes=int(budget_bytes), max_model_len=int(options.max_model_len),
+            max_num_seqs=int(options.max_num_seqs), max_num_batched_tokens=int(batched),
+            nvfp4_kernel=options.nvfp4_kernel, cuda_graphs=not options.enforce_eager,
+            head_graph_records=options.head_graph_records if options.head_graphs else 0,
+            prefill_graphs=bool(options.prefill_graphs), step_graphs=scope == "step",
+            gemm_warmup=bool(options.gemm_warmup), state_cache_bytes=None if options.state_cache else 0,
+            head_dtype=options.head_dtype or options.dtype)
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def state_cache(self) -> bool:
+        """The state cache on (and with it vLLM's prefix caching, mamba cache mode ``align``)."""
+        return self.state_cache_bytes != 0
+
+    @property
+    def warmup_rows(self) -> int:
+        """Rows the GEMM warm-up runs up to (0: off)."""
+        if not self.gemm_warmup:
+            return 0
+        default = max(self.max_num_batched_tokens, self.max_model_len)
+        return default if self.gemm_warmup_rows is None else min(self.gemm_warmup_rows, default)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One line of the plan: ``group`` is ``weights``, ``vllm`` (vLLM's runtime), ``plugin`` or ``kv``."""
+
+    name: str
+    bytes: int
+    note: str = ""
+    group: str = "weights"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every part of the budget, and the KV cache the rest makes. ``changes``: what :func:`fit` turned down
+    or off to get here, one line each."""
+
+    model: ModelShape
+    inputs: PlanInputs
+    parts: tuple[Part, ...]
+    changes: tuple[str, ...] = ()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.inputs.budget_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """What the budget leaves the KV cache (negative: over the budget by that much)."""
+        return self.inputs.budget_bytes - sum(p.bytes for p in self.parts)
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.model.kv.blocks(self.kv_bytes)
+
+    @property
+    def kv_tokens(self) -> int:
+        """vLLM's "GPU KV cache size" for ``kv_bytes``."""
+        return self.model.kv.tokens(self.kv_bytes, self.inputs.max_model_len, self.inputs.state_cache)
+
+    @property
+    def max_concurrency(self) -> float:
+        """vLLM's "Maximum concurrency for ``max_model_len`` tokens per request"."""
+        return self.model.kv.concurrency(self.kv_bytes, self.inputs.max_model_len, self.inputs.state_cache)
+
+    def bytes_of(self, group: str) -> int:
+        return sum(p.bytes for p in self.parts if p.group == group)
+
+    def describe(self) -> list[str]:
+        """The plan as a table, one line per part, then what is left for the KV cache."""
+        i, kv = self.inputs, self.model.kv
+        lines = [f"GPU memory plan: budget {gib(i.budget_bytes)} GiB; max_model_len {i.max_model_len:,}, "
+                 f"max_num_seqs {i.max_num_seqs}, max_num_batched_tokens {i.max_num_batched_tokens:,}, "
+                 f"NVFP4 kernel {i.nvfp4_kernel}"]
+        titles = {"weights": "weights", "vllm": "vLLM runtime", "plugin": "plugin features"}
+        for group, title in titles.items():
+            parts = [p for p in self.parts if p.group == group]
+            lines.append(f"  {title:<44s} {gib(self.bytes_of(group)):>8s} GiB")
+            for p in parts:
+                lines.append(f"    {p.name:<42s} {gib(p.bytes):>8s} GiB  {p.note}".rstrip())
+        seq = kv.bytes_for(1, i.max_model_len, i.state_cache)
+        lines.append(f"  {'KV cache':<44s} {gib(self.kv_bytes):>8s} GiB  {self.kv_tokens:,} tokens, "
+                     f"{self.max_concurrency:.2f}x {i.max_model_len:,}-token sequences "
+                     f"({gib(seq)} GiB each; blocks of {kv.block_size} tokens)")
+        lines += [f"  fit: {c}" for c in self.changes]
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "inputs": asdict(self.inputs),
+                "parts": [asdict(p) for p in self.parts], "kv_bytes": self.kv_bytes, "kv_blocks": self.kv_blocks,
+                "kv_tokens": self.kv_tokens, "max_concurrency": round(self.max_concurrency, 4),
+                "block_size": self.model.kv.block_size, "changes": list(self.changes)}
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _ratio(*pairs: tuple[float, float]) -> float:
+    out = 1.0
+    for value, ref in pairs:
+        out *= value / ref
+    return out
+
+
+def weight_parts(model: ModelShape, inputs: PlanInputs) -> list[Part]:
+    """The weights by part, in bytes (see the module docstring for each part's layout)."""
+    m = model
+    if inputs.nvfp4_kernel not in NVFP4_KERNELS:
+        raise ValueError(f"nvfp4_kernel {inputs.nvfp4_kernel!r}: one of {NVFP4_KERNELS} (resolve 'auto' with "
+                         "choose_nvfp4_kernel)")
+    if inputs.nvfp4_kernel == "bf16":
+        nvfp4 = 2 * m.nvfp4_weights
+        how = "dequantized to BF16 at load"
+    else:
+        nvfp4 = m.nvfp4_weights // 2 + m.nvfp4_weights // NVFP4_GROUP + 16 * m.nvfp4_modules
+        how = "packed: 4 bits + an FP8 scale per 16"
+    table = m.vocab * m.hidden
+    int8 = table + 4 * m.vocab
+    embed_int8 = m.int8_tables and inputs.int8_embedding
+    head_bytes = _DTYPE_BYTES[inputs.head_dtype]
+    parts = [
+        Part("FP8 W8A8 linears", m.fp8_weights + 4 * m.fp8_channels, f"layers {_span(m.fp8_layers)}, "
+             f"{m.fp8_modules} modules" if m.fp8_modules else ""),
+        Part(f"NVFP4 W4A4 linears ({inputs.nvfp4_kernel})", nvfp4,
+             f"layers {_span(m.nvfp4_layers)}, {m.nvfp4_modules} modules, {how}" if m.nvfp4_modules else ""),
+        Part("BF16 linears", 2 * m.bf16_linear_weights, "unquantized modules"),
+        Part("BF16 leftovers", m.leftover_bytes, "norms, GDN conv1d/A_log/dt_bias, rotary cache"),
+        Part("embedding", int8 if embed_int8 else 2 * table,
+             "int8 + a float32 scale per row" if embed_int8 else "16-bit"),
+        Part("lm_head table", int8 if m.int8_tables else 2 * table,
+             "int8 + a float32 scale per row" if m.int8_tables else "16-bit (release layout)"),
+        Part("vision tower", 0, "not loaded (text-only)" if m.vision else "none"),
+        Part(f"joint head ({inputs.head_dtype})", head_bytes * m.head_params, f"{m.head_params:,} parameters"),
+    ]
+    return [p for p in parts if p.bytes or p.name == "vision tower"]
+
+
+def _span(layers: Sequence[int]) -> str:
+    if not layers:
+        return "-"
+    if list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> MemoryPlan:
+    """The memory plan of ``model`` under ``inputs``."""
+    i, m = inputs, model
+    width = _ratio((m.hidden + m.intermediate, REF_HIDDEN + REF_INTERMEDIATE))
+    depth = _ratio((m.hidden * m.num_layers, REF_HIDDEN * REF_LAYERS))
+    head = _ratio((m.head_width, REF_WIDTH)) * _DTYPE_BYTES[i.head_dtype] / 2
+    parts = weight_parts(m, i)
+
+    activations = int(ACTIVATION_BYTES_PER_TOKEN * width * i.max_num_batched_tokens)
+    parts += [Part("activations", activations, f"one step of {i.max_num_batched_tokens:,} tokens", "vllm"),
+              Part("vLLM CUDA graphs", int(VLLM_GRAPH_BYTES * width) if i.cuda_graphs else 0,
+                   "vLLM's estimate" if i.cuda_graphs else "off (enforce_eager)", "vllm"),
+              Part("non-torch memory", NON_TORCH_BYTES, "workspaces outside PyTorch's allocator", "vllm"),
+              Part("CUDA context", CUDA_CONTEXT_BYTES, "outside vLLM's own accounting", "vllm")]
+
+    prefill = i.prefill_graphs
+    parts.append(Part("prefill graphs", int(GDN_GRAPH_BYTES * depth + (PREFILL_CAPTURE_BYTES * width
+                                                                      if i.cuda_graphs else 0)) if prefill else 0,
+                      "GDN graphs + vLLM's graphs up to the token budget" if prefill else "off", "plugin"))
+    step = prefill and i.step_graphs and i.cuda_graphs
+    parts.append(Part("step graphs", int(STEP_GRAPH_BYTES * depth) if step else 0,
+                      "single-sequence steps in one graph" if step else "off", "plugin"))
+    records = i.head_graph_records
+    buckets = sum(1 for r in (2, 4, 8, 16, 32, 64) if r <= records)
+    head_graphs = int(head * (HEAD_GRAPH_SINGLE_BYTES * i.max_model_len / REF_MODEL_LEN
+                              + HEAD_GRAPH_BUCKET_BYTES * buckets)) if records else 0
+    parts.append(Part("head graphs", head_graphs, f"steps finishing up to {records} requests" if records else "off",
+                      "plugin"))
+    rows = i.warmup_rows
+    warmup = int(GEMM_WARMUP_BYTES_PER_ROW * _ratio((m.hidden + m.head_width, REF_HIDDEN + REF_WIDTH)) * rows)
+    parts.append(Part("GEMM warm-up", max(warmup - activations, 0),
+                      f"up to {rows:,} rows: {gib(warmup)} GiB transient, above activations only" if rows else "off",
+                      "plugin"))
+    if i.state_cache_bytes is None:          # the worker's share of what is left (pooler.side_capacity)
+        room = i.budget_bytes - sum(p.bytes for p in parts)
+        row = m.head_width * _DTYPE_BYTES[i.head_dtype]
+        share = row / (row + m.kv.attention_bytes_per_token)
+        block_bytes = m.kv.block_size * row
+        state = max(1, int(max(room, 0) * share // block_bytes)) * block_bytes
+        note = f"memory rows, {share:.1%} of the KV room"
+    else:
+        state = i.state_cache_bytes
+        note = "memory rows" if state else "off"
+    parts.append(Part("state cache", state, note, "plugin"))
+    return MemoryPlan(m, i, tuple(parts), tuple(changes))
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def choose_nvfp4_kernel(model: ModelShape, inputs: PlanInputs, capability=None) -> str:
+    """``--nvfp4-kernel auto`` by memory (and speed where the GPU is known): ``bf16`` only when BF16 NVFP4
+    weights leave the KV cache :data:`MIN_BF16_SEQUENCES` sequences of ``max_model_len`` (and the GPU's own
+    NVFP4 kernel would be Marlin, :func:`clef_vllm.quant.kernels.resolve_nvfp4_kernel`), else ``vllm``."""
+    if not model.nvfp4_modules:
+        return "vllm"
+    if capability is not None:
+        from clef_vllm.quant.kernels import resolve_nvfp4_kernel
+
+        if resolve_nvfp4_kernel("auto", capability) != "bf16":
+            return "vllm"
+    roomy = plan(model, replace(inputs, nvfp4_kernel="bf16")).max_concurrency >= MIN_BF16_SEQUENCES
+    return "bf16" if roomy else "vllm"
+
+
+def _steps(inputs: PlanInputs):
+    """The feature changes :func:`fit` tries, cheapest loss first: ``(new inputs, what)``."""
+    i = inputs
+    if i.gemm_warmup and i.warmup_rows > GEMM_WARMUP_CAP_ROWS:
+        yield replace(i, gemm_warmup_rows=GEMM_WARMUP_CAP_ROWS), \
+            f"GEMM warm-up capped at {GEMM_WARMUP_CAP_ROWS:,} rows (larger head GEMMs load their kernels at first use)"
+    if i.head_graph_records > 4:
+        yield replace(i, head_graph_records=4), f"--head-graph-records {i.head_graph_records} -> 4"
+    if i.step_graphs and i.prefill_graphs and i.cuda_graphs:
+        yield replace(i, step_graphs=False), "step graphs off (--prefill-graph-scope core)"
+    if i.head_graph_records > 1:
+        yield replace(i, head_graph_records=1), f"--head-graph-records {min(i.head_graph_records, 4)} -> 1"
+    if i.prefill_graphs:
+        yield replace(i, prefill_graphs=False, step_graphs=False), "--prefill-graphs off"
+    if i.head_graph_records:
+        yield replace(i, head_graph_records=0), "--head-graphs off"
+    if i.gemm_warmup:
+        yield replace(i, gemm_warmup=False, gemm_warmup_rows=None), "--gemm-warmup off"
+    if i.state_cache_bytes:
+        yield replace(i, state_cache_bytes=i.state_cache_bytes // 2), "state cache halved"
+    if i.state_cache:
+        yield replace(i, state_cache_bytes=0), "--state-cache off"
+
+
+def _leanest(inputs: PlanInputs) -> PlanInputs:
+    return replace(inputs, head_graph_records=0, prefill_graphs=False, step_graphs=False, gemm_warmup=False,
+                   gemm_warmup_rows=None, state_cache_bytes=0)
+
+
+def fit(model: ModelShape, inputs: PlanInputs, *, min_sequences: float = MIN_SEQUENCES) -> MemoryPlan:
+    """The plan after turning the plugin's memory-costly features down or off, in :func:`_steps`' order,
+    until the KV cache holds ``min_sequences`` sequences of ``max_model_len`` tokens; each change is one line
+    of the returned plan's ``changes`` (what, what it freed, why). The leanest plan when even that falls
+    short of the target; :class:`PlanDoesNotFit` when it holds less than one sequence."""
+    current = plan(model, inputs)
+    changes: list[str] = []
+    while current.max_concurrency < min_sequences:
+        tries = ((plan(model, candidate), what) for candidate, what in _steps(current.inputs))
+        step = next(((p, what) for p, what in tries if p.kv_bytes > current.kv_bytes), None)
+        if step is None:
+            break
+        nxt, what = step
+        changes.append(f"{what}: {gib(nxt.kv_bytes - current.kv_bytes)} GiB more for the KV cache, which had "
+                       f"{gib(current.kv_bytes)} GiB ({current.max_concurrency:.2f} {inputs.max_model_len:,}-token "
+                       f"sequences; {min_sequences:g} wanted)")
+        current = replace(nxt, changes=tuple(changes))
+    if current.max_concurrency < 1:
+        raise PlanDoesNotFit(does_not_fit_message(plan(model, _leanest(inputs))))
+    return current
+
+
+def does_not_fit_message(leanest: MemoryPlan) -> str:
+    """One paragraph: the budget, what the leanest settings leave, the biggest consumers, the flags."""
+    i = leanest.inputs
+    need = leanest.model.kv.bytes_for(1, i.max_model_len, i.state_cache)
+    top = sorted(leanest.parts, key=lambda p: p.bytes, reverse=True)[:3]
+    flags = []
+    if i.nvfp4_kernel == "bf16" and leanest.model.nvfp4_modules:
+        packed = plan(leanest.model, replace(i, nvfp4_kernel="vllm"))
+        flags.append(f"--nvfp4-kernel vllm ({gib(packed.kv_bytes - leanest.kv_bytes)} GiB less)")
+    per_1k = int(ACTIVATION_BYTES_PER_TOKEN * _ratio((leanest.model.hidden + leanest.model.intermediate,
+                                                      REF_HIDDEN + REF_INTERMEDIATE)) * 1024)
+    flags += [f"a smaller --max-model-len ({i.max_model_len:,} now)",
+              f"--max-num-batched-tokens ({i.max_num_batched_tokens:,} now; activations {gib(per_1k)} GiB per "
+              "1,024 tokens)", f"--max-num-seqs ({i.max_num_seqs} now)", "--state-cache off",
+              "a larger --gpu-memory-utilization"]
+    return (f"Clef-Flash does not fit in a {gib(i.budget_bytes)} GiB budget: even with the plugin's graphs, GEMM "
+            f"warm-up and state cache off, the KV cache gets {gib(leanest.kv_bytes)} GiB, less than one "
+            f"{i.max_model_len:,}-token sequence ({gib(need)} GiB). Biggest consumers: "
+            + ", ".join(f"{p.name} {gib(p.bytes)} GiB" for p in top)
+            + ". To free memory: " + ", ".join(flags) + ".")
+
+
+# --------------------------------------------------------------------------- checkpoints and sizes
+
+
+def model_shape_for_checkpoint(model_dir: str | Path) -> ModelShape:
+    """The :class:`ModelShape` of a checkpoint folder (weights not needed: a config-only folder will do)."""
+    from clef_vllm.checkpoint import load_head_config, locate_checkpoint
+
+    files = locate_checkpoint(model_dir, require_weights=False)
+    return ModelShape.from_configs(files.config, load_head_config(files), int8_tables=files.layout == "repacked")
+
+
+def plan_for_checkpoint(model_dir: str | Path, *, device_total_bytes: int, gpu_memory_utilization: float = 0.9,
+                        options=None, capability=None, min_sequences: float = MIN_SEQUENCES,
+                        **settings) -> MemoryPlan:
+    """The fitted plan of the checkpoint at ``model_dir`` on a device of ``device_total_bytes``.
+
+    ``options``: a ``VllmOptions`` (its settings; default: the server's defaults), ``settings``: any
+    :class:`PlanInputs` field on top. ``nvfp4_kernel`` ``auto`` is resolved by :func:`choose_nvfp4_kernel`
+    (``capability``: the GPU's, when known). Raises :class:`PlanDoesNotFit`."""
+    if options is None:
+        from clef_vllm.backends.options import VllmOptions
+
+        options = VllmOptions()
+    model = model_shape_for_checkpoint(model_dir)
+    inputs = PlanInputs.from_options(options, int(gpu_memory_utilization * device_total_bytes), **settings)
+    if inputs.nvfp4_kernel == "auto":
+        inputs = replace(inputs, nvfp4_kernel=choose_nvfp4_kernel(model, inputs, capability))
+    return fit(model, inputs, min_sequences=min_sequences)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``16GiB``, ``15.92GiB``, ``24GB`` (10^9), ``16303MiB`` or plain bytes -> bytes. ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise ValueError(f"expected a size such as 16GiB, 24GB, 15.92GiB or a number of bytes, got {text!r}")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(value)
+
+
+__all__ = ["GIB", "KvLayout", "MemoryPlan", "ModelShape", "Part", "PlanDoesNotFit", "PlanInputs",
+           "choose_nvfp4_kernel", "does_not_fit_message", "fit", "model_shape_for_checkpoint", "parse_size",
+           "plan", "plan_for_checkpoint", "weight_parts"]
