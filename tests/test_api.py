@@ -121,9 +121,14 @@ def test_invalid_item_raises_naming_its_index_before_any_work(clef, monkeypatch)
     assert calls == []
 
 
-def test_reference_dialect_ignores_unknown_fields(clef):
-    body = clef.systemone(REQUEST | {"id": "rec-7", "media_kwargs": {"x": 1}, "unknown": True})
+def test_reference_dialect_ignores_unknown_fields_and_says_so(clef):
+    request = REQUEST | {"id": "rec-7", "media_kwargs": {"x": 1}, "unknown": True}
+    request["questions"] = {**REQUEST["questions"], "large": {**REQUEST["questions"]["large"], "instuctions": "typo"}}
+    body = clef.systemone(request)
+    assert body.pop("warnings") == ["id: unknown field, ignored", "media_kwargs: unknown field, ignored",
+                                    "unknown: unknown field, ignored", "questions.large.instuctions: unknown field, ignored"]
     check_shapes(body, REQUEST)
+    assert "warnings" not in clef.systemone(REQUEST)
 
 
 def test_truncation_is_reported_in_usage(tiny_release, cache_dir):

@@ -66,10 +66,13 @@ def build_response(request: SystemOneRequest, encoded: EncodedRequest, probs,
         answers[f.question_id] = build_answer(request.questions[f.question_id], f.option_ids,
                                               values[start:start + n], dialect)
         start += n
-    return {"model": request.model, "answers": answers,
+    body = {"model": request.model, "answers": answers,
             "usage": {"input_tokens": encoded.num_tokens, "output_tokens": 0,
                       "truncated_state_tokens": encoded.truncated_state_tokens,
                       "cached_state_tokens": encoded.cached_state_tokens}}
+    if request._warnings:                       # fields the reference dialect ignored
+        body["warnings"] = list(request._warnings)
+    return body
 
 
 def hosted_envelope(body: dict) -> dict:

@@ -420,9 +420,16 @@ class RequestEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> "RequestEncoder":
-        """Load the checkpoint's tokenizer (transformers AutoTokenizer, as the reference does)."""
+        """Load the checkpoint's tokenizer (transformers AutoTokenizer, as the reference does). A local
+        folder without ``tokenizer.json`` (nor ``vocab.json`` + ``merges.txt``) is refused by name: transformers
+        would build an empty tokenizer from it, which fails later for a less telling reason."""
         from transformers import AutoTokenizer
 
+        folder = Path(path)
+        if folder.is_dir() and not (folder / "tokenizer.json").is_file() and not (
+                (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
+            raise ValueError(f"{folder} has no tokenizer.json: the checkpoint's tokenizer is read from it (the release "
+                             "ships the Qwen3.5 tokenizer.json next to config.json); copy it into the folder")
         return cls(AutoTokenizer.from_pretrained(str(path)), **kwargs)
 
     @property

@@ -150,6 +150,8 @@ class SystemOneRequest(BaseModel):
     _at_least_one = field_validator("questions")(_require_non_empty("at least one question is required"))
     #: The OpenAI Decisions request this one was mapped from (``clef_vllm.openai_decisions.DecisionPlan``).
     _decision: Any = PrivateAttr(default=None)
+    #: Fields the reference dialect ignored, one line each (the response's ``warnings``).
+    _warnings: list = PrivateAttr(default_factory=list)
 
 
 class NoulAnswer(BaseModel):
@@ -186,6 +188,9 @@ class SystemOneResponse(BaseModel):
     model: str
     answers: dict[str, Annotated[Union[NoulAnswer, ChoiceAnswer, ScoreAnswer], Field(discriminator="type")]]
     usage: Usage
+    warnings: list[str] | None = Field(None, description="Only when the request had fields this dialect ignores "
+                                       "(reference): one line each, e.g. \"questions.team.instuctions: unknown field, "
+                                       "ignored\". The workers-ai dialect refuses them (422).")
 
 
 # --------------------------------------------------------------------------- limits
@@ -444,7 +449,18 @@ def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
         raise RequestError(f"question ids, instructions and criteria have {scan.schema_chars} characters; at most "
                            f"{limits.max_schema_chars} fit in {limits.budget()}", kind=Kind.TOO_COMPLEX,
                            field="questions")
+    if not rules.forbid_unknown_fields:
+        req._warnings = unknown_fields(req)
     return req
+
+
+def unknown_fields(req: SystemOneRequest) -> list[str]:
+    """One line per field of ``req`` that no rule reads (a misspelt ``instuctions``, say): the reference
+    dialect answers without them and says so in the response's ``warnings``."""
+    out = [f"{key}: unknown field, ignored" for key in req.model_extra or ()]
+    for qid, q in req.questions.items():
+        out += [f"{question_field(qid, key)}: unknown field, ignored" for key in q.model_extra or ()]
+    return out
 
 
 def _check_count(n: int, lo: int, hi: int | None, what: str, field: str) -> None:

@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting requests after S seconds in a point (in-flight ones finish)")
     s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    s.add_argument("--header", action="append", default=[], metavar="'Name: value'", help="extra HTTP header")
+    s.add_argument("--header", action="append", default=[], metavar="'Name: value'",
+                   help="extra HTTP header; without an Authorization header, the first key of $CLEF_API_KEY is sent "
+                        "as 'Authorization: Bearer KEY'")
     s.add_argument("--wait-ready", type=float, default=0.0, metavar="S",
                    help="first wait up to S seconds for GET /health to say 200")
 

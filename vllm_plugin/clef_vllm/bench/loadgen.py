@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from clef_vllm.bench.workloads import BenchRequest
 
@@ -101,14 +102,23 @@ def server_total_ms(header: str | None) -> float | None:
     return server_timing(header).get("total")
 
 
-def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
-    """``["Authorization: Bearer x", ...]`` -> dict."""
+#: The server's API key variable (``clef-systemone``): the tools send its first key unless told otherwise.
+API_KEY_ENV = "CLEF_API_KEY"
+
+
+def parse_headers(pairs: Sequence[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``["Authorization: Bearer x", ...]`` -> dict. Without an ``Authorization`` header among them, the
+    first key of ``$CLEF_API_KEY`` (the server's own variable, comma-separated keys) is sent as Bearer."""
     out = {}
     for p in pairs:
         name, sep, value = p.partition(":")
         if not sep or not name.strip():
             raise ValueError(f"header must look like 'Name: value', got {p!r}")
         out[name.strip()] = value.strip()
+    key = next((k.strip() for k in (os.environ if environ is None else environ).get(API_KEY_ENV, "").split(",")
+                if k.strip()), None)
+    if key and not any(name.lower() == "authorization" for name in out):
+        out["Authorization"] = f"Bearer {key}"
     return out
 
 

@@ -13,6 +13,11 @@ Records with an answer key (build_data's ``answer``) also give each side's top-1
 The noise floor runs one side again under another batch composition: serially (concurrency 1)
 and in a shuffled order, and compares it with that side's own main pass. A vs B differences at
 the size of the noise floor are not evidence of a bug. Details: docs/bench.md.
+
+Exit status: 0 when every request was answered (and, with --fail-below, the agreement is high
+enough); 1 when any request of any pass failed (HTTP error, refused, timed out: the receipt is
+still written, and the failures are counted on stderr) or the agreement is below --fail-below;
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -65,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--noise-concurrency", type=int, default=1,
                    help="noise pass concurrency / batch size, in shuffled order (default 1: serial)")
     c.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout, seconds")
-    c.add_argument("--header", action="append", default=[], metavar="'Name: value'")
+    c.add_argument("--header", action="append", default=[], metavar="'Name: value'",
+                   help="extra HTTP header; without an Authorization header, the first key of $CLEF_API_KEY "
+                        "(as clef-systemone reads it) is sent as 'Authorization: Bearer KEY'")
     c.add_argument("--wait-ready", type=float, default=0.0, metavar="S",
                    help="first wait up to S seconds for an HTTP side's GET /health to say 200")
 
@@ -152,6 +159,19 @@ def run_side(spec: str, args, bodies: list[dict], conditions: list[Condition],
         target.close()
 
 
+def failures(sides: dict[str, dict]) -> list[str]:
+    """One line per pass that had requests not answered: how many, and the first error."""
+    lines = []
+    for side, data in sides.items():
+        for run in data["runs"]:
+            bad = [r for r in run if not r.ok]
+            if bad:
+                first = bad[0]
+                lines.append(f"{side.upper()}: {len(bad)} of {len(run)} requests failed (first: {first.status} "
+                             f"{(first.error or '')[:200]})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -199,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     summary.write_text(parity_markdown(receipt))
     print(parity_table(receipt))
     log(f"receipt: {out}\nsummary: {summary}")
+    failed = failures(sides)
+    for line in failed:
+        log(f"FAIL: {line}")
     agreement = comparison["overall"]["top1_agreement"]
+    if failed:
+        return 1
     if args.fail_below is not None and (agreement is None or agreement < args.fail_below):
         log(f"FAIL: top-1 agreement {agreement} < {args.fail_below}")
         return 1

@@ -249,6 +249,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from clef_vllm.checkpoint import CheckpointError
 
+    try:                               # the plot comes last: say what is missing before the scan's minutes
+        import matplotlib  # noqa: F401
+    except ImportError:
+        ap.error("the plot needs matplotlib, which this environment lacks: pip install -r requirements/scripts.txt "
+                 "(or pip install 'matplotlib>=3.8')")
     try:
         result = scan(a.model, a.data, a.records, a.device, a.numerics, a.max_length, a.calibration_records,
                       not a.no_measure_splits)
