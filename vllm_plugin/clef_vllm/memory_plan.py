@@ -84,6 +84,8 @@ MIN_BF16_SEQUENCES = 4
 #: vLLM's attention kernels' block alignment (FlashAttention / FlashInfer: multiples of 16 tokens).
 KERNEL_BLOCK_ALIGNMENT = 16
 NVFP4_GROUP = 16
+#: vLLM's ``MRotaryEmbedding`` caches cos/sin for this many times ``max_position_embeddings`` (video positions).
+MROPE_CACHE_FACTOR = 4
 FP8_KINDS = ("fp8_w8a8", "fp8_w8a16")
 NVFP4_KINDS = ("nvfp4_w4a4", "nvfp4_w4a16")
 NVFP4_KERNELS = ("bf16", "vllm")
@@ -260,7 +262,8 @@ class ModelShape:
 def _leftover_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
     """The backbone's parameters and buffers outside its linears and token tables, in vLLM's dtypes: RMSNorm
     weights, GDN ``conv1d`` / ``dt_bias`` / gated norm (model dtype) and ``A_log`` (float32), attention
-    q/k norms, the final norm, and the rotary cos/sin cache (``max_position_embeddings x rotary_dim``)."""
+    q/k norms, the final norm, and the rotary cos/sin cache (``max_position_embeddings x rotary_dim``, 4x the
+    positions with M-RoPE: the plugin's class keeps the config's ``mrope_section``)."""
     h = text["hidden_size"]
     head_dim = text.get("head_dim") or h // text["num_attention_heads"]
     kh, vh = text["linear_num_key_heads"], text["linear_num_value_heads"]
@@ -275,7 +278,8 @@ def _leftover_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
             total += 2 * head_dim * dtype_bytes                           # q_norm, k_norm
     rope = text.get("rope_parameters") or {}
     rotary = int(head_dim * float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))))
-    return total + int(text.get("max_position_embeddings", 0)) * rotary * dtype_bytes
+    positions = int(text.get("max_position_embeddings", 0)) * (MROPE_CACHE_FACTOR if "mrope_section" in rope else 1)
+    return total + positions * rotary * dtype_bytes
 
 
 # --------------------------------------------------------------------------- inputs and the plan
@@ -316,7 +320,7 @@ class PlanInputs:
             max_num_seqs=int(options.max_num_seqs), max_num_batched_tokens=int(batched),
             nvfp4_kernel=options.nvfp4_kernel, cuda_graphs=not options.enforce_eager,
             head_graph_records=options.head_graph_records if options.head_graphs else 0,
-            prefill_graphs=bool(options.prefill_graphs), step_graphs=scope == "step",
+            prefill_graphs=bool(options.prefill_graphs), step_graphs=bool(options.prefill_graphs) and scope == "step",
             gemm_warmup=bool(options.gemm_warmup), state_cache_bytes=None if options.state_cache else 0,
             head_dtype=options.head_dtype or options.dtype)
         values.update(overrides)
@@ -609,20 +613,22 @@ def model_shape_for_checkpoint(model_dir: str | Path) -> ModelShape:
     return ModelShape.from_configs(files.config, load_head_config(files), int8_tables=files.layout == "repacked")
 
 
-def plan_for_checkpoint(model_dir: str | Path, *, device_total_bytes: int, gpu_memory_utilization: float = 0.9,
+def plan_for_checkpoint(model_dir: str | Path, *, device_total_bytes: int, gpu_memory_utilization: float | None = None,
                         options=None, capability=None, min_sequences: float = MIN_SEQUENCES,
                         **settings) -> MemoryPlan:
     """The fitted plan of the checkpoint at ``model_dir`` on a device of ``device_total_bytes``.
 
-    ``options``: a ``VllmOptions`` (its settings; default: the server's defaults), ``settings``: any
-    :class:`PlanInputs` field on top. ``nvfp4_kernel`` ``auto`` is resolved by :func:`choose_nvfp4_kernel`
-    (``capability``: the GPU's, when known). Raises :class:`PlanDoesNotFit`."""
+    ``options``: a ``VllmOptions`` (default: the server's defaults); ``gpu_memory_utilization``: the
+    budget's share of the device (default: the options'); ``settings``: any :class:`PlanInputs` field on
+    top. ``nvfp4_kernel`` ``auto`` is resolved by :func:`choose_nvfp4_kernel` (``capability``: the GPU's,
+    when known). Raises :class:`PlanDoesNotFit`."""
     if options is None:
         from clef_vllm.backends.options import VllmOptions
 
         options = VllmOptions()
+    share = options.resolved_gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     model = model_shape_for_checkpoint(model_dir)
-    inputs = PlanInputs.from_options(options, int(gpu_memory_utilization * device_total_bytes), **settings)
+    inputs = PlanInputs.from_options(options, int(share * device_total_bytes), **settings)
     if inputs.nvfp4_kernel == "auto":
         inputs = replace(inputs, nvfp4_kernel=choose_nvfp4_kernel(model, inputs, capability))
     return fit(model, inputs, min_sequences=min_sequences)

@@ -349,7 +349,6 @@ def print_memory_plan(a) -> int:
                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
         options = VllmOptions(nvfp4_kernel=a.nvfp4_kernel, **{k: v for k, v in given.items() if v is not None})
         plan = MP.plan_for_checkpoint(a.checkpoint, device_total_bytes=a.gpu_memory, options=options,
-                                      gpu_memory_utilization=options.resolved_gpu_memory_utilization,
                                       capability=a.capability)
     except (MP.PlanDoesNotFit, CheckpointError, ValueError) as exc:
         print(f"DOES NOT FIT: {exc}" if isinstance(exc, MP.PlanDoesNotFit) else f"ERROR: {exc}")
