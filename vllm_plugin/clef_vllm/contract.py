@@ -44,8 +44,9 @@ IDLE_CLEANUP_KEY = "clef_idle_cleanup_step"
 #: ``additional_config`` key: milliseconds an idle engine may hold new requests to batch them
 #: (``--batch-wait-ms``; absent: none).
 BATCH_WAIT_KEY = "clef_batch_wait_ms"
-#: ``additional_config`` key: ``True`` has the first step that reaches the joint head run its GEMM shapes over a
-#: grid of row counts, so CUDA loads their kernels then (``--gemm-warmup``, on by default; absent: off).
+#: ``additional_config`` key: ``True`` (or ``{"rows": N}``: up to N rows) has the first step that reaches the joint
+#: head run its GEMM shapes over a grid of row counts, so CUDA loads their kernels then (``--gemm-warmup``, on by
+#: default; absent: off).
 GEMM_WARMUP_KEY = "clef_gemm_warmup"
 #: ``additional_config`` key: ``True`` has the worker run the head's eager GEMMs at the warm-up grid's row counts
 #: once the warm-up has run (``--gemm-row-grid``, on by default; absent: off).

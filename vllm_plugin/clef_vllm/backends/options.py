@@ -216,7 +216,7 @@ def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
 def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
     """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) unless turned off."""
     if opts.gemm_warmup:
-        tell_worker(kwargs, GEMM_WARMUP_KEY, True)
+        tell_worker(kwargs, GEMM_WARMUP_KEY, {"rows": opts.gemm_warmup_rows} if opts.gemm_warmup_rows else True)
         if opts.gemm_row_grid:
             tell_worker(kwargs, GEMM_ROW_GRID_KEY, True)
 
@@ -407,6 +407,10 @@ class VllmOptions(_Validated):
                                "waits for the GPU to drain (default on: about half a second once; "
                                "docs/latency.md)",
                                flags=("--gemm-warmup",), engine=_gemm_warmup, kind=bool)
+    gemm_warmup_rows: int | None = option(None, "with the GEMM warm-up on, the most rows it runs the head's GEMMs at "
+                                          "(default: a step's most, max(max_num_batched_tokens, max_model_len); the "
+                                          "memory plan lowers it where the warm-up's transient memory would crowd the "
+                                          "KV cache)", kind=int, minimum=1)
     gemm_row_grid: bool = option(True, "with the GEMM warm-up on, run the head's GEMMs outside its graphs (the "
                                  "per-token stage, steps the head graphs do not take) at the warm-up's row counts: "
                                  "rows padded up to the next one (at most 1/8 more), so none meets a kernel CUDA "
@@ -450,6 +454,7 @@ class VllmOptions(_Validated):
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "prefill_graph_buckets": "prefill_graphs",
                     "step_graph_split": "prefill_graphs",
                     "head_graph_records": "head_graphs", "gemm_row_grid": "gemm_warmup",
+                    "gemm_warmup_rows": "gemm_warmup",
                     "state_cache_admit": "state_cache",
                     "state_cache_match": "state_cache"}
 

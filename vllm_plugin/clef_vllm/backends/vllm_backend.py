@@ -28,6 +28,7 @@ import torch
 
 from clef_vllm import ARCHITECTURE, trace
 from clef_vllm.backends.base import Backend, BackendDeadError
+from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
@@ -234,6 +235,7 @@ class VllmBackend(Backend):
         register()
         self.files = locate_checkpoint(model_dir, require_weights=not is_dummy(self.options.load_format))
         load_head_config(self.files)  # version marker, checked in the front-end too
+        self.options, self.memory_plan = fit_options(self.files.root, self.options)   # PlanDoesNotFit: nothing loads
         self.max_model_len = self.options.max_model_len
         self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
         self.kwargs = engine_kwargs(self.files.root, self.options)

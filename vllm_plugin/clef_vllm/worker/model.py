@@ -199,10 +199,14 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
     def _gemm_warmup_rows(vllm_config: VllmConfig) -> int | None:
         """``--gemm-warmup``: the most rows a step gives the head's GEMMs (a step's tokens to the memory
         projection; the memory rows of the requests it finishes to the attentions), else ``None``."""
-        if not worker_setting(vllm_config, GEMM_WARMUP_KEY):
+        setting = worker_setting(vllm_config, GEMM_WARMUP_KEY)
+        if not setting:
             return None
         rows = max(vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.model_config.max_model_len)
-        log.info("clef GEMM warm-up: the first step runs the head's GEMM shapes at row counts up to %d", rows)
+        if isinstance(setting, dict) and setting.get("rows"):
+            rows = min(rows, int(setting["rows"]))     # the memory plan's cap
+        log.info("clef GEMM warm-up: the first step (vLLM's memory profiling) runs the head's GEMM shapes at row "
+                 "counts up to %d", rows)
         return rows
 
     def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:

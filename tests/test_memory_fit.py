@@ -1,0 +1,99 @@
+"""The memory plan at the vLLM backend's start (clef_vllm.backends.memory_fit): the NVFP4 kernel chosen by memory,
+features turned down where the KV cache would be too small (each change logged and reaching the engine's settings),
+a refusal before anything loads, and the worker's reservation of the plugin's graphs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from clef_vllm.backends.memory_fit import fit_options, options_for
+from clef_vllm.backends.options import backend_options, engine_args
+from clef_vllm.memory_plan import PlanDoesNotFit, PlanInputs
+
+GIB = 1 << 30
+HOPPER, BLACKWELL = (9, 0), (10, 0)
+
+
+@pytest.fixture(scope="module")
+def hybrid_9b(tmp_path_factory) -> Path:
+    """A config-only 9B Hybrid folder (layers 0-16 FP8, 17-31 NVFP4), as ``bench/make_ckpt.py 9b DIR --hybrid 17``."""
+    from clef_vllm.quant.recipe import ignore_list, quantization_config
+    from clef_vllm.release import clef_flash_config, write_config_only_checkpoint
+
+    config = clef_flash_config()
+    config["quantization_config"] = quantization_config(config, 17, ignore_list(config))
+    return write_config_only_checkpoint(tmp_path_factory.mktemp("ckpt") / "9b-hybrid",
+                                        tmp_path_factory.mktemp("no-tokenizer"), layout="repacked", config=config)
+
+
+def test_a_16gb_card_gets_the_packed_nvfp4_kernel_and_leaner_features_said_in_the_log(hybrid_9b, caplog):
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    opts = backend_options("vllm", {})
+    fitted, plan = fit_options(hybrid_9b, opts, device=(int(15.92 * GIB), HOPPER))
+    assert fitted.nvfp4_kernel == "vllm"
+    assert plan.max_concurrency >= 2 and plan.changes
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("clef memory plan:")]
+    assert any("--nvfp4-kernel auto chose vllm (packed weights" in line for line in lines)
+    assert any("KV cache" in line and "GiB" in line for line in lines)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == len(plan.changes)                     # one line per change, saying what and why
+    # what the plan changed reaches the engine: the options are the engine's settings
+    kwargs = engine_args(fitted)
+    cfg = kwargs["additional_config"]
+    if plan.inputs.head_graph_records:
+        assert cfg["clef_head_graphs"]["records"] == plan.inputs.head_graph_records
+    else:
+        assert "clef_head_graphs" not in cfg
+    if plan.inputs.gemm_warmup_rows:
+        assert cfg["clef_gemm_warmup"] == {"rows": plan.inputs.gemm_warmup_rows}
+    assert kwargs["gpu_memory_utilization"] == 0.9
+
+
+def test_a_large_card_keeps_the_defaults_and_dequantizes_nvfp4_on_hopper_only(hybrid_9b):
+    opts = backend_options("vllm", {})
+    fitted, plan = fit_options(hybrid_9b, opts, device=(80 * GIB, HOPPER))
+    assert fitted.nvfp4_kernel == "bf16" and not plan.changes
+    assert (fitted.head_graphs, fitted.head_graph_records, fitted.prefill_graphs) == (True, 16, True)
+    assert fit_options(hybrid_9b, opts, device=(80 * GIB, BLACKWELL))[0].nvfp4_kernel == "vllm"   # native FP4
+    # an explicit kernel is the user's: the plan counts it, the options keep it
+    assert fit_options(hybrid_9b, backend_options("vllm", {"nvfp4_kernel": "bf16"}),
+                       device=(80 * GIB, HOPPER))[0].nvfp4_kernel == "bf16"
+
+
+def test_without_a_gpu_the_options_stay_as_given(hybrid_9b):
+    opts = backend_options("vllm", {})
+    assert fit_options(hybrid_9b, opts) == (opts, None)        # this machine: no CUDA GPU for NVML to size
+
+
+def test_a_card_too_small_is_refused_before_anything_loads(hybrid_9b):
+    with pytest.raises(PlanDoesNotFit, match="does not fit in a .* GiB budget.*--max-model-len"):
+        fit_options(hybrid_9b, backend_options("vllm", {}), device=(8 * GIB, HOPPER))
+
+
+def test_turning_a_switch_off_resets_its_sub_options():
+    opts = backend_options("vllm", {"head_graph_records": 8, "state_cache_match": "block"})
+    inputs = PlanInputs.from_options(opts, 10 * GIB, nvfp4_kernel="vllm", head_graph_records=0, state_cache_bytes=0,
+                                     prefill_graphs=False, step_graphs=False, gemm_warmup=False)
+    lean = options_for(opts, inputs)
+    assert (lean.head_graphs, lean.state_cache, lean.prefill_graphs, lean.gemm_warmup) == (False, False, False, False)
+    assert lean.head_graph_records == 16 and lean.state_cache_match == "unit"    # valid options again
+    assert "clef_head_graphs" not in engine_args(lean)["additional_config"]
+    scoped = options_for(opts, PlanInputs.from_options(opts, 10 * GIB, nvfp4_kernel="vllm", step_graphs=False))
+    assert scoped.prefill_graphs and scoped.prefill_graph_scope == "core"
+
+
+def test_the_worker_reserves_what_the_plugin_graphs_hold():
+    from clef_vllm.worker.graph_costs import graph_reservation, head_graph_rows
+
+    assert head_graph_rows(16, 16384) == 32768                 # 16 records x 2,048 rows of short decisions
+    assert head_graph_rows(4, 16384) == 16384 and head_graph_rows(4, 2048) == 8192 and head_graph_rows(0, 16384) == 0
+    full = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=16,
+                             prefill_buckets=[64, 4096], step_graphs=True)
+    assert set(full) == {"head graphs", "GDN graphs", "step graphs"}
+    lean = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=4,
+                             prefill_buckets=[64, 4096])
+    assert set(lean) == {"head graphs", "GDN graphs"} and lean["head graphs"] == full["head graphs"] // 2
+    assert graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0) == {}

@@ -1,0 +1,107 @@
+"""The memory plan at the vLLM backend's start: settings that fit the GPU, or a clear refusal.
+
+Before the engine starts, :func:`fit_options` computes the checkpoint's memory plan
+(:mod:`clef_vllm.memory_plan`) for the first visible GPU's memory (read with NVML: the front end
+makes no CUDA context) and the budget ``--gpu-memory-utilization`` gives each engine, then:
+
+* resolves ``--nvfp4-kernel auto`` by memory as well as speed (BF16 dequantized weights only where
+  the KV cache keeps room for a few ``--max-model-len`` sequences; the packed kernel otherwise);
+* turns the plugin's memory-costly features down or off where the KV cache would be too small,
+  one log line per change saying what and why;
+* refuses a plan that cannot hold one sequence with :class:`~clef_vllm.memory_plan.PlanDoesNotFit`,
+  whose message names the biggest consumers and the flags that free memory (the server prints it
+  and exits 1, before loading anything).
+
+The plan is logged (``clef memory plan: ...``); the worker's ``clef memory budget: ...`` line then says
+what vLLM measured, for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from clef_vllm.backends.options import VllmOptions
+from clef_vllm.memory_plan import (MIN_BF16_SEQUENCES, MemoryPlan, PlanInputs, choose_nvfp4_kernel, fit, gib,
+                                   model_shape_for_checkpoint)
+from clef_vllm.quant.kernels import resolve_nvfp4_kernel
+
+log = logging.getLogger("clef_vllm")
+
+
+def device_memory() -> tuple[int, tuple[int, int]] | None:
+    """``(total bytes, compute capability)`` of the first visible CUDA GPU by the driver's count, or ``None``
+    without one (or where NVML cannot tell)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return None
+        capability = current_platform.get_device_capability(0)
+        return int(current_platform.get_device_total_memory(0)), (capability.major, capability.minor)
+    except Exception:  # noqa: BLE001 - no plan without the device's size: the engine's own sizing still holds
+        return None
+
+
+def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
+    """``opts`` with the plan's resolved NVFP4 kernel and feature settings."""
+    changes: dict = {}
+    if opts.nvfp4_kernel == "auto" and not opts.linear_backend_chosen:
+        changes["nvfp4_kernel"] = inputs.nvfp4_kernel
+    if opts.head_graphs and inputs.head_graph_records != opts.head_graph_records:
+        changes.update(head_graphs=inputs.head_graph_records > 0,
+                       head_graph_records=inputs.head_graph_records or opts.head_graph_records)
+    if opts.prefill_graphs and not inputs.prefill_graphs:
+        changes.update(prefill_graphs=False)
+    elif opts.prefill_graphs and opts.resolved_prefill_graph_scope == "step" and not inputs.step_graphs:
+        changes.update(prefill_graph_scope="core")
+    if opts.gemm_warmup and not inputs.gemm_warmup:
+        changes.update(gemm_warmup=False)
+    elif opts.gemm_warmup and inputs.gemm_warmup_rows is not None:
+        changes.update(gemm_warmup_rows=inputs.gemm_warmup_rows)
+    if opts.state_cache and not inputs.state_cache:
+        changes.update(state_cache=False)
+    if not changes:
+        return opts
+    # sub-options of a switch turned off go with it (the options refuse them alone)
+    for switch, subs in (("head_graphs", ("head_graph_records",)), ("state_cache", ("state_cache_admit",
+                                                                                  "state_cache_match")),
+                         ("prefill_graphs", ("prefill_graph_scope", "prefill_graph_buckets", "step_graph_split")),
+                         ("gemm_warmup", ("gemm_row_grid", "gemm_warmup_rows"))):
+        if changes.get(switch) is False:
+            for sub in subs:
+                changes.pop(sub, None)
+                default = next(f.default for f in dataclasses.fields(VllmOptions) if f.name == sub)
+                changes[sub] = default
+    return dataclasses.replace(opts, **changes)
+
+
+def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]] | None = None
+                ) -> tuple[VllmOptions, MemoryPlan | None]:
+    """The options the engine starts with and the plan behind them (``None``: no GPU known, the options as
+    given). Raises :class:`~clef_vllm.memory_plan.PlanDoesNotFit`."""
+    device = device if device is not None else device_memory()
+    if device is None:
+        return opts, None
+    total, capability = device
+    model = model_shape_for_checkpoint(model_dir)
+    inputs = PlanInputs.from_options(opts, int(opts.resolved_gpu_memory_utilization * total))
+    if inputs.nvfp4_kernel == "auto":
+        kernel = "vllm" if opts.linear_backend_chosen else choose_nvfp4_kernel(model, inputs, capability)
+        inputs = dataclasses.replace(inputs, nvfp4_kernel=kernel)
+    plan = fit(model, inputs)
+    for line in plan.changes:
+        log.warning("clef memory plan: %s", line)
+    head, *rest = plan.describe()
+    log.info("clef memory plan: %s", head)
+    for line in rest:
+        log.info("clef memory plan:   %s", line)
+    if opts.nvfp4_kernel == "auto" and model.nvfp4_modules:
+        kernel = plan.inputs.nvfp4_kernel
+        why = ("BF16 weights, dequantized at load, leave the KV cache room" if kernel == "bf16" else
+               "--linear-backend chooses" if opts.linear_backend_chosen else
+               "native NVFP4 on this GPU" if resolve_nvfp4_kernel("auto", capability) != "bf16" else
+               f"packed weights: dequantized to BF16 they would leave the KV cache of a {gib(inputs.budget_bytes)} "
+               f"GiB budget less than {MIN_BF16_SEQUENCES} sequences of {opts.max_model_len:,} tokens")
+        log.info("clef memory plan: --nvfp4-kernel auto chose %s (%s)", kernel, why)
+    return options_for(opts, plan.inputs), plan
