@@ -194,14 +194,14 @@ def gdn_state_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
 class ModelShape:
     """What the plan needs from a checkpoint, counted from its ``config.json`` and head config.
 
-    Linear weights are counted per scheme as vLLM 0.28 resolves it (:func:`clef_vllm.quant.schemes.scheme_table`)
-    over the leaf shapes :func:`clef_vllm.tools.clef_load.linear_shapes` gives."""
+    Linear weights are counted per scheme as vLLM 0.28 resolves it
+    (:func:`clef_vllm.quant.schemes.scheme_table`) over the leaf shapes
+    :func:`clef_vllm.tools.clef_load.linear_shapes` gives."""
 
     fp8_weights: int               # FP8 linear weights
     fp8_channels: int              # their output channels (one float32 scale each)
     fp8_modules: int
     nvfp4_weights: int
-    nvfp4_rows: int
     nvfp4_modules: int             # vLLM modules (fused shards share one set of global scales)
     nvfp4_layers: tuple[int, ...]
     fp8_layers: tuple[int, ...]
@@ -230,8 +230,8 @@ class ModelShape:
             head_config = HeadConfig.from_dict(dict(head_config))
         text = text_config(config)
         shapes = linear_shapes(text)
-        counts = dict(fp8_weights=0, fp8_channels=0, fp8_modules=0, nvfp4_weights=0, nvfp4_rows=0,
-                      nvfp4_modules=0, bf16_linear_weights=0)
+        counts = dict(fp8_weights=0, fp8_channels=0, fp8_modules=0, nvfp4_weights=0, nvfp4_modules=0,
+                      bf16_linear_weights=0)
         fp8_layers, nvfp4_layers = set(), set()
         for row in S.scheme_table(config):
             n = sum(shapes[s][0] for s in row.module.shards)
@@ -243,7 +243,6 @@ class ModelShape:
                 fp8_layers.add(row.module.layer)
             elif row.kind in NVFP4_KINDS:
                 counts["nvfp4_weights"] += n * k
-                counts["nvfp4_rows"] += n
                 counts["nvfp4_modules"] += 1
                 nvfp4_layers.add(row.module.layer)
             elif row.kind == S.UNQUANTIZED:
@@ -278,7 +277,8 @@ def _leftover_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
             total += 2 * head_dim * dtype_bytes                           # q_norm, k_norm
     rope = text.get("rope_parameters") or {}
     rotary = int(head_dim * float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))))
-    positions = int(text.get("max_position_embeddings", 0)) * (MROPE_CACHE_FACTOR if "mrope_section" in rope else 1)
+    positions = int(text.get("max_position_embeddings", 0))
+    positions *= MROPE_CACHE_FACTOR if "mrope_section" in rope else 1
     return total + positions * rotary * dtype_bytes
 
 
@@ -312,17 +312,21 @@ class PlanInputs:
 
     @classmethod
     def from_options(cls, options, budget_bytes: int, **overrides) -> "PlanInputs":
-        """The inputs of a ``clef_vllm.backends.options.VllmOptions`` (duck-typed: its field names)."""
-        batched = options.max_num_batched_tokens or max(8192, min(int(options.max_model_len), 16384))
-        scope = getattr(options, "resolved_prefill_graph_scope", "step")
+        """The inputs of a ``clef_vllm.backends.options.VllmOptions`` (``nvfp4_kernel`` may stay ``auto``:
+        :func:`choose_nvfp4_kernel` resolves it); ``overrides``: fields set on top."""
+        from clef_vllm.backends.options import _max_num_batched_tokens
+
+        engine: dict = {}
+        _max_num_batched_tokens(options, engine)         # the server's default rule
+        prefill = bool(options.prefill_graphs)
         values = dict(
             budget_bytes=int(budget_bytes), max_model_len=int(options.max_model_len),
-            max_num_seqs=int(options.max_num_seqs), max_num_batched_tokens=int(batched),
+            max_num_seqs=int(options.max_num_seqs), max_num_batched_tokens=engine["max_num_batched_tokens"],
             nvfp4_kernel=options.nvfp4_kernel, cuda_graphs=not options.enforce_eager,
             head_graph_records=options.head_graph_records if options.head_graphs else 0,
-            prefill_graphs=bool(options.prefill_graphs), step_graphs=bool(options.prefill_graphs) and scope == "step",
-            gemm_warmup=bool(options.gemm_warmup), state_cache_bytes=None if options.state_cache else 0,
-            head_dtype=options.head_dtype or options.dtype)
+            prefill_graphs=prefill, step_graphs=prefill and options.resolved_prefill_graph_scope == "step",
+            gemm_warmup=bool(options.gemm_warmup), gemm_warmup_rows=getattr(options, "gemm_warmup_rows", None),
+            state_cache_bytes=None if options.state_cache else 0, head_dtype=options.head_dtype or options.dtype)
         values.update(overrides)
         return cls(**values)
 
@@ -342,7 +346,7 @@ class PlanInputs:
 
 @dataclass(frozen=True)
 class Part:
-    """One line of the plan: ``group`` is ``weights``, ``vllm`` (vLLM's runtime), ``plugin`` or ``kv``."""
+    """One line of the plan: ``group`` is ``weights``, ``vllm`` (vLLM's runtime) or ``plugin``."""
 
     name: str
     bytes: int
@@ -613,9 +617,9 @@ def model_shape_for_checkpoint(model_dir: str | Path) -> ModelShape:
     return ModelShape.from_configs(files.config, load_head_config(files), int8_tables=files.layout == "repacked")
 
 
-def plan_for_checkpoint(model_dir: str | Path, *, device_total_bytes: int, gpu_memory_utilization: float | None = None,
-                        options=None, capability=None, min_sequences: float = MIN_SEQUENCES,
-                        **settings) -> MemoryPlan:
+def plan_for_checkpoint(model_dir: str | Path, *, device_total_bytes: int,
+                        gpu_memory_utilization: float | None = None, options=None, capability=None,
+                        min_sequences: float = MIN_SEQUENCES, **settings) -> MemoryPlan:
     """The fitted plan of the checkpoint at ``model_dir`` on a device of ``device_total_bytes``.
 
     ``options``: a ``VllmOptions`` (default: the server's defaults); ``gpu_memory_utilization``: the
