@@ -44,8 +44,10 @@ REF_HIDDEN, REF_INTERMEDIATE, REF_LAYERS, REF_WIDTH, REF_MODEL_LEN = 4096, 12288
 #: Scales with hidden + intermediate size. 2.0 GiB at 16,384 tokens on the 9B.
 ACTIVATION_BYTES_PER_TOKEN = 128 << 10
 #: vLLM's CUDA-graph memory estimate (subtracted from the KV cache since vLLM 0.21) for its default
-#: piecewise capture sizes. Scales with hidden + intermediate size.
+#: piecewise capture sizes, which end at ``min(2 x max_num_seqs, 512)`` tokens (``VllmConfig``): the figure
+#: at --max-num-seqs 128 (256 tokens). Scales with that size and with hidden + intermediate size.
 VLLM_GRAPH_BYTES = int(0.5 * GIB)
+REF_CAPTURE_SIZE, MAX_CAPTURE_SIZE = 256, 512
 #: What the process holds outside PyTorch's allocator once vLLM has profiled (cuBLAS and Triton
 #: workspaces, attention-backend buffers), CUDA context excluded. With activations and vLLM's graphs:
 #: ~3.1 GiB of non-weight memory measured on the 9B Hybrid at 16,384 batched tokens, features off.
@@ -477,9 +479,10 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
     parts = weight_parts(m, i)
 
     activations = int(ACTIVATION_BYTES_PER_TOKEN * width * i.max_num_batched_tokens)
+    capture = min(2 * i.max_num_seqs, MAX_CAPTURE_SIZE, i.max_num_batched_tokens)
     parts += [Part("activations", activations, f"one step of {i.max_num_batched_tokens:,} tokens", "vllm"),
-              Part("vLLM CUDA graphs", int(VLLM_GRAPH_BYTES * width) if i.cuda_graphs else 0,
-                   "vLLM's estimate" if i.cuda_graphs else "off (enforce_eager)", "vllm"),
+              Part("vLLM CUDA graphs", int(VLLM_GRAPH_BYTES * width * capture / REF_CAPTURE_SIZE) if i.cuda_graphs
+                   else 0, f"captured up to {capture} tokens" if i.cuda_graphs else "off (enforce_eager)", "vllm"),
               Part("non-torch memory", NON_TORCH_BYTES, "workspaces outside PyTorch's allocator", "vllm"),
               Part("CUDA context", CUDA_CONTEXT_BYTES, "outside vLLM's own accounting", "vllm")]
 
