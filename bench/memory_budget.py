@@ -297,12 +297,11 @@ class MemorySampler:
         self.samples += 1
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.period):
             try:
                 self.sample()
             except Exception:  # noqa: BLE001 - a failed NVML query skips one sample
                 pass
-            self._stop.wait(self.period)
 
     def stop(self) -> None:
         self._stop.set()
@@ -338,14 +337,22 @@ class MemorySampler:
 _LIVE: dict[int, subprocess.Popen] = {}   # process-group id -> leader, for cleanup on any exit
 
 
+def _libc():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:                  # not Linux: the process-group cleanup still applies
+        return None
+
+
+_LIBC = _libc()                      # loaded here: the child between fork and exec imports nothing
+
+
 def _die_with_parent(sig: int) -> Callable[[], None]:
     def preexec() -> None:
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))   # PR_SET_PDEATHSIG
-        except Exception:  # noqa: BLE001 - not Linux: the process group cleanup still applies
-            pass
+        if _LIBC is not None:
+            _LIBC.prctl(1, int(sig))         # PR_SET_PDEATHSIG: signalled when this process dies
     return preexec
 
 
@@ -374,17 +381,16 @@ def _group_alive(pgid: int) -> bool:
 
 
 def stop_group(proc: subprocess.Popen, first: int = signal.SIGINT, grace: float = 30.0) -> int | None:
-    """``first`` to the process group, SIGKILL to the group after ``grace`` seconds (or at once if members
-    outlive the leader); returns the leader's exit status."""
+    """``first`` to the process group, then SIGKILL to whatever of the group is left after ``grace`` seconds;
+    returns the leader's exit status."""
     pgid = proc.pid
     try:
-        if proc.poll() is None:
+        if proc.poll() is None or _group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, first)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and (proc.poll() is None or _group_alive(pgid)):
+                time.sleep(0.1)
         deadline = time.monotonic() + 10
         while _group_alive(pgid) and time.monotonic() < deadline:
             with contextlib.suppress(ProcessLookupError):
@@ -450,14 +456,18 @@ class Ballast:
     """The ballast child (``memory_budget.py ballast --card USABLE``): holds all of the GPU but ``usable_gib``;
     ``usable_gib=None`` only probes the device's CUDA total and exits."""
 
-    def __init__(self, usable_gib: float | None, log_path: Path):
+    def __init__(self, usable_gib: float | None, log_path: Path, cmd: Sequence[str] | None = None):
         self.usable_gib, self.log_path = usable_gib, log_path
+        self.cmd = list(cmd) if cmd is not None else [
+            sys.executable, str(Path(__file__).resolve()), "ballast",
+            *(["--probe"] if usable_gib is None else ["--card", f"{usable_gib}"])]
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
 
     def start(self, timeout: float = 180.0) -> dict:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "ballast"]
-        cmd += ["--probe"] if self.usable_gib is None else ["--card", f"{self.usable_gib}"]
+        """Start it and wait for its ``BALLAST {json}`` line (held, free and total bytes, pid, device name);
+        RuntimeError, with the reason from its log, when it exits or stays silent ``timeout`` seconds."""
+        cmd = self.cmd
         self.proc = spawn(cmd, self.log_path, env=_child_env(drop_alloc_conf=True), parent_death=signal.SIGKILL,
                           stdout_pipe=True)
         deadline = time.monotonic() + timeout
@@ -603,7 +613,7 @@ async def run_load(url: str, pools: Pools, load_seconds: float, alive: Callable[
     points: list[dict] = []
     result: dict[str, Any] = {"short_p50_ms": None, "short_c16_req_per_s": None, "long_ok": None,
                               "errors": sum(1 for o in warm_out if o is not None and not o.ok),
-                              "state_cache_hits": 0, "points": points}
+                              "state_cache_hits": 0, "points": points, "load_error": None}
     t0 = time.monotonic()
     for k, (key, pool_name, c, share) in enumerate(PHASES):
         if not alive():
@@ -617,8 +627,14 @@ async def run_load(url: str, pools: Pools, load_seconds: float, alive: Callable[
         # enough items that the time limit, not the pool, ends the phase (the pool repeats)
         reqs = _cycle(pool, max(len(pool), int(400 * c * max(seconds, 1.0) / (1 if pool_name == "short" else 20))))
         say(f"  load: {name} for {seconds:.0f}s")
-        point, done = await asyncio.wait_for(_phase(url, name, reqs, c, seconds, request_timeout),
-                                             timeout=seconds + request_timeout + 30)
+        try:
+            point, done = await asyncio.wait_for(_phase(url, name, reqs, c, seconds, request_timeout),
+                                                 timeout=seconds + request_timeout + 30)
+        except asyncio.TimeoutError:
+            say(f"  load: {name}: no end {request_timeout + 30:.0f} s past its time limit; the load stops here")
+            result["errors"] += 1
+            result["load_error"] = f"{name} did not end"
+            break
         points.append(point)
         bad = sum(1 for o in done if not o.ok)
         result["errors"] += bad
@@ -815,6 +831,7 @@ def run_row(cfg: RowConfig, pools: Pools, gpu: Gpu | None = None) -> dict:
                     detail["load_error"] = f"{type(exc).__name__}: {exc}"[:500]
                 else:
                     detail["points"] = load.pop("points")
+                    detail["load_error"] = load.pop("load_error")
                     row.update({k: load[k] for k in ("short_p50_ms", "short_c16_req_per_s", "long_ok", "errors",
                                                      "state_cache_hits", "load_seconds")})
             else:
@@ -949,6 +966,10 @@ def table(rows: list[dict]) -> str:
                  _f(r.get("short_p50_ms"), ".1f") + (" ms" if r.get("short_p50_ms") is not None else ""),
                  _f(ours, ".1f") + (" req/s" if ours is not None else ""), raw_cell]
         out.append("| " + " | ".join(cells) + " |")
+    out += ["", "KV cache: the plugin's `clef memory budget` figure where it logs one, else vLLM's \"Available KV "
+                "cache memory\"; 16k-token sequences: vLLM's maximum concurrency at 16,384 tokens; peak process: the "
+                "server's processes by NVML, from start to stop, under the load mix; raw vLLM: embed pooling of the "
+                "same token ids at the same budget, alone on the card."]
     out += [f"\n[{i}] {n}" for i, n in enumerate(notes, 1)]
     return "\n".join(out)
 
@@ -994,11 +1015,24 @@ def _gpu(a: argparse.Namespace) -> Gpu | None:
     return None if a.no_gpu else Gpu(a.device_index)
 
 
+def _say_leftovers(gpu: Gpu | None) -> None:
+    """Processes already on the GPU (an earlier run's?) take from what the ballast can leave the card."""
+    if gpu is None:
+        return
+    procs = gpu.processes()
+    if procs:
+        say("WARNING: the GPU already has compute processes: " + ", ".join(
+            f"pid {p} ({'?' if m is None else f'{m / GIB:.2f}'} GiB)" for p, m in procs)
+            + f"; {gpu.used_bytes() / GIB:.2f} GiB used")
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     out = Path(a.out)
     card = parse_card(a.card)
     pools = _pools(a)
-    row = run_row(_row_config(a, card, a.raw, Path(a.log_dir) if a.log_dir else out.parent), pools, _gpu(a))
+    gpu = _gpu(a)
+    _say_leftovers(gpu)
+    row = run_row(_row_config(a, card, a.raw, Path(a.log_dir) if a.log_dir else out.parent), pools, gpu)
     write_rows(out, read_rows(out) + [row])
     say(f"row appended to {out}")
     print(table([row]))
@@ -1014,11 +1048,12 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     raw_at = {parse_card(c).key for c in a.raw_at.split(",") if c.strip()} if a.raw_at else set()
     rows = merge_rows(read_rows(Path(a.merge)) if a.merge else [], read_rows(results))
     gpu = _gpu(a)
+    _say_leftovers(gpu)
     pools = _pools(a)
     stems, timeline = [], [f"driver: {shlex.join(sys.argv)}"]
     for card in cards:
         raw = card.key in raw_at
-        estimate = a.start_estimate + a.load_seconds + 40 + (a.raw_seconds + a.start_estimate + 30 if raw else 0)
+        estimate = a.start_estimate + a.load_seconds + 30 + (a.start_estimate + a.raw_seconds + 15 if raw else 0)
         spent = time.monotonic() - _T0
         if a.time_budget and spent + estimate > a.time_budget:
             msg = f"[{card.key}] skipped: {spent:.0f} s spent + ~{estimate:.0f} s for this row > --time-budget"
@@ -1106,7 +1141,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--merge", default=None, help="start from this results file's rows (an earlier call's)")
     m.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="skip a row that would end past S seconds from the start (by --start-estimate)")
-    m.add_argument("--start-estimate", type=float, default=90.0, help="seconds a server start takes (default 90)")
+    m.add_argument("--start-estimate", type=float, default=75.0,
+                   help="seconds a server (or raw vLLM) start takes, for --time-budget (default 75)")
     _common(m)
 
     t = sub.add_parser("table", help="the README's GPU memory table from a results file")

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -129,7 +130,7 @@ def test_the_readme_table_from_rows():
     assert "190.5 req/s (95 %)" in text and "21.30 / 21.15 GiB (over)" in text
     assert "| 32 GB (31.35 GiB) | 28.21 GiB | no, out of memory |" in text and "[1]" in text
     assert "H100 80GB HBM3, full (79.19 GiB)" in text
-    assert text.rstrip().endswith("[1] raw vLLM did not start")
+    assert text.rstrip().endswith("[1] raw vLLM did not start") and "\nKV cache: the plugin's" in text
     assert "flags" not in lines[0]
     assert "`--nvfp4-kernel vllm`" in mb.table([_row(card_gib=16, flags="--nvfp4-kernel vllm")])
 
@@ -164,7 +165,12 @@ def test_a_row_end_to_end_on_the_reference_backend(tiny_release, tmp_path, cache
     cfg = mb.RowConfig(card=mb.parse_card("full"), ckpt=str(tiny_release), load_format=None, gpu=False,
                        flags=["--backend", "reference", "--state-cache", "on"], load_seconds=1.0, log_dir=tmp_path,
                        concurrency={"short16": 1, "long": 1, "shared": 1}, warm_short=0, warm_shared=1)
-    row = mb.run_row(cfg, pools)
+    bad = mb.RowConfig(card=mb.parse_card("full"), ckpt=str(tiny_release), load_format=None, gpu=False,
+                       flags=["--backend", "reference", "--dialect", "nonsense"], log_dir=tmp_path, label="bad")
+    with ThreadPoolExecutor(2) as pool:                    # the server that cannot start, meanwhile
+        failed = pool.submit(mb.run_row, bad, pools)
+        row = mb.run_row(cfg, pools)
+        failed = failed.result()
     assert list(row) == list(mb.ROW_KEYS)
     assert row["started"] and not row["died"] and not row["oom"], row["log_lines"]
     assert row["errors"] == 0 and row["long_ok"] is True and row["state_cache_hits"] > 0
@@ -173,14 +179,68 @@ def test_a_row_end_to_end_on_the_reference_backend(tiny_release, tmp_path, cache
     assert row["flags"] == "--backend reference --state-cache on" and row["peak_process_gib"] is None
     detail = json.loads((tmp_path / f"{cfg.stem}_load.json").read_text())
     assert [p["variant"] for p in detail["points"]] == ["short c=1", "short c=1", "long c=1", "shared-state c=1"]
-    assert not mb._group_alive(detail["server_pid"]) and not mb._LIVE
+    assert not mb._group_alive(detail["server_pid"])
     assert (tmp_path / f"{cfg.stem}_server.log.gz").exists() and not (tmp_path / f"{cfg.stem}_server.log").exists()
     json.dumps(row)
 
-    bad = mb.RowConfig(card=mb.parse_card("full"), ckpt=str(tiny_release), load_format=None, gpu=False,
-                       flags=["--backend", "reference", "--dialect", "nonsense"], log_dir=tmp_path, label="bad")
-    row = mb.run_row(bad, pools)
+    row = failed
     assert not row["started"] and row["died"] and row["short_p50_ms"] is None
     assert any("nonsense" in ln for ln in row["log_lines"])
     assert not mb._group_alive(json.loads((tmp_path / "memory_budget_full_bad_load.json").read_text())["server_pid"])
-    assert os.path.exists(tmp_path / "memory_budget_full_bad_server.log.gz")
+    assert os.path.exists(tmp_path / "memory_budget_full_bad_server.log.gz") and not mb._LIVE
+
+
+def test_the_ballast_reports_and_is_stopped_with_its_group(tmp_path):
+    """The ballast's protocol with a stand-in child (the real one needs CUDA): its report line is read, stop()
+    ends its process group; one that exits without reporting raises with the reason from its log."""
+    script = ("import json, os, sys, time; print('ballast: holding 63.27 GiB', file=sys.stderr, flush=True); "
+              "print('BALLAST ' + json.dumps({'held': 1, 'free': 2, 'total': 3, 'pid': os.getpid()}), flush=True); "
+              "time.sleep(300)")
+    ballast = mb.Ballast(15.92, tmp_path / "ballast.log", cmd=[sys.executable, "-c", script])
+    info = ballast.start(timeout=30)
+    pid = ballast.proc.pid
+    assert info["total"] == 3 and info["pid"] == pid and mb._group_alive(pid)
+    ballast.stop()
+    assert not mb._group_alive(pid) and ballast.proc is None and pid not in mb._LIVE
+    assert "holding 63.27 GiB" in (tmp_path / "ballast.log").read_text()
+
+    script = "import sys; print('ballast: only 10.00 GiB free, less than the card', file=sys.stderr); sys.exit(3)"
+    failing = mb.Ballast(15.92, tmp_path / "failing.log", cmd=[sys.executable, "-c", script])
+    with pytest.raises(RuntimeError, match="only 10.00 GiB free"):
+        failing.start(timeout=30)
+    assert not mb._LIVE
+
+
+class _Gpu:
+    """A device whose processes and used memory follow a script (NVML's answers)."""
+
+    def __init__(self, steps):
+        self.steps, self.i = steps, 0
+
+    def processes(self):
+        return self.steps[min(self.i, len(self.steps) - 1)][0]
+
+    def used_bytes(self):
+        used = self.steps[min(self.i, len(self.steps) - 1)][1]
+        self.i += 1
+        return used
+
+
+def test_the_sampler_counts_only_the_processes_that_came_after_its_start():
+    g = int(mb.GIB)
+    ballast = (11, 63 * g)
+    gpu = _Gpu([([ballast], 64 * g), ([ballast, (20, 9 * g)], 73 * g), ([ballast, (20, 12 * g), (21, 2 * g)], 78 * g),
+                ([ballast, (20, 10 * g)], 75 * g)])
+    sampler = mb.MemorySampler(gpu, period=3600)
+    sampler.start()                                         # the baseline: the ballast (and 64 GiB used)
+    for _ in range(3):
+        sampler.sample()
+    sampler.stop()
+    assert sampler.peak_bytes == 14 * g and sampler.method.startswith("NVML usedGpuMemory")
+    assert sampler.peak_device == 14 * g
+    # no per-process figures (NVML_VALUE_NOT_AVAILABLE): the device's used memory less the baseline
+    blind = mb.MemorySampler(_Gpu([([(11, None)], 64 * g), ([(11, None), (20, None)], 77 * g)]), period=3600).start()
+    blind.sample()
+    blind.stop()
+    assert blind.peak_bytes == 13 * g and blind.method.startswith("device used memory")
+    assert mb.MemorySampler(None).start().peak_bytes is None
