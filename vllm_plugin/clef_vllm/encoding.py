@@ -428,8 +428,8 @@ class RequestEncoder:
         folder = Path(path)
         if folder.is_dir() and not (folder / "tokenizer.json").is_file() and not (
                 (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
-            raise ValueError(f"{folder} has no tokenizer.json: the checkpoint's tokenizer is read from it (the release "
-                             "ships the Qwen3.5 tokenizer.json next to config.json); copy it into the folder")
+            raise ValueError(f"no tokenizer.json in {folder} (the release ships the Qwen3.5 tokenizer.json next to "
+                             "config.json: copy it there)")
         return cls(AutoTokenizer.from_pretrained(str(path)), **kwargs)
 
     @property
