@@ -9,11 +9,16 @@ load mix with clef-bench's own request factory and load generator (short request
 four ~16k-token requests at once, a shared state so the state cache hits), stops the server, and with
 ``--raw`` measures raw vLLM pooling of the same short requests' token ids at the same budget, alone.
 
-    # one row (GPU machine; source tests/gpu/env.sh first, as bench/setup.sh does)
+    # on the GPU machine, from the repository root: the staged vLLM and this tree's plugin on PYTHONPATH
+    source bench/setup.sh && python3 bench/make_ckpt.py 9b /root/ckpt/9b-hybrid --hybrid 17
+    # one row
     python3 bench/memory_budget.py run --card 16 --ckpt /root/ckpt/9b-hybrid --out results.json [--raw] \\
         [--load-seconds 120] [-- --nvfp4-kernel vllm ...]
     # the matrix: 16, 24, 32 GB and the full card, raw vLLM at 24; JSON + logs tar.gz + summary in DIR
     python3 bench/memory_budget.py matrix --ckpt /root/ckpt/9b-hybrid --cards 16,24,32,full --raw-at 24 --out-dir DIR
+    # a machine that allows 10 minutes a command: the matrix in calls that each fit, rows merged in DIR
+    python3 bench/memory_budget.py matrix --ckpt CKPT --cards 16,24 --raw-at 24 --out-dir /root/mb --time-budget 560
+    python3 bench/memory_budget.py matrix --ckpt CKPT --cards 32,full --raw-at '' --out-dir /root/mb --time-budget 560
     # the README's "GPU memory" table from a results file (CPU)
     python3 bench/memory_budget.py table bench/results/memory_budget.json
     # the ballast alone (holds all but CARD GiB until killed)
@@ -45,6 +50,11 @@ A row (one JSON object; ``run`` appends it to ``--out``, a JSON list):
 - ``log_lines``: vLLM's "Model loading took…", "Available KV cache memory…", "GPU KV cache size…"
   lines and the plugin's ``clef memory…`` lines, verbatim (colour codes removed); a server that did not
   start adds its log's last lines.
+
+Time: a row is the server's start (~40-90 s warm, ~3 min on a fresh machine), ``--load-seconds`` of load after
+a few seconds of warm-up, its stop (~10 s); raw vLLM adds its own start and ``--raw-seconds``. ``matrix
+--time-budget S`` skips a row that would end past S seconds (by ``--start-estimate``) instead of being cut off
+mid-row; every line on stderr carries the UTC time and the seconds since the start.
 
 Next to the output: ``memory_budget_<row>_server.log.gz`` (and ``_raw.log.gz``, ``_ballast.log``),
 ``memory_budget_<row>_load.json`` (each load phase's clef-bench point). Every child runs in its own
@@ -359,7 +369,7 @@ def _die_with_parent(sig: int) -> Callable[[], None]:
 def spawn(cmd: Sequence[str], log_path: Path, *, env: dict | None = None, parent_death: int = signal.SIGTERM,
           stdout_pipe: bool = False) -> subprocess.Popen:
     """``cmd`` in a new session (its own process group), output to ``log_path`` (or stdout to a pipe),
-    signalled ``parent_death`` if this process dies."""
+    signalled ``parent_death`` when the thread that started it ends (the driver's main thread: this process)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE if stdout_pipe else log, stderr=log,
@@ -863,11 +873,11 @@ def run_row(cfg: RowConfig, pools: Pools, gpu: Gpu | None = None) -> dict:
         if not row["started"]:
             row["log_lines"] += [ln for ln in log_tail(text) if ln not in row["log_lines"]]
         if cfg.raw:
-            if share is None and cfg.gpu:
-                row["raw_note"] = "no budget known: raw vLLM not run"
+            if not cfg.gpu or share is None:
+                row["raw_note"] = "no GPU budget: raw vLLM not run"
             else:
                 say(f"[{cfg.card.key}] raw vLLM at {share} of the device, c=16 for {cfg.raw_seconds:.0f}s")
-                rate, note, point = run_raw(cfg.ckpt, share if share is not None else VLLM_DEFAULT_SHARE, pools,
+                rate, note, point = run_raw(cfg.ckpt, share, pools,
                                             logs / f"{cfg.stem}_raw.log", seconds=cfg.raw_seconds)
                 row["raw_short_c16_req_per_s"], row["raw_note"] = rate, note
                 detail["raw_point"] = point
@@ -1051,9 +1061,16 @@ def cmd_matrix(a: argparse.Namespace) -> int:
     _say_leftovers(gpu)
     pools = _pools(a)
     stems, timeline = [], [f"driver: {shlex.join(sys.argv)}"]
+
+    def estimate_s(card: Card) -> float:
+        raw = a.start_estimate + a.raw_seconds + 15 if card.key in raw_at else 0
+        return a.start_estimate + a.load_seconds + 30 + raw
+
+    say("plan: " + ", ".join(f"{c.key}{' + raw vLLM' if c.key in raw_at else ''} (~{estimate_s(c):.0f} s)" for c in cards)
+        + f": ~{sum(map(estimate_s, cards)):.0f} s" + (f" (--time-budget {a.time_budget:.0f} s)" if a.time_budget else ""))
     for card in cards:
         raw = card.key in raw_at
-        estimate = a.start_estimate + a.load_seconds + 30 + (a.start_estimate + a.raw_seconds + 15 if raw else 0)
+        estimate = estimate_s(card)
         spent = time.monotonic() - _T0
         if a.time_budget and spent + estimate > a.time_budget:
             msg = f"[{card.key}] skipped: {spent:.0f} s spent + ~{estimate:.0f} s for this row > --time-budget"
