@@ -41,10 +41,10 @@ sys.exit(getattr(import_module(module), func)(sys.argv[3:]))
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tiny_release, cache_dir):
-    """A server with an API key from ``$CLEF_API_KEY`` (as docs/operating.md starts one), warnings shown."""
-    server = LiveServer(["--model", str(tiny_release), "--backend", "reference"],
-                        env={"CLEF_API_KEY": KEY, "PYTHONWARNINGS": "default"}).wait_ready()
+def keyed_server(cache_dir):
+    """``clef-systemone`` as the README starts it (no flags: the demo checkpoint, backend auto), with an
+    API key from ``$CLEF_API_KEY`` as docs/operating.md sets one, and every Python warning shown."""
+    server = LiveServer([], env={"CLEF_API_KEY": KEY, "PYTHONWARNINGS": "default"}).wait_ready()
     yield server
     server.stop()
 
