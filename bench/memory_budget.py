@@ -91,9 +91,10 @@ from typing import Any, Callable, Sequence
 GIB = float(1 << 30)
 MIB = 1 << 20
 
-#: What a card of each nominal size gives CUDA (``cudaMemGetInfo``'s total, GiB): the marketed GB are
-#: 10^9 bytes and the driver keeps some for itself. 16 GB (e.g. RTX 5070 Ti / 4080): 15.92 GiB; 24 GB
-#: (RTX 4090 / 3090, L4): ~23.5 GiB; 32 GB (RTX 5090): ~31.35 GiB. A custom size: ``--card N=USABLE``.
+#: What a card of each nominal size gives CUDA (``cudaMemGetInfo``'s total, GiB): less than its nominal size,
+#: since the driver and the display keep part of it. 16 GB: 15.92 GiB (an RTX 5070 Ti, the issue's card);
+#: 24 GB: 23.5 GiB (RTX 4090 / 3090 report about 23.6-23.7, an L4 about 22.5: a figure between, on the
+#: safe side for the consumer cards); 32 GB: 31.35 GiB (an RTX 5090). Another card: ``--card NOMINAL=USABLE``.
 USABLE_GIB = {"16": 15.92, "24": 23.5, "32": 31.35}
 #: vLLM's default ``--gpu-memory-utilization``: the share of the card the server may use.
 VLLM_DEFAULT_SHARE = 0.9

@@ -103,6 +103,11 @@ def test_cards_and_the_servers_share():
     assert mb.parse_card("12=11.6").usable_gib == 11.6 and mb.parse_card("24").slug == "24gb"
     with pytest.raises(ValueError, match="one of 16, 24, 32"):
         mb.parse_card("20")
+    args = mb.build_parser().parse_args(["run", "--card", "16", "--ckpt", "/c", "--out", "o.json", "--raw", "--",
+                                         "--nvfp4-kernel", "vllm", "--state-cache", "off"])
+    assert args.flags == ["--nvfp4-kernel", "vllm", "--state-cache", "off"] and args.raw and args.load_seconds == 120
+    args = mb.build_parser().parse_args(["matrix", "--ckpt", "/c", "--out-dir", "d"])
+    assert (args.cards, args.raw_at, args.flags, args.load_format) == ("16,24,32,full", "24", [], "clef-dummy")
     share = mb.share_for(15.92, 79.19)
     assert 0.9 * 15.92 - 1e-3 < share * 79.19 <= 0.9 * 15.92              # never above the card's budget
     assert f"{share}" == "0.18093"
