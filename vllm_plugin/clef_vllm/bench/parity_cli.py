@@ -14,10 +14,10 @@ The noise floor runs one side again under another batch composition: serially (c
 and in a shuffled order, and compares it with that side's own main pass. A vs B differences at
 the size of the noise floor are not evidence of a bug. Details: docs/bench.md.
 
-Exit status: 0 when every request was answered (and, with --fail-below, the agreement is high
-enough); 1 when any request of any pass failed (HTTP error, refused, timed out: the receipt is
-still written, and the failures are counted on stderr) or the agreement is below --fail-below;
-2 for bad arguments.
+Exit status: 0 when every request was answered or refused as invalid (400, 413, 415, 422; and,
+with --fail-below, the agreement is high enough); 1 when any request of any pass got no answer for
+another reason (401, 429, 5xx, a timeout, no connection: the receipt is still written, and the
+failures are counted on stderr) or the agreement is below --fail-below; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -159,12 +159,19 @@ def run_side(spec: str, args, bodies: list[dict], conditions: list[Condition],
         target.close()
 
 
+#: Statuses that refuse the request itself (it is invalid or too large for the model): both sides refusing
+#: a record is agreement, counted in the comparison. Any other failure (401, 429, 5xx, a timeout, no
+#: connection) means the side did not answer, and the run fails.
+REFUSALS = frozenset({"400", "413", "415", "422"})
+
+
 def failures(sides: dict[str, dict]) -> list[str]:
-    """One line per pass that had requests not answered: how many, and the first error."""
+    """One line per pass with requests that got no answer for a reason other than the request itself
+    (:data:`REFUSALS`): how many, and the first error."""
     lines = []
     for side, data in sides.items():
         for run in data["runs"]:
-            bad = [r for r in run if not r.ok]
+            bad = [r for r in run if not r.ok and r.status not in REFUSALS]
             if bad:
                 first = bad[0]
                 lines.append(f"{side.upper()}: {len(bad)} of {len(run)} requests failed (first: {first.status} "
