@@ -125,7 +125,7 @@ _KV_SIZE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+) ?x")
 _CLEF_MEMORY = re.compile(r"\bclef memory(?: [a-z_-]+)?:")
 #: the last "KV cache X GiB" of a plan / budget line (the budget line names vLLM's figure first, its own last)
-_PLAN_KV = re.compile(r"\bclef memory plan:.*KV cache (-?[\d.]+) GiB")
+_PLAN_KV = re.compile(r"\bclef memory plan:.*KV cache\s+(-?[\d.]+) GiB")
 _BUDGET_KV = re.compile(r"\bclef memory budget:.*KV cache (-?[\d.]+) GiB")
 _OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA error", re.IGNORECASE)
 #: at most this many ``clef memory:`` ledger lines (the first and last halves); plan and budget lines always

@@ -88,12 +88,13 @@ def test_turning_a_switch_off_resets_its_sub_options():
 def test_the_worker_reserves_what_the_plugin_graphs_hold():
     from clef_vllm.worker.graph_costs import graph_reservation, head_graph_rows
 
-    assert head_graph_rows(16, 16384) == 32768                 # 16 records x 2,048 rows of short decisions
-    assert head_graph_rows(4, 16384) == 16384 and head_graph_rows(4, 2048) == 8192 and head_graph_rows(0, 16384) == 0
+    # one record's largest bucket, or half of several records' short decisions (16 x 2,048 rows / 2)
+    assert head_graph_rows(16, 16384) == 16384 and head_graph_rows(16, 4096) == 16384
+    assert head_graph_rows(4, 16384) == 16384 and head_graph_rows(4, 4096) == 4096 and head_graph_rows(0, 16384) == 0
     full = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=16,
                              prefill_buckets=[64, 4096], step_graphs=True)
     assert set(full) == {"head graphs", "GDN graphs", "step graphs"}
-    lean = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=4,
+    lean = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=4, head_memory=4096,
                              prefill_buckets=[64, 4096])
-    assert set(lean) == {"head graphs", "GDN graphs"} and lean["head graphs"] == full["head graphs"] // 2
+    assert set(lean) == {"head graphs", "GDN graphs"} and lean["head graphs"] == full["head graphs"] // 4
     assert graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0) == {}

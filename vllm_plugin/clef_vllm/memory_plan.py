@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from clef_vllm.worker.graph_costs import graph_reservation
+
 GIB = 1 << 30
 
 # --------------------------------------------------------------------------- calibrated constants
@@ -41,45 +43,43 @@ REF_HIDDEN, REF_INTERMEDIATE, REF_LAYERS, REF_WIDTH, REF_MODEL_LEN = 4096, 12288
 
 #: One step's activation peak per batched token (vLLM's profiling run at ``--max-num-batched-tokens``:
 #: the backbone's widest intermediates, the GDN prefill's chunk tensors, the head's per-token stage).
-#: Scales with hidden + intermediate size. 2.0 GiB at 16,384 tokens on the 9B.
+#: Scales with hidden + intermediate size. 2.0 GiB at 16,384 tokens on the 9B: with the entries below,
+#: vLLM's non-weight memory of the 9B Hybrid at a 14.33 GiB budget came to 3.22 GiB (H100,
+#: ``bench/results/memory_budget.json``'s commands).
 ACTIVATION_BYTES_PER_TOKEN = 128 << 10
-#: vLLM's CUDA-graph memory estimate (subtracted from the KV cache since vLLM 0.21) for its default
-#: piecewise capture sizes, which end at ``min(2 x max_num_seqs, 512)`` tokens (``VllmConfig``): the figure
-#: at --max-num-seqs 128 (256 tokens). Scales with that size and with hidden + intermediate size.
-VLLM_GRAPH_BYTES = int(0.5 * GIB)
-REF_CAPTURE_SIZE, MAX_CAPTURE_SIZE = 256, 512
-#: What the process holds outside PyTorch's allocator once vLLM has profiled (cuBLAS and Triton
-#: workspaces, attention-backend buffers), CUDA context excluded. With activations and vLLM's graphs:
-#: ~3.1 GiB of non-weight memory measured on the 9B Hybrid at 16,384 batched tokens, features off.
-NON_TORCH_BYTES = int(0.55 * GIB)
+#: vLLM's CUDA-graph memory estimate (subtracted from the KV cache since vLLM 0.21) per token of its largest
+#: piecewise capture size: 0.75 GiB for captures up to 4,096 tokens on the 9B (the prefill graphs make vLLM
+#: capture up to their largest bucket; otherwise it ends at ``min(2 x max_num_seqs, 512)``), at least
+#: :data:`VLLM_GRAPH_MIN_BYTES`. Scales with hidden + intermediate size.
+VLLM_GRAPH_BYTES_PER_TOKEN = int(0.75 * GIB / 4096)
+VLLM_GRAPH_MIN_BYTES = int(0.15 * GIB)
+MAX_CAPTURE_SIZE = 512
+#: What the process adds outside PyTorch's allocator while vLLM profiles (cuBLAS and Triton workspaces,
+#: attention-backend buffers); vLLM counts it.
+NON_TORCH_BYTES = int(0.3 * GIB)
 #: The CUDA context and the kernels' modules. vLLM sizes its budget after the context exists, so its own
-#: accounting leaves this out; the plan counts it so that the process, as ``nvidia-smi`` sees it, stays
-#: within the budget.
-CUDA_CONTEXT_BYTES = int(0.5 * GIB)
-#: The prefill graphs make vLLM capture its piecewise graphs up to the step's token budget instead of its
-#: default sizes: the 9B Hybrid's KV cache was 0.46 GiB smaller with them on. Scales with hidden +
-#: intermediate size.
-PREFILL_CAPTURE_BYTES = int(0.46 * GIB)
-#: The plugin's GDN prefill graphs and their static buffers (0.22-0.38 GiB measured at 9B). Scales with
-#: hidden size x layers.
-GDN_GRAPH_BYTES = int(0.38 * GIB)
-#: The whole-step graphs of single-sequence prefill steps (0.66 GiB at 9B). Scales with hidden x layers.
-STEP_GRAPH_BYTES = int(0.66 * GIB)
-#: The head graphs of one finishing request: memory buckets up to ``max_model_len`` rows (at 9B,
-#: 16,384 rows). Scales with head width x max_model_len.
-HEAD_GRAPH_SINGLE_BYTES = int(0.66 * GIB)
-#: ... and each record bucket beyond one (2, 4, 8, 16, ... finishing requests; 1.34 GiB in all at 16
-#: records). Scales with head width.
-HEAD_GRAPH_BUCKET_BYTES = int(0.17 * GIB)
+#: accounting leaves this out; the worker measures it and takes it out of the KV cache
+#: (:mod:`clef_vllm.worker.budget`), so that the process, as ``nvidia-smi`` sees it, stays within the budget.
+CUDA_CONTEXT_BYTES = int(0.6 * GIB)
+#: Memory outside PyTorch's allocator that comes after the KV cache is sized (CUDA graph executables, the
+#: workspaces of graph captures): the worker keeps this much free under its cap of the allocator.
+NON_TORCH_GROWTH_BYTES = int(0.3 * GIB)
 #: The head's GEMM warm-up: transient bytes per row of its largest row count (2.3-3.6 GiB measured at
-#: 16,384 rows on the 9B). Scales with hidden + head width. It frees what it takes, so only the part
-#: above one step's activations raises the peak.
+#: 16,384 rows on the 9B). Scales with hidden + head width. It runs inside vLLM's profiling and frees what
+#: it takes, so only the part above one step's activations raises the peak.
 GEMM_WARMUP_BYTES_PER_ROW = 230 << 10
 #: The row count :func:`fit` caps the GEMM warm-up at first.
 GEMM_WARMUP_CAP_ROWS = 4096
+#: What :func:`fit` lowers the head graphs' memory rows (the longest decision they hold) and the step's token
+#: budget to, in turn.
+HEAD_GRAPH_MEMORY_STEPS = (4096, 2048)
+LEAN_BATCHED_TOKENS = 8192
+#: The prefill graphs' largest default bucket (``clef_vllm.worker.prefill_graphs.DEFAULT_BUCKETS``).
+DEFAULT_MAX_BUCKET = 4096
 
-#: :func:`fit`'s default target: the KV cache holds this many sequences of ``max_model_len`` tokens.
-MIN_SEQUENCES = 2
+#: :func:`fit`'s default target: the KV cache holds this many sequences of ``max_model_len`` tokens (at 9B with
+#: 16,384 tokens, 3.05 GiB: what the Hybrid's 16 GB card is built to leave for it).
+MIN_SEQUENCES = 5
 #: :func:`choose_nvfp4_kernel` picks BF16 NVFP4 weights only when they leave this many sequences.
 MIN_BF16_SEQUENCES = 4
 
@@ -292,7 +292,9 @@ class PlanInputs:
     """The budget and the server settings that decide memory.
 
     ``nvfp4_kernel``: ``bf16`` (NVFP4 layers dequantized to BF16 at load) or ``vllm`` (packed). A
-    ``head_graph_records`` of 0 is the head graphs off; ``gemm_warmup_rows`` ``None`` is the worker's
+    ``head_graph_records`` of 0 is the head graphs off; ``head_graph_memory`` ``None`` lets them hold decisions
+    up to ``max_model_len`` rows; ``prefill_max_bucket`` is the prefill graphs' largest token count (capped by
+    the step's token budget); ``gemm_warmup_rows`` ``None`` is the worker's
     row count (``max(max_num_batched_tokens, max_model_len)``); ``state_cache_bytes`` ``None`` is the
     worker's share of the KV room (the memory rows of every token the KV cache can hold), 0 is the state
     cache off (and vLLM's prefix caching with it)."""
@@ -304,7 +306,9 @@ class PlanInputs:
     nvfp4_kernel: str = "bf16"
     cuda_graphs: bool = True
     head_graph_records: int = 16
+    head_graph_memory: int | None = None
     prefill_graphs: bool = True
+    prefill_max_bucket: int = DEFAULT_MAX_BUCKET
     step_graphs: bool = True
     gemm_warmup: bool = True
     gemm_warmup_rows: int | None = None
@@ -326,8 +330,10 @@ class PlanInputs:
             max_num_seqs=int(options.max_num_seqs), max_num_batched_tokens=engine["max_num_batched_tokens"],
             nvfp4_kernel=options.nvfp4_kernel, cuda_graphs=not options.enforce_eager,
             head_graph_records=options.head_graph_records if options.head_graphs else 0,
-            prefill_graphs=prefill, step_graphs=prefill and options.resolved_prefill_graph_scope == "step",
-            gemm_warmup=bool(options.gemm_warmup), gemm_warmup_rows=getattr(options, "gemm_warmup_rows", None),
+            head_graph_memory=options.head_graph_memory,
+            prefill_graphs=prefill, prefill_max_bucket=max(options.prefill_graph_buckets or (DEFAULT_MAX_BUCKET,)),
+            step_graphs=prefill and options.resolved_prefill_graph_scope == "step",
+            gemm_warmup=bool(options.gemm_warmup), gemm_warmup_rows=options.gemm_warmup_rows,
             state_cache_bytes=None if options.state_cache else 0, head_dtype=options.head_dtype or options.dtype)
         values.update(overrides)
         return cls(**values)
@@ -474,31 +480,30 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
     """The memory plan of ``model`` under ``inputs``."""
     i, m = inputs, model
     width = _ratio((m.hidden + m.intermediate, REF_HIDDEN + REF_INTERMEDIATE))
-    depth = _ratio((m.hidden * m.num_layers, REF_HIDDEN * REF_LAYERS))
-    head = _ratio((m.head_width, REF_WIDTH)) * _DTYPE_BYTES[i.head_dtype] / 2
     parts = weight_parts(m, i)
 
     activations = int(ACTIVATION_BYTES_PER_TOKEN * width * i.max_num_batched_tokens)
-    capture = min(2 * i.max_num_seqs, MAX_CAPTURE_SIZE, i.max_num_batched_tokens)
+    bucket = min(i.prefill_max_bucket, i.max_num_batched_tokens) if i.prefill_graphs else 0
+    capture = bucket or min(2 * i.max_num_seqs, MAX_CAPTURE_SIZE, i.max_num_batched_tokens)
     parts += [Part("activations", activations, f"one step of {i.max_num_batched_tokens:,} tokens", "vllm"),
-              Part("vLLM CUDA graphs", int(VLLM_GRAPH_BYTES * width * capture / REF_CAPTURE_SIZE) if i.cuda_graphs
-                   else 0, f"captured up to {capture} tokens" if i.cuda_graphs else "off (enforce_eager)", "vllm"),
+              Part("vLLM CUDA graphs", max(int(VLLM_GRAPH_BYTES_PER_TOKEN * width * capture), VLLM_GRAPH_MIN_BYTES)
+                   if i.cuda_graphs else 0, f"captured up to {capture:,} tokens" if i.cuda_graphs else
+                   "off (enforce_eager)", "vllm"),
               Part("non-torch memory", NON_TORCH_BYTES, "workspaces outside PyTorch's allocator", "vllm"),
-              Part("CUDA context", CUDA_CONTEXT_BYTES, "outside vLLM's own accounting", "vllm")]
+              Part("CUDA context", CUDA_CONTEXT_BYTES, "outside vLLM's own accounting", "vllm"),
+              Part("later non-torch memory", NON_TORCH_GROWTH_BYTES, "graph executables, kept free under the cap",
+                   "vllm")]
 
-    prefill = i.prefill_graphs
-    parts.append(Part("prefill graphs", int(GDN_GRAPH_BYTES * depth + (PREFILL_CAPTURE_BYTES * width
-                                                                      if i.cuda_graphs else 0)) if prefill else 0,
-                      "GDN graphs + vLLM's graphs up to the token budget" if prefill else "off", "plugin"))
-    step = prefill and i.step_graphs and i.cuda_graphs
-    parts.append(Part("step graphs", int(STEP_GRAPH_BYTES * depth) if step else 0,
-                      "single-sequence steps in one graph" if step else "off", "plugin"))
-    records = i.head_graph_records
-    buckets = sum(1 for r in (2, 4, 8, 16, 32, 64) if r <= records)
-    head_graphs = int(head * (HEAD_GRAPH_SINGLE_BYTES * i.max_model_len / REF_MODEL_LEN
-                              + HEAD_GRAPH_BUCKET_BYTES * buckets)) if records else 0
-    parts.append(Part("head graphs", head_graphs, f"steps finishing up to {records} requests" if records else "off",
-                      "plugin"))
+    graphs = graph_reservation(hidden=m.hidden, intermediate=m.intermediate, max_model_len=i.max_model_len,
+                               head_records=i.head_graph_records, head_memory=i.head_graph_memory or 0,
+                               prefill_buckets=[bucket] if bucket else [],
+                               step_graphs=bool(bucket) and i.step_graphs and i.cuda_graphs)
+    memory = min(i.head_graph_memory or i.max_model_len, i.max_model_len)
+    notes = {"GDN graphs": f"single-sequence prefill steps up to {bucket:,} tokens" if bucket else "off",
+             "step graphs": "the whole backbone of such steps" if graphs.get("step graphs") else "off",
+             "head graphs": f"steps finishing up to {i.head_graph_records} requests, decisions up to {memory:,} "
+                            "tokens" if i.head_graph_records else "off"}
+    parts += [Part(name, graphs.get(name, 0), note, "plugin") for name, note in notes.items()]
     rows = i.warmup_rows
     warmup = int(GEMM_WARMUP_BYTES_PER_ROW * _ratio((m.hidden + m.head_width, REF_HIDDEN + REF_WIDTH)) * rows)
     parts.append(Part("GEMM warm-up", max(warmup - activations, 0),
@@ -542,27 +547,35 @@ def _steps(inputs: PlanInputs):
     if i.gemm_warmup and i.warmup_rows > GEMM_WARMUP_CAP_ROWS:
         yield replace(i, gemm_warmup_rows=GEMM_WARMUP_CAP_ROWS), \
             f"GEMM warm-up capped at {GEMM_WARMUP_CAP_ROWS:,} rows (larger head GEMMs load their kernels at first use)"
-    if i.head_graph_records > 4:
-        yield replace(i, head_graph_records=4), f"--head-graph-records {i.head_graph_records} -> 4"
+    memory = min(i.head_graph_memory or i.max_model_len, i.max_model_len)
+    lean = HEAD_GRAPH_MEMORY_STEPS[0]
+    if i.head_graph_records > 4 or (i.head_graph_records and memory > lean):
+        yield replace(i, head_graph_records=min(i.head_graph_records, 4), head_graph_memory=min(memory, lean)), \
+            (f"head graphs for steps finishing up to {min(i.head_graph_records, 4)} requests and decisions up to "
+             f"{min(memory, lean):,} tokens (others run the eager head)")
+    if i.max_num_batched_tokens > LEAN_BATCHED_TOKENS:
+        yield replace(i, max_num_batched_tokens=LEAN_BATCHED_TOKENS), \
+            f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {LEAN_BATCHED_TOKENS:,} (longer prompts in chunks)"
     if i.step_graphs and i.prefill_graphs and i.cuda_graphs:
         yield replace(i, step_graphs=False), "step graphs off (--prefill-graph-scope core)"
-    if i.head_graph_records > 1:
-        yield replace(i, head_graph_records=1), f"--head-graph-records {min(i.head_graph_records, 4)} -> 1"
+    if i.head_graph_records > 1 or (i.head_graph_records and memory > HEAD_GRAPH_MEMORY_STEPS[1]):
+        yield replace(i, head_graph_records=1, head_graph_memory=min(memory, HEAD_GRAPH_MEMORY_STEPS[1])), \
+            (f"head graphs for steps finishing one request and decisions up to "
+             f"{min(memory, HEAD_GRAPH_MEMORY_STEPS[1]):,} tokens")
     if i.prefill_graphs:
         yield replace(i, prefill_graphs=False, step_graphs=False), "--prefill-graphs off"
     if i.head_graph_records:
         yield replace(i, head_graph_records=0), "--head-graphs off"
     if i.gemm_warmup:
         yield replace(i, gemm_warmup=False, gemm_warmup_rows=None), "--gemm-warmup off"
-    if i.state_cache_bytes:
-        yield replace(i, state_cache_bytes=i.state_cache_bytes // 2), "state cache halved"
     if i.state_cache:
         yield replace(i, state_cache_bytes=0), "--state-cache off"
 
 
 def _leanest(inputs: PlanInputs) -> PlanInputs:
     return replace(inputs, head_graph_records=0, prefill_graphs=False, step_graphs=False, gemm_warmup=False,
-                   gemm_warmup_rows=None, state_cache_bytes=0)
+                   gemm_warmup_rows=None, state_cache_bytes=0,
+                   max_num_batched_tokens=min(inputs.max_num_batched_tokens, LEAN_BATCHED_TOKENS))
 
 
 def fit(model: ModelShape, inputs: PlanInputs, *, min_sequences: float = MIN_SEQUENCES) -> MemoryPlan:

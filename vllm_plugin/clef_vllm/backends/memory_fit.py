@@ -51,6 +51,11 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
     if opts.head_graphs and inputs.head_graph_records != opts.head_graph_records:
         changes.update(head_graphs=inputs.head_graph_records > 0,
                        head_graph_records=inputs.head_graph_records or opts.head_graph_records)
+    if opts.head_graphs and inputs.head_graph_memory != opts.head_graph_memory:
+        changes.update(head_graph_memory=inputs.head_graph_memory)
+    planned = PlanInputs.from_options(opts, inputs.budget_bytes).max_num_batched_tokens
+    if inputs.max_num_batched_tokens != planned:
+        changes.update(max_num_batched_tokens=inputs.max_num_batched_tokens)
     if opts.prefill_graphs and not inputs.prefill_graphs:
         changes.update(prefill_graphs=False)
     elif opts.prefill_graphs and opts.resolved_prefill_graph_scope == "step" and not inputs.step_graphs:
@@ -64,7 +69,7 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
     if not changes:
         return opts
     # sub-options of a switch turned off go with it (the options refuse them alone)
-    for switch, subs in (("head_graphs", ("head_graph_records",)), ("state_cache", ("state_cache_admit",
+    for switch, subs in (("head_graphs", ("head_graph_records", "head_graph_memory")), ("state_cache", ("state_cache_admit",
                                                                                   "state_cache_match")),
                          ("prefill_graphs", ("prefill_graph_scope", "prefill_graph_buckets", "step_graph_split")),
                          ("gemm_warmup", ("gemm_row_grid", "gemm_warmup_rows"))):

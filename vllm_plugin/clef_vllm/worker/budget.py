@@ -6,7 +6,8 @@ warm-up and the state cache's side rows run inside that profiling) and its own C
 Three things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
 
 * the CUDA context and what the device held for this process before vLLM's first snapshot (vLLM
-  measures from there, so by its count the context comes on top of the budget);
+  measures from there, so by its count the context comes on top of the budget), and room for the memory
+  outside PyTorch that later graph captures add;
 * the plugin's own CUDA graphs and their buffers (the step, GDN and head graphs), captured after the
   KV cache exists: :func:`plugin_reservation` estimates them from the settings the worker got
   (:mod:`clef_vllm.worker.graph_costs` holds the per-feature figures);
@@ -27,17 +28,18 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
+from clef_vllm.memory_plan import CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES
 from clef_vllm.worker.graph_costs import graph_reservation
 from clef_vllm.worker import memory
 
 log = logging.getLogger("clef_vllm")
 
 GIB = float(1 << 30)
-#: Kept free under the allocator's cap for non-PyTorch memory that grows after the cap is set (cuBLAS
-#: workspaces of new streams, CUDA graph executables).
-CAP_MARGIN_BYTES = 256 << 20
-#: The CUDA context and libraries' device memory where the driver cannot say (NVML lists no process here).
-DEFAULT_CONTEXT_BYTES = 600 << 20
+#: Kept free under the allocator's cap (and out of the KV cache) for memory outside PyTorch that comes after the
+#: cap is set: CUDA graph executables, the workspaces of graph captures.
+CAP_MARGIN_BYTES = NON_TORCH_GROWTH_BYTES
+#: The CUDA context where the driver cannot say what this process holds (NVML lists no process here).
+DEFAULT_CONTEXT_BYTES = CUDA_CONTEXT_BYTES
 
 
 class MemoryBudgetError(RuntimeError):
@@ -49,7 +51,7 @@ def process_memory() -> int | None:
     return memory.process_used()
 
 
-def context_bytes() -> int:
+def outside_allocator() -> int:
     """What this process holds on the device outside PyTorch's allocator now (the CUDA context, libraries'
     workspaces): the driver's count less the allocator's reservations, or :data:`DEFAULT_CONTEXT_BYTES`."""
     used = process_memory()
@@ -82,14 +84,17 @@ def gib(n: float) -> str:
 class ClefWorker(Worker):
     """vLLM's GPU worker, with the plugin's memory taken out of the KV cache and the allocator capped."""
 
-    def init_device(self):
-        out = super().init_device()
-        self._clef_context = context_bytes()       # before any weight: the context and its kernels
-        return out
+    def _context_bytes(self) -> int:
+        """What this process held before vLLM's first memory snapshot (the CUDA context and its modules): the
+        driver's count now less what vLLM measured since (``total_consumed``), else the plan's figure."""
+        used, consumed = process_memory(), getattr(self, "total_consumed", None)
+        if used is None or consumed is None:
+            return DEFAULT_CONTEXT_BYTES
+        return max(0, used - int(consumed))
 
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
-        keep = {"CUDA context": getattr(self, "_clef_context", DEFAULT_CONTEXT_BYTES)}
+        keep = {"CUDA context": self._context_bytes(), "later non-torch memory": CAP_MARGIN_BYTES}
         keep.update(plugin_graph_bytes(self.vllm_config))
         kv = int(available - sum(keep.values()))
         parts = ", ".join(f"{name} {gib(n)}" for name, n in keep.items() if n)
@@ -101,7 +106,7 @@ class ClefWorker(Worker):
                 "--nvfp4-kernel vllm, or a larger --gpu-memory-utilization")
         log.info("clef memory budget: vLLM's KV cache %s less what its profiling does not count (%s): KV cache %s",
                  gib(available), parts, gib(kv))
-        memory.LEDGER.reserved_for_graphs = sum(n for name, n in keep.items() if name != "CUDA context")
+        memory.LEDGER.reserved_for_graphs = sum(n for name, n in keep.items() if name.endswith("graphs"))
         return kv
 
     def compile_or_warm_up_model(self):
@@ -116,7 +121,7 @@ def cap_allocator(budget_bytes: int, device=None) -> float:
     ``budget_bytes``; returns the fraction set."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     total = int(torch.cuda.get_device_properties(device).total_memory)
-    outside = context_bytes()
+    outside = outside_allocator()
     cap = max(budget_bytes - outside - CAP_MARGIN_BYTES, int(torch.cuda.memory_reserved(device)))
     fraction = min(cap / total, 1.0)
     torch.cuda.set_per_process_memory_fraction(fraction, device)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: Head-graph pool bytes per memory row of the largest bucket, at hidden 4,096 (1.34 GiB for 32,768 rows).
-HEAD_GRAPH_BYTES_PER_ROW = 44_000
+#: Head-graph pool bytes per memory row of the largest bucket, at hidden 4,096: 1.29 GiB for decisions up to
+#: 16,384 rows (4 records) and 1.34 GiB with 16 records, whose 16 x 2,048-row short-decision graphs hold
+#: narrower schemas: a several-record bucket's rows count half (:func:`head_graph_rows`).
+HEAD_GRAPH_BYTES_PER_ROW = 84_500
 #: GDN-graph bytes per token of the largest bucket, all 24 layers together, at hidden 4,096.
 GDN_GRAPH_BYTES_PER_TOKEN = 100_000
 #: Step-graph pool bytes per token of the largest size, at hidden 4,096 / intermediate 12,288.
@@ -32,13 +34,13 @@ SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS = 2048, 32768
 
 
 def head_graph_rows(records: int, max_memory: int) -> int:
-    """Memory rows of the largest head-graph bucket when steps finishing up to ``records`` requests are graphed
-    with memory buckets up to ``max_memory`` rows: one record's largest bucket, or several records' short
-    decisions (the head graph runner's buckets)."""
+    """The rows that size the head graphs' pool when steps finishing up to ``records`` requests are graphed with
+    memory buckets up to ``max_memory`` rows: one record's largest bucket, or half the rows of several records'
+    short decisions (their schema buckets are at most 16 fields / 64 options, a quarter of one record's)."""
     if records <= 0:
         return 0
     single = max((b for b in HEAD_MEMORY_BUCKETS if b <= max_memory), default=HEAD_MEMORY_BUCKETS[0])
-    several = max((r * min(SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS // r, single) for r in (2, 4, 8, 16, 32, 64)
+    several = max((r * min(SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS // r, single) // 2 for r in (2, 4, 8, 16, 32, 64)
                    if r <= records), default=0)
     return max(single, several)
 
