@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--label", default=None, help="free text stored with the results (e.g. 'tiny bf16 dp1')")
     o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     o.add_argument("--fail-on-error", action="store_true",
-                   help="exit 1 if any request got an unexpected status or a token count mismatch")
+                   help="exit 1 if any request got an unexpected status or a token count mismatch (a point "
+                        "with no answer at all, such as every request refused 401, exits 1 without this flag)")
 
     r = p.add_argument_group("raw-vLLM baseline (vLLM engine names; other settings as the server's vLLM backend)")
     r.add_argument("--raw-arch", default="auto",
@@ -622,6 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in points if p["unexpected_status"] or p["input_tokens"]["mismatches"]]
     if bad:
         log(f"WARNING: {len(bad)} point(s) with unexpected statuses or token-count mismatches")
+    unanswered = [p for p in points if not p["ok"]]
+    if unanswered:              # nothing was measured (a wrong key, a wrong URL): a failed run, flag or not
+        log(f"FAIL: {len(unanswered)} point(s) without a single answer (errors: {unanswered[0]['errors']})")
+        return 1
     return 1 if (bad and args.fail_on_error) else 0
 
 
