@@ -86,11 +86,6 @@ class DecisionPlan:
     request: SystemOneRequest
     questions: list[_Question]
 
-    def field_path(self, systemone_field: str | None) -> str | None:
-        """A SystemOne field path as the Decisions request's JSON path (``state`` -> ``input``,
-        ``questions.team.criteria`` -> ``questions[1].choices``)."""
-        return _field_path(systemone_field, self.questions)
-
 
 # --------------------------------------------------------------------------- request
 
@@ -125,19 +120,15 @@ def _required(obj: dict, key: str, path: str | None) -> Any:
     return obj[key]
 
 
-def _image(path: str) -> RequestError:
-    return _err("input_image is not supported by this build (text-only)", path, Kind.UNSUPPORTED)
-
-
 def _part_value(part: Any, path: str, allowed: tuple[str, ...]) -> Any:
     """An input part's value in the state: ``input_text``/``output_text`` -> its text, ``input_json``
     -> its data, ``refusal`` -> ``{"type": "refusal", "refusal": ...}``."""
     part = _obj(part, path)
     kind = part.get("type")
-    if kind == "input_image" and "input_image" in allowed:
-        raise _image(path)
-    if kind not in allowed or kind == "input_image":
-        raise _err(f"type must be one of {', '.join(a for a in allowed)}", f"{path}.type")
+    if kind not in allowed:
+        raise _err(f"type must be one of {', '.join(allowed)}", f"{path}.type")
+    if kind == "input_image":         # the model's images are not wired in this build
+        raise _err("input_image is not supported by this build (text-only)", path, Kind.UNSUPPORTED)
     if kind in ("input_text", "output_text"):
         _known(part, {"type", "text", "prompt_cache_breakpoint", "annotations", "logprobs"}, path)
         _cache_breakpoint(part, path)
@@ -360,6 +351,8 @@ def _synthetic_id(i: int, names: dict[str, int]) -> str:
 
 
 def _field_path(path: str | None, questions: list[_Question]) -> str | None:
+    """A SystemOne field path as the Decisions request's JSON path (``state`` -> ``input``,
+    ``questions.team.criteria`` -> ``questions[1].choices``)."""
     if path is None:
         return None
     if path == "state" or path.startswith("state."):
