@@ -204,3 +204,18 @@ def test_vllm_backend_without_vllm_names_the_extra_to_install(tiny_release, monk
     monkeypatch.setitem(sys.modules, "vllm", None)          # as if vLLM were not installed
     with pytest.raises(ModuleNotFoundError, match=r"pip install './vllm_plugin\[vllm\]'"):
         Clef(tiny_release, backend="vllm")
+
+
+@pytest.mark.parametrize("body, kind, field, message", [
+    ({"model": "m", "state": "s", "questions": {1: {"type": "noul"}}}, Kind.INVALID, "questions",
+     "keys must be strings"),
+    (variant({"n": float("nan")}), Kind.MALFORMED, "state", "nan is not valid JSON"),
+    (variant([1.0, {"deep": [float("-inf")]}]), Kind.MALFORMED, "state", "-inf is not valid JSON"),
+    (variant({2: "two", "b": 1}), Kind.INVALID, "state", "keys must be strings"),
+])
+def test_python_values_that_json_cannot_carry_raise_the_http_paths_typed_errors(clef, body, kind, field, message):
+    """A non-string question id once raised a raw TypeError and NaN in the state was answered; over HTTP the
+    same request is a 422 (keys) or a 400 (NaN/Infinity: not JSON). Both raise that RequestError here."""
+    with pytest.raises(RequestError) as err:
+        clef.systemone(body)
+    assert err.value.kind is kind and err.value.field == field and message in str(err.value)

@@ -121,6 +121,31 @@ def read_response(sock: socket.socket, deadline_s: float = 30.0) -> tuple[int | 
     return status, headers, rest
 
 
+def read_responses(sock: socket.socket, count: int, deadline_s: float = 30.0) -> list[tuple[int, dict, bytes]]:
+    """The next ``count`` responses on one connection (pipelined; each with a Content-Length), or as many
+    as came before the peer closed: ``(status, headers, body)`` each."""
+    sock.settimeout(deadline_s)
+    data, out = b"", []
+    while len(out) < count:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end >= 0:
+            lines = data[:head_end].decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            end = head_end + 4 + int(headers.get("content-length", "0"))
+            if len(data) >= end:
+                out.append((int(lines[0].split()[1]), headers, data[head_end + 4:end]))
+                data = data[end:]
+                continue
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            chunk = b""
+        if not chunk:
+            break
+        data += chunk
+    return out
+
+
 def dechunk(data: bytes) -> bytes:
     out, pos = b"", 0
     while True:

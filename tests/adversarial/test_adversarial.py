@@ -7,7 +7,7 @@ clean answer; the last test checks that no response was >= 500 and no traceback 
 
 Servers (started in parallel, once per module):
 * ``adv``: ``--max-model-len 2048``, 1 s header and 2 s body timeouts, a 2,000 B/s minimum body rate,
-  2 bulk streams, 120 connections, and the ``hold.NAME`` fault hook (a decision stays in the
+  2 bulk streams, 120 connections, 1.1 M bulk lines, and the ``hold.NAME`` fault hook (a decision stays in the
   engine until the test creates ``holds/NAME``);
 * ``term``: an API key with ``--auth-health-metrics`` and ``--shutdown-timeout 5``, the engine
   answering at once (``instant`` fault hook) but for held decisions; its last test sends SIGTERM
@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from adversarial.attacks import (connect, dechunk, head, many_options, many_questions, ndjson, nested_level,
-                                 read_response, state_array, state_keys, state_text, wait)
+                                 read_response, read_responses, state_array, state_keys, state_text, wait)
 from conftest import LiveServer
 
 REQUEST = {"model": "clef-flash", "state": "Checkout is down for everyone.",
@@ -40,6 +40,7 @@ REQUEST = {"model": "clef-flash", "state": "Checkout is down for everyone.",
 JSON = {"Content-Type": "application/json"}
 NDJSON = {"Content-Type": "application/x-ndjson"}
 KEY = "adv-key"
+BULK_LINES = 1_100_000
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -51,7 +52,7 @@ def servers(tiny_release, cache_dir, tmp_path_factory):
     started = {
         "adv": LiveServer(model + ["--max-model-len", "2048", "--header-timeout", "1", "--body-timeout", "2",
                                    "--min-body-rate", "2000", "--max-bulk-streams", "2", "--max-connections", "120",
-                                   "--cpu-workers", "2"], env=faults),
+                                   "--max-bulk-lines", str(BULK_LINES), "--cpu-workers", "2"], env=faults),
         # the engine answers at once (fault hook): a released request finishes well within the drain
         "term": LiveServer(model + ["--api-key", KEY, "--auth-health-metrics", "--shutdown-timeout", "5",
                                     "--body-timeout", "30", "--max-model-len", "2048"],
@@ -307,15 +308,43 @@ def test_a_body_slower_than_the_minimum_rate_gets_408(adv):
 
 
 def test_too_many_connections_get_503_and_others_recover(adv):
-    socks = [connect(adv.port) for _ in range(130)]       # --max-connections 120
+    from clef_vllm.server.connection import PROBE_CONNECTIONS
+
+    socks = [connect(adv.port) for _ in range(120 + PROBE_CONNECTIONS + 10)]     # --max-connections 120
     refused = 0
-    for sock in socks[115:]:
+    for sock in socks[120 + PROBE_CONNECTIONS - 5:]:
         status, _, body = read_response(sock, 5)
         refused += status == 503 and b"--max-connections" in body
-    assert refused >= 5
+    assert refused >= 10
     for sock in socks:
         sock.close()
     wait(lambda: post(adv, REQUEST).status_code == 200, 30, "served again")
+
+
+def test_health_probes_are_answered_while_the_connections_are_full(adv):
+    """/health/live was refused once --max-connections was reached, so an orchestrator restarted a server
+    that was merely busy. A few connections past the limit are kept for the probes: they are answered
+    there (and the connection closed); anything else on them gets 503 naming the limit."""
+    socks = [connect(adv.port) for _ in range(121)]                             # --max-connections 120, all idle
+    try:
+        for path in ("/health/live", "/health", "/metrics"):
+            sock = connect(adv.port)
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            status, headers, _ = read_response(sock, 10)
+            assert status == 200 and headers.get("connection") == "close", (path, status)
+            sock.close()
+        body = json.dumps(REQUEST).encode()
+        sock = connect(adv.port)
+        sock.sendall(head("/v1/systemone", adv.port, content_length=len(body)) + body)
+        status, headers, text = read_response(sock, 10)
+        assert status == 503 and headers.get("connection") == "close"
+        assert b"--max-connections" in text and b"/health/live" in text
+        sock.close()
+    finally:
+        for sock in socks:
+            sock.close()
+    wait(lambda: post(adv, REQUEST).status_code == 200, 30, "served again")
+    assert metric(adv, "clef_requests_total", status=503, reason="connections") >= 1
 
 
 def test_a_half_closed_client_gets_its_answer(adv):
@@ -326,6 +355,116 @@ def test_a_half_closed_client_gets_its_answer(adv):
     status, headers, text = read_response(sock, 60)
     assert status == 200 and json.loads(text)["answers"]["urgent"]["type"] == "noul"
     sock.close()
+
+
+# --------------------------------------------------------------------------- bulk bodies of many lines
+
+
+def test_a_bulk_client_that_sent_its_whole_body_at_once_is_answered_not_timed_out(adv):
+    """A million blank lines and two records, sent at once: once 14.5 us of CPU a blank line (a task each)
+    and a reader that checked --body-timeout (2 s here) before looking at the bytes already received, so
+    the stream ended as 'too slow'. Now a piece of the body is split in one call and only waiting counts."""
+    body = b"\n" * 1_000_000 + ndjson([REQUEST, REQUEST | {"model": "second"}])
+    resp = httpx.post(adv.url + "/v1/systemone/bulk", content=body, headers=NDJSON, timeout=120)
+    lines = [json.loads(x) for x in resp.text.splitlines()]
+    assert resp.status_code == 200
+    assert sorted(x["index"] for x in lines[:-1]) == [1_000_000, 1_000_001]
+    assert lines[-1] == {"summary": {"records": 2, "ok": 2, "failed": 0, "aborted": None}}
+
+
+def test_a_bulk_body_past_max_bulk_lines_gets_413_for_the_line_past_it_and_the_stream_ends(adv):
+    body = ndjson([REQUEST]) + b"\n" * (BULK_LINES + 50_000) + ndjson([REQUEST])
+    sock = connect(adv.port)
+    sock.sendall(head("/v1/systemone/bulk", adv.port, content_length=len(body), content_type="application/x-ndjson"))
+    try:
+        sock.sendall(body)
+    except OSError:
+        pass                                          # the server may close before taking it all
+    status, headers, raw = read_response(sock, 60)
+    lines = [json.loads(x) for x in dechunk(raw).splitlines()]
+    assert status == 200
+    past = [x for x in lines[:-1] if x["index"] == BULK_LINES]
+    assert past and past[0]["status"] == 413 and "--max-bulk-lines" in past[0]["body"]["error"]["message"]
+    assert {x["index"] for x in lines[:-1]} == {0, BULK_LINES}
+    summary = lines[-1]["summary"]
+    assert summary["records"] == 2 and summary["ok"] == 1 and "--max-bulk-lines" in summary["aborted"]
+    sock.settimeout(10)
+    assert sock.recv(100) == b""                      # the rest is not read: the connection is closed
+    sock.close()
+
+
+# --------------------------------------------------------------------------- encodings, repeated keys
+
+
+@pytest.mark.parametrize("codec, named", [("utf-16", "UTF-16"), ("utf-16-le", "UTF-16-LE"), ("utf-32", "UTF-32"),
+                                          ("utf-32-be", "UTF-32-BE"), ("utf-8-sig", "byte order mark")])
+def test_json_that_is_not_utf8_is_refused_naming_its_encoding(adv, codec, named):
+    assert_clean_error(post(adv, json.dumps(REQUEST).encode(codec)), 400, named, "UTF-8")
+
+
+def test_bytes_that_are_not_utf8_and_utf8_encoded_surrogates_are_refused(adv):
+    assert_clean_error(post(adv, json.dumps(REQUEST).encode().replace(b"Checkout", b"Check\xff\xfeout")), 400,
+                       "not valid UTF-8")
+    assert_clean_error(post(adv, json.dumps(REQUEST).encode().replace(b"Checkout", b"Check\xed\xa0\x80out")), 400,
+                       "not valid UTF-8")
+
+
+@pytest.mark.parametrize("body, key", [
+    (b'{"model":"m","state":"benign","questions":{"a":{"type":"noul"}},"state":"other"}', '"state"'),
+    (b'{"model":"m","state":1,"questions":{"a":{"type":"noul"},"a":{"type":"score","criteria":["x","y"]}}}', '"a"'),
+    (b'{"model":"m","state":{"k":1,"k":2},"questions":{"a":{"type":"noul"}}}', '"k"'),
+])
+def test_a_repeated_key_is_refused_naming_it(adv, body, key):
+    """A proxy that reads the first of two values and a server that reads the last act on different requests."""
+    assert_clean_error(post(adv, body), 422, "duplicate key", key)
+
+
+@pytest.mark.parametrize("encoding", ["br", "gzip", "deflate", "identity, gzip"])
+def test_a_compressed_body_is_refused_not_parsed(adv, encoding):
+    import gzip
+
+    resp = post(adv, gzip.compress(json.dumps(REQUEST).encode()), headers={"Content-Encoding": encoding})
+    assert_clean_error(resp, 415, "Content-Encoding")
+    bulk = httpx.post(adv.url + "/v1/systemone/bulk", content=ndjson([REQUEST]),
+                      headers={**NDJSON, "Content-Encoding": encoding}, timeout=30)
+    assert bulk.status_code == 415
+    assert post(adv, REQUEST, headers={"Content-Encoding": "identity"}).status_code == 200
+
+
+def test_bulk_lines_follow_the_same_json_rules(adv):
+    body = ndjson([REQUEST]) + json.dumps(REQUEST).encode("utf-16-le") + b"\n" + \
+        b'{"model":"m","model":"n","state":1,"questions":{"a":{"type":"noul"}}}\n'
+    lines = {x["index"]: x for x in map(json.loads, httpx.post(
+        adv.url + "/v1/systemone/bulk", content=body, headers=NDJSON, timeout=60).text.splitlines()[:-1])}
+    assert lines[0]["status"] == 200 and lines[2]["status"] == 422
+    assert "duplicate key" in lines[2]["body"]["error"]["message"]
+    assert lines[1]["status"] == 400
+
+
+# --------------------------------------------------------------------------- request ids on kept-alive connections
+
+
+def test_a_request_read_after_another_on_its_connection_logs_under_its_own_id(adv):
+    """A request that follows another on one connection (pipelined, or read when the first one's answer goes
+    out) was handled in a task that inherited the first request's log context, so its log lines (here
+    uvicorn's for a request that is not HTTP) carried the first request's id."""
+    body = json.dumps(REQUEST).encode()
+    rid = f"keep-{time.monotonic_ns()}"
+    sock = connect(adv.port)
+    sock.sendall(head("/v1/systemone", adv.port, content_length=len(body), extra={"X-Request-Id": rid}) + body
+                 + head("/v1/systemone", adv.port, content_length=len(body), extra={"X-Request-Id": rid + "b"}) + body
+                 + b"GARBAGE \x01 HTTP/9.9\r\n\r\n")
+    first, second, third = read_responses(sock, 3)
+    sock.close()
+    assert (first[0], first[1]["x-request-id"]) == (200, rid)
+    assert (second[0], second[1]["x-request-id"]) == (200, rid + "b")
+    assert third[0] == 400
+    wait(lambda: "Invalid HTTP request received" in adv.log(), 10, "uvicorn's line")
+    lines = adv.log().splitlines()
+    invalid = [x for x in lines if "Invalid HTTP request received" in x]
+    assert invalid and not any(rid in x for x in invalid), invalid
+    assert sum(f"[{rid}]" in x and "clef_vllm.access" in x for x in lines) == 1
+    assert sum(f"[{rid}b]" in x and "clef_vllm.access" in x for x in lines) == 1
 
 
 # --------------------------------------------------------------------------- routes
@@ -421,7 +560,8 @@ def test_a_second_sigterm_answers_open_requests_and_exits_at_once_without_a_trac
 
 def test_nothing_was_a_server_error_and_nothing_was_a_traceback(adv, servers):
     statuses = httpx.get(adv.url + "/metrics").text
-    assert not re.search(r'clef_requests_total\{[^}]*status="5\d\d"', statuses), statuses
+    # the one 5xx a client can cause is the documented 503 of a connection past --max-connections
+    assert not re.search(r'clef_requests_total\{(?![^}]*reason="connections")[^}]*status="5\d\d"', statuses), statuses
     assert not re.search(r'clef_bulk_records_total\{[^}]*status="5\d\d"', statuses)
     log = adv.log()
     assert "Traceback" not in log and " ERROR " not in log and "internal error" not in log

@@ -94,3 +94,30 @@ def test_a_small_requests_cpu_work_runs_on_the_loop_and_a_large_ones_in_the_pool
     on_loop, in_pool, ran = asyncio.run(run())
     assert on_loop and in_pool and ran == []
     pool.close()
+
+
+def test_a_body_already_received_is_taken_even_when_the_server_was_busy_past_the_deadline():
+    """A bulk client that had sent its whole body was once refused as too slow: the reader checked its
+    deadline before looking for bytes, so a server busy for longer than --body-timeout between two pieces
+    (working through a piece's lines) timed out bytes that had already arrived. Only waiting counts."""
+    from clef_vllm.errors import Kind, RequestError
+    from clef_vllm.server.body import BodyReader
+
+    async def run(stall_after: int | None):
+        queue: asyncio.Queue = asyncio.Queue()
+        pieces = [{"type": "http.request", "body": b"x" * 10, "more_body": True} for _ in range(3)]
+        pieces.append({"type": "http.request", "body": b"", "more_body": False})
+        for i, piece in enumerate(pieces):
+            if stall_after is None or i < stall_after:
+                queue.put_nowait(piece)                  # all of it is here at once (a client that sent it all)
+        reader = BodyReader(queue.get, body_timeout=0.2, min_rate=1000.0)
+        got = 0
+        while not reader.done:
+            got += len((await reader.message())["body"])
+            time.sleep(0.3)                              # the server is busy elsewhere: longer than the timeout
+        return got
+
+    assert asyncio.run(run(None)) == 30
+    with pytest.raises(RequestError) as err:             # a client that really stops sending still gets 408
+        asyncio.run(run(2))
+    assert err.value.kind is Kind.SLOW_CLIENT and "--body-timeout" in str(err.value)

@@ -34,6 +34,7 @@ class Kind(str, Enum):
     # the service cannot answer now (ServiceError)
     OVERLOADED = "overloaded"                    # engine slots and wait queue full
     BULK_STREAMS = "bulk_streams"                # too many bulk streams open
+    CONNECTIONS = "connections"                  # too many open connections (only probes are served)
     NOT_READY = "not_ready"                      # still loading
     DRAINING = "draining"                        # shutting down
     LOAD_FAILED = "load_failed"                  # the model never loaded

@@ -23,6 +23,7 @@ A third, ``openai``, is not a SystemOne dialect but OpenAI's Decisions wire form
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -269,9 +270,15 @@ def _loc_to_field(loc: tuple) -> str | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _key_error(key: Any, field: str | None) -> RequestError:
+    """A key that is not a string (offline API): JSON objects have string keys only."""
+    return RequestError(f"keys must be strings, got a key of type {type(key).__name__} ({str(key)[:40]})", field=field)
+
+
 class _Scan:
     """One iterative pass over a decoded body: counts JSON values, bounds nesting, finds lone
-    surrogates and non-JSON Python objects (offline API), and sums the characters of the schema.
+    surrogates and non-JSON Python objects (offline API: keys that are not strings, 422; NaN and
+    Infinity, 400, as the HTTP path's decoder), and sums the characters of the schema.
     Every subtree is walked with an explicit stack, so no input can exhaust the interpreter's."""
 
     def __init__(self, limits: RequestLimits):
@@ -296,15 +303,18 @@ class _Scan:
                 self._text(node, field, check_text, schema)
             elif isinstance(node, dict):
                 for key, item in node.items():
-                    if isinstance(key, str):
-                        self._text(key, field, check_text, schema)
-                    elif not (key is None or isinstance(key, (int, float))):   # json.dumps writes these as text
-                        raise RequestError(f"is not JSON-serialisable (a {type(key).__name__} key)", field=field)
+                    if not isinstance(key, str):
+                        raise _key_error(key, field)
+                    self._text(key, field, check_text, schema)
                     stack.append((item, level + 1))
             elif isinstance(node, (list, tuple)):
                 stack.extend((item, level + 1) for item in node)
-            elif isinstance(node, bool) or node is None or isinstance(node, float):
+            elif isinstance(node, bool) or node is None:
                 continue
+            elif isinstance(node, float):
+                if not math.isfinite(node):               # the HTTP path's decoder refuses these the same way
+                    raise RequestError(f"{node!r} is not valid JSON (NaN and Infinity are not JSON numbers)",
+                                       kind=Kind.MALFORMED, field=field)
             elif isinstance(node, int):
                 if node.bit_length() > 14_000:            # up to 14,000 bits always has fewer than 4,300 digits
                     try:
@@ -358,9 +368,13 @@ def _scan_body(body: dict, limits: RequestLimits) -> _Scan:
     scan = _Scan(limits)
     scan.values += 1                                            # the body object itself
     for key, value in body.items():
+        if not isinstance(key, str):
+            raise _key_error(key, None)
         if key == "questions" and isinstance(value, dict):
             scan.values += 1
             for qid, question in value.items():
+                if not isinstance(qid, str):
+                    raise _key_error(qid, "questions")
                 where = question_field(qid)
                 scan._text(qid, where, True, True)
                 if isinstance(question, dict):

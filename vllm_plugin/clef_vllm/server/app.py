@@ -35,7 +35,8 @@ from clef_vllm import __version__
 from clef_vllm.backends.base import Backend
 from clef_vllm.errors import ClefError, ClientClosed
 from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
-from clef_vllm.server.body import HOSTED_TYPES, JSON_TYPES, NDJSON_TYPES, check_media_type, decode_json  # noqa: F401 - API
+from clef_vllm.server.body import (HOSTED_TYPES, JSON_TYPES, NDJSON_TYPES, check_content_encoding,  # noqa: F401 - API
+                                   check_media_type, decode_json)
 from clef_vllm.server.bulk import BulkStream
 from clef_vllm.server.decisions import install_decisions_routes
 from clef_vllm.server.errors import error_response, from_http_exception, outcome
@@ -153,8 +154,10 @@ NDJSON_ROUTES = frozenset({"/v1/systemone/bulk", "/v1/decisions/bulk"})
 
 async def require_media_type(request: Request) -> None:
     """Every POST body must say what it is (415 otherwise): see ``check_media_type``. The hosted
-    route also takes ``curl -d``'s form type, as the hosted API does (``HOSTED_TYPES``)."""
+    route also takes ``curl -d``'s form type, as the hosted API does (``HOSTED_TYPES``). A body
+    must not be compressed (415: ``check_content_encoding``)."""
     if request.method == "POST":
+        check_content_encoding(request.headers.get("content-encoding"))
         path = request.url.path
         accepted = NDJSON_TYPES if path in NDJSON_ROUTES else HOSTED_TYPES if hosted_path(path) else JSON_TYPES
         check_media_type(request.headers.get("content-type"), accepted)

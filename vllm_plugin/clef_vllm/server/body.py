@@ -51,6 +51,15 @@ def check_media_type(content_type: str | None, accepted: tuple[str, ...]) -> Non
             raise RequestError(f"charset must be utf-8 (got {value.strip()!r})", kind=Kind.UNSUPPORTED_MEDIA_TYPE)
 
 
+def check_content_encoding(content_encoding: str | None) -> None:
+    """Refuse (415) a body declared compressed or otherwise encoded (``Content-Encoding`` other than
+    ``identity``): the server does not decode bodies, and compressed bytes must never be read as JSON."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    if any(c != "identity" for c in codings):
+        raise RequestError(f"Content-Encoding {content_encoding.strip()!r} is not supported: send the body "
+                           "uncompressed (identity)", kind=Kind.UNSUPPORTED_MEDIA_TYPE)
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -74,6 +83,8 @@ class BodyReader:
     * no pause between two pieces of the body longer than ``body_timeout`` seconds;
     * the whole body by ``start + body_timeout + received / min_rate`` (a minimum average rate
       once the first ``body_timeout`` seconds are used up);
+    * both count only the time the server waits for bytes (in :meth:`message`), never the time it
+      spends elsewhere between two pieces;
     * once ``stopping`` is set (SIGTERM), a body that pauses for :data:`DRAIN_STALL_S` is refused
       with 503; ``abandon`` (the shutdown timeout) refuses it at once.
 
@@ -87,7 +98,8 @@ class BodyReader:
         self.min_rate = min_rate
         self.stopping = stopping
         self.abandon = abandon
-        self.started = self.last = time.monotonic()
+        self.started = self.last = self.returned = time.monotonic()
+        self.busy = 0.0                              # time the server spent between two calls of message()
         self.received = 0
         self.done = False
         #: While this says True the client is waiting for answers: pauses are not counted (bulk).
@@ -109,7 +121,7 @@ class BodyReader:
         elif self.body_timeout:
             limits.append(self.last + self.body_timeout)
             if self.min_rate:
-                limits.append(self.started + self.body_timeout + self.received / self.min_rate)
+                limits.append(self.started + self.busy + self.body_timeout + self.received / self.min_rate)
         if self.stopping is not None and self.stopping.is_set():
             limits.append(self.last + DRAIN_STALL_S)
         return min(limits) if limits else None
@@ -135,35 +147,49 @@ class BodyReader:
         self._waiters = None
 
     async def message(self) -> dict:
-        """The next ASGI message (``http.request`` with its bytes); raises on the rules above."""
-        while True:
-            now = time.monotonic()
-            deadline = self._deadline(now)
-            if self.abandon is not None and self.abandon.is_set():
-                self.close()
-                raise ServiceError("server is shutting down; the request body was not received in time",
-                                   kind=Kind.DRAINING)
-            if deadline is not None and now >= deadline:
-                self.close()
-                raise self._timed_out()
-            got = asyncio.ensure_future(self.receive())
-            await asyncio.wait([got, *self._interrupts()], timeout=None if deadline is None else deadline - now,
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not got.done():
-                got.cancel()
-                continue                            # a deadline or the server's state changed: re-check
-            message = got.result()
-            if message["type"] == "http.disconnect":
-                self.close()
-                raise ClientClosed("client closed the connection before sending the whole body")
-            chunk = message.get("body", b"")
-            if chunk:
-                self.last = time.monotonic()
-                self.received += len(chunk)
-            if not message.get("more_body", False):
-                self.done = True
-                self.close()
-            return message
+        """The next ASGI message (``http.request`` with its bytes); raises on the rules above.
+
+        Only time spent waiting here counts: bytes the client has already sent are taken even when
+        the server was busy past a deadline, and time the server spent between two calls (a bulk
+        stream working through its lines) is not the client's pause."""
+        entered = time.monotonic()
+        self.busy += entered - self.returned
+        self.last = max(self.last, entered)
+        try:
+            while True:
+                if self.abandon is not None and self.abandon.is_set():
+                    self.close()
+                    raise ServiceError("server is shutting down; the request body was not received in time",
+                                       kind=Kind.DRAINING)
+                got = asyncio.ensure_future(self.receive())
+                now = time.monotonic()
+                deadline = self._deadline(now)
+                # a deadline already passed still gets one look: bytes already here are taken
+                await asyncio.wait([got, *self._interrupts()],
+                                   timeout=None if deadline is None else max(0.0, deadline - now),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    now = time.monotonic()
+                    deadline = self._deadline(now)      # the rules may have changed meanwhile (bulk)
+                    if deadline is not None and now >= deadline:
+                        self.close()
+                        raise self._timed_out()
+                    continue                            # the server's state changed: re-check
+                message = got.result()
+                if message["type"] == "http.disconnect":
+                    self.close()
+                    raise ClientClosed("client closed the connection before sending the whole body")
+                chunk = message.get("body", b"")
+                if chunk:
+                    self.last = time.monotonic()
+                    self.received += len(chunk)
+                if not message.get("more_body", False):
+                    self.done = True
+                    self.close()
+                return message
+        finally:
+            self.returned = time.monotonic()
 
     def _timed_out(self) -> Exception:
         if self.stopping is not None and self.stopping.is_set():
@@ -286,6 +312,37 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """An object's members as a dict, refused (422) when a key repeats: readers disagree on which of
+    two values counts (first or last), so a proxy and this server could act on different requests."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RequestError(f"duplicate key {json.dumps(key)[:120]} in a JSON object: each key may appear "
+                                   "once", kind=Kind.INVALID)
+            seen.add(key)
+    return obj
+
+
+def utf8_text(raw: bytes) -> str:
+    """The body as text: UTF-8 only (RFC 8259), without a byte order mark; raises RequestError (MALFORMED)
+    naming the encoding a UTF-16 or UTF-32 body is in."""
+    if raw[:3] == b"\xef\xbb\xbf":
+        raise RequestError("body is not valid JSON: it starts with a byte order mark (JSON bodies must be UTF-8 "
+                           "without one, RFC 8259)", kind=Kind.MALFORMED)
+    encoding = json.detect_encoding(raw[:4])
+    if encoding != "utf-8":
+        raise RequestError(f"body is not valid JSON: it is {encoding.upper()}-encoded (JSON bodies must be UTF-8, "
+                           "RFC 8259)", kind=Kind.MALFORMED)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"body is not valid JSON: not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                           kind=Kind.MALFORMED) from None
+
+
 def too_many_values(limits: RequestLimits) -> RequestError:
     return RequestError(f"the body has more than {limits.max_values} JSON values; no request with that many fits in "
                         f"{limits.budget()}", kind=Kind.TOO_COMPLEX)
@@ -293,16 +350,21 @@ def too_many_values(limits: RequestLimits) -> RequestError:
 
 def decode_json(raw: bytes | str, limits: RequestLimits | None = None,
                 checkpoint: Callable[[], None] | None = None, counted: bool = False) -> Any:
-    """Strict JSON (no NaN/Infinity, no number overflowing to infinity, integers of at most 4,300
-    digits) within ``limits.max_values`` (unless ``counted`` already); raises RequestError
-    (MALFORMED or TOO_COMPLEX)."""
+    """Strict JSON: UTF-8 bytes (:func:`utf8_text`), no NaN/Infinity, no number overflowing to
+    infinity, integers of at most 4,300 digits, no key repeated in an object, within
+    ``limits.max_values`` (unless ``counted`` already); raises RequestError (MALFORMED, INVALID for
+    a repeated key, or TOO_COMPLEX)."""
     if limits is not None and limits.max_values is not None and not counted:
         data = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         if count_values(data, limits.max_values, checkpoint) > limits.max_values:
             raise too_many_values(limits)
+    text = utf8_text(raw) if isinstance(raw, bytes) else raw
     try:
-        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
-    except (UnicodeDecodeError, ValueError) as exc:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int,
+                          object_pairs_hook=_unique_keys)
+    except RequestError:
+        raise
+    except ValueError as exc:
         raise RequestError(f"body is not valid JSON: {exc}", kind=Kind.MALFORMED) from None
     except RecursionError:
         raise RequestError("body is not valid JSON: nested too deeply", kind=Kind.MALFORMED) from None

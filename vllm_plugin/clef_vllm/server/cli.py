@@ -33,6 +33,7 @@ from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                                       DEFAULT_MAX_BULK_LINES,
                                        DEFAULT_MAX_CONNECTIONS, DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S,
                                        DEFAULT_SERVED_MODELS, DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
 
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="records of one bulk stream in progress at once (default 8)")
     lim.add_argument("--max-bulk-streams", type=_positive_int, default=4,
                      help="bulk streams open at once; beyond it 429 (default 4)")
+    lim.add_argument("--max-bulk-lines", type=_non_negative_int, default=DEFAULT_MAX_BULK_LINES,
+                     help=f"lines in one bulk body, blank ones included; the line past it is answered 413 in the "
+                          f"stream, the stream ends and the rest of the body is not read; 0 = none "
+                          f"(default {DEFAULT_MAX_BULK_LINES})")
 
     net = p.add_argument_group("connections and slow clients")
     net.add_argument("--header-timeout", type=_non_negative_float, default=DEFAULT_HEADER_TIMEOUT_S,
@@ -268,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
         auth_health_metrics=args.auth_health_metrics, cors_origins=_split(args.cors_origins),
         near_tie_margin=args.near_tie_margin, bulk_concurrency=args.bulk_concurrency,
-        max_bulk_streams=args.max_bulk_streams, header_timeout_s=args.header_timeout or None,
+        max_bulk_streams=args.max_bulk_streams, max_bulk_lines=args.max_bulk_lines or None,
+        header_timeout_s=args.header_timeout or None,
         body_timeout_s=args.body_timeout or None, min_body_rate=args.min_body_rate or None,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
         cpu_workers=args.cpu_workers, cpu_inline_bytes=args.cpu_inline_bytes, freeze_heap=args.gc_freeze,

@@ -5,7 +5,10 @@ half-closed or gone:
   ``header_timeout`` seconds of opening, or of the first byte of a later request on a kept-alive
   connection; otherwise it is closed (with a 408 if part of a head had arrived). Idle kept-alive
   connections close after ``keep_alive_timeout`` (uvicorn's own timer);
-* at most ``max_connections`` connections are open; one more gets 503 and is closed;
+* at most ``max_connections`` connections are open; beyond them :data:`PROBE_CONNECTIONS` more are
+  kept for the probes (the app serves ``GET /health``, ``/health/live`` and ``/metrics`` on them and
+  answers anything else 503; each closes after its answer), so an orchestrator never restarts a
+  server that is merely busy; one more than that gets 503 and is closed;
 * a client that shuts down its sending side after its request (``SHUT_WR``, "half-close") still
   gets its answer. uvicorn closes the connection at end-of-file, as if the client had left. Here,
   once the whole request has arrived, end-of-file only stops reading: the server sends an interim
@@ -14,7 +17,9 @@ half-closed or gone:
 * while a request is in progress the socket is checked every :data:`WATCH_INTERVAL_S` seconds: a
   client whose connection was reset (it closed with our answer unread) is noticed even while the
   server is neither reading nor writing (a bulk stream busy with its records);
-* a request head that is not valid HTTP gets a JSON 400, not text.
+* a request head that is not valid HTTP gets a JSON 400, not text;
+* each request starts with an empty log context: a request read while the previous one on the
+  same connection was finishing (pipelined, or kept alive) never logs under the previous one's id.
 
 Request-body timeouts are the application's (server/body.py): it knows which routes read bodies.
 """
@@ -31,11 +36,17 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from clef_vllm.server.logs import LOG_CONTEXT
+
 log = logging.getLogger("clef_vllm.server")
 
 _TCP_CLOSE = 7
 _PROBE_DELAYS = (0.02, 0.1, 0.3, 1.0)
 WATCH_INTERVAL_S = 1.0
+#: Connections accepted beyond ``max_connections`` for the probes only.
+PROBE_CONNECTIONS = 8
+#: The scope extension that marks a request read on one of those connections (server/middleware.py).
+PROBE_ONLY = "clef.probe_only"
 
 
 @dataclass
@@ -68,19 +79,21 @@ class ClefH11Protocol(H11Protocol):
         self._probes = []
         self.closed = asyncio.Event()          # the application can wait on it: the client is gone
         self._watch = None
+        self._probe_only = False               # one of the PROBE_CONNECTIONS
 
     # ---------------------------------------------------------------- connection limits and head timeout
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         limit = self.rules.max_connections
-        if limit is not None and len(self.connections) > limit:
-            log.warning("connection refused: %d connections are open (--max-connections %d)",
-                        len(self.connections) - 1, limit)
+        if limit is not None and len(self.connections) > limit + PROBE_CONNECTIONS:
+            log.warning("connection refused: %d connections are open (--max-connections %d, and %d for probes)",
+                        len(self.connections) - 1, limit, PROBE_CONNECTIONS)
             transport.write(raw_json_response(503, "Service Unavailable",
                                               f"too many open connections (--max-connections {limit})"))
             transport.close()
             return
+        self._probe_only = limit is not None and len(self.connections) > limit
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -121,10 +134,19 @@ class ClefH11Protocol(H11Protocol):
         scope = self.scope
         if scope is not None and "clef.close_connection" not in scope.setdefault("extensions", {}):
             scope["extensions"]["clef.close_connection"] = self.transport.abort
+            scope["extensions"]["clef.close_when_sent"] = self.transport.close
             scope["extensions"]["clef.closed"] = self.closed
+            if self._probe_only:
+                scope["extensions"][PROBE_ONLY] = True
 
     def handle_events(self) -> None:
-        super().handle_events()
+        # Called from the previous request's task when it completes (uvicorn then reads the next request
+        # on the connection): the next request's task must not inherit that request's log context.
+        token = LOG_CONTEXT.set({})
+        try:
+            super().handle_events()
+        finally:
+            LOG_CONTEXT.reset(token)
         self._tag_scope()
         if self._watch is None and self.cycle is not None and not self.cycle.response_complete:
             self._watch = self.loop.call_later(WATCH_INTERVAL_S, self._watch_peer)

@@ -42,6 +42,7 @@ OUTCOMES: dict[Kind, Outcome] = {
     Kind.CLIENT_CLOSED: Outcome(499, "client_closed", 5012),
     Kind.INTERNAL: Outcome(500, "internal", 5012),
     Kind.ENGINE_ERROR: Outcome(500, "engine_error", 5012),
+    Kind.CONNECTIONS: Outcome(503, "connections", 3040),
     Kind.NOT_READY: Outcome(503, "not_ready", 3040),
     Kind.DRAINING: Outcome(503, "draining", 3040),
     Kind.LOAD_FAILED: Outcome(503, "load_failed", 3040),

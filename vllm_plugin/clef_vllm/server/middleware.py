@@ -2,7 +2,8 @@
 dialect (``workers-ai`` under the hosted route's prefixes, else ``--dialect``), bearer auth,
 ``Server-Timing`` and ``X-Request-Id`` headers, the access log line, request metrics, a
 dialect-shaped error for anything that escapes the app (a 500 for a bug), 499 for a client that
-left, and ``Connection: close`` on an answer sent before the request body was read to its end."""
+left, ``Connection: close`` on an answer sent before the request body was read to its end, and on
+the connections kept beyond ``--max-connections`` for the probes (anything else is refused there with 503)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import logging
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clef_vllm.errors import ClefError, ClientClosed, Kind
+from clef_vllm.errors import ClefError, ClientClosed, Kind, ServiceError
 from clef_vllm.protocol import Dialect
+from clef_vllm.server.connection import PROBE_ONLY
 from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request_id
 from clef_vllm.server.decisions import DECISIONS_DIALECT, DECISIONS_PREFIX, DECISIONS_ROUTES, decisions_path
 from clef_vllm.server.errors import OUTCOMES, error_response, outcome
@@ -80,6 +82,7 @@ class EdgeMiddleware:
         token = LOG_CONTEXT.set({"request_id": ctx.request_id})
         status: int | None = None
         body_done = scope["method"] in ("GET", "HEAD", "OPTIONS")
+        probe_only = scope.get("extensions", {}).get(PROBE_ONLY, False)     # a connection past --max-connections
 
         async def receive_tracking() -> Message:
             nonlocal body_done
@@ -96,12 +99,17 @@ class EdgeMiddleware:
                 out["X-Request-Id"] = ctx.request_id
                 out["Server-Timing"] = ctx.server_timing()
                 has_body = headers.get("content-length", "0") != "0" or "chunked" in headers.get("transfer-encoding", "")
-                if status >= 400 and has_body and not body_done:
-                    out["Connection"] = "close"      # the rest of the body is not read: end the connection
+                if (status >= 400 and has_body and not body_done) or probe_only:
+                    out["Connection"] = "close"      # the rest of the body is not read, or a probes' connection
             await send(message)
 
         try:
-            if self.auth.protects(path) and not self.auth.allows(headers):
+            if probe_only and path not in PROBES:
+                exc = ServiceError("too many open connections (--max-connections): only GET /health, /health/live "
+                                   "and /metrics are served on this one", kind=Kind.CONNECTIONS)
+                ctx.reason = outcome(exc).reason
+                await error_response(exc, ctx.dialect)(scope, receive_tracking, send_with_headers)
+            elif self.auth.protects(path) and not self.auth.allows(headers):
                 exc = ClefError("missing or invalid API key (Authorization: Bearer <key>)", kind=Kind.UNAUTHORIZED)
                 ctx.reason = outcome(exc).reason
                 await error_response(exc, ctx.dialect)(scope, receive_tracking, send_with_headers)

@@ -17,6 +17,8 @@ DEFAULT_BODY_TIMEOUT_S = 10.0
 DEFAULT_MIN_BODY_RATE = 16384
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 2048
+#: Lines of one bulk body (blank ones included); the line past it is answered 413 and the rest is not read.
+DEFAULT_MAX_BULK_LINES = 100_000
 #: A request whose body is at most this many bytes has its CPU work done on the event loop, not in the pool:
 #: each of a request's four hops to a pool thread and back costs 50-205 µs of CPU (bench/pool_hop.py, 2 cores),
 #: about as much as a short decision's own work, and the loop is held for about a millisecond at most.
@@ -61,6 +63,7 @@ class ServerSettings:
     # bulk endpoint
     bulk_concurrency: int = 8
     max_bulk_streams: int = 4
+    max_bulk_lines: int | None = DEFAULT_MAX_BULK_LINES
     # process: once loaded, move what start-up allocated out of the garbage collector's full collections
     # (``clef_vllm.heap.freeze_heap``; ``--gc-freeze``), and time the full collections for /metrics
     # (``clef_gc_pause_seconds``: a process-wide hook). The CLI's own process does both; in-process users need not.
