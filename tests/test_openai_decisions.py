@@ -177,7 +177,7 @@ def test_bulk(server, systemone):
 # --------------------------------------------------------------------------- LangChain
 
 
-@pytest.mark.filterwarnings("ignore:The class `OpenAIDecisions` is in beta")
+@pytest.mark.filterwarnings("ignore::langchain_core._api.beta_decorator.LangChainBetaWarning")
 def test_langchain_openai_decisions(server, systemone):
     from langchain_openai.chat_models.base import OpenAIContextOverflowError
     from langchain_openai.decisions import Choice, Level, OpenAIDecisions, Predicate, Score
@@ -191,7 +191,13 @@ def test_langchain_openai_decisions(server, systemone):
         "question_2": Score(instructions="How severe?", levels=["No impact", "Minor",
                                                                 Level(label="Major", description="Many users"),
                                                                 "Critical"])}}
-    for response in (decisions.invoke(request), asyncio.run(decisions.ainvoke(request))):
+    async def ainvoke():
+        try:
+            return await decisions.ainvoke(request)
+        finally:                 # its async client is made on this loop: close it before the loop ends
+            await decisions._async_client.close()
+
+    for response in (decisions.invoke(request), asyncio.run(ainvoke())):
         ref = systemone["answers"]
         assert response.request_id
         assert response.predicates["urgent"].probability == ref["urgent"]["noul"]
