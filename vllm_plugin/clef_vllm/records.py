@@ -8,8 +8,8 @@ One JSON object per line: a complete SystemOne request body plus bookkeeping key
 ``answer`` maps each question id to the correct option id (``"true"``/``"false"`` for noul, the
 level index as a string for score); ``source`` names the dataset; ``id`` is a content hash. A
 record may also wrap its body as ``{"request": {...}, ...}``. The reference dialect ignores the
-bookkeeping keys, so a record can be sent as it is; :func:`request_body` keeps the request keys
-only (for strict clients). ``clef-build-data`` writes records; the quantization tools calibrate on
+bookkeeping keys (and names them in the response's ``warnings``), so a record can be sent as it is;
+:func:`request_body` keeps the request keys only (for strict clients). ``clef-build-data`` writes records; the quantization tools calibrate on
 them; ``clef-bench`` / ``clef-parity`` replay them. All of them read them here.
 """
 
