@@ -19,7 +19,7 @@ from clef_vllm.demo import resolve_model_dir
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
 from clef_vllm.openai_decisions import check_fits
-from clef_vllm.protocol import Dialect, parse_request
+from clef_vllm.protocol import SYSTEMONE_DIALECTS, Dialect, parse_request
 
 
 class Clef:
@@ -38,6 +38,9 @@ class Clef:
     def __init__(self, model_dir: str | Path | None = "demo", backend: str = "auto", dtype: str = "bfloat16",
                  max_model_len: int = DEFAULT_MAX_LENGTH, dialect: str = "reference", **engine_options: Any):
         self.dialect = Dialect(dialect)
+        if self.dialect not in SYSTEMONE_DIALECTS:
+            raise ValueError(f"dialect must be one of {[d.value for d in SYSTEMONE_DIALECTS]}, got {dialect!r} "
+                             "(OpenAI's Decisions format: Clef.decisions)")
         self.model_dir = resolve_model_dir(model_dir)
         self.backend: Backend = make_backend(self.model_dir, backend, dtype=dtype, max_model_len=max_model_len,
                                              **engine_options)
