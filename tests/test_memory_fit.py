@@ -86,15 +86,21 @@ def test_turning_a_switch_off_resets_its_sub_options():
 
 
 def test_the_worker_reserves_what_the_plugin_graphs_hold():
-    from clef_vllm.worker.graph_costs import graph_reservation, head_graph_rows
+    from clef_vllm.worker.graph_costs import HEAD_GRAPH_BYTES, graph_reservation
 
-    # one record's largest bucket, or half of several records' short decisions (16 x 2,048 rows / 2)
-    assert head_graph_rows(16, 16384) == 16384 and head_graph_rows(16, 4096) == 16384
-    assert head_graph_rows(4, 16384) == 16384 and head_graph_rows(4, 4096) == 4096 and head_graph_rows(0, 16384) == 0
     full = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=16,
                              prefill_buckets=[64, 4096], step_graphs=True)
-    assert set(full) == {"head graphs", "GDN graphs", "step graphs"}
-    lean = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=4, head_memory=4096,
-                             prefill_buckets=[64, 4096])
-    assert set(lean) == {"head graphs", "GDN graphs"} and lean["head graphs"] == full["head graphs"] // 4
+    assert set(full) == {"head graphs", "GDN graphs", "step graphs"} and full["head graphs"] == HEAD_GRAPH_BYTES
+    lean = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0,
+                             prefill_buckets=[64, 2048])
+    assert set(lean) == {"GDN graphs"} and lean["GDN graphs"] == full["GDN graphs"] // 2
     assert graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0) == {}
+
+
+def test_the_16gb_plan_reaches_the_engine_as_lean_prefill_buckets_and_no_head_graphs(hybrid_9b):
+    fitted, plan = fit_options(hybrid_9b, backend_options("vllm", {}), device=(int(15.92 * GIB), HOPPER))
+    assert plan.kv_bytes >= 3.05 * GIB
+    kwargs = engine_args(fitted)
+    assert kwargs["max_num_batched_tokens"] == 8192 and "clef_head_graphs" not in kwargs["additional_config"]
+    assert max(kwargs["additional_config"]["clef_prefill_graphs"]["buckets"]) == 2048
+    assert kwargs["additional_config"]["clef_prefill_graphs"]["scope"] == "core"

@@ -56,11 +56,11 @@ VLLM_GRAPH_MIN_BYTES = int(0.15 * GIB)
 MAX_CAPTURE_SIZE = 512
 #: What the process adds outside PyTorch's allocator while vLLM profiles (cuBLAS and Triton workspaces,
 #: attention-backend buffers); vLLM counts it.
-NON_TORCH_BYTES = int(0.3 * GIB)
+NON_TORCH_BYTES = int(0.45 * GIB)
 #: The CUDA context and the kernels' modules. vLLM sizes its budget after the context exists, so its own
 #: accounting leaves this out; the worker measures it and takes it out of the KV cache
 #: (:mod:`clef_vllm.worker.budget`), so that the process, as ``nvidia-smi`` sees it, stays within the budget.
-CUDA_CONTEXT_BYTES = int(0.6 * GIB)
+CUDA_CONTEXT_BYTES = int(0.87 * GIB)
 #: Memory outside PyTorch's allocator that comes after the KV cache is sized (CUDA graph executables, the
 #: workspaces of graph captures): the worker keeps this much free under its cap of the allocator.
 NON_TORCH_GROWTH_BYTES = int(0.3 * GIB)
@@ -70,10 +70,8 @@ NON_TORCH_GROWTH_BYTES = int(0.3 * GIB)
 GEMM_WARMUP_BYTES_PER_ROW = 230 << 10
 #: The row count :func:`fit` caps the GEMM warm-up at first.
 GEMM_WARMUP_CAP_ROWS = 4096
-#: What :func:`fit` lowers the head graphs' memory rows (the longest decision they hold) and the step's token
-#: budget to, in turn.
-HEAD_GRAPH_MEMORY_STEPS = (4096, 2048)
-LEAN_BATCHED_TOKENS = 8192
+#: What :func:`fit` lowers the step's token budget and the prefill graphs' largest token count to.
+LEAN_BATCHED_TOKENS, LEAN_PREFILL_BUCKET = 8192, 2048
 #: The prefill graphs' largest default bucket (``clef_vllm.worker.prefill_graphs.DEFAULT_BUCKETS``).
 DEFAULT_MAX_BUCKET = 4096
 
@@ -547,25 +545,18 @@ def _steps(inputs: PlanInputs):
     if i.gemm_warmup and i.warmup_rows > GEMM_WARMUP_CAP_ROWS:
         yield replace(i, gemm_warmup_rows=GEMM_WARMUP_CAP_ROWS), \
             f"GEMM warm-up capped at {GEMM_WARMUP_CAP_ROWS:,} rows (larger head GEMMs load their kernels at first use)"
-    memory = min(i.head_graph_memory or i.max_model_len, i.max_model_len)
-    lean = HEAD_GRAPH_MEMORY_STEPS[0]
-    if i.head_graph_records > 4 or (i.head_graph_records and memory > lean):
-        yield replace(i, head_graph_records=min(i.head_graph_records, 4), head_graph_memory=min(memory, lean)), \
-            (f"head graphs for steps finishing up to {min(i.head_graph_records, 4)} requests and decisions up to "
-             f"{min(memory, lean):,} tokens (others run the eager head)")
     if i.max_num_batched_tokens > LEAN_BATCHED_TOKENS:
         yield replace(i, max_num_batched_tokens=LEAN_BATCHED_TOKENS), \
             f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {LEAN_BATCHED_TOKENS:,} (longer prompts in chunks)"
     if i.step_graphs and i.prefill_graphs and i.cuda_graphs:
         yield replace(i, step_graphs=False), "step graphs off (--prefill-graph-scope core)"
-    if i.head_graph_records > 1 or (i.head_graph_records and memory > HEAD_GRAPH_MEMORY_STEPS[1]):
-        yield replace(i, head_graph_records=1, head_graph_memory=min(memory, HEAD_GRAPH_MEMORY_STEPS[1])), \
-            (f"head graphs for steps finishing one request and decisions up to "
-             f"{min(memory, HEAD_GRAPH_MEMORY_STEPS[1]):,} tokens")
+    if i.head_graph_records:
+        yield replace(i, head_graph_records=0), "--head-graphs off (the joint head runs eagerly: ~1-2 ms a decision)"
+    if i.prefill_graphs and i.prefill_max_bucket > LEAN_PREFILL_BUCKET:
+        yield replace(i, prefill_max_bucket=LEAN_PREFILL_BUCKET), \
+            f"prefill graphs up to {LEAN_PREFILL_BUCKET:,} tokens (--prefill-graph-buckets)"
     if i.prefill_graphs:
         yield replace(i, prefill_graphs=False, step_graphs=False), "--prefill-graphs off"
-    if i.head_graph_records:
-        yield replace(i, head_graph_records=0), "--head-graphs off"
     if i.gemm_warmup:
         yield replace(i, gemm_warmup=False, gemm_warmup_rows=None), "--gemm-warmup off"
     if i.state_cache:

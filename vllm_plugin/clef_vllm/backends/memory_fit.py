@@ -58,7 +58,13 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
         changes.update(max_num_batched_tokens=inputs.max_num_batched_tokens)
     if opts.prefill_graphs and not inputs.prefill_graphs:
         changes.update(prefill_graphs=False)
-    elif opts.prefill_graphs and opts.resolved_prefill_graph_scope == "step" and not inputs.step_graphs:
+    elif opts.prefill_graphs and inputs.prefill_max_bucket < PlanInputs.from_options(opts, 0).prefill_max_bucket:
+        from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+
+        changes.update(prefill_graph_buckets=tuple(b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS)
+                                                   if b <= inputs.prefill_max_bucket))
+    if opts.prefill_graphs and inputs.prefill_graphs and opts.resolved_prefill_graph_scope == "step" \
+            and not inputs.step_graphs:
         changes.update(prefill_graph_scope="core")
     if opts.gemm_warmup and not inputs.gemm_warmup:
         changes.update(gemm_warmup=False)

@@ -6,8 +6,8 @@ KV cache, and :mod:`clef_vllm.memory_plan` counts it in the plan. Each figure is
 pool, with a per-unit cost measured on the 9B-shaped model (hidden 4,096, intermediate 12,288) and scaled
 by the model's widths:
 
-* head graphs: one pool shared by every bucket's graph, sized by the largest bucket's memory rows (the
-  records of a step times the rows each may hold; :mod:`clef_vllm.worker.head_graphs`);
+* head graphs: one pool shared by every bucket's graph (:mod:`clef_vllm.worker.head_graphs`), about the
+  same size whatever their records and memory rows;
 * GDN graphs: per GDN layer, the core's buffers at the largest prefill bucket;
 * step graphs: the whole backbone's activations at the largest prefill bucket (one pool).
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: Head-graph pool bytes per memory row of the largest bucket, at hidden 4,096: 1.29 GiB for decisions up to
-#: 16,384 rows (4 records) and 1.34 GiB with 16 records, whose 16 x 2,048-row short-decision graphs hold
-#: narrower schemas: a several-record bucket's rows count half (:func:`head_graph_rows`).
-HEAD_GRAPH_BYTES_PER_ROW = 84_500
+#: The head graphs' pool, at hidden 4,096: 1.27-1.34 GiB measured whatever the records (4 or 16) and the longest
+#: decision (4,096 or 16,384 rows) its ~100 graphs hold (H100 and H200): per-graph workspaces, not memory rows,
+#: size it.
+HEAD_GRAPH_BYTES = int(1.3 * (1 << 30))
 #: GDN-graph bytes per token of the largest bucket, all 24 layers together, at hidden 4,096.
 GDN_GRAPH_BYTES_PER_TOKEN = 100_000
 #: Step-graph pool bytes per token of the largest size, at hidden 4,096 / intermediate 12,288.
@@ -33,29 +33,16 @@ HEAD_MEMORY_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 61
 SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS = 2048, 32768
 
 
-def head_graph_rows(records: int, max_memory: int) -> int:
-    """The rows that size the head graphs' pool when steps finishing up to ``records`` requests are graphed with
-    memory buckets up to ``max_memory`` rows: one record's largest bucket, or half the rows of several records'
-    short decisions (their schema buckets are at most 16 fields / 64 options, a quarter of one record's)."""
-    if records <= 0:
-        return 0
-    single = max((b for b in HEAD_MEMORY_BUCKETS if b <= max_memory), default=HEAD_MEMORY_BUCKETS[0])
-    several = max((r * min(SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS // r, single) // 2 for r in (2, 4, 8, 16, 32, 64)
-                   if r <= records), default=0)
-    return max(single, several)
-
-
 def graph_reservation(*, hidden: int, intermediate: int, max_model_len: int, head_records: int,
                       head_memory: int = 0, prefill_buckets: Sequence[int] = (),
                       step_graphs: bool = False) -> dict[str, int]:
     """Bytes each kind of plugin graph holds once captured: ``{"head graphs": ..., "GDN graphs": ...,
     "step graphs": ...}`` (kinds that are off are left out). ``head_memory``: the most memory rows a
-    single-record head graph holds (0: ``max_model_len``)."""
+    single-record head graph holds (0: ``max_model_len``; its pool barely depends on it)."""
     out: dict[str, int] = {}
     width = hidden / REFERENCE_HIDDEN
     if head_records:
-        rows = head_graph_rows(head_records, head_memory or max_model_len)
-        out["head graphs"] = int(rows * HEAD_GRAPH_BYTES_PER_ROW * width)
+        out["head graphs"] = int(HEAD_GRAPH_BYTES * width)
     if prefill_buckets:
         tokens = max(prefill_buckets)
         out["GDN graphs"] = int(tokens * GDN_GRAPH_BYTES_PER_TOKEN * width)
