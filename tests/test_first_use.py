@@ -125,12 +125,12 @@ def test_tools_send_the_api_key_and_clef_parity_fails_on_failed_requests(keyed_s
     assert (tmp_path / "receipt.json").exists()                      # the receipt is still written
 
 
-def test_clef_bench_sends_the_api_key_and_fails_when_nothing_was_answered(keyed_server, tmp_path):
+def test_clef_bench_fails_when_nothing_was_answered(keyed_server, tmp_path):
+    """Every request refused (a wrong key): exit 1 without --fail-on-error. (The key it sends is
+    parse_headers', tested above; README's CPU sweep, run by test_documented_commands, is the run that works.)"""
     bench = "import sys; from clef_vllm.bench.bench_cli import main; sys.exit(main(sys.argv[1:]))"
     args = [keyed_server.url, "--tokenizer", "demo", "-c", "1", "-n", "2", "--warmup", "0", "--no-progress",
             "-o", tmp_path / "bench.json"]
-    ok = python(bench, *args, env={"CLEF_API_KEY": KEY})
-    assert ok.returncode == 0, ok.stderr[-2000:]
     refused = python(bench, *args, env={"CLEF_API_KEY": "not-the-key"})
     assert refused.returncode == 1 and "FAIL: 1 point(s) without a single answer" in refused.stderr, refused.stderr
 
