@@ -50,3 +50,14 @@ def test_the_server_logs_a_long_pause_only_once_serving(caplog):
         if said:
             assert lines[0].levelno == logging.WARNING
             assert "stopped the event loop for 78 ms (it freed 1234 unreachable objects" in lines[0].getMessage()
+
+
+def test_the_server_caps_onednn_primitives_unless_the_environment_says_otherwise():
+    from clef_vllm.heap import ONEDNN_PRIMITIVE_CACHE, bound_native_caches
+
+    env: dict = {}
+    bound_native_caches(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_PRIMITIVE_CACHE)}
+    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
+    bound_native_caches(env)
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"

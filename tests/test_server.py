@@ -704,8 +704,8 @@ def test_soak_script_smoke(live, tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
-    assert summary["requests"]["ok"] > 0 and summary["requests"]["mismatched"] == 0
-    assert summary["requests"]["lost"] == 0 and summary["requests"]["errors"] == {}
+    assert summary["requests_detail"]["ok"] > 0 and summary["requests_detail"]["mismatched"] == 0
+    assert summary["lost"] == 0 and summary["requests_detail"]["errors"] == {} and summary["responses_5xx"] == 0
     assert summary["memory"]["rss_mb"]["samples"] >= 2
 
 
@@ -1135,6 +1135,34 @@ def test_micro_batcher_drops_cancelled_requests_and_reports_batch_stats():
         asyncio.run(scenario())
     finally:
         batcher.close()
+
+
+def test_micro_batcher_trims_after_a_batch_that_came_too_soon_once_it_is_idle():
+    """A batch right after a trim is not trimmed for (at most one trim per interval): that batch's freed memory
+    stayed with the process for as long as the server was idle. It is trimmed once the queue stays empty."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from clef_vllm.backends.base import MicroBatcher
+
+    trims = []
+    batcher = MicroBatcher(lambda batch: [torch.zeros(1) for _ in batch], trim_interval_s=0.3)
+    batcher._trim = lambda pad: trims.append(batcher.batches)
+
+    async def scenario():
+        await batcher.submit(SimpleNamespace(num_tokens=1))        # trimmed after (the first trim is due)
+        await batcher.submit(SimpleNamespace(num_tokens=2))        # too soon for its own trim
+        for _ in range(200):
+            if len(trims) == 2:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        batcher.close()
+    assert trims == [1, 2]
 
 
 def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_release):

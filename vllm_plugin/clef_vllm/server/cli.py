@@ -204,8 +204,10 @@ def api_keys(args: argparse.Namespace, environ=os.environ) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from clef_vllm.heap import bound_native_caches
     from clef_vllm.server.logs import setup_logging
 
+    bound_native_caches()                     # before the backend builds its first oneDNN primitive
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_vllm")
 
