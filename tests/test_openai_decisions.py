@@ -116,9 +116,12 @@ def test_sdk_answers_the_systemone_decision(client, systemone):
 
 
 def test_async_sdk_and_user_messages(server, systemone):
+    """The async client; the caching and safety fields are accepted and change nothing."""
     async def ask():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as client:
-            as_text = client.decisions.create(model="clef-flash", input=STATE, questions=QUESTIONS)
+            as_text = client.decisions.create(model="clef-flash", input=STATE, questions=QUESTIONS,
+                                              prompt_cache_key="tickets", safety_identifier="user-42",
+                                              prompt_cache_options={"mode": "implicit"})
             as_message = client.decisions.create(model="clef-flash", questions=QUESTIONS, input=[
                 {"role": "user", "content": [{"type": "input_text", "text": STATE}]}])
             return await asyncio.gather(as_text, as_message)
