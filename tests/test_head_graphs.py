@@ -270,6 +270,29 @@ def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
     assert "differs from the eager head" in caplog.text
 
 
+def test_a_capture_that_fails_leaves_the_eager_head_answering(caplog):
+    """A capture that runs out of memory (the worker caps the allocator at the budget) gives up on every graph:
+    the same decision, and every later one, is answered by the eager head (no self-check replays a graph that was
+    never kept)."""
+    head, table = small_head_and_table()
+
+    class OutOfMemory(CpuGraphRunner):
+        def _capture(self, *bucket):
+            if bucket[3] >= 256:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB")
+            return super()._capture(*bucket)
+
+    runner = OutOfMemory(head, max_memory=512, max_records=4, schema_buckets=SCHEMA_BUCKETS[:2])
+    record = random_record(random.Random(8), 3, 60, SMALL.hidden_size)
+    (acc,) = finished(head, [record])
+    want = decide_records(head, table, [acc])[0]
+    for _ in range(2):
+        torch.testing.assert_close(decide_records(head, table, [acc], runner)[0], want, atol=0, rtol=0)
+    info = runner.describe()
+    assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
+    assert "failed (OutOfMemoryError" in caplog.text and "runs eagerly from now on" in caplog.text
+
+
 def test_the_runner_answers_steps_of_several_requests_like_the_eager_head(caplog):
     """Steps finishing 1-4 requests through one runner (record buckets 1, 2, 4): every answer equals the
     eager head's, every record bucket is checked once against the eager head at the first decision (a

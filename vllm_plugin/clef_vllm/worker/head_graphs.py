@@ -252,7 +252,8 @@ class HeadGraphRunner:
             return self._fallback("capturing")
         if not self._failed and not self._graphs:
             self._capture_all(batch.memory.device)
-            self._check_all(batch)
+            if not self._failed:            # a capture that failed (out of memory under the budget) left no graphs
+                self._check_all(batch)
         if not self._failed and bucket[0] not in self._checked:
             self._self_check(batch, bucket)
         if self._failed:
