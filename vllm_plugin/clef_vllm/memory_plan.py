@@ -47,11 +47,15 @@ REF_HIDDEN, REF_INTERMEDIATE, REF_LAYERS, REF_WIDTH, REF_MODEL_LEN = 4096, 12288
 #: vLLM's non-weight memory of the 9B Hybrid at a 14.33 GiB budget came to 3.22 GiB (H100,
 #: ``bench/results/memory_budget.json``'s commands).
 ACTIVATION_BYTES_PER_TOKEN = 128 << 10
-#: vLLM's CUDA-graph memory estimate (subtracted from the KV cache since vLLM 0.21) per token of its largest
-#: piecewise capture size: 0.75 GiB for captures up to 4,096 tokens on the 9B (the prefill graphs make vLLM
-#: capture up to their largest bucket; otherwise it ends at ``min(2 x max_num_seqs, 512)``), at least
+#: vLLM's piecewise CUDA graphs' memory per token of their largest capture size: their pools held 1.03 GiB for
+#: captures up to 4,096 tokens on the 9B Hybrid (H100; vLLM's own estimate, subtracted from the KV cache since
+#: vLLM 0.21, said 0.75 GiB: the worker keeps the difference, :data:`VLLM_GRAPH_UNDERCOUNT`). The prefill graphs
+#: make vLLM capture up to their largest bucket; otherwise it ends at ``min(2 x max_num_seqs, 512)``; at least
 #: :data:`VLLM_GRAPH_MIN_BYTES`. Scales with hidden + intermediate size.
-VLLM_GRAPH_BYTES_PER_TOKEN = int(0.75 * GIB / 4096)
+VLLM_GRAPH_BYTES_PER_TOKEN = int(1.03 * GIB / 4096)
+#: How much more vLLM's graphs held than vLLM's estimate of them (1.03 / 0.75 GiB): the worker takes this share
+#: of vLLM's estimate out of the KV cache too.
+VLLM_GRAPH_UNDERCOUNT = 0.4
 VLLM_GRAPH_MIN_BYTES = int(0.15 * GIB)
 MAX_CAPTURE_SIZE = 512
 #: What the process adds outside PyTorch's allocator while vLLM profiles (cuBLAS and Triton workspaces,

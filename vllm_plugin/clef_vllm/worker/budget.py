@@ -3,14 +3,15 @@
 vLLM 0.28 sizes the KV cache as the budget (``gpu_memory_utilization`` x the device) less what its
 profiling run measured: the weights, the peak of one step's activations (the plugin's head, its GEMM
 warm-up and the state cache's side rows run inside that profiling) and its own CUDA graphs' estimate.
-Three things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
+Some things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
 
 * the CUDA context and what the device held for this process before vLLM's first snapshot (vLLM
   measures from there, so by its count the context comes on top of the budget), and room for the memory
   outside PyTorch that later graph captures add;
 * the plugin's own CUDA graphs and their buffers (the step, GDN and head graphs), captured after the
-  KV cache exists: :func:`plugin_reservation` estimates them from the settings the worker got
-  (:mod:`clef_vllm.worker.graph_costs` holds the per-feature figures);
+  KV cache exists: :func:`plugin_graph_bytes` estimates them from the settings the worker got
+  (:mod:`clef_vllm.worker.graph_costs` holds the per-feature figures), and what vLLM's own graphs hold
+  beyond vLLM's estimate of them (measured ~40 % more);
 * and, once the engine is warm, the caching allocator is capped at what the budget leaves beside
   the non-PyTorch memory (``torch.cuda.set_per_process_memory_fraction``): under load the allocator
   frees its cached blocks instead of growing past the budget (it grew ~9 GiB beyond it on a 9B engine
@@ -28,7 +29,7 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
-from clef_vllm.memory_plan import CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES
+from clef_vllm.memory_plan import CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, VLLM_GRAPH_UNDERCOUNT
 from clef_vllm.worker.graph_costs import graph_reservation
 from clef_vllm.worker import memory
 
@@ -94,7 +95,9 @@ class ClefWorker(Worker):
 
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
-        keep = {"CUDA context": self._context_bytes(), "later non-torch memory": CAP_MARGIN_BYTES}
+        keep = {"CUDA context": self._context_bytes(), "later non-torch memory": CAP_MARGIN_BYTES,
+                "vLLM's graphs beyond its estimate": int(VLLM_GRAPH_UNDERCOUNT
+                                                         * getattr(self, "cudagraph_memory_estimate", 0))}
         keep.update(plugin_graph_bytes(self.vllm_config))
         kv = int(available - sum(keep.values()))
         parts = ", ".join(f"{name} {gib(n)}" for name, n in keep.items() if n)

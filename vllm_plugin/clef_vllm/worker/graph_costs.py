@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: The head graphs' pool, at hidden 4,096: 1.27-1.34 GiB measured whatever the records (4 or 16) and the longest
-#: decision (4,096 or 16,384 rows) its ~100 graphs hold (H100 and H200): per-graph workspaces, not memory rows,
-#: size it.
+#: The head graphs' pool: 1.27-1.34 GiB measured at 9B whatever the records (4 or 16) and the longest decision
+#: (4,096 or 16,384 rows) its ~100 graphs hold (H100 and H200): per-graph workspaces, not the head's widths or
+#: memory rows, size it, so the figure is the same for every checkpoint.
 HEAD_GRAPH_BYTES = int(1.3 * (1 << 30))
 #: GDN-graph bytes per token of the largest bucket, all 24 layers together, at hidden 4,096.
 GDN_GRAPH_BYTES_PER_TOKEN = 100_000
@@ -42,7 +42,7 @@ def graph_reservation(*, hidden: int, intermediate: int, max_model_len: int, hea
     out: dict[str, int] = {}
     width = hidden / REFERENCE_HIDDEN
     if head_records:
-        out["head graphs"] = int(HEAD_GRAPH_BYTES * width)
+        out["head graphs"] = HEAD_GRAPH_BYTES
     if prefill_buckets:
         tokens = max(prefill_buckets)
         out["GDN graphs"] = int(tokens * GDN_GRAPH_BYTES_PER_TOKEN * width)
