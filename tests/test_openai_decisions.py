@@ -15,6 +15,8 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from clef_vllm.errors import Kind, RequestError
 from clef_vllm.openai_decisions import parse_decision_request
@@ -273,3 +275,46 @@ def test_names_and_synthetic_ids():
         parse_decision_request({"model": "m", "input": "x", "questions": [
             {"type": "predicate", "instructions": [{"type": "input_image", "image_url": "https://x/y.png"}]}]})
     assert (err.value.kind, err.value.field) == (Kind.UNSUPPORTED, "questions[0].instructions[0]")
+
+
+# --------------------------------------------------------------------------- hostile bodies
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=3), max_leaves=8)
+PARTS = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "input_json", "input_image", "output_text",
+                                                        "refusal", "x"])}, optional={
+    "text": JSON_VALUES, "data": JSON_VALUES, "image_url": JSON_VALUES, "refusal": JSON_VALUES})
+ITEMS = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "custom_tool_call", "other"]),
+    "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+    "content": st.text(max_size=8) | st.lists(PARTS, max_size=3) | JSON_VALUES,
+    "call_id": st.sampled_from(["c1", "c2"]) | JSON_VALUES, "name": JSON_VALUES, "arguments": JSON_VALUES,
+    "output": st.text(max_size=8) | st.lists(PARTS, max_size=2)})
+HOSTILE_QUESTIONS = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["predicate", "choice", "score", "noul"]) | JSON_VALUES,
+    "name": st.sampled_from(["a", "b", ""]) | JSON_VALUES,
+    "instructions": st.text(max_size=8) | st.lists(PARTS, max_size=2) | JSON_VALUES,
+    "choices": st.lists(st.fixed_dictionaries({"value": st.sampled_from(["x", "true", True, False, 1])},
+                                              optional={"description": JSON_VALUES}), max_size=4) | JSON_VALUES,
+    "levels": st.lists(st.fixed_dictionaries({"label": st.text(max_size=4) | JSON_VALUES}), max_size=4) | JSON_VALUES})
+HOSTILE = st.fixed_dictionaries({}, optional={
+    "model": st.just("clef-flash") | JSON_VALUES, "input": st.text(max_size=8) | st.lists(ITEMS, max_size=4) | JSON_VALUES,
+    "questions": st.lists(HOSTILE_QUESTIONS, max_size=4) | JSON_VALUES,
+    "safety_identifier": JSON_VALUES, "prompt_cache_options": JSON_VALUES, "extra": JSON_VALUES})
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=120,
+          suppress_health_check=list(HealthCheck))
+@given(body=HOSTILE | JSON_VALUES)
+def test_hostile_bodies_get_an_openai_error_never_a_500(body, server):
+    resp = httpx.post(server.url + "/v1/decisions", content=json.dumps(body), timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert resp.status_code in (200, 400, 413), resp.text
+    data = resp.json()
+    if resp.status_code == 200:
+        assert len(data["answers"]) == len(body["questions"])
+        return
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", data
+    assert isinstance(error["code"], str) and error["message"].startswith(f"{error['param']}: " if error["param"] else "")
