@@ -4,7 +4,8 @@ unmodified, and through the offline API (``Clef.decisions``).
 
 Every answer is checked against the same decision asked through ``POST /v1/systemone`` with the
 SystemOne body written out here by hand (not by the mapping under test): the probabilities are
-the very same numbers. Errors must reach the SDKs as their typed exceptions.
+the very same numbers. Errors must reach the SDKs as their typed exceptions; hostile bodies get
+OpenAI's error envelope, never a 500.
 """
 
 from __future__ import annotations
