@@ -104,3 +104,14 @@ def test_the_16gb_plan_reaches_the_engine_as_lean_prefill_buckets_and_no_head_gr
     assert kwargs["max_num_batched_tokens"] == 8192 and "clef_head_graphs" not in kwargs["additional_config"]
     assert max(kwargs["additional_config"]["clef_prefill_graphs"]["buckets"]) == 2048
     assert kwargs["additional_config"]["clef_prefill_graphs"]["scope"] == "core"
+
+
+def test_the_vllm_backend_refuses_a_card_too_small_before_it_loads_anything(hybrid_9b, monkeypatch):
+    """The server's load path: the plan runs in the backend's constructor, before the tokenizer, the engine or any
+    weight; its message is what the server prints (exit 1)."""
+    from clef_vllm.backends import memory_fit
+    from clef_vllm.backends.vllm_backend import VllmBackend
+
+    monkeypatch.setattr(memory_fit, "device_memory", lambda: (8 * GIB, HOPPER))
+    with pytest.raises(PlanDoesNotFit, match=r"does not fit in a 7\.20 GiB budget.*Biggest consumers: .*To free memory"):
+        VllmBackend(hybrid_9b, load_format="clef-dummy")
