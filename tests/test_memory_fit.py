@@ -115,3 +115,80 @@ def test_the_vllm_backend_refuses_a_card_too_small_before_it_loads_anything(hybr
     monkeypatch.setattr(memory_fit, "device_memory", lambda: (8 * GIB, HOPPER))
     with pytest.raises(PlanDoesNotFit, match=r"does not fit in a 7\.20 GiB budget.*Biggest consumers: .*To free memory"):
         VllmBackend(hybrid_9b, load_format="clef-dummy")
+
+
+# --------------------------------------------------------------------------- the worker's budget (clef_vllm.worker.budget)
+
+
+def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consumed_gib: float, estimate_gib: float,
+            additional: dict):
+    """A ClefWorker whose vLLM parts are stand-ins: vLLM's KV figure, the driver's count, what vLLM measured."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from clef_vllm.worker import budget
+
+    monkeypatch.setattr(Worker, "determine_available_memory", lambda self: int(available_gib * GIB))
+    monkeypatch.setattr(budget, "process_memory", lambda: None if used_gib is None else int(used_gib * GIB))
+    monkeypatch.setattr(budget.torch.cuda, "is_available", lambda: True)
+    worker = budget.ClefWorker.__new__(budget.ClefWorker)
+    text = SimpleNamespace(hidden_size=4096, intermediate_size=12288)
+    worker.vllm_config = SimpleNamespace(additional_config=additional, model_config=SimpleNamespace(
+        hf_text_config=text, max_model_len=16384))
+    worker.total_consumed, worker.cudagraph_memory_estimate = int(consumed_gib * GIB), int(estimate_gib * GIB)
+    return worker
+
+
+def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(monkeypatch, caplog):
+    from clef_vllm.worker import memory
+    from clef_vllm.worker.graph_costs import graph_reservation
+
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    prefill = {"buckets": [64, 2048], "scope": "core"}
+    worker = _worker(monkeypatch, available_gib=4.51, used_gib=10.0, consumed_gib=9.13, estimate_gib=0.75,
+                     additional={"clef_prefill_graphs": prefill})
+    kv = worker.determine_available_memory()
+    gdn = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0,
+                            prefill_buckets=[2048])["GDN graphs"]
+    context, growth, beyond = 0.87 * GIB, 0.3 * GIB, 0.4 * 0.75 * GIB
+    assert abs(kv - (4.51 * GIB - context - growth - beyond - gdn)) < 1 << 20
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("clef memory budget:"))
+    assert "vLLM's KV cache 4.51 GiB" in line and "CUDA context 0.87 GiB" in line and "GDN graphs" in line
+    assert "head graphs" not in line and line.endswith(f"KV cache {kv / GIB:.2f} GiB")
+    assert memory.LEDGER.reserved_for_graphs == gdn
+    # without the driver's count for the process, the plan's figure for the context
+    assert _worker(monkeypatch, available_gib=4.51, used_gib=None, consumed_gib=9.13, estimate_gib=0.75,
+                   additional={}).determine_available_memory() > 0
+
+
+def test_the_worker_refuses_a_budget_the_plugin_leaves_nothing_of(monkeypatch):
+    from clef_vllm.worker.budget import MemoryBudgetError
+
+    worker = _worker(monkeypatch, available_gib=1.0, used_gib=10.0, consumed_gib=9.13, estimate_gib=0.75,
+                     additional={"clef_head_graphs": {"records": 16}})
+    with pytest.raises(MemoryBudgetError, match=r"nothing is left.*--head-graphs off.*--gpu-memory-utilization"):
+        worker.determine_available_memory()
+
+
+def test_the_allocator_is_capped_at_the_budget_less_what_lives_outside_it(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from clef_vllm.worker import budget
+
+    caplog.set_level(logging.INFO, logger="clef_vllm")
+    set_to = {}
+    cuda = budget.torch.cuda
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 11 * GIB)
+    monkeypatch.setattr(cuda, "set_per_process_memory_fraction", lambda f, device: set_to.update(fraction=f))
+    monkeypatch.setattr(budget, "process_memory", lambda: 12 * GIB)          # 1 GiB outside the allocator
+    fraction = budget.cap_allocator(int(14.33 * GIB), device="cuda:0")
+    cap = 14.33 * GIB - GIB - budget.CAP_MARGIN_BYTES
+    assert set_to["fraction"] == fraction and abs(fraction * 80 * GIB - cap) < 1 << 20
+    assert "allocator capped at 13.03 GiB" in caplog.text
+    # never below what the allocator already holds
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 13.5 * GIB)
+    monkeypatch.setattr(budget, "process_memory", lambda: 14.5 * GIB)
+    assert budget.cap_allocator(int(14.33 * GIB), device="cuda:0") * 80 * GIB == 13.5 * GIB
