@@ -30,17 +30,31 @@ log = logging.getLogger("clef_vllm")
 
 
 def device_memory() -> tuple[int, tuple[int, int]] | None:
-    """``(total bytes, compute capability)`` of the first visible CUDA GPU by the driver's count, or ``None``
-    without one (or where NVML cannot tell)."""
+    """``(total bytes, compute capability)`` of the first visible CUDA GPU, or ``None`` without one (or where
+    NVML cannot tell). The total is what CUDA reports, which vLLM's budget is a share of: NVML's total less
+    the driver's reservations (about 0.5 GiB of an H100's 80 GB), NVML's total where it cannot say those."""
     try:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cuda():
             return None
         capability = current_platform.get_device_capability(0)
-        return int(current_platform.get_device_total_memory(0)), (capability.major, capability.minor)
+        total = int(current_platform.get_device_total_memory(0))
     except Exception:  # noqa: BLE001 - no plan without the device's size: the engine's own sizing still holds
         return None
+    try:
+        from vllm.third_party import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(current_platform.device_id_to_physical_device_id(0))
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            total = int(info.total) - int(info.reserved)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - an older driver without the v2 query: NVML's total (0.6 % high on an H100)
+        pass
+    return total, (capability.major, capability.minor)
 
 
 def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
