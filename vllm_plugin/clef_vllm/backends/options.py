@@ -259,6 +259,57 @@ def _batch_wait(opts: "VllmOptions", kwargs: dict) -> None:
         tell_worker(kwargs, BATCH_WAIT_KEY, opts.resolved_batch_wait_ms)
 
 
+def check_data_parallel(opts: "VllmOptions") -> None:
+    """The data-parallel layouts this server runs (docs/deploy.md): one node; a head node with some of the
+    ranks plus ``--headless`` nodes with the rest (``mp``); or every rank placed by Ray from the head node
+    (``ray``). vLLM 0.28 refuses external load balancing (a front-end per rank) for a model without experts,
+    and a head node given a start rank would balance its own engines only: neither is offered."""
+    size, local, start = opts.data_parallel_size, opts.data_parallel_size_local, opts.data_parallel_start_rank
+    if local is not None and local > size:
+        raise OptionError(f"--data-parallel-size-local ({local}) cannot exceed --data-parallel-size ({size})",
+                          "data_parallel_size_local")
+    if opts.headless:
+        if opts.data_parallel_backend == "ray":
+            raise OptionError("--headless starts a node's engines for an 'mp' head; with --data-parallel-backend "
+                              "ray the head node places every rank itself: start only the head", "headless")
+        if size < 2 or local is None or start is None:
+            raise OptionError("--headless needs --data-parallel-size (all ranks, > 1), --data-parallel-size-local "
+                              "(this node's) and --data-parallel-start-rank (this node's first)", "headless")
+        if start + local > size:
+            raise OptionError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} is more than "
+                              f"--data-parallel-size {size} ranks", "data_parallel_start_rank")
+        if opts.data_parallel_address is None:
+            raise OptionError("--headless needs --data-parallel-address: the head node's address", "headless")
+        if opts.engine_core != "process":
+            raise OptionError("--headless runs engines in their own processes: leave --engine-core out",
+                              "engine_core")
+        return
+    if start is not None:
+        raise OptionError("--data-parallel-start-rank is for --headless nodes: the head node holds ranks 0 to "
+                          "--data-parallel-size-local - 1 (with a start rank vLLM would balance only its own engines)",
+                          "data_parallel_start_rank")
+    remote = local is not None and local < size
+    if remote and opts.data_parallel_backend == "mp" and opts.data_parallel_address is None:
+        raise OptionError(f"--data-parallel-size-local {local} of {size} leaves ranks to --headless nodes: give "
+                          "--data-parallel-address, the address of this node they connect to",
+                          "data_parallel_address")
+    if not remote and opts.data_parallel_backend == "mp":
+        for name in ("data_parallel_address", "data_parallel_rpc_port"):
+            if getattr(opts, name) is not None:
+                raise OptionError(f"{flag_of(name)} has no effect with every rank on this node: it is where "
+                                  "--headless nodes connect (use --data-parallel-size-local to leave them ranks)",
+                                  name)
+    if opts.data_parallel_backend == "ray" and size < 2:
+        raise OptionError("--data-parallel-backend ray places data-parallel ranks: give --data-parallel-size > 1",
+                          "data_parallel_backend")
+
+
+def _data_parallel_backend(opts: "VllmOptions", kwargs: dict) -> None:
+    """vLLM's ``data_parallel_backend``, given only when it is not vLLM's default (``mp``)."""
+    if opts.data_parallel_backend != "mp":
+        kwargs["data_parallel_backend"] = opts.data_parallel_backend
+
+
 #: ``--gpu-memory-utilization``'s default for one engine on a GPU (vLLM's own)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -326,6 +377,29 @@ class VllmOptions(_Validated):
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",
                                      flags=("--data-parallel-size", "--dp"), engine="data_parallel_size", kind=int,
                                      minimum=1)
+    data_parallel_size_local: int | None = option(None, "of --data-parallel-size's engines, how many run on this "
+                                                  "node (default: all; fewer on the head node of a multi-node "
+                                                  "deployment, whose other ranks are --headless nodes; "
+                                                  "docs/deploy.md)", flags=("--data-parallel-size-local", "-dpl"),
+                                                  engine="data_parallel_size_local", kind=int, minimum=1)
+    data_parallel_address: str | None = option(None, "the head node's address that --headless ranks connect to "
+                                               "(multi-node data parallelism; docs/deploy.md)",
+                                               flags=("--data-parallel-address", "-dpa"),
+                                               engine="data_parallel_address", kind=str)
+    data_parallel_rpc_port: int | None = option(None, "the head node's port for that handshake (default vLLM's, "
+                                                "13345)", flags=("--data-parallel-rpc-port", "-dpp"),
+                                                engine="data_parallel_rpc_port", kind=int, minimum=1, maximum=65535)
+    data_parallel_start_rank: int | None = option(None, "with --headless: the data-parallel rank of this node's "
+                                                  "first engine", flags=("--data-parallel-start-rank", "-dpr"),
+                                                  engine="data_parallel_start_rank", kind=int, minimum=1)
+    data_parallel_backend: str = option("mp", "how the head starts data-parallel engines: 'mp' (processes on this "
+                                        "node; remote ranks are --headless nodes) or 'ray' (Ray actors placed on "
+                                        "a Ray cluster's GPUs from the head node alone; needs ray)",
+                                        flags=("--data-parallel-backend", "-dpb"), engine=_data_parallel_backend,
+                                        kind=str, choices=("mp", "ray"))
+    headless: bool = option(False, "start this node's data-parallel engines only, no HTTP server: they join the "
+                            "head node at --data-parallel-address (docs/deploy.md)", flags=("--headless",),
+                            kind=bool, action="store_true")
     engines_per_gpu: int = option(1, "data-parallel engines per GPU: --dp counts engines, placed this many on each "
                                   "GPU in order (default 1); they start one after another, each with its share of "
                                   "the memory. For data parallelism on fewer GPUs, not for speed: measured slower "
@@ -486,6 +560,7 @@ class VllmOptions(_Validated):
             # data-parallel engines each need their own process (vLLM's DP coordinator)
             raise OptionError("vllm backend option 'engine_core' 'thread' runs one engine: leave data_parallel_size "
                               "at 1 or use 'process'", "engine_core")
+        check_data_parallel(self)
         if self.engines_per_gpu > self.data_parallel_size:
             raise OptionError(f"vllm backend option 'engines_per_gpu' ({self.engines_per_gpu}) places data-parallel "
                               f"engines: it cannot exceed data_parallel_size ({self.data_parallel_size})",
