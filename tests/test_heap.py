@@ -55,8 +55,9 @@ def test_the_server_logs_a_long_pause_only_once_serving(caplog):
 def test_the_server_caps_onednn_primitives_unless_the_environment_says_otherwise():
     from clef_vllm.heap import ONEDNN_PRIMITIVE_CACHE, bound_native_caches
 
-    env: dict = {}
+    env: dict = {"MALLOC_ARENA_MAX": "8", "MALLOC_MMAP_THRESHOLD_": "131072"}     # glibc's own settings stay
     bound_native_caches(env)
+    del env["MALLOC_ARENA_MAX"], env["MALLOC_MMAP_THRESHOLD_"]
     assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_PRIMITIVE_CACHE)}
     env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
     bound_native_caches(env)
