@@ -260,14 +260,18 @@ def test_the_runner_answers_every_decision_like_the_eager_head(caplog):
 def test_graphs_that_disagree_with_the_eager_head_are_never_used(caplog):
     head, table = small_head_and_table()
     runner = CpuGraphRunner(head, max_memory=512, schema_buckets=SCHEMA_BUCKETS[:2], broken=True)
-    record = random_record(random.Random(6), 3, 60, SMALL.hidden_size)
-    (acc,) = finished(head, [record])
+    assert_eager_from_the_first_decision(head, table, runner, seed=6)
+    assert "differs from the eager head" in caplog.text
+
+
+def assert_eager_from_the_first_decision(head, table, runner, seed: int) -> None:
+    """Two decisions of one record through ``runner`` answer exactly as the eager head, with no graph kept."""
+    (acc,) = finished(head, [random_record(random.Random(seed), 3, 60, SMALL.hidden_size)])
     want = decide_records(head, table, [acc])[0]
     for _ in range(2):
         torch.testing.assert_close(decide_records(head, table, [acc], runner)[0], want, atol=0, rtol=0)
     info = runner.describe()
     assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
-    assert "differs from the eager head" in caplog.text
 
 
 def test_a_capture_that_fails_leaves_the_eager_head_answering(caplog):
@@ -283,13 +287,7 @@ def test_a_capture_that_fails_leaves_the_eager_head_answering(caplog):
             return super()._capture(*bucket)
 
     runner = OutOfMemory(head, max_memory=512, max_records=4, schema_buckets=SCHEMA_BUCKETS[:2])
-    record = random_record(random.Random(8), 3, 60, SMALL.hidden_size)
-    (acc,) = finished(head, [record])
-    want = decide_records(head, table, [acc])[0]
-    for _ in range(2):
-        torch.testing.assert_close(decide_records(head, table, [acc], runner)[0], want, atol=0, rtol=0)
-    info = runner.describe()
-    assert info["failed"] and info["graphs"] == 0 and info["fallbacks"] == {"capture_failed": 2}
+    assert_eager_from_the_first_decision(head, table, runner, seed=8)
     assert "failed (OutOfMemoryError" in caplog.text and "runs eagerly from now on" in caplog.text
 
 
