@@ -133,10 +133,13 @@ def test_async_sdk_and_user_messages(server, systemone):
         assert_same_decision(decision.model_dump(mode="json"), systemone)
 
 
-def test_models_list(client):
+def test_models_list_and_retrieve(client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["clef-flash", "@cf/cloudflare/clef-flash"]
     assert all(m.object == "model" and isinstance(m.created, int) and m.owned_by for m in models.data)
+    assert client.models.retrieve("@cf/cloudflare/clef-flash").id == "@cf/cloudflare/clef-flash"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-6-luna")
 
 
 def test_sdk_errors_are_typed(client, server):

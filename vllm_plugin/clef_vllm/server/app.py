@@ -33,7 +33,7 @@ from starlette.staticfiles import StaticFiles
 
 from clef_vllm import __version__
 from clef_vllm.backends.base import Backend
-from clef_vllm.errors import ClefError, ClientClosed
+from clef_vllm.errors import ClefError, ClientClosed, Kind
 from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
 from clef_vllm.server.body import (HOSTED_TYPES, JSON_TYPES, NDJSON_TYPES, check_content_encoding,  # noqa: F401 - API
                                    check_media_type, decode_json)
@@ -109,6 +109,14 @@ def create_app(load_backend: Callable[[], Backend], settings: ServerSettings | N
         return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "clef-vllm",
                                              "clef_vllm_version": __version__, **info}
                                             for name in settings.served_models]}
+
+    @app.get("/v1/models/{model_name:path}", summary="One served name's entry of /v1/models (404 for another)")
+    async def model(model_name: str):
+        for entry in (await models())["data"]:
+            if entry["id"] == model_name:
+                return entry
+        raise ClefError(f"no model {model_name[:200]!r}: this server runs "
+                        f"{', '.join(map(repr, settings.served_models))} (--served-model-name)", kind=Kind.NOT_FOUND)
 
     @app.post("/v1/systemone", summary="Answer every question of a SystemOne request in one forward pass",
               response_model=None, responses=_openapi_responses(),
