@@ -266,41 +266,41 @@ def check_data_parallel(opts: "VllmOptions") -> None:
     and a head node given a start rank would balance its own engines only: neither is offered."""
     size, local, start = opts.data_parallel_size, opts.data_parallel_size_local, opts.data_parallel_start_rank
     if local is not None and local > size:
-        raise OptionError(f"--data-parallel-size-local ({local}) cannot exceed --data-parallel-size ({size})",
+        raise OptionError(f"this node's ranks (--data-parallel-size-local {local}) cannot exceed --data-parallel-size ({size})",
                           "data_parallel_size_local")
     if opts.headless:
         if opts.data_parallel_backend == "ray":
-            raise OptionError("--headless starts a node's engines for an 'mp' head; with --data-parallel-backend "
+            raise OptionError("a headless node starts its engines for an 'mp' head; with --data-parallel-backend "
                               "ray the head node places every rank itself: start only the head", "headless")
         if size < 2 or local is None or start is None:
-            raise OptionError("--headless needs --data-parallel-size (all ranks, > 1), --data-parallel-size-local "
+            raise OptionError("a headless node needs --data-parallel-size (all ranks, > 1), --data-parallel-size-local "
                               "(this node's) and --data-parallel-start-rank (this node's first)", "headless")
         if start + local > size:
-            raise OptionError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} is more than "
+            raise OptionError(f"this node's ranks (--data-parallel-start-rank {start} + --data-parallel-size-local {local}) are more than "
                               f"--data-parallel-size {size} ranks", "data_parallel_start_rank")
         if opts.data_parallel_address is None:
-            raise OptionError("--headless needs --data-parallel-address: the head node's address", "headless")
+            raise OptionError("a headless node needs --data-parallel-address: the head node's address", "headless")
         if opts.engine_core != "process":
-            raise OptionError("--headless runs engines in their own processes: leave --engine-core out",
+            raise OptionError("a headless node runs engines in their own processes: leave --engine-core out",
                               "engine_core")
         return
     if start is not None:
-        raise OptionError("--data-parallel-start-rank is for --headless nodes: the head node holds ranks 0 to "
+        raise OptionError("a start rank is for --headless nodes: the head node holds ranks 0 to "
                           "--data-parallel-size-local - 1 (with a start rank vLLM would balance only its own engines)",
                           "data_parallel_start_rank")
     remote = local is not None and local < size
     if remote and opts.data_parallel_backend == "mp" and opts.data_parallel_address is None:
-        raise OptionError(f"--data-parallel-size-local {local} of {size} leaves ranks to --headless nodes: give "
+        raise OptionError(f"{local} of {size} ranks here (--data-parallel-size-local) leaves the rest to --headless nodes: give "
                           "--data-parallel-address, the address of this node they connect to",
                           "data_parallel_address")
     if not remote and opts.data_parallel_backend == "mp":
         for name in ("data_parallel_address", "data_parallel_rpc_port"):
             if getattr(opts, name) is not None:
-                raise OptionError(f"{flag_of(name)} has no effect with every rank on this node: it is where "
+                raise OptionError(f"no effect with every rank on this node: {flag_of(name)} is where "
                                   "--headless nodes connect (use --data-parallel-size-local to leave them ranks)",
                                   name)
     if opts.data_parallel_backend == "ray" and size < 2:
-        raise OptionError("--data-parallel-backend ray places data-parallel ranks: give --data-parallel-size > 1",
+        raise OptionError("Ray places data-parallel ranks: give --data-parallel-size > 1",
                           "data_parallel_backend")
 
 

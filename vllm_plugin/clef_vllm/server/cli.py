@@ -201,8 +201,12 @@ def api_keys(args: argparse.Namespace, environ=os.environ) -> tuple[str, ...]:
     return _split(args.api_key) or _split([environ.get(API_KEY_ENV, "")])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | None = None, load_with=None,
+         wrap_app=None) -> int:
+    """Serve until stopped; the exit status is the module docstring's. ``parser`` (a :func:`build_parser` with
+    more flags), ``load_with(args, model_dir, backend, options) -> Backend`` and ``wrap_app(app, args)``: the
+    same server on another backend (``clef-serve-ray``: clef_vllm/serve_ray.py)."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     from clef_vllm.heap import bound_native_caches
     from clef_vllm.server.logs import setup_logging
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from clef_vllm.backends import make_backend, resolve_backend, vllm_usable
     from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
+    from clef_vllm.multinode import load_timeout
     from clef_vllm.server.app import create_app
     from clef_vllm.server.children import default_signals_in_forked_children, stop_children
     from clef_vllm.server.connection import ConnectionRules, protocol_class
@@ -233,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag_of(exc.option)} applies to the {exc.applies_to} backend only; this server would run "
                          f"{chosen}. Drop the flag or pass --backend {exc.applies_to}")
         parser.error(f"{flag_of(exc.option) if exc.option else 'options'}: {exc}")
+    vllm_opts = backend_options(backend, options) if backend == "vllm" else None
+    if vllm_opts is not None and vllm_opts.headless:         # engines only: clef_vllm/multinode.py
+        from clef_vllm.multinode import run_headless
+
+        return run_headless(resolve_model_dir(args.model), vllm_opts)
     load_failure: list[BaseException] = []
     engine_failure: list[BaseException] = []
 
@@ -241,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         if is_demo(args.model) and args.log_format != "json":    # also logged; stdout is JSON-only with json logs
             print(describe_demo(model_dir), flush=True)
         log.info("loading %s (backend %s)", model_dir, backend)
+        if load_with is not None:
+            return load_with(args, model_dir, backend, options)
         return make_backend(model_dir, backend, **options)
 
     def on_ready():
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_models=_served_models(args),
         max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout or None, load_timeout_s=args.load_timeout or None,
+        request_timeout_s=args.request_timeout or None, load_timeout_s=load_timeout(vllm_opts, args.load_timeout or None),
         shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
         auth_health_metrics=args.auth_health_metrics, cors_origins=_split(args.cors_origins),
         near_tie_margin=args.near_tie_margin, bulk_concurrency=args.bulk_concurrency,
@@ -285,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("API key required on /v1/* and the hosted route%s (%d key(s))",
                  " and the probes" if args.auth_health_metrics else "", len(keys))
     app = create_app(wrap_load(load), settings)
+    if wrap_app is not None:
+        wrap_app(app, args)
     # Our own drain answers every request before uvicorn's shutdown starts; its grace period is a backstop.
     rules = ConnectionRules(header_timeout=settings.header_timeout_s, max_connections=settings.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
