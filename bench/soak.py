@@ -9,6 +9,22 @@ caught. With ``--tokenizer`` the client encodes every request itself and checks
 checked) and a small share goes through ``POST /v1/systemone/bulk`` (each line checked).
 Refusals (429) are counted and retried, never counted as lost.
 
+``--mix adversarial`` adds the hostile clients of :class:`Attacks` (its table names each attack and the
+answer it must get: slowloris heads, slow and huge bodies, deep nesting, many-valued bodies, a
+million-line bulk body, UTF-16/UTF-32/BOM/invalid UTF-8, NaN, repeated keys, compressed bodies, invalid
+HTTP, pipelining with request ids, half-close, disconnects mid-body, a connection flood with probes),
+run by ``--attackers`` tasks beside the load; with ``--launch`` the server gets ``MIX_SERVER_FLAGS`` (every
+limit set, short timeouts) unless given after ``--``. Every second the RSS and the server's loop-lag
+histogram are sampled, and ``/health/live`` is timed twice a second; ``--warmup``/``--quiet`` give the
+warm RSS (load, then a pause), ``--idle`` the RSS after the load. With JSON server logs each request id is
+checked against the access lines. The summary's first fields are the issue's: minutes, requests,
+responses_5xx, lost, rss_warm_mb, rss_peak_mb, rss_end_mb, rss_idle_mb, loop_lag_p99_ms, health_p99_ms,
+command, then ``targets`` and ``pass``.
+
+    # the adversarial mix: short (CI: tests/adversarial/test_mix.py) and full (bench/results/soak_cpu.json)
+    python bench/soak.py --launch --mix adversarial --duration 20 --concurrency 4 --out mix.json -- --model demo
+    python bench/soak.py --launch --mix adversarial --warmup 120 --duration 1800 --idle 300 --concurrency 16 \
+        --out soak_cpu.json -- --model demo --backend reference
     # against a running server (its pid for RSS)
     python bench/soak.py --url http://127.0.0.1:8000 --pid 1234 --duration 1800 --out soak.json
     # or start one (GPU: --backend vllm; CPU: --backend reference) and stop it with SIGTERM at the end
@@ -533,15 +549,16 @@ class AttackRunner:
             record["examples"].append(detail[:300])
 
     async def worker(self, deadline: float, index: int) -> None:
-        """The first round shares the table among the workers (each attack runs once early, however short the
-        run); then every worker goes through all of it (the exclusive ones: worker 0) in shuffled rounds."""
+        """The first round shares the table among the workers and always runs to its end (each attack runs
+        once, however short the run); then every worker goes through all of it (the exclusive ones: worker 0)
+        in shuffled rounds until the deadline."""
         rng = random.Random(self.seed * 1000 + index)
         every = list(self.attacks.table)
         names = [n for n in every if n not in self.EXCLUSIVE or index == 0]
-        rounds = [every[index::self.workers]]
+        for name in every[index::self.workers]:
+            await self._one(name)
         while time.monotonic() < deadline:
-            todo = rounds.pop() if rounds else rng.sample(names, len(names))
-            for name in todo:
+            for name in rng.sample(names, len(names)):
                 if time.monotonic() >= deadline:
                     return
                 await self._one(name)

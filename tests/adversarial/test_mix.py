@@ -15,7 +15,7 @@ from conftest import REPO
 def test_every_attack_of_the_mix_gets_its_documented_answer_and_nothing_is_lost(tiny_release, cache_dir, tmp_path):
     out = tmp_path / "mix.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--launch", "--mix", "adversarial",
-                           "--duration", "20", "--concurrency", "4", "--attackers", "3", "--out", str(out),
+                           "--duration", "10", "--concurrency", "4", "--attackers", "3", "--out", str(out),
                            "--server-log", str(tmp_path / "server.log"), "--ready-timeout", "120",
                            "--", "--model", str(tiny_release), "--backend", "reference"],
                           capture_output=True, text=True, timeout=240)
