@@ -31,6 +31,7 @@ from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.protocol import SYSTEMONE_DIALECTS, Dialect
+from clef_vllm.server.connection import PROBE_CONNECTIONS
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                        DEFAULT_MAX_BULK_LINES,
@@ -118,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--keep-alive-timeout", type=_non_negative_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                      help=f"seconds an idle kept-alive connection stays open (default {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})")
     net.add_argument("--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS,
-                     help=f"open connections; one more gets 503 and is closed (default {DEFAULT_MAX_CONNECTIONS})")
+                     help=f"open connections; {PROBE_CONNECTIONS} more are kept for GET /health, /health/live and "
+                          f"/metrics (anything else on them gets 503), then one more gets 503 and is closed "
+                          f"(default {DEFAULT_MAX_CONNECTIONS})")
 
     sec = p.add_argument_group("auth and browsers")
     sec.add_argument("--api-key", action="append", default=None,
