@@ -601,9 +601,25 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
     return lower
 
 
+def _probe_process(url: str, headers: dict, every: float, t0: float, done, results) -> None:
+    """In its own process: ``(t, seconds or None)`` of ``GET /health/live`` every ``every`` seconds on one
+    kept-alive connection until ``done`` is set, then the list into ``results``."""
+    out: list[tuple[float, float | None]] = []
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        while not done.is_set():
+            start = time.perf_counter()
+            try:
+                ok = client.get("/health/live").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            out.append((time.monotonic() - t0, time.perf_counter() - start if ok else None))
+            done.wait(every)
+    results.put(out)
+
+
 class Watcher:
     """Every ``every`` seconds: the server's RSS (``sampler``) and loop-lag histogram; every ``probe_every``
-    seconds, ``GET /health/live`` timed on its own connection."""
+    seconds, ``GET /health/live`` timed on its own connection, from its own process."""
 
     def __init__(self, url: str, headers: dict, sampler: MemorySampler, every: float = 1.0, probe_every: float = 0.5):
         self.url, self.headers, self.sampler = url, headers, sampler
@@ -628,18 +644,19 @@ class Watcher:
                     pass
 
     async def probe(self, t0: float, stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=30) as client:
-            while not stop.is_set():
-                start = time.perf_counter()
-                try:
-                    ok = (await client.get("/health/live")).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.probes.append((time.monotonic() - t0, time.perf_counter() - start if ok else None))
-                try:
-                    await asyncio.wait_for(stop.wait(), self.probe_every)
-                except asyncio.TimeoutError:
-                    pass
+        """``GET /health/live`` every ``probe_every`` seconds from a process of its own (a probe timed in this
+        process would also time this process's own loop, busy with the load), until ``stop``."""
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        done, results = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=_probe_process, args=(self.url, self.headers, self.probe_every, t0, done, results),
+                           daemon=True)
+        proc.start()
+        await stop.wait()
+        done.set()
+        self.probes = await asyncio.get_running_loop().run_in_executor(None, results.get)
+        proc.join(30)
 
     def lag_p99_ms(self, start: float, end: float) -> float | None:
         inside = [(t, b) for t, b in self.lag if start <= t <= end]
