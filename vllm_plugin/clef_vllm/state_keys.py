@@ -76,3 +76,11 @@ def block_keys(unit_keys: Sequence[bytes], block: int, unit: int = KEY_UNIT) -> 
         raise ValueError(f"block size {block} is not a multiple of the key unit {unit}")
     per = block // unit
     return [unit_keys[(k + 1) * per - 1] for k in range(len(unit_keys) // per)]
+
+
+def state_key(token_ids: Sequence[int], state_end: int) -> bytes:
+    """The one key of the state ``token_ids[:state_end]`` that requests are routed by: its last whole unit's
+    chained key (the key the vLLM backend's data-parallel affinity picks an engine by, so a state's requests meet
+    the engine, or the replica, whose cache holds it), or the digest of a state shorter than one unit."""
+    keys = prefix_keys(token_ids, state_end)
+    return keys[-1] if keys else prefix_digest(token_ids, state_end)

@@ -375,7 +375,7 @@ class VllmOptions(_Validated):
     max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", engine="max_model_len", kind=int,
                                 minimum=1)
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",
-                                     flags=("--data-parallel-size", "--dp"), engine="data_parallel_size", kind=int,
+                                     flags=("--data-parallel-size", "--dp", "-dp"), engine="data_parallel_size", kind=int,
                                      minimum=1)
     data_parallel_size_local: int | None = option(None, "of --data-parallel-size's engines, how many run on this "
                                                   "node (default: all; fewer on the head node of a multi-node "

@@ -1,0 +1,128 @@
+"""Multi-node data parallelism (clef_vllm/multinode.py, the data-parallel options): the flags reach vLLM's
+engine config as vLLM reads them for a pooling model, the layouts that cannot work are refused by name, and a
+headless node checks the checkpoint's version marker before it starts anything. No GPU: the engines themselves
+start in the GPU run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from clef_vllm.backends.options import OptionError, backend_options, engine_args, given_options
+from clef_vllm.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_args, load_timeout, remote_ranks
+from clef_vllm.server.cli import build_parser, main
+
+HEAD = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-address", "10.0.0.1",
+        "--data-parallel-rpc-port", "13400"]
+HEADLESS = ["--headless", "--data-parallel-size", "4", "--data-parallel-size-local", "2",
+            "--data-parallel-start-rank", "2", "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port",
+            "13400"]
+
+
+def options(argv: list[str]):
+    return backend_options("vllm", given_options(build_parser().parse_args(["--backend", "vllm", *argv])))
+
+
+def test_the_flags_reach_the_engine_arguments_under_vllms_names():
+    head = engine_args(options(HEAD))
+    assert {k: head[k] for k in head if k.startswith("data_parallel")} == {
+        "data_parallel_size": 4, "data_parallel_size_local": 2, "data_parallel_address": "10.0.0.1",
+        "data_parallel_rpc_port": 13400}
+    short = options(["-dp", "4", "-dpl", "2", "-dpa", "10.0.0.1", "-dpp", "13400", "-dpb", "ray"])
+    assert engine_args(short)["data_parallel_backend"] == "ray"
+    node = options(HEADLESS)
+    assert node.headless and engine_args(node)["data_parallel_start_rank"] == 2
+    assert "headless" not in engine_args(node)          # ours: it picks the command, not an engine setting
+
+
+def test_a_head_node_leaves_the_other_ranks_to_headless_nodes_and_bounds_its_wait_for_them():
+    head = options(HEAD)
+    assert remote_ranks(head) == range(2, 4)
+    assert load_timeout(head, None) == REMOTE_RANKS_LOAD_TIMEOUT_S
+    assert load_timeout(head, 60.0) == 60.0
+    assert remote_ranks(options(["--dp", "4"])) == range(0)
+    assert load_timeout(options(["--dp", "4"]), None) is None
+    assert remote_ranks(options(["--dp", "4", "-dpl", "1", "-dpb", "ray"])) == range(0)   # Ray places them
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--dp", "2", "-dpl", "3"], "data_parallel_size_local"),
+    (["--dp", "4", "-dpl", "2"], "data_parallel_address"),                       # remote ranks need an address
+    (["--dp", "4", "-dpa", "10.0.0.1"], "data_parallel_address"),               # all ranks here: no effect
+    (["--dp", "4", "-dpp", "13400"], "data_parallel_rpc_port"),
+    (["--dp", "4", "-dpl", "2", "-dpa", "10.0.0.1", "-dpr", "2"], "data_parallel_start_rank"),  # head: hybrid LB
+    (["--headless", "--dp", "4", "-dpl", "2", "-dpa", "10.0.0.1"], "headless"),  # no start rank
+    (["--headless", "--dp", "4", "-dpl", "2", "-dpr", "2"], "headless"),          # no head address
+    (["--headless", "--dp", "4", "-dpl", "2", "-dpr", "3", "-dpa", "10.0.0.1"], "data_parallel_start_rank"),
+    (["--headless", "--dp", "4", "-dpl", "2", "-dpr", "2", "-dpa", "10.0.0.1", "-dpb", "ray"], "headless"),
+    (["--headless", "--dp", "4", "-dpl", "2", "-dpr", "2", "-dpa", "h", "--engine-core", "thread"], "engine_core"),
+    (["-dpb", "ray"], "data_parallel_backend"),
+])
+def test_layouts_that_cannot_work_are_refused_naming_the_flag(argv, option):
+    with pytest.raises(OptionError) as exc:
+        options(argv)
+    assert exc.value.option == option
+
+
+def test_the_server_refuses_them_with_exit_status_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--backend", "vllm", "--data-parallel-size", "4", "--data-parallel-start-rank", "2"])
+    assert exit_.value.code == 2
+    assert "--data-parallel-start-rank" in capsys.readouterr().err
+
+
+def test_a_headless_node_builds_the_engine_config_vllm_reads_for_its_ranks(tiny_release):
+    """vLLM's own headless path (``vllm serve --headless``) reads this namespace: the node's engines are ranks
+    2 and 3 of 4, joining 10.0.0.1:13400, with neither hybrid nor external load balancing (the head balances)."""
+    from vllm import AsyncEngineArgs
+
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    opts = options(HEADLESS)
+    ns = headless_args(tiny_release, opts)
+    assert ns.headless and ns.api_server_count == 1
+    engine = AsyncEngineArgs.from_cli_args(ns)
+    assert engine == AsyncEngineArgs(**engine_kwargs(tiny_release, opts))
+    parallel = engine.create_engine_config(headless=True).parallel_config
+    assert (parallel.data_parallel_size, parallel.data_parallel_size_local, parallel.data_parallel_rank) == (4, 2, 2)
+    assert (parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port) == ("10.0.0.1", 13400)
+    assert not parallel.data_parallel_hybrid_lb and not parallel.data_parallel_external_lb
+
+
+def test_the_head_node_balances_every_rank_itself(tiny_release):
+    from vllm import AsyncEngineArgs
+
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    parallel = AsyncEngineArgs(**engine_kwargs(tiny_release, options(HEAD))).create_engine_config().parallel_config
+    assert (parallel.data_parallel_size, parallel.data_parallel_size_local, parallel.data_parallel_rank) == (4, 2, 0)
+    assert not parallel.data_parallel_hybrid_lb and not parallel.data_parallel_external_lb
+    assert parallel.data_parallel_master_ip == "10.0.0.1"
+
+
+def test_vllm_refuses_external_load_balancing_for_a_model_without_experts(tiny_release):
+    """Why no flag offers it: one rank per front-end (``--data-parallel-rank``) is MoE-only in vLLM 0.28."""
+    from vllm import AsyncEngineArgs
+
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    kwargs = engine_kwargs(tiny_release, options(["--dp", "2"]))
+    with pytest.raises(ValueError, match="Non-MoE models do not support external data parallel mode"):
+        AsyncEngineArgs(**kwargs, data_parallel_rank=1).create_engine_config()
+
+
+def test_a_headless_node_refuses_a_checkpoint_for_another_plugin_version_before_starting(tiny_release, tmp_path,
+                                                                                         capfd):
+    ckpt = tmp_path / "newer"
+    shutil.copytree(tiny_release, ckpt)
+    configs = list(ckpt.rglob("joint_head*config*.json"))
+    assert configs, "the tiny checkpoint has a head config"
+    for path in configs:
+        cfg = json.loads(path.read_text())
+        cfg["requires_clef_vllm"] = ">=999"
+        path.write_text(json.dumps(cfg))
+    assert main(["--backend", "vllm", "--model", str(ckpt), *HEADLESS]) == 1
+    err = capfd.readouterr().err
+    assert "headless node" in err and "requires clef-vllm>=999" in err
