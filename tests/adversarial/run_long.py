@@ -31,6 +31,9 @@ Phases:
    time, every request answered (the stuck one with 503 at the timeout).
 
 Pass: the targets in ``targets`` of the summary (0 responses >= 500, 0 tracebacks, ...).
+
+Every hostile client at once beside a checked load, for as long as wanted, with memory, loop lag and
+probes sampled every second: ``bench/soak.py --mix adversarial`` (its short form runs in CI).
 """
 
 from __future__ import annotations
