@@ -155,3 +155,18 @@ def test_a_replica_killed_under_load_costs_no_wrong_answer_and_is_replaced(repli
             tags.add(headers[REPLICA_HEADER])
         k += 1
     assert new_tag in tags
+
+
+def test_another_front_end_serves_through_the_running_replicas(cluster, tiny_release, replicas, live_server):
+    """A front-end started while the application runs (a rolling restart, a second ingress) keeps its replicas."""
+    before = replica_actors()
+    other = LiveServer([], ready_timeout=120.0, command=lambda port: [
+        sys.executable, "-m", "clef_vllm.serve_ray", "--port", str(port), "--model", str(tiny_release),
+        "--backend", "reference", "--replicas", "2", "--ray-address", cluster, "--app-name", "clef-test"]).wait_ready()
+    try:
+        status, headers, text = post(other.url + "/v1/systemone", ticket(400))
+        assert status == 200 and json.loads(text) == json.loads(post(live_server.url + "/v1/systemone", ticket(400))[2])
+        assert replica_actors() == before and REPLICA_PREFIX + headers[REPLICA_HEADER] in before
+    finally:
+        other.stop()
+    assert replica_actors() == before

@@ -109,7 +109,7 @@ class ReplicaSet(Backend):
         self.encoder = encoder
         self.max_model_len = info.max_model_len
         self.replicas = replicas
-        self.app_name = app_name              # deleted on close (the app this process deployed)
+        self.app_name = app_name
         self.own_cluster = own_cluster        # shut down on close (the local cluster this process started)
         self._replica_info = info
         self._lost = _replica_lost_errors()
@@ -149,17 +149,13 @@ class ReplicaSet(Backend):
         return self.replicas * self._replica_info.max_in_flight
 
     def describe(self) -> dict:
-        return {"backend": self.name, "replicas": self.replicas, "replica_backend": self._replica_info.describe,
+        return {"backend": self.name, "replicas": self.replicas, "serve_application": self.app_name, "replica_backend": self._replica_info.describe,
                 "answers_by_replica": dict(self.answers)}
 
     def close(self) -> None:
-        if self.app_name is not None:
-            from ray import serve
-
-            try:
-                serve.delete(self.app_name)
-            except Exception as exc:  # noqa: BLE001 - the cluster may be gone already
-                log.warning("could not delete the Serve application %r: %s", self.app_name, exc)
+        """Stop the local cluster this process started, replicas included. On a cluster of its own
+        (``--ray-address``) the application stays for the next front-end (a rolling restart; ``serve delete``
+        removes it)."""
         if self.own_cluster:
             import ray
 
@@ -189,8 +185,9 @@ class ReplicaHeader:
             _ANSWERED_BY.reset(token)
 
 
-def replica_deployment(args: argparse.Namespace, backend: str):
-    """The :class:`ClefReplica` deployment the flags describe (replicas, resources, the consistent-hash router)."""
+def replica_deployment(args: argparse.Namespace, backend: str, model_dir: str, options: dict[str, Any]):
+    """The :class:`ClefReplica` deployment the flags describe (replicas, resources, the consistent-hash router),
+    bound to its engine's arguments."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -199,21 +196,29 @@ def replica_deployment(args: argparse.Namespace, backend: str):
         ClefReplica, name="ClefReplica", num_replicas=args.replicas,
         ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": gpus},
         max_ongoing_requests=args.replica_max_ongoing, health_check_period_s=args.health_check_period,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER))
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER)).bind(model_dir, backend, options)
 
 
 def load_replicas(args: argparse.Namespace, model_dir, backend: str, options: dict[str, Any]) -> ReplicaSet:
-    """Connect to Ray (``--ray-address``, else a local cluster), deploy the replicas, wait until they serve."""
+    """Connect to Ray (``--ray-address``, else a local cluster), deploy the replicas unless the application runs
+    already, and wait until they serve."""
     import ray
     from ray import serve
 
     ray.init(address=args.ray_address, ignore_reinit_error=True, namespace="clef", log_to_driver=False,
              **({} if args.ray_address else {"include_dashboard": False}))
     serve.start(proxy_location="Disabled")
-    app = replica_deployment(args, backend).bind(str(model_dir), backend, dict(options))
-    log.info("deploying %d replica(s) of %s (backend %s) as Serve application %r", args.replicas, model_dir, backend,
-             args.app_name)
-    handle = serve.run(app, name=args.app_name, route_prefix=None)
+    running = serve.status().applications.get(args.app_name)
+    if running is not None and running.status == "RUNNING":
+        # another front-end (or this one, before a restart) deployed it: keep its replicas and their caches
+        log.info("Serve application %r is running: serving through its replicas (serve delete %s to redeploy)",
+                 args.app_name, args.app_name)
+        handle = serve.get_app_handle(args.app_name)
+    else:
+        log.info("deploying %d replica(s) of %s (backend %s) as Serve application %r", args.replicas, model_dir,
+                 backend, args.app_name)
+        handle = serve.run(replica_deployment(args, backend, str(model_dir), dict(options)), name=args.app_name,
+                           route_prefix=None)
     info = handle.info.remote().result()
     encoder = RequestEncoder.from_pretrained(model_dir, max_length=info.max_model_len)
     return ReplicaSet(handle, info, encoder, args.replicas, app_name=args.app_name, own_cluster=not args.ray_address)
