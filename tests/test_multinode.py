@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from clef_vllm.backends.options import OptionError, backend_options, engine_args, given_options
+from clef_vllm.backends.vllm_backend import StateAffinity
 from clef_vllm.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_args, load_timeout, remote_ranks
 from clef_vllm.server.cli import build_parser, main
 
@@ -100,6 +101,12 @@ def test_the_head_node_balances_every_rank_itself(tiny_release):
     assert (parallel.data_parallel_size, parallel.data_parallel_size_local, parallel.data_parallel_rank) == (4, 2, 0)
     assert not parallel.data_parallel_hybrid_lb and not parallel.data_parallel_external_lb
     assert parallel.data_parallel_master_ip == "10.0.0.1"
+    # the head's client holds every rank, in rank order (core_client.py: local_engines_only is false), so the
+    # state affinity's data_parallel_rank= reaches the headless nodes' ranks too
+    assert not parallel.local_engines_only
+    affinity = StateAffinity(int(engine_kwargs(tiny_release, options(HEAD))["data_parallel_size"]))
+    homes = {affinity.pick(bytes([k]) * 8) for k in range(64)}
+    assert homes == {0, 1, 2, 3}
 
 
 def test_vllm_refuses_external_load_balancing_for_a_model_without_experts(tiny_release):
