@@ -12,7 +12,7 @@ import pytest
 
 from clef_vllm.backends.options import OptionError, backend_options, engine_args, given_options
 from clef_vllm.backends.vllm_backend import StateAffinity
-from clef_vllm.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_args, load_timeout, remote_ranks
+from clef_vllm.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
 from clef_vllm.server.cli import build_parser, main
 
 HEAD = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-address", "10.0.0.1",
@@ -75,18 +75,9 @@ def test_the_server_refuses_them_with_exit_status_2(capsys):
 
 
 def test_a_headless_node_builds_the_engine_config_vllm_reads_for_its_ranks(tiny_release):
-    """vLLM's own headless path (``vllm serve --headless``) reads this namespace: the node's engines are ranks
-    2 and 3 of 4, joining 10.0.0.1:13400, with neither hybrid nor external load balancing (the head balances)."""
-    from vllm import AsyncEngineArgs
-
-    from clef_vllm.backends.vllm_backend import engine_kwargs
-
-    opts = options(HEADLESS)
-    ns = headless_args(tiny_release, opts)
-    assert ns.headless and ns.api_server_count == 1
-    engine = AsyncEngineArgs.from_cli_args(ns)
-    assert engine == AsyncEngineArgs(**engine_kwargs(tiny_release, opts))
-    parallel = engine.create_engine_config(headless=True).parallel_config
+    """As vLLM's ``vllm serve --headless`` builds it: the node's engines are ranks 2 and 3 of 4, joining
+    10.0.0.1:13400, with neither hybrid nor external load balancing (the head balances)."""
+    parallel = headless_config(tiny_release, options(HEADLESS)).parallel_config
     assert (parallel.data_parallel_size, parallel.data_parallel_size_local, parallel.data_parallel_rank) == (4, 2, 2)
     assert (parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port) == ("10.0.0.1", 13400)
     assert not parallel.data_parallel_hybrid_lb and not parallel.data_parallel_external_lb
@@ -133,3 +124,36 @@ def test_a_headless_node_refuses_a_checkpoint_for_another_plugin_version_before_
     assert main(["--backend", "vllm", "--model", str(ckpt), *HEADLESS]) == 1
     err = capfd.readouterr().err
     assert "headless node" in err and "requires clef-vllm>=999" in err
+
+
+HEADLESS_ALONE = """
+import sys
+sys.path.insert(0, {tests!r})
+from support import vllm_cpu
+vllm_cpu.setup_env()
+import vllm.v1.engine.core as core
+core.HANDSHAKE_TIMEOUT_MINS = 0.05           # vLLM's 5 minutes, shortened for the test (forked engines see it)
+from clef_vllm.server.cli import main
+if __name__ == "__main__":
+    sys.exit(main(["--backend", "vllm", "--model", {model!r}, "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
+                   "-dpa", "127.0.0.1", "-dpp", {port!r}]))
+"""
+
+
+def test_a_headless_node_whose_head_never_answers_exits_1(tiny_release, tmp_path):
+    """vLLM's engine manager starts the node's engine, which cannot join (nothing listens at the head's
+    address): the engine gives up after vLLM's handshake timeout and the node exits 1, saying why."""
+    import os
+    import subprocess
+    import sys
+
+    from clef_vllm.testing.server import free_port
+    from conftest import REPO
+
+    script = tmp_path / "headless_alone.py"
+    script.write_text(HEADLESS_ALONE.format(tests=str(REPO / "tests"), model=str(tiny_release), port=str(free_port())))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Did not receive response from front-end process" in out.stderr
+    assert "headless node: an engine exited" in out.stderr
