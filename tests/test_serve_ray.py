@@ -5,6 +5,7 @@ a state's requests meet one replica, and a replica killed under load costs no wr
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 import time
@@ -47,9 +48,14 @@ def ticket(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
+    """A Ray cluster on loopback for the module (this process its driver; its SIGTERM handler given back)."""
+    handler = signal.getsignal(signal.SIGTERM)
     ray.init(num_cpus=4, include_dashboard=False, namespace="clef-test-driver", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, handler)
 
 
 @pytest.fixture(scope="module")
