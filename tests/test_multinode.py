@@ -132,7 +132,7 @@ sys.path.insert(0, {tests!r})
 from support import vllm_cpu
 vllm_cpu.setup_env()
 import vllm.v1.engine.core as core
-core.HANDSHAKE_TIMEOUT_MINS = 0.05           # vLLM's 5 minutes, shortened for the test (forked engines see it)
+core.HANDSHAKE_TIMEOUT_MINS = {minutes!r}    # vLLM's 5 minutes, shortened for the test (forked engines see it)
 from clef_vllm.server.cli import main
 if __name__ == "__main__":
     sys.exit(main(["--backend", "vllm", "--model", {model!r}, "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
@@ -151,9 +151,41 @@ def test_a_headless_node_whose_head_never_answers_exits_1(tiny_release, tmp_path
     from conftest import REPO
 
     script = tmp_path / "headless_alone.py"
-    script.write_text(HEADLESS_ALONE.format(tests=str(REPO / "tests"), model=str(tiny_release), port=str(free_port())))
+    script.write_text(HEADLESS_ALONE.format(tests=str(REPO / "tests"), model=str(tiny_release), port=str(free_port()),
+                                            minutes=0.05))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                          env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Did not receive response from front-end process" in out.stderr
     assert "headless node: an engine exited" in out.stderr
+
+
+def test_a_headless_node_stops_on_sigterm_with_exit_0(tiny_release, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from clef_vllm.testing.server import free_port
+    from conftest import REPO
+
+    script = tmp_path / "headless_alone.py"
+    script.write_text(HEADLESS_ALONE.format(tests=str(REPO / "tests"), model=str(tiny_release), port=str(free_port()),
+                                            minutes=5))
+    log = tmp_path / "headless.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
+    try:
+        deadline = time.monotonic() + 120
+        while "headless node: data-parallel ranks 1-1 of 2" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)                                  # the engine is up and waiting for the head
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "headless node: stopped (SIGTERM)" in log.read_text()
