@@ -167,6 +167,8 @@ def test_a_headless_node_stops_on_sigterm_with_exit_0(tiny_release, tmp_path):
     import sys
     import time
 
+    import psutil
+
     from clef_vllm.testing.server import free_port
     from conftest import REPO
 
@@ -183,8 +185,12 @@ def test_a_headless_node_stops_on_sigterm_with_exit_0(tiny_release, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         time.sleep(2)                                  # the engine is up and waiting for the head
+        engines = psutil.Process(proc.pid).children(recursive=True)
+        assert engines
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        gone, alive = psutil.wait_procs(engines, timeout=10)
+        assert not alive, alive
     finally:
         if proc.poll() is None:
             proc.kill()
