@@ -179,3 +179,33 @@ def test_another_front_end_serves_through_the_running_replicas(cluster, tiny_rel
     finally:
         other.stop()
     assert replica_actors() == before
+
+
+def test_a_serve_config_file_builds_the_same_replicas(tiny_release):
+    """``import_path: clef_vllm.serve_ray:build_app`` deploys what ``clef-serve-ray`` deploys."""
+    from clef_vllm.backends.options import OptionError
+    from clef_vllm.serve_ray import ROUTER, build_app
+
+    app = build_app({"model": str(tiny_release), "backend": "reference", "replicas": 3, "replica_cpus": 2,
+                     "options": {"max_batch_size": 4}})
+    deployment = app._bound_deployment
+    assert (deployment.name, deployment.num_replicas) == ("ClefReplica", 3)
+    assert deployment._deployment_config.request_router_config.request_router_class == ROUTER
+    assert deployment.ray_actor_options == {"num_cpus": 2, "num_gpus": 0}
+    assert deployment.init_args == (str(tiny_release), "reference", {"max_batch_size": 4})
+    with pytest.raises(ValueError, match="unknown"):
+        build_app({"model": str(tiny_release), "replica": 3})
+    # docs/deploy.md's config file is a valid Serve config whose args build_app takes
+    import re
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from conftest import REPO
+
+    text = re.search(r"^```yaml\n(.*?)^```", (REPO / "docs" / "deploy.md").read_text(), re.M | re.S).group(1)
+    config = ServeDeploySchema.model_validate(yaml.safe_load(text)).applications[0]
+    assert config.import_path == "clef_vllm.serve_ray:build_app" and config.route_prefix is None
+    assert build_app({**config.args, "model": str(tiny_release)})._bound_deployment.num_replicas == config.args["replicas"]
+    with pytest.raises(OptionError):
+        build_app({"model": str(tiny_release), "backend": "reference", "options": {"max_num_seqs": 8}})

@@ -224,6 +224,32 @@ def load_replicas(args: argparse.Namespace, model_dir, backend: str, options: di
     return ReplicaSet(handle, info, encoder, args.replicas, app_name=args.app_name, own_cluster=not args.ray_address)
 
 
+#: What a Serve config file's ``args`` may say (:func:`build_app`): ``model``, ``backend``, ``options`` (the
+#: backend's options by field name, as ``make_backend`` takes them) and the replica flags by dest name
+APP_ARGS = ("model", "backend", "options", "replicas", "replica_cpus", "replica_gpus", "replica_max_ongoing",
+            "health_check_period")
+
+
+def build_app(args: dict[str, Any]):
+    """The replicas as a Serve application, for a Serve config file (``import_path:
+    clef_vllm.serve_ray:build_app``, docs/deploy.md); ``clef-serve-ray --app-name NAME`` then serves through
+    them. Unknown ``args`` and bad options are refused before anything is deployed."""
+    from clef_vllm.backends import backend_options, resolve_backend
+    from clef_vllm.demo import resolve_model_dir
+
+    unknown = sorted(set(args) - set(APP_ARGS))
+    if unknown:
+        raise ValueError(f"unknown clef_vllm.serve_ray:build_app args {unknown}; it takes {list(APP_ARGS)}")
+    ns = build_parser().parse_args([])
+    for name in APP_ARGS[3:]:
+        if name in args:
+            setattr(ns, name, args[name])
+    backend = resolve_backend(args.get("backend", "auto"))
+    options = dict(args.get("options") or {})
+    backend_options(backend, options)                  # OptionError naming a bad one
+    return replica_deployment(ns, backend, str(resolve_model_dir(args.get("model", "demo"))), options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``clef-systemone``'s flags plus the replica set's."""
     from clef_vllm.server import cli
