@@ -50,7 +50,7 @@ def ticket(i: int) -> dict:
 def cluster():
     """A Ray cluster on loopback for the module (this process its driver; its SIGTERM handler given back)."""
     handler = signal.getsignal(signal.SIGTERM)
-    ray.init(num_cpus=4, include_dashboard=False, namespace="clef-test-driver", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="clef-test-driver", log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

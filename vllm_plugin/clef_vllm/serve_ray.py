@@ -205,7 +205,8 @@ def load_replicas(args: argparse.Namespace, model_dir, backend: str, options: di
     import ray
     from ray import serve
 
-    ray.init(address=args.ray_address, ignore_reinit_error=True, namespace="clef", log_to_driver=False,
+    # "local": a new cluster, never one a `ray start` left on this machine (what address=None would join)
+    ray.init(address=args.ray_address or "local", ignore_reinit_error=True, namespace="clef", log_to_driver=False,
              **({} if args.ray_address else {"include_dashboard": False}))
     serve.start(proxy_location="Disabled")
     running = serve.status().applications.get(args.app_name)
