@@ -39,6 +39,7 @@ import gzip
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -284,6 +285,8 @@ class Attacks:
         self.header_timeout, self.body_timeout = header_timeout, body_timeout
         self.max_body_bytes, self.max_bulk_lines = max_body_bytes, max_bulk_lines
         self.others = 0                 # connections the rest of the soak may hold (set by the runner)
+        #: how long an attack whose request reaches the engine waits for its answer (the load's --client-timeout)
+        self.answer_timeout = 600.0
         self.request = json.dumps({"model": "clef-flash", "state": "Checkout is down.",
                                    "questions": {"urgent": {"type": "noul", "instructions": "Urgent?"}}}).encode()
         #: name -> (coroutine function, what it must get); the runner picks among them
@@ -449,7 +452,7 @@ class Attacks:
             writer.write(data)
             await writer.drain()
             for _ in range(3):
-                status, headers, body = await read_http_response(reader, 60)
+                status, headers, body = await read_http_response(reader, self.answer_timeout)
                 got.append((status, headers.get("x-request-id")))
         finally:
             writer.close()
@@ -464,7 +467,7 @@ class Attacks:
             writer.write(self._post(self.request))
             await writer.drain()
             writer.write_eof()
-            status, _, body = await read_http_response(reader, 60)
+            status, _, body = await read_http_response(reader, self.answer_timeout)
         finally:
             writer.close()
         return self._expect(status, body, (200,), '"answers"')
@@ -918,7 +921,7 @@ def flag_value(args: list[str], flag: str, default: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = " ".join(["python", "bench/soak.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "bench/soak.py", *(sys.argv[1:] if argv is None else argv)])
     argv = sys.argv[1:] if argv is None else argv
     server_args: list[str] = []
     if "--" in argv:
@@ -997,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_body_bytes=int(flag_value(eff, "--max-body-bytes", MIX_SERVER_FLAGS["--max-body-bytes"])),
                           max_bulk_lines=int(flag_value(eff, "--max-bulk-lines", MIX_SERVER_FLAGS["--max-bulk-lines"])))
         attacks.others = args.concurrency + 4 + args.attackers + 2       # the load's pool, attackers, the watcher
+        attacks.answer_timeout = args.client_timeout
         runner = AttackRunner(attacks, args.attackers, args.seed)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load0 = os.getloadavg()[0]
