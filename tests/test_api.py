@@ -214,8 +214,8 @@ def test_vllm_backend_without_vllm_names_the_extra_to_install(tiny_release, monk
     (variant({2: "two", "b": 1}), Kind.INVALID, "state", "keys must be strings"),
 ])
 def test_python_values_that_json_cannot_carry_raise_the_http_paths_typed_errors(clef, body, kind, field, message):
-    """A non-string question id once raised a raw TypeError and NaN in the state was answered; over HTTP the
-    same request is a 422 (keys) or a 400 (NaN/Infinity: not JSON). Both raise that RequestError here."""
+    """Python values JSON cannot carry raise the HTTP path's typed errors, never a raw TypeError: a key that is
+    not a string is INVALID (422 over HTTP), NaN or Infinity is MALFORMED (400 over HTTP)."""
     with pytest.raises(RequestError) as err:
         clef.systemone(body)
     assert err.value.kind is kind and err.value.field == field and message in str(err.value)

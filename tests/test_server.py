@@ -1138,8 +1138,8 @@ def test_micro_batcher_drops_cancelled_requests_and_reports_batch_stats():
 
 
 def test_micro_batcher_trims_after_a_batch_that_came_too_soon_once_it_is_idle():
-    """A batch right after a trim is not trimmed for (at most one trim per interval): that batch's freed memory
-    stayed with the process for as long as the server was idle. It is trimmed once the queue stays empty."""
+    """A batch right after a trim is not trimmed for (at most one trim per interval), so its freed memory is
+    trimmed once the queue has stayed empty for the interval: an idle server keeps no batch's free memory."""
     from types import SimpleNamespace
 
     import torch

@@ -322,9 +322,9 @@ def test_too_many_connections_get_503_and_others_recover(adv):
 
 
 def test_health_probes_are_answered_while_the_connections_are_full(adv):
-    """/health/live was refused once --max-connections was reached, so an orchestrator restarted a server
-    that was merely busy. A few connections past the limit are kept for the probes: they are answered
-    there (and the connection closed); anything else on them gets 503 naming the limit."""
+    """A server whose connections are all taken still answers its probes, so an orchestrator never restarts
+    a server that is merely busy: a few connections past --max-connections are kept for /health,
+    /health/live and /metrics (each closed after its answer); anything else on them gets 503 naming the limit."""
     socks = [connect(adv.port) for _ in range(121)]                             # --max-connections 120, all idle
     try:
         for path in ("/health/live", "/health", "/metrics"):
@@ -361,9 +361,9 @@ def test_a_half_closed_client_gets_its_answer(adv):
 
 
 def test_a_bulk_client_that_sent_its_whole_body_at_once_is_answered_not_timed_out(adv):
-    """A million blank lines and two records, sent at once: once 14.5 us of CPU a blank line (a task each)
-    and a reader that checked --body-timeout (2 s here) before looking at the bytes already received, so
-    the stream ended as 'too slow'. Now a piece of the body is split in one call and only waiting counts."""
+    """A million blank lines and two records, sent at once, with --body-timeout 2: a piece of the body is split
+    in one call (no task, no await per line) and only waiting for bytes counts against the timeout, so the
+    records are answered and the stream ends cleanly."""
     body = b"\n" * 1_000_000 + ndjson([REQUEST, REQUEST | {"model": "second"}])
     resp = httpx.post(adv.url + "/v1/systemone/bulk", content=body, headers=NDJSON, timeout=120)
     lines = [json.loads(x) for x in resp.text.splitlines()]
@@ -446,8 +446,8 @@ def test_bulk_lines_follow_the_same_json_rules(adv):
 
 def test_a_request_read_after_another_on_its_connection_logs_under_its_own_id(adv):
     """A request that follows another on one connection (pipelined, or read when the first one's answer goes
-    out) was handled in a task that inherited the first request's log context, so its log lines (here
-    uvicorn's for a request that is not HTTP) carried the first request's id."""
+    out) runs in a task of its own whose log context starts empty: its log lines (here uvicorn's for a request
+    that is not HTTP) never carry the first request's id."""
     body = json.dumps(REQUEST).encode()
     rid = f"keep-{time.monotonic_ns()}"
     sock = connect(adv.port)

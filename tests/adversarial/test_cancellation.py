@@ -97,9 +97,9 @@ def test_a_small_requests_cpu_work_runs_on_the_loop_and_a_large_ones_in_the_pool
 
 
 def test_a_body_already_received_is_taken_even_when_the_server_was_busy_past_the_deadline():
-    """A bulk client that had sent its whole body was once refused as too slow: the reader checked its
-    deadline before looking for bytes, so a server busy for longer than --body-timeout between two pieces
-    (working through a piece's lines) timed out bytes that had already arrived. Only waiting counts."""
+    """A client that has sent its whole body is never refused as too slow, however long the server spends
+    between two pieces (a bulk stream working through a piece's lines): the deadlines count only the time
+    spent waiting for bytes, and bytes already received are taken even past a deadline."""
     from clef_vllm.errors import Kind, RequestError
     from clef_vllm.server.body import BodyReader
 
