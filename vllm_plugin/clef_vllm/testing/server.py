@@ -126,6 +126,13 @@ class LiveServer:
         self._log.close()
         return self.proc.returncode
 
+    def stop_clean(self) -> int:
+        """:meth:`stop`, after checking that the server logged no traceback and no internal error (a module
+        fixture's teardown: whatever its tests sent, the server never broke)."""
+        log = self.log()
+        assert "Traceback" not in log and "internal error" not in log, log[-2000:]
+        return self.stop()
+
     def kill(self) -> None:
         """SIGKILL the server (its whole process group when started with ``new_session``)."""
         if self.proc.poll() is None:
