@@ -59,46 +59,38 @@ def device_memory() -> tuple[int, tuple[int, int]] | None:
 
 def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
     """``opts`` with the plan's resolved NVFP4 kernel and feature settings."""
+    given = PlanInputs.from_options(opts, inputs.budget_bytes)
     changes: dict = {}
     if opts.nvfp4_kernel == "auto" and not opts.linear_backend_chosen:
         changes["nvfp4_kernel"] = inputs.nvfp4_kernel
-    if opts.head_graphs and inputs.head_graph_records != opts.head_graph_records:
+    if inputs.head_graph_records != given.head_graph_records:
         changes.update(head_graphs=inputs.head_graph_records > 0,
                        head_graph_records=inputs.head_graph_records or opts.head_graph_records)
-    if opts.head_graphs and inputs.head_graph_memory != opts.head_graph_memory:
+    if opts.head_graphs and inputs.head_graph_memory != given.head_graph_memory:
         changes.update(head_graph_memory=inputs.head_graph_memory)
-    planned = PlanInputs.from_options(opts, inputs.budget_bytes).max_num_batched_tokens
-    if inputs.max_num_batched_tokens != planned:
+    if inputs.max_num_batched_tokens != given.max_num_batched_tokens:
         changes.update(max_num_batched_tokens=inputs.max_num_batched_tokens)
-    if opts.prefill_graphs and not inputs.prefill_graphs:
+    if given.prefill_graphs and not inputs.prefill_graphs:
         changes.update(prefill_graphs=False)
-    elif opts.prefill_graphs and inputs.prefill_max_bucket < PlanInputs.from_options(opts, 0).prefill_max_bucket:
+    elif inputs.prefill_max_bucket < given.prefill_max_bucket:
         from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
 
         changes.update(prefill_graph_buckets=tuple(b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS)
                                                    if b <= inputs.prefill_max_bucket))
-    if opts.prefill_graphs and inputs.prefill_graphs and opts.resolved_prefill_graph_scope == "step" \
-            and not inputs.step_graphs:
+    if inputs.prefill_graphs and given.step_graphs and not inputs.step_graphs:
         changes.update(prefill_graph_scope="core")
-    if opts.gemm_warmup and not inputs.gemm_warmup:
+    if given.gemm_warmup and not inputs.gemm_warmup:
         changes.update(gemm_warmup=False)
-    elif opts.gemm_warmup and inputs.gemm_warmup_rows is not None:
+    elif inputs.gemm_warmup_rows != given.gemm_warmup_rows:
         changes.update(gemm_warmup_rows=inputs.gemm_warmup_rows)
-    if opts.state_cache and not inputs.state_cache:
+    if given.state_cache and not inputs.state_cache:
         changes.update(state_cache=False)
-    if not changes:
-        return opts
-    # sub-options of a switch turned off go with it (the options refuse them alone)
-    for switch, subs in (("head_graphs", ("head_graph_records", "head_graph_memory")), ("state_cache", ("state_cache_admit",
-                                                                                  "state_cache_match")),
-                         ("prefill_graphs", ("prefill_graph_scope", "prefill_graph_buckets", "step_graph_split")),
-                         ("gemm_warmup", ("gemm_row_grid", "gemm_warmup_rows"))):
+    # a sub-option goes back to its default with its switch turned off (the options refuse it alone)
+    defaults = {f.name: f.default for f in dataclasses.fields(VllmOptions)}
+    for sub, switch in VllmOptions.NEEDS_SWITCH.items():
         if changes.get(switch) is False:
-            for sub in subs:
-                changes.pop(sub, None)
-                default = next(f.default for f in dataclasses.fields(VllmOptions) if f.name == sub)
-                changes[sub] = default
-    return dataclasses.replace(opts, **changes)
+            changes[sub] = defaults[sub]
+    return dataclasses.replace(opts, **changes) if changes else opts
 
 
 def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]] | None = None
