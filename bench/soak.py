@@ -51,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from clef_vllm.bench.loadgen import distribution_ms
+from clef_vllm.testing.bodies import nested_level, state_array
 from clef_vllm.testing.server import LiveServer
 
 WORDS = ("checkout payment refund invoice outage login error customer urgent billing shipping delivery account "
@@ -212,18 +213,6 @@ class MemorySampler:
 MIX_SERVER_FLAGS = {"--header-timeout": "2", "--body-timeout": "2", "--min-body-rate": "4096",
                     "--max-body-bytes": str(2 * 2 ** 20), "--max-connections": "256", "--max-bulk-lines": "100000",
                     "--max-bulk-streams": "4", "--keep-alive-timeout": "5", "--log-format": "json"}
-
-
-def nested_body(depth: int) -> bytes:
-    """A score question whose one level is an array nested ``depth`` deep."""
-    return ('{"model":"m","state":1,"questions":{"a":{"type":"score","criteria":['
-            + "[" * depth + "]" * depth + "]}}}").encode()
-
-
-def many_values_body(size: int) -> bytes:
-    """A state that is one array of ``size`` bytes of ``1,``: more JSON values than any request can use."""
-    head, tail = b'{"model":"m","questions":{"a":{"type":"noul"}},"state":[', b"1]}"
-    return head + b"1," * ((size - len(head) - len(tail)) // 2) + tail
 
 
 async def read_http_response(reader: asyncio.StreamReader, timeout: float) -> tuple[int | None, dict, bytes]:
@@ -396,11 +385,11 @@ class Attacks:
         return self._expect(status, body, (413,), "--max-body-bytes")
 
     async def deep_nesting(self):
-        status, _, body = await self._exchange(self._post(nested_body(5000)))
+        status, _, body = await self._exchange(self._post(nested_level(5000)))
         return self._expect(status, body, (400, 413), "nested")
 
     async def many_values(self):
-        status, _, body = await self._exchange(self._post(many_values_body(min(self.max_body_bytes, 2 ** 20))))
+        status, _, body = await self._exchange(self._post(state_array(min(self.max_body_bytes, 2 ** 20))))
         return self._expect(status, body, (413,), "JSON values")
 
     async def million_line_bulk(self):

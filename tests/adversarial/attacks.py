@@ -10,19 +10,9 @@ import json
 import socket
 import time
 
+from clef_vllm.testing.bodies import state_array
+
 MiB = 1024 * 1024
-
-
-def nested_level(depth: int) -> bytes:
-    """D1: a score question whose one level is an array nested ``depth`` deep."""
-    return ('{"model":"m","state":1,"questions":{"a":{"type":"score","criteria":['
-            + "[" * depth + "]" * depth + "]}}}").encode()
-
-
-def state_array(size: int) -> bytes:
-    """A state that is one huge array of small numbers (``size`` bytes in all)."""
-    head, tail = b'{"model":"m","questions":{"a":{"type":"noul"}},"state":[', b"1]}"
-    return head + b"1," * ((size - len(head) - len(tail)) // 2) + tail
 
 
 def _filled(head: bytes, item: bytes, tail: bytes, size: int, reserve: int) -> bytes:

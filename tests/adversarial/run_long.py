@@ -54,8 +54,10 @@ import httpx
 import psutil
 
 # run as a script: this folder is sys.path[0], so the attacks module imports as a top-level one
-from attacks import MiB, WORST_CASES, connect, head, ndjson, nested_level, read_response
+from attacks import MiB, WORST_CASES, connect, head, ndjson, read_response
+
 from clef_vllm.bench.loadgen import percentile
+from clef_vllm.testing.bodies import nested_level
 from clef_vllm.testing.server import LiveServer, free_port
 
 REQUEST = {"model": "clef-flash", "state": "Checkout has been failing for every customer for the last hour.",

@@ -31,8 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from adversarial.attacks import (connect, dechunk, head, many_options, many_questions, ndjson, nested_level,
-                                 read_response, read_responses, state_array, state_keys, state_text, wait)
+from adversarial.attacks import (connect, dechunk, head, many_options, many_questions, ndjson,
+                                 read_response, read_responses, state_keys, state_text, wait)
+from clef_vllm.testing.bodies import nested_level, state_array
 from conftest import LiveServer
 
 REQUEST = {"model": "clef-flash", "state": "Checkout is down for everyone.",
