@@ -88,13 +88,12 @@ def test_turning_a_switch_off_resets_its_sub_options():
 def test_the_worker_reserves_what_the_plugin_graphs_hold():
     from clef_vllm.worker.graph_costs import HEAD_GRAPH_BYTES, graph_reservation
 
-    full = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=16,
+    full = graph_reservation(hidden=4096, intermediate=12288, head_records=16,
                              prefill_buckets=[64, 4096], step_graphs=True)
     assert set(full) == {"head graphs", "GDN graphs", "step graphs"} and full["head graphs"] == HEAD_GRAPH_BYTES
-    lean = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0,
-                             prefill_buckets=[64, 2048])
+    lean = graph_reservation(hidden=4096, intermediate=12288, head_records=0, prefill_buckets=[64, 2048])
     assert set(lean) == {"GDN graphs"} and lean["GDN graphs"] == full["GDN graphs"] // 2
-    assert graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0) == {}
+    assert graph_reservation(hidden=4096, intermediate=12288, head_records=0) == {}
 
 
 def test_the_16gb_plan_reaches_the_engine_as_lean_prefill_buckets_and_no_head_graphs(hybrid_9b):
@@ -149,7 +148,7 @@ def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(
     worker = _worker(monkeypatch, available_gib=4.51, used_gib=10.0, consumed_gib=9.13, estimate_gib=0.75,
                      additional={"clef_prefill_graphs": prefill})
     kv = worker.determine_available_memory()
-    gdn = graph_reservation(hidden=4096, intermediate=12288, max_model_len=16384, head_records=0,
+    gdn = graph_reservation(hidden=4096, intermediate=12288, head_records=0,
                             prefill_buckets=[2048])["GDN graphs"]
     context, growth, beyond = 0.87 * GIB, 0.3 * GIB, 0.4 * 0.75 * GIB
     assert abs(kv - (4.51 * GIB - context - growth - beyond - gdn)) < 1 << 20

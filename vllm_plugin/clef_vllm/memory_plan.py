@@ -294,8 +294,7 @@ class PlanInputs:
     """The budget and the server settings that decide memory.
 
     ``nvfp4_kernel``: ``bf16`` (NVFP4 layers dequantized to BF16 at load) or ``vllm`` (packed). A
-    ``head_graph_records`` of 0 is the head graphs off; ``head_graph_memory`` ``None`` lets them hold decisions
-    up to ``max_model_len`` rows; ``prefill_max_bucket`` is the prefill graphs' largest token count (capped by
+    ``head_graph_records`` of 0 is the head graphs off; ``prefill_max_bucket`` is the prefill graphs' largest token count (capped by
     the step's token budget); ``gemm_warmup_rows`` ``None`` is the worker's
     row count (``max(max_num_batched_tokens, max_model_len)``); ``state_cache_bytes`` ``None`` is the
     worker's share of the KV room (the memory rows of every token the KV cache can hold), 0 is the state
@@ -308,7 +307,6 @@ class PlanInputs:
     nvfp4_kernel: str = "bf16"
     cuda_graphs: bool = True
     head_graph_records: int = 16
-    head_graph_memory: int | None = None
     prefill_graphs: bool = True
     prefill_max_bucket: int = DEFAULT_MAX_BUCKET
     step_graphs: bool = True
@@ -332,7 +330,6 @@ class PlanInputs:
             max_num_seqs=int(options.max_num_seqs), max_num_batched_tokens=engine["max_num_batched_tokens"],
             nvfp4_kernel=options.nvfp4_kernel, cuda_graphs=not options.enforce_eager,
             head_graph_records=options.head_graph_records if options.head_graphs else 0,
-            head_graph_memory=options.head_graph_memory,
             prefill_graphs=prefill, prefill_max_bucket=max(options.prefill_graph_buckets or (DEFAULT_MAX_BUCKET,)),
             step_graphs=prefill and options.resolved_prefill_graph_scope == "step",
             gemm_warmup=bool(options.gemm_warmup), gemm_warmup_rows=options.gemm_warmup_rows,
@@ -496,15 +493,13 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
               Part("later non-torch memory", NON_TORCH_GROWTH_BYTES, "graph executables, kept free under the cap",
                    "vllm")]
 
-    graphs = graph_reservation(hidden=m.hidden, intermediate=m.intermediate, max_model_len=i.max_model_len,
-                               head_records=i.head_graph_records, head_memory=i.head_graph_memory or 0,
+    graphs = graph_reservation(hidden=m.hidden, intermediate=m.intermediate, head_records=i.head_graph_records,
                                prefill_buckets=[bucket] if bucket else [],
                                step_graphs=bool(bucket) and i.step_graphs and i.cuda_graphs)
-    memory = min(i.head_graph_memory or i.max_model_len, i.max_model_len)
     notes = {"GDN graphs": f"single-sequence prefill steps up to {bucket:,} tokens" if bucket else "off",
              "step graphs": "the whole backbone of such steps" if graphs.get("step graphs") else "off",
-             "head graphs": f"steps finishing up to {i.head_graph_records} requests, decisions up to {memory:,} "
-                            "tokens" if i.head_graph_records else "off"}
+             "head graphs": f"steps finishing up to {i.head_graph_records} requests" if i.head_graph_records
+             else "off"}
     parts += [Part(name, graphs.get(name, 0), note, "plugin") for name, note in notes.items()]
     rows = i.warmup_rows
     warmup = int(GEMM_WARMUP_BYTES_PER_ROW * _ratio((m.hidden + m.head_width, REF_HIDDEN + REF_WIDTH)) * rows)

@@ -66,8 +66,6 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
     if inputs.head_graph_records != given.head_graph_records:
         changes.update(head_graphs=inputs.head_graph_records > 0,
                        head_graph_records=inputs.head_graph_records or opts.head_graph_records)
-    if opts.head_graphs and inputs.head_graph_memory != given.head_graph_memory:
-        changes.update(head_graph_memory=inputs.head_graph_memory)
     if inputs.max_num_batched_tokens != given.max_num_batched_tokens:
         changes.update(max_num_batched_tokens=inputs.max_num_batched_tokens)
     if given.prefill_graphs and not inputs.prefill_graphs:

@@ -225,10 +225,7 @@ def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
     """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
     if opts.head_graphs:
-        setting = {"records": opts.head_graph_records}
-        if opts.head_graph_memory:
-            setting["memory"] = opts.head_graph_memory
-        tell_worker(kwargs, HEAD_GRAPHS_KEY, setting)
+        tell_worker(kwargs, HEAD_GRAPHS_KEY, {"records": opts.head_graph_records})
 
 
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
@@ -476,9 +473,6 @@ class VllmOptions(_Validated):
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
                                engine=_head_graphs, kind=bool)
-    head_graph_memory: int | None = option(None, "with the head graphs on, the longest decision (in tokens) they "
-                                           "hold; longer ones run the eager head (default: --max-model-len; the "
-                                           "memory plan lowers it on small GPUs)", kind=int, minimum=128)
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
                                      flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
@@ -533,7 +527,7 @@ class VllmOptions(_Validated):
 
     NEEDS_SWITCH = {"prefill_graph_scope": "prefill_graphs", "prefill_graph_buckets": "prefill_graphs",
                     "step_graph_split": "prefill_graphs",
-                    "head_graph_records": "head_graphs", "head_graph_memory": "head_graphs",
+                    "head_graph_records": "head_graphs",
                     "gemm_row_grid": "gemm_warmup",
                     "gemm_warmup_rows": "gemm_warmup",
                     "state_cache_admit": "state_cache",

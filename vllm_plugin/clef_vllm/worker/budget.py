@@ -71,9 +71,7 @@ def plugin_graph_bytes(vllm_config) -> dict[str, int]:
     config = vllm_config.model_config.hf_text_config
     return graph_reservation(
         hidden=config.hidden_size, intermediate=config.intermediate_size,
-        max_model_len=vllm_config.model_config.max_model_len,
         head_records=int(head.get("records", 1)) if isinstance(head, dict) else (1 if head else 0),
-        head_memory=int(head.get("memory") or 0) if isinstance(head, dict) else 0,
         prefill_buckets=list(prefill.get("buckets") or ()) if isinstance(prefill, dict) else [],
         step_graphs=isinstance(prefill, dict) and prefill.get("scope") == "step")
 

@@ -2,14 +2,15 @@
 
 The worker captures its step, GDN and head graphs after vLLM has sized the KV cache, so their memory
 pools are not in vLLM's profile: :class:`clef_vllm.worker.budget.ClefWorker` takes this estimate out of the
-KV cache, and :mod:`clef_vllm.memory_plan` counts it in the plan. Each figure is linear in what sizes the
-pool, with a per-unit cost measured on the 9B-shaped model (hidden 4,096, intermediate 12,288) and scaled
-by the model's widths:
+KV cache, and :mod:`clef_vllm.memory_plan` counts it in the plan. The figures were measured on the 9B-shaped
+model (hidden 4,096, intermediate 12,288):
 
 * head graphs: one pool shared by every bucket's graph (:mod:`clef_vllm.worker.head_graphs`), about the
-  same size whatever their records and memory rows;
-* GDN graphs: per GDN layer, the core's buffers at the largest prefill bucket;
-* step graphs: the whole backbone's activations at the largest prefill bucket (one pool).
+  same size whatever their records and memory rows (one figure);
+* GDN graphs: per GDN layer, the core's buffers at the largest prefill bucket (linear in it, scaled by the
+  hidden size);
+* step graphs: the whole backbone's activations at the largest prefill bucket (one pool; linear in it,
+  scaled by hidden + intermediate size).
 """
 
 from __future__ import annotations
@@ -26,19 +27,11 @@ GDN_GRAPH_BYTES_PER_TOKEN = 100_000
 STEP_GRAPH_BYTES_PER_TOKEN = 170_000
 #: The 9B-shaped model the figures were measured on.
 REFERENCE_HIDDEN, REFERENCE_INTERMEDIATE = 4096, 12288
-#: Head graphs: the memory buckets (rows per record) and the most rows a several-record graph holds
-#: (the same numbers as :mod:`clef_vllm.worker.head_graphs`, kept here free of torch).
-HEAD_MEMORY_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576,
-                       32768)
-SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS = 2048, 32768
 
-
-def graph_reservation(*, hidden: int, intermediate: int, max_model_len: int, head_records: int,
-                      head_memory: int = 0, prefill_buckets: Sequence[int] = (),
+def graph_reservation(*, hidden: int, intermediate: int, head_records: int, prefill_buckets: Sequence[int] = (),
                       step_graphs: bool = False) -> dict[str, int]:
     """Bytes each kind of plugin graph holds once captured: ``{"head graphs": ..., "GDN graphs": ...,
-    "step graphs": ...}`` (kinds that are off are left out). ``head_memory``: the most memory rows a
-    single-record head graph holds (0: ``max_model_len``; its pool barely depends on it)."""
+    "step graphs": ...}`` (kinds that are off are left out)."""
     out: dict[str, int] = {}
     width = hidden / REFERENCE_HIDDEN
     if head_records:

@@ -41,7 +41,6 @@ import torch
 from clef_vllm.contract import HEAD_GRAPH_RECORDS
 from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
 from clef_vllm.worker import memory
-from clef_vllm.worker.graph_costs import HEAD_MEMORY_BUCKETS, SEVERAL_MEMORY_LIMIT, SEVERAL_ROWS
 from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph, choose_bucket
 
 log = logging.getLogger("clef_vllm")
@@ -50,14 +49,16 @@ log = logging.getLogger("clef_vllm")
 #: one field slot free: the padded options' field.
 SCHEMA_BUCKETS = ((4, 16), (8, 32), (16, 64), (32, 128), (65, 256))
 #: Memory rows (the request's prompt length) a decision can be padded to.
-MEMORY_BUCKETS = HEAD_MEMORY_BUCKETS
+MEMORY_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 #: Finishing requests a step can be padded to (``--head-graph-records`` picks the largest in use).
 RECORD_BUCKETS = HEAD_GRAPH_RECORDS
 #: With several records per graph only short decisions are graphed: schema buckets up to this one and
-#: memory buckets up to SEVERAL_MEMORY_LIMIT rows per record, and at most SEVERAL_ROWS rows in all (as
+#: memory buckets up to this many rows per record, and at most :data:`SEVERAL_ROWS` rows in all (as
 #: many as the largest single-record graph at a 32k context): 2,048 rows per record up to 16 records,
-#: 1,024 at 32, 512 at 64 (both in :mod:`clef_vllm.worker.graph_costs`, which sizes the graphs' memory).
+#: 1,024 at 32, 512 at 64.
 SEVERAL_SCHEMA_LIMIT = (16, 64)
+SEVERAL_MEMORY_LIMIT = 2048
+SEVERAL_ROWS = 32768
 
 
 def several_memory_limit(records: int) -> int:

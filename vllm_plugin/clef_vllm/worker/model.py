@@ -215,8 +215,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         if setting is None:
             return None
         records = setting.get("records", 1) if isinstance(setting, dict) else 1
-        max_memory = (setting.get("memory") if isinstance(setting, dict) else None) or vllm_config.model_config.max_model_len
-        runner = HeadGraphRunner(self.head, max_memory=max_memory, max_records=records)
+        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len, max_records=records)
         log.info("clef head graphs: a step finishing up to %d request(s) runs the joint head from a CUDA graph "
                  "(%d buckets; memory up to %d rows)", runner.record_buckets[-1], len(runner.buckets),
                  runner.memory_buckets[-1])
