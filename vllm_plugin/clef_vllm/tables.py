@@ -29,6 +29,12 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def scale_rows(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 ``rows`` (``[..., H]``) times their ``scale`` (``[...]``) in float32, rounded to ``dtype``: the one
+    arithmetic of every int8 table, so rows gathered first and a table dequantized whole agree bit for bit."""
+    return (rows.float() * scale.unsqueeze(-1)).to(dtype)
+
+
 class LexicalTable(nn.Module):
     """A [V, H] table from which rows are gathered in a given dtype."""
 
@@ -61,15 +67,15 @@ class Int8RowTable(LexicalTable):
         self.num_rows, self.width = weight.shape
 
     def rows(self, ids, dtype):
-        return (self.weight[ids].float() * self.scale[ids, None]).to(dtype)
+        return scale_rows(self.weight[ids], self.scale[ids], dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The whole table in ``dtype`` (for the embedding, dequantized once at load)."""
+        """The whole table in ``dtype`` (the reference backend's embedding)."""
         out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
         step = 8192
         for start in range(0, self.num_rows, step):  # bounded fp32 temporaries
             sl = slice(start, start + step)
-            out[sl] = (self.weight[sl].float() * self.scale[sl, None]).to(dtype)
+            out[sl] = scale_rows(self.weight[sl], self.scale[sl], dtype)
         return out
 
 

@@ -4,8 +4,8 @@ A repacked checkpoint stores the embedding in ``clef_head/tables_int8.safetensor
 one float32 scale per row (:mod:`clef_vllm.tables`). :class:`Int8RowEmbedding` holds exactly that in
 the worker, 1 byte a weight and 4 bytes a row instead of vLLM's 2 bytes a weight (0.95 GiB less for
 Qwen3.5-9B's 248,320 x 4,096 table), and gathers the rows a step's tokens need, scaling each one in
-float32 and rounding it to the model's dtype: per row the same arithmetic as dequantizing the whole table
-once (:meth:`clef_vllm.tables.Int8RowTable.dequantize`) and gathering from that, so the hidden states are
+float32 and rounding it to the model's dtype with :func:`clef_vllm.tables.scale_rows`, the arithmetic of
+dequantizing the whole table once (:meth:`clef_vllm.tables.Int8RowTable.dequantize`): the hidden states are
 bit for bit the same.
 
 Tensor parallelism follows vLLM's ``VocabParallelEmbedding``: each rank holds the rows of its slice of
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from clef_vllm.tables import Int8RowTable
+from clef_vllm.tables import Int8RowTable, scale_rows
 
 #: vLLM pads the vocabulary to a multiple of this before splitting it between tensor-parallel ranks.
 VOCAB_PADDING = 64
@@ -79,8 +79,7 @@ class Int8RowEmbedding(nn.Module):
         if self.tp_size > 1:
             outside = (ids < self.start) | (ids >= self.end)
             ids = torch.where(outside, torch.zeros_like(ids), ids - self.start)
-        # the same float32 product and rounding as Int8RowTable.dequantize, row by row
-        out = (self.weight[ids].float() * self.scale[ids].unsqueeze(-1)).to(self.dtype)
+        out = scale_rows(self.weight[ids], self.scale[ids], self.dtype)
         if self.tp_size > 1:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
