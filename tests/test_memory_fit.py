@@ -136,6 +136,7 @@ def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consum
     worker.vllm_config = SimpleNamespace(additional_config=additional, model_config=SimpleNamespace(
         hf_text_config=text, max_model_len=16384))
     worker.total_consumed, worker.cudagraph_memory_estimate = int(consumed_gib * GIB), int(estimate_gib * GIB)
+    worker.model_runner = SimpleNamespace(max_num_tokens=8192, max_num_reqs=128, get_model=budget.torch.nn.Module)
     return worker
 
 

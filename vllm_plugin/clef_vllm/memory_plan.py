@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from clef_vllm.worker.graph_costs import graph_reservation
+from clef_vllm.worker.graph_costs import gdn_live_bytes, gdn_prefill_bytes, graph_reservation, worst_prefill_lengths
 
 GIB = 1 << 30
 
@@ -76,6 +76,8 @@ GEMM_WARMUP_BYTES_PER_ROW = 230 << 10
 GEMM_WARMUP_CAP_ROWS = 4096
 #: What :func:`fit` lowers the step's token budget and the prefill graphs' largest token count to.
 LEAN_BATCHED_TOKENS, LEAN_PREFILL_BUCKET = 8192, 2048
+#: What :func:`fit` lowers ``--max-num-seqs`` to: the sequences one step prefills, each with its GDN states.
+LEAN_SEQUENCES = 32
 #: The prefill graphs' largest default bucket (``clef_vllm.worker.prefill_graphs.DEFAULT_BUCKETS``).
 DEFAULT_MAX_BUCKET = 4096
 
@@ -220,6 +222,8 @@ class ModelShape:
     head_params: int
     head_width: int
     kv: KvLayout
+    #: The GDN layers' (key heads, value heads, key dim, value dim, recurrent-state bytes); ``()`` without them.
+    gdn: tuple[int, ...] = ()
 
     @classmethod
     def from_configs(cls, config: Mapping, head_config, *, int8_tables: bool = True) -> "ModelShape":
@@ -259,7 +263,15 @@ class ModelShape:
                    num_layers=int(text["num_hidden_layers"]), int8_tables=int8_tables,
                    vision=isinstance(config.get("vision_config"), Mapping),
                    head_params=count_parameters(head_config), head_width=head_config.width,
-                   kv=KvLayout.from_text_config(text))
+                   kv=KvLayout.from_text_config(text), gdn=_gdn_dims(text))
+
+
+def _gdn_dims(text: Mapping) -> tuple[int, ...]:
+    if "linear_attention" not in layer_types(text):
+        return ()
+    ssm = _DTYPE_BYTES.get(str(text.get("mamba_ssm_dtype") or "").removeprefix("torch."), 2)
+    return (int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
+            int(text["linear_value_head_dim"]), ssm)
 
 
 def _leftover_bytes(text: Mapping, dtype_bytes: int = 2) -> int:
@@ -484,7 +496,18 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
     activations = int(ACTIVATION_BYTES_PER_TOKEN * width * i.max_num_batched_tokens)
     bucket = min(i.prefill_max_bucket, i.max_num_batched_tokens) if i.prefill_graphs else 0
     capture = bucket or min(2 * i.max_num_seqs, MAX_CAPTURE_SIZE, i.max_num_batched_tokens)
-    parts += [Part("activations", activations, f"one step of {i.max_num_batched_tokens:,} tokens", "vllm"),
+    parts.append(Part("activations", activations, f"one step of {i.max_num_batched_tokens:,} tokens", "vllm"))
+    if m.gdn:
+        kh, vh, kd, vd, ssm = m.gdn
+        dims = dict(key_heads=kh, value_heads=vh, key_dim=kd, value_dim=vd)
+        tokens = i.max_num_batched_tokens
+        step = (gdn_live_bytes(tokens, hidden=m.hidden, **dims)
+                + gdn_prefill_bytes(tokens, i.max_num_seqs, ssm_bytes=ssm, **dims))
+        sequences = len(worst_prefill_lengths(tokens, i.max_num_seqs))
+        parts.append(Part("GDN prefill", max(step - activations, 0),
+                          f"its core in {sequences} sequences (run in vLLM's profiling): {gib(step)} GiB transient, "
+                          "above activations only", "vllm"))
+    parts += [
               Part("vLLM CUDA graphs", max(int(VLLM_GRAPH_BYTES_PER_TOKEN * width * capture), VLLM_GRAPH_MIN_BYTES)
                    if i.cuda_graphs else 0, f"captured up to {capture:,} tokens" if i.cuda_graphs else
                    "off (enforce_eager)", "vllm"),
@@ -547,6 +570,9 @@ def _steps(inputs: PlanInputs):
     if i.max_num_batched_tokens > LEAN_BATCHED_TOKENS:
         yield replace(i, max_num_batched_tokens=LEAN_BATCHED_TOKENS), \
             f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {LEAN_BATCHED_TOKENS:,} (longer prompts in chunks)"
+    if i.max_num_seqs > LEAN_SEQUENCES:
+        yield replace(i, max_num_seqs=LEAN_SEQUENCES), \
+            f"--max-num-seqs {i.max_num_seqs} -> {LEAN_SEQUENCES} (a step prefills at most {LEAN_SEQUENCES} requests)"
     if i.step_graphs and i.prefill_graphs and i.cuda_graphs:
         yield replace(i, step_graphs=False), "step graphs off (--prefill-graph-scope core)"
     if i.head_graph_records:
@@ -565,7 +591,8 @@ def _steps(inputs: PlanInputs):
 def _leanest(inputs: PlanInputs) -> PlanInputs:
     return replace(inputs, head_graph_records=0, prefill_graphs=False, step_graphs=False, gemm_warmup=False,
                    gemm_warmup_rows=None, state_cache_bytes=0,
-                   max_num_batched_tokens=min(inputs.max_num_batched_tokens, LEAN_BATCHED_TOKENS))
+                   max_num_batched_tokens=min(inputs.max_num_batched_tokens, LEAN_BATCHED_TOKENS),
+                   max_num_seqs=min(inputs.max_num_seqs, LEAN_SEQUENCES))
 
 
 def fit(model: ModelShape, inputs: PlanInputs, *, min_sequences: float = MIN_SEQUENCES) -> MemoryPlan:

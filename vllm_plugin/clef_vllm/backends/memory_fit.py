@@ -68,6 +68,8 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
                        head_graph_records=inputs.head_graph_records or opts.head_graph_records)
     if inputs.max_num_batched_tokens != given.max_num_batched_tokens:
         changes.update(max_num_batched_tokens=inputs.max_num_batched_tokens)
+    if inputs.max_num_seqs != given.max_num_seqs:
+        changes.update(max_num_seqs=inputs.max_num_seqs)
     if given.prefill_graphs and not inputs.prefill_graphs:
         changes.update(prefill_graphs=False)
     elif inputs.prefill_max_bucket < given.prefill_max_bucket:

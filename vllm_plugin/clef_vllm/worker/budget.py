@@ -3,6 +3,9 @@
 vLLM 0.28 sizes the KV cache as the budget (``gpu_memory_utilization`` x the device) less what its
 profiling run measured: the weights, the peak of one step's activations (the plugin's head, its GEMM
 warm-up and the state cache's side rows run inside that profiling) and its own CUDA graphs' estimate.
+In that profiling step vLLM's GDN layers skip their core; :class:`ClefWorker` has one of them run it at the
+step's full size (:mod:`clef_vllm.worker.gdn_profile`), so that the peak vLLM measures holds the prefill's
+convolution, chunk intermediates and recurrent states too.
 Some things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
 
 * the CUDA context and what the device held for this process before vLLM's first snapshot (vLLM
@@ -23,6 +26,7 @@ logs it once); the process never holds more than the budget.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -30,6 +34,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
 from clef_vllm.memory_plan import CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, VLLM_GRAPH_UNDERCOUNT
+from clef_vllm.worker.gdn_profile import GdnPeakProbe
 from clef_vllm.worker.graph_costs import graph_reservation
 from clef_vllm.worker import memory
 
@@ -91,8 +96,21 @@ class ClefWorker(Worker):
             return DEFAULT_CONTEXT_BYTES
         return max(0, used - int(consumed))
 
+    def _peak_probe(self) -> GdnPeakProbe | None:
+        """The GDN prefill probe on this worker's model (``None`` without a GPU or GDN layers)."""
+        runner = self.model_runner
+        if not torch.cuda.is_available():
+            return None
+        probe = GdnPeakProbe(runner.max_num_tokens, runner.max_num_reqs)
+        return probe if probe.install(runner.get_model()) else None
+
     def determine_available_memory(self) -> int:
-        available = super().determine_available_memory()
+        probe = self._peak_probe()
+        with probe.armed_for_profiling() if probe is not None else contextlib.nullcontext():
+            available = super().determine_available_memory()
+        if probe is not None and not probe.runs:
+            log.warning("clef memory budget: vLLM's profiling step never reached a GDN layer at its %d tokens: the KV "
+                        "cache is sized without the GDN prefill's memory", probe.tokens)
         keep = {"CUDA context": self._context_bytes(), "later non-torch memory": CAP_MARGIN_BYTES,
                 "vLLM's graphs beyond its estimate": int(VLLM_GRAPH_UNDERCOUNT
                                                          * getattr(self, "cudagraph_memory_estimate", 0))}

@@ -1,4 +1,4 @@
-"""What the plugin's CUDA graphs hold on the GPU, estimated from their settings (no torch, no vLLM).
+"""What the plugin's CUDA graphs and the GDN prefill hold on the GPU, estimated from settings (no torch, no vLLM).
 
 The worker captures its step, GDN and head graphs after vLLM has sized the KV cache, so their memory
 pools are not in vLLM's profile: :class:`clef_vllm.worker.budget.ClefWorker` takes this estimate out of the
@@ -44,3 +44,43 @@ def graph_reservation(*, hidden: int, intermediate: int, head_records: int, pref
                                                                                  REFERENCE_INTERMEDIATE)
             out["step graphs"] = int(tokens * per_token)
     return out
+
+
+# --------------------------------------------------------------------------- the GDN prefill's step
+
+#: The chunk length of vLLM's GDN prefill kernels (FLA's ``chunk_size``).
+GDN_CHUNK = 64
+#: A sequence one token past a chunk: the most chunks per token a step can hold.
+WORST_LENGTH = GDN_CHUNK + 1
+
+
+def worst_prefill_lengths(tokens: int, max_sequences: int) -> list[int]:
+    """The sequence lengths of the costliest GDN prefill step of ``tokens`` tokens: as many sequences of
+    :data:`WORST_LENGTH` tokens as ``max_sequences`` allows, the last taking the rest."""
+    n = max(1, min(int(max_sequences), tokens // WORST_LENGTH))
+    return [WORST_LENGTH] * (n - 1) + [tokens - WORST_LENGTH * (n - 1)]
+
+
+def gdn_prefill_bytes(tokens: int, max_sequences: int, *, key_heads: int, value_heads: int, key_dim: int,
+                      value_dim: int, ssm_bytes: int = 4, dtype_bytes: int = 2) -> int:
+    """What one GDN layer's prefill core allocates in the step of :func:`worst_prefill_lengths` (vLLM 0.28's
+    Triton path, FLA's chunk kernels): per token the convolution's output and ``q``/``k``/``v``, ``g`` and
+    ``beta``, the chunk kernels' ``A`` (float32 and solved), ``w``, ``u``, the new values and the output; per
+    chunk one recurrent state; per sequence its initial state (gathered), its final state (float32) and the
+    final state written back."""
+    lengths = worst_prefill_lengths(tokens, max_sequences)
+    chunks = sum(-(-n // GDN_CHUNK) for n in lengths)
+    conv = 2 * key_heads * key_dim + value_heads * value_dim
+    per_token = 2 * conv * dtype_bytes + value_heads * (
+        4 + dtype_bytes + 4 + GDN_CHUNK * (4 + dtype_bytes) + dtype_bytes * (key_dim + 3 * value_dim))
+    state = value_heads * key_dim * value_dim
+    return tokens * per_token + chunks * state * dtype_bytes + len(lengths) * state * (2 * ssm_bytes + 4)
+
+
+def gdn_live_bytes(tokens: int, *, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                   dtype_bytes: int = 2) -> int:
+    """What the step holds when a GDN layer's core starts: the hidden states and the residual, the layer's
+    input projections and the core's output buffer."""
+    conv = 2 * key_heads * key_dim + value_heads * value_dim
+    return tokens * dtype_bytes * (2 * hidden + conv + value_heads * value_dim + 2 * value_heads
+                                   + value_heads * value_dim)
