@@ -397,6 +397,11 @@ class VllmOptions(_Validated):
     headless: bool = option(False, "start this node's data-parallel engines only, no HTTP server: they join the "
                             "head node at --data-parallel-address (docs/deploy.md)", flags=("--headless",),
                             kind=bool, action="store_true")
+    rank_watchdog_s: float = option(5.0, "on a head node with --headless ranks: seconds between liveness probes "
+                                    "of each remote rank; one that leaves 3 in a row unanswered (deadline twice "
+                                    "this) is dead: the server answers 503 and exits 1 (default 5; 0: off; "
+                                    "docs/deploy.md)", flags=("--rank-watchdog-s",), kind=float, minimum=0.0,
+                                    metavar="S")
     engines_per_gpu: int = option(1, "data-parallel engines per GPU: --dp counts engines, placed this many on each "
                                   "GPU in order (default 1); they start one after another, each with its share of "
                                   "the memory. For data parallelism on fewer GPUs, not for speed: measured slower "

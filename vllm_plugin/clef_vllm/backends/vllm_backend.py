@@ -30,10 +30,12 @@ from clef_vllm import ARCHITECTURE, trace
 from clef_vllm.backends.base import Backend, BackendDeadError
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
+from clef_vllm.backends.rank_watchdog import RankWatchdog
 from clef_vllm.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
 from clef_vllm.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.features import HeadSpec
+from clef_vllm.multinode import remote_ranks
 from clef_vllm.stacks import dump_descendant_stacks
 from clef_vllm.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
 from clef_vllm.worker.dummy_loader import is_dummy
@@ -223,6 +225,9 @@ class VllmBackend(Backend):
     name = "vllm"
     #: CLEF_VLLM_PROFILE's window (set in ``__init__``; off for instances made without it, as tests make them)
     _profile: trace.ProfileWindow | None = None
+    #: the remote ranks' liveness probes (``--rank-watchdog-s``), and why they declared a rank dead
+    _watchdog: RankWatchdog | None = None
+    _rank_failure: str | None = None
 
     def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
                  encoder: RequestEncoder | None = None, **kwargs: Any):
@@ -293,6 +298,23 @@ class VllmBackend(Backend):
         self._report_kernels()
         if self.warmup_enabled:
             await self._warmup()
+        self._watch_remote_ranks()
+
+    def _watch_remote_ranks(self) -> None:
+        """Start the liveness probes of the ranks on ``--headless`` nodes (:mod:`clef_vllm.backends.rank_watchdog`;
+        vLLM's head sees only its own node's engine processes die). Runs on the engine loop."""
+        ranks = remote_ranks(self.options)
+        if not ranks or not self.options.rank_watchdog_s:
+            return
+        client = getattr(self.engine, "engine_core", None)
+        if not RankWatchdog.supported(client):
+            log.warning("rank watchdog off: vLLM's client (%s) cannot address one engine", type(client).__name__)
+            return
+        self._watchdog = RankWatchdog(client, ranks, self._rank_dead, self.options.rank_watchdog_s)
+        self._watchdog.start()
+
+    def _rank_dead(self, rank: int, reason: str) -> None:
+        self._rank_failure = reason
 
     def _report_kernels(self) -> None:
         """Say, per quantization scheme, which kernel runs on this GPU (never pretend).
@@ -380,6 +402,8 @@ class VllmBackend(Backend):
         engine = self.engine
         if engine is None:
             raise BackendDeadError("the vLLM engine is not running")
+        if self._rank_failure is not None:
+            raise BackendDeadError(self._rank_failure)
         # Cancelling this coroutine (server timeout, client gone) aborts the request in the engine
         # core; an engine-core death surfaces as EngineDeadError.
         trace.event("submit", request_id, tokens=len(ids), **({"warmup": True} if warmup else {}))
@@ -492,11 +516,14 @@ class VllmBackend(Backend):
         return list(self._submit(run_all()).result())
 
     def check_health(self) -> None:
-        """Dead when AsyncLLM says so (engine core process gone, output handler stopped) or when
-        our engine loop thread stopped; cheap enough to poll every second."""
+        """Dead when AsyncLLM says so (engine core process gone, output handler stopped), when the rank
+        watchdog declared a remote rank dead, or when our engine loop thread stopped; cheap enough to poll
+        every second."""
         engine = self.engine
         if engine is not None and engine.errored:
             raise BackendDeadError("vLLM engine core died (AsyncLLM.errored); see the engine log above")
+        if self._rank_failure is not None:
+            raise BackendDeadError(self._rank_failure)
         if not self._thread.is_alive():
             raise BackendDeadError("the vLLM engine loop thread stopped")
 
@@ -516,6 +543,10 @@ class VllmBackend(Backend):
                 "kernels": self.kernels.get("summary")}
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stopped = True               # no verdict while the engine shuts down
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._watchdog.stop)
         if self.engine is not None:
             engine, self.engine = self.engine, None
             if self._profile is not None and self._profile.running and self._loop.is_running():
