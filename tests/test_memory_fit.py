@@ -96,11 +96,12 @@ def test_the_worker_reserves_what_the_plugin_graphs_hold():
     assert graph_reservation(hidden=4096, intermediate=12288, head_records=0) == {}
 
 
-def test_the_16gb_plan_reaches_the_engine_as_lean_prefill_buckets_and_no_head_graphs(hybrid_9b):
+def test_the_16gb_plan_reaches_the_engine_as_a_leaner_step_lean_prefill_buckets_and_no_head_graphs(hybrid_9b):
     fitted, plan = fit_options(hybrid_9b, backend_options("vllm", {}), device=(int(15.92 * GIB), HOPPER))
     assert plan.kv_bytes >= 3.05 * GIB
     kwargs = engine_args(fitted)
-    assert kwargs["max_num_batched_tokens"] == 8192 and "clef_head_graphs" not in kwargs["additional_config"]
+    assert kwargs["max_num_batched_tokens"] == 4096 and "clef_head_graphs" not in kwargs["additional_config"]
+    assert kwargs["max_num_seqs"] == 32 and fitted.gemm_warmup_rows == 2048
     assert max(kwargs["additional_config"]["clef_prefill_graphs"]["buckets"]) == 2048
     assert kwargs["additional_config"]["clef_prefill_graphs"]["scope"] == "core"
 

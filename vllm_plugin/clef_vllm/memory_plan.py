@@ -76,6 +76,13 @@ GEMM_WARMUP_BYTES_PER_ROW = 230 << 10
 GEMM_WARMUP_CAP_ROWS = 4096
 #: What :func:`fit` lowers the step's token budget and the prefill graphs' largest token count to.
 LEAN_BATCHED_TOKENS, LEAN_PREFILL_BUCKET = 8192, 2048
+#: What a served step holds beyond the peak of vLLM's profiling step, per batched token: a step of ~8,000 tokens
+#: (a 16,384-token decision's first chunk) held 1.65 GiB above the weights, the KV cache and the graph pools where
+#: the profile (its GDN prefill core included, :mod:`clef_vllm.worker.gdn_profile`) peaked at 1.20 GiB (9B Hybrid,
+#: H100, ``bench/results/memory_budget.json``); 0.6 GiB at 8,192 tokens. The worker keeps it out of the KV cache.
+RUNTIME_EXCESS_BYTES_PER_TOKEN = int(0.6 * GIB / 8192)
+#: :func:`fit`'s second, smaller step token budget.
+LEANER_BATCHED_TOKENS = 4096
 #: What :func:`fit` lowers ``--max-num-seqs`` to: the sequences one step prefills, each with its GDN states.
 LEAN_SEQUENCES = 32
 #: The prefill graphs' largest default bucket (``clef_vllm.worker.prefill_graphs.DEFAULT_BUCKETS``).
@@ -507,6 +514,8 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
         parts.append(Part("GDN prefill", max(step - activations, 0),
                           f"its core in {sequences} sequences (run in vLLM's profiling): {gib(step)} GiB transient, "
                           "above activations only", "vllm"))
+    parts.append(Part("beyond the profile", int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * i.max_num_batched_tokens),
+                      "what a served step holds beyond vLLM's profiling step", "vllm"))
     parts += [
               Part("vLLM CUDA graphs", max(int(VLLM_GRAPH_BYTES_PER_TOKEN * width * capture), VLLM_GRAPH_MIN_BYTES)
                    if i.cuda_graphs else 0, f"captured up to {capture:,} tokens" if i.cuda_graphs else
@@ -580,6 +589,13 @@ def _steps(inputs: PlanInputs):
     if i.prefill_graphs and i.prefill_max_bucket > LEAN_PREFILL_BUCKET:
         yield replace(i, prefill_max_bucket=LEAN_PREFILL_BUCKET), \
             f"prefill graphs up to {LEAN_PREFILL_BUCKET:,} tokens (--prefill-graph-buckets)"
+    if i.max_num_batched_tokens > LEANER_BATCHED_TOKENS:
+        yield replace(i, max_num_batched_tokens=LEANER_BATCHED_TOKENS), \
+            f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {LEANER_BATCHED_TOKENS:,} (longer prompts in chunks)"
+    if i.gemm_warmup and i.warmup_rows > LEANER_BATCHED_TOKENS // 2:
+        rows = LEANER_BATCHED_TOKENS // 2
+        yield replace(i, gemm_warmup_rows=rows), \
+            f"GEMM warm-up capped at {rows:,} rows (larger head GEMMs load their kernels at first use)"
     if i.prefill_graphs:
         yield replace(i, prefill_graphs=False, step_graphs=False), "--prefill-graphs off"
     if i.gemm_warmup:

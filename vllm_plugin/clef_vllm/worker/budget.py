@@ -8,6 +8,7 @@ step's full size (:mod:`clef_vllm.worker.gdn_profile`), so that the peak vLLM me
 convolution, chunk intermediates and recurrent states too.
 Some things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
 
+* what a served step holds beyond vLLM's profiling step (measured; per batched token);
 * the CUDA context and what the device held for this process before vLLM's first snapshot (vLLM
   measures from there, so by its count the context comes on top of the budget), and room for the memory
   outside PyTorch that later graph captures add;
@@ -33,7 +34,8 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
-from clef_vllm.memory_plan import CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, VLLM_GRAPH_UNDERCOUNT
+from clef_vllm.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, REF_HIDDEN, REF_INTERMEDIATE,
+                                   RUNTIME_EXCESS_BYTES_PER_TOKEN, VLLM_GRAPH_UNDERCOUNT)
 from clef_vllm.worker.gdn_profile import GdnPeakProbe
 from clef_vllm.worker.graph_costs import graph_reservation
 from clef_vllm.worker import memory
@@ -81,6 +83,14 @@ def plugin_graph_bytes(vllm_config) -> dict[str, int]:
         step_graphs=isinstance(prefill, dict) and prefill.get("scope") == "step")
 
 
+def runtime_excess_bytes(vllm_config) -> int:
+    """What a served step holds beyond vLLM's profiling step (:data:`clef_vllm.memory_plan.RUNTIME_EXCESS_BYTES_PER_TOKEN`
+    per batched token, scaled by hidden + intermediate size)."""
+    text = vllm_config.model_config.hf_text_config
+    width = (text.hidden_size + text.intermediate_size) / (REF_HIDDEN + REF_INTERMEDIATE)
+    return int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * vllm_config.scheduler_config.max_num_batched_tokens)
+
+
 def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
@@ -114,6 +124,7 @@ class ClefWorker(Worker):
         keep = {"CUDA context": self._context_bytes(), "later non-torch memory": CAP_MARGIN_BYTES,
                 "vLLM's graphs beyond its estimate": int(VLLM_GRAPH_UNDERCOUNT
                                                          * getattr(self, "cudagraph_memory_estimate", 0))}
+        keep["a served step beyond the profile"] = runtime_excess_bytes(self.vllm_config)
         keep.update(plugin_graph_bytes(self.vllm_config))
         kv = int(available - sum(keep.values()))
         parts = ", ".join(f"{name} {gib(n)}" for name, n in keep.items() if n)

@@ -65,16 +65,17 @@ def gdn_prefill_bytes(tokens: int, max_sequences: int, *, key_heads: int, value_
                       value_dim: int, ssm_bytes: int = 4, dtype_bytes: int = 2) -> int:
     """What one GDN layer's prefill core allocates in the step of :func:`worst_prefill_lengths` (vLLM 0.28's
     Triton path, FLA's chunk kernels): per token the convolution's output and ``q``/``k``/``v``, ``g`` and
-    ``beta``, the chunk kernels' ``A`` (float32 and solved), ``w``, ``u``, the new values and the output; per
-    chunk one recurrent state; per sequence its initial state (gathered), its final state (float32) and the
-    final state written back."""
+    ``beta``, the chunk kernels' solved ``A``, ``w``, ``u``, the new values and the output (all alive at its
+    last kernel); per chunk one recurrent state; per sequence its initial state (gathered) and its final
+    state (float32)."""
     lengths = worst_prefill_lengths(tokens, max_sequences)
     chunks = sum(-(-n // GDN_CHUNK) for n in lengths)
     conv = 2 * key_heads * key_dim + value_heads * value_dim
+    # at the output kernel: g, beta, the cumulative g, the solved A (bf16), w, u, the new values and the output
     per_token = 2 * conv * dtype_bytes + value_heads * (
-        4 + dtype_bytes + 4 + GDN_CHUNK * (4 + dtype_bytes) + dtype_bytes * (key_dim + 3 * value_dim))
+        4 + dtype_bytes + 4 + GDN_CHUNK * dtype_bytes + dtype_bytes * (key_dim + 3 * value_dim))
     state = value_heads * key_dim * value_dim
-    return tokens * per_token + chunks * state * dtype_bytes + len(lengths) * state * (2 * ssm_bytes + 4)
+    return tokens * per_token + chunks * state * dtype_bytes + len(lengths) * state * (ssm_bytes + 4)
 
 
 def gdn_live_bytes(tokens: int, *, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
