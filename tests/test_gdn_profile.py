@@ -94,6 +94,7 @@ def test_the_worker_arms_the_probe_around_vllms_profiling(monkeypatch):
     monkeypatch.setattr(budget, "process_memory", lambda: None)
     monkeypatch.setattr(budget.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(budget, "plugin_graph_bytes", lambda config: {})
+    monkeypatch.setattr(budget, "runtime_excess_bytes", lambda config: 0)
     worker = budget.ClefWorker.__new__(budget.ClefWorker)
     worker.vllm_config = SimpleNamespace(additional_config={})
     worker.model_runner = SimpleNamespace(max_num_tokens=256, max_num_reqs=2, get_model=torch.nn.Module)

@@ -135,7 +135,7 @@ def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consum
     worker = budget.ClefWorker.__new__(budget.ClefWorker)
     text = SimpleNamespace(hidden_size=4096, intermediate_size=12288)
     worker.vllm_config = SimpleNamespace(additional_config=additional, model_config=SimpleNamespace(
-        hf_text_config=text, max_model_len=16384))
+        hf_text_config=text, max_model_len=16384), scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
     worker.total_consumed, worker.cudagraph_memory_estimate = int(consumed_gib * GIB), int(estimate_gib * GIB)
     worker.model_runner = SimpleNamespace(max_num_tokens=8192, max_num_reqs=128, get_model=budget.torch.nn.Module)
     return worker
@@ -152,10 +152,11 @@ def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(
     kv = worker.determine_available_memory()
     gdn = graph_reservation(hidden=4096, intermediate=12288, head_records=0,
                             prefill_buckets=[2048])["GDN graphs"]
-    context, growth, beyond = 0.87 * GIB, 0.3 * GIB, 0.4 * 0.75 * GIB
-    assert abs(kv - (4.51 * GIB - context - growth - beyond - gdn)) < 1 << 20
+    context, growth, beyond, served = 0.87 * GIB, 0.3 * GIB, 0.4 * 0.75 * GIB, 0.6 * GIB
+    assert abs(kv - (4.51 * GIB - context - growth - beyond - served - gdn)) < 1 << 20
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("clef memory budget:"))
     assert "vLLM's KV cache 4.51 GiB" in line and "CUDA context 0.87 GiB" in line and "GDN graphs" in line
+    assert "a served step beyond the profile 0.60 GiB" in line
     assert "head graphs" not in line and line.endswith(f"KV cache {kv / GIB:.2f} GiB")
     assert memory.LEDGER.reserved_for_graphs == gdn
     # without the driver's count for the process, the plan's figure for the context
