@@ -200,6 +200,12 @@ def test_padding_groups_bound_the_padded_rows():
         padded, real = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
         assert padded <= max(PADDED_ROWS_FLOOR, PADDING_FACTOR * real)
     assert padding_groups([]) == [] and padding_groups([7]) == [[0]]
+    # seven 16k-token records finishing in one step: without a bound one group of 7 x 16,384 padded rows (the
+    # head's keys alone 224 MiB at width 1,024); with --max-model-len as the bound, one record a group
+    assert padding_groups([16384] * 7) == [list(range(7))]
+    assert padding_groups([16384] * 7, max_rows=16384) == [[i] for i in range(7)]
+    assert padding_groups([4000] * 8, max_rows=16384) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert padding_groups([20000, 10], max_rows=16384) == [[0], [1]]          # longer than the bound: alone
 
 
 def test_records_of_very_different_lengths_are_decided_in_groups_with_the_same_answers(setup):

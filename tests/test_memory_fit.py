@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from clef_vllm.backends.memory_fit import fit_options, options_for
 from clef_vllm.backends.options import backend_options, engine_args
@@ -159,6 +161,13 @@ def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(
     assert "a served step beyond the profile 0.60 GiB" in line
     assert "head graphs" not in line and line.endswith(f"KV cache {kv / GIB:.2f} GiB")
     assert memory.LEDGER.reserved_for_graphs == gdn
+    # with the model's head: the memory rows of requests mid-prefill, their share of what is left
+    model = torch.nn.Module()
+    model.head = SimpleNamespace(config=SimpleNamespace(width=1024), dtype=torch.bfloat16)
+    model.kv_bytes_per_token = 32768
+    worker.model_runner.get_model = lambda: model
+    rows = worker.determine_available_memory()
+    assert abs(rows - kv * 32768 / (32768 + 2048)) < 1 << 20
     # without the driver's count for the process, the plan's figure for the context
     assert _worker(monkeypatch, available_gib=4.51, used_gib=None, consumed_gib=9.13, estimate_gib=0.75,
                    additional={}).determine_available_memory() > 0

@@ -219,7 +219,7 @@ def test_does_not_fit_names_consumers_and_flags(hybrid_9b):
     for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--state-cache off",
                  "--gpu-memory-utilization"):
         assert flag in message
-    with pytest.raises(MP.PlanDoesNotFit, match=r"--nvfp4-kernel vllm \(4\.33 GiB less\)"):
+    with pytest.raises(MP.PlanDoesNotFit, match=r"--nvfp4-kernel vllm \(4\.14 GiB less\)"):
         MP.plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, nvfp4_kernel="bf16")
 
 

@@ -269,12 +269,16 @@ PADDING_FACTOR = 2
 PADDED_ROWS_FLOOR = 4096
 
 
-def padding_groups(lengths: Sequence[int]) -> list[list[int]]:
+def padding_groups(lengths: Sequence[int], max_rows: int | None = None) -> list[list[int]]:
     """Indices of ``lengths`` (memory rows per record) in groups, longest first, each padding to at most
-    ``max(PADDED_ROWS_FLOOR, PADDING_FACTOR x its real rows)``."""
+    ``max(PADDED_ROWS_FLOOR, PADDING_FACTOR x its real rows)`` and, with ``max_rows``, to at most that many rows
+    (a record longer than that alone): the head's transient memory is then bounded by one decision of
+    ``max_rows`` rows, the size the worker measures in vLLM's profiling (``--max-model-len``)."""
     groups, cur, real = [], [], 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if cur and (len(cur) + 1) * lengths[cur[0]] > max(PADDED_ROWS_FLOOR, PADDING_FACTOR * (real + lengths[i])):
+        padded = (len(cur) + 1) * lengths[cur[0]] if cur else 0
+        if cur and (padded > max(PADDED_ROWS_FLOOR, PADDING_FACTOR * (real + lengths[i]))
+                    or (max_rows is not None and padded > max_rows)):
             groups.append(cur)
             cur, real = [], 0
         cur.append(i)
@@ -285,7 +289,7 @@ def padding_groups(lengths: Sequence[int]) -> list[list[int]]:
 
 
 def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence[RecordAccumulator],
-                   graphs=None, eager=None) -> list[torch.Tensor]:
+                   graphs=None, eager=None, max_rows: int | None = None) -> list[torch.Tensor]:
     """Run the head on finished records; returns per-record fp32 probabilities (encoded option order).
 
     Records are decided in groups of similar memory lengths (:func:`padding_groups`), so the padded
@@ -293,10 +297,10 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
     ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides a group from a
     CUDA graph when it can (one record, or up to its largest record bucket); otherwise the head runs
     eagerly, inside the context ``eager`` when given (the worker's
-    :class:`~clef_vllm.worker.gemm_warmup.GridRows`).
+    :class:`~clef_vllm.worker.gemm_warmup.GridRows`); ``max_rows``: as :func:`padding_groups`'.
     """
     lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
-    groups = padding_groups(lengths.tolist())
+    groups = padding_groups(lengths.tolist(), max_rows)
     if len(groups) == 1:
         return decide_group(head, table, records, graphs, lengths, eager)
     out: list[torch.Tensor | None] = [None] * len(records)

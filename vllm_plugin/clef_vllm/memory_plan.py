@@ -81,6 +81,9 @@ LEAN_BATCHED_TOKENS, LEAN_PREFILL_BUCKET = 8192, 2048
 #: the profile (its GDN prefill core included, :mod:`clef_vllm.worker.gdn_profile`) peaked at 1.20 GiB (9B Hybrid,
 #: H100, ``bench/results/memory_budget.json``); 0.6 GiB at 8,192 tokens. The worker keeps it out of the KV cache.
 RUNTIME_EXCESS_BYTES_PER_TOKEN = int(0.6 * GIB / 8192)
+#: The head's transient when it decides one record, in memory rows' bytes per row (the normalised memory, its keys
+#: and values, the padded copy): the worker's profiling decides one ``max_model_len`` record.
+HEAD_DECISION_ROW_FACTOR = 6
 #: :func:`fit`'s second, smaller step token budget.
 LEANER_BATCHED_TOKENS = 4096
 #: What :func:`fit` lowers ``--max-num-seqs`` to: the sequences one step prefills, each with its GDN states.
@@ -538,10 +541,17 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
     parts.append(Part("GEMM warm-up", max(warmup - activations, 0),
                       f"up to {rows:,} rows: {gib(warmup)} GiB transient, above activations only" if rows else "off",
                       "plugin"))
+    row = m.head_width * _DTYPE_BYTES[i.head_dtype]
+    share = row / (row + m.kv.attention_bytes_per_token)
+    decision = HEAD_DECISION_ROW_FACTOR * row * i.max_model_len
+    parts.append(Part("longest decision", max(decision - activations, 0),
+                      f"the head on {i.max_model_len:,} memory rows (run in vLLM's profiling): {gib(decision)} GiB "
+                      "transient, above activations only", "plugin"))
+    in_flight = int(max(i.budget_bytes - sum(p.bytes for p in parts), 0) * share)
+    parts.append(Part("memory rows in flight", in_flight, f"requests mid-prefill, {share:.1%} of the KV room",
+                      "plugin"))
     if i.state_cache_bytes is None:          # the worker's share of what is left (pooler.side_capacity)
-        room = i.budget_bytes - sum(p.bytes for p in parts)
-        row = m.head_width * _DTYPE_BYTES[i.head_dtype]
-        share = row / (row + m.kv.attention_bytes_per_token)
+        room = i.budget_bytes - sum(p.bytes for p in parts[:-1])
         block_bytes = m.kv.block_size * row
         state = max(1, int(max(room, 0) * share // block_bytes)) * block_bytes
         note = f"memory rows, {share:.1%} of the KV room"

@@ -8,7 +8,8 @@ step's full size (:mod:`clef_vllm.worker.gdn_profile`), so that the peak vLLM me
 convolution, chunk intermediates and recurrent states too.
 Some things are not in that sum, and :class:`ClefWorker` takes them out of the KV cache explicitly:
 
-* what a served step holds beyond vLLM's profiling step (measured; per batched token);
+* what a served step holds beyond vLLM's profiling step (measured; per batched token), and the head's memory
+  rows of the requests mid-prefill (a row per token they hold; kept until their decision);
 * the CUDA context and what the device held for this process before vLLM's first snapshot (vLLM
   measures from there, so by its count the context comes on top of the budget), and room for the memory
   outside PyTorch that later graph captures add;
@@ -114,6 +115,17 @@ class ClefWorker(Worker):
         probe = GdnPeakProbe(runner.max_num_tokens, runner.max_num_reqs)
         return probe if probe.install(runner.get_model()) else None
 
+    def _in_flight_rows(self, room: int) -> int:
+        """The head's memory rows of the requests mid-prefill (one row per token they hold in the KV cache, kept
+        until their decision): the share of ``room`` that covers every token the rest of it can hold."""
+        model = self.model_runner.get_model()
+        head, per_token = getattr(model, "head", None), getattr(model, "kv_bytes_per_token", None)
+        if head is None or not per_token or room <= 0:
+            return 0
+        from clef_vllm.worker.state_cache import side_share
+
+        return int(room * side_share(head.config.width, head.dtype, per_token))
+
     def determine_available_memory(self) -> int:
         probe = self._peak_probe()
         with probe.armed_for_profiling() if probe is not None else contextlib.nullcontext():
@@ -126,6 +138,7 @@ class ClefWorker(Worker):
                                                          * getattr(self, "cudagraph_memory_estimate", 0))}
         keep["a served step beyond the profile"] = runtime_excess_bytes(self.vllm_config)
         keep.update(plugin_graph_bytes(self.vllm_config))
+        keep["memory rows in flight"] = self._in_flight_rows(available - sum(keep.values()))
         kv = int(available - sum(keep.values()))
         parts = ", ".join(f"{name} {gib(n)}" for name, n in keep.items() if n)
         if kv <= 0:

@@ -35,6 +35,7 @@ from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_st
 from clef_vllm.contract import (GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
                                 NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
 from clef_vllm.head import JointSchemaHead
+from clef_vllm.features import PADDED_ROWS_FLOOR
 from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
@@ -148,9 +149,12 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self.lm_table = Int8RowTable(torch.zeros(vocab, hidden, dtype=torch.int8), torch.ones(vocab))
         else:
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
+        #: one token's KV-cache bytes: the state cache and the worker's budget size the head's memory rows by it
+        self.kv_bytes_per_token = self._kv_bytes_per_token(config, vllm_config)
         self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config),
                                  self._head_graphs(vllm_config), self._gemm_warmup_rows(vllm_config),
-                                 bool(worker_setting(vllm_config, GEMM_ROW_GRID_KEY)))
+                                 bool(worker_setting(vllm_config, GEMM_ROW_GRID_KEY)),
+                                 max_decision_rows=max(vllm_config.model_config.max_model_len, PADDED_ROWS_FLOOR))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
         self.prefill_graphs = self._install_prefill_graphs(vllm_config)
@@ -169,18 +173,21 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         runners = (("prefill", self.prefill_graphs), ("step", self.step_graphs), ("head", self.pooler.head_graphs))
         return {name: runner for name, runner in runners if runner is not None}
 
+    @staticmethod
+    def _kv_bytes_per_token(config, vllm_config: VllmConfig) -> int:
+        """What one token costs in the KV cache's attention layers."""
+        layers = sum(t == "full_attention" for t in getattr(config, "layer_types", ()) or ()) or 1
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_dtype = vllm_config.model_config.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
+        return layers * 2 * config.num_key_value_heads * head_dim * kv_dtype.itemsize
+
     def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
         """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""
         setting = worker_setting(vllm_config, STATE_CACHE_KEY)
         if not setting or not vllm_config.cache_config.enable_prefix_caching:
             return None
-        config = self.config
-        layers = sum(t == "full_attention" for t in getattr(config, "layer_types", ()) or ()) or 1
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_dtype = vllm_config.model_config.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
-        per_token = layers * 2 * config.num_key_value_heads * head_dim * kv_dtype.itemsize
         capacity = setting.get("capacity_blocks") if isinstance(setting, dict) else None
-        return StateCacheSettings(vllm_config.cache_config, per_token,
+        return StateCacheSettings(vllm_config.cache_config, self.kv_bytes_per_token,
                                   vllm_config.cache_config.gpu_memory_utilization, capacity)
 
     @staticmethod

@@ -93,7 +93,7 @@ class ClefPooler(Pooler):
 
     def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None,
                  head_graphs: HeadGraphRunner | None = None, gemm_warmup_rows: int | None = None,
-                 gemm_row_grid: bool = False):
+                 gemm_row_grid: bool = False, max_decision_rows: int | None = None):
         super().__init__()
         # Plain references: the head and the table are registered on the model itself.
         object.__setattr__(self, "_head", head)
@@ -104,6 +104,11 @@ class ClefPooler(Pooler):
         #: has run them over a grid of row counts (:mod:`clef_vllm.worker.gemm_warmup`); then ``None``.
         self.gemm_warmup_rows = gemm_warmup_rows
         self._row_grid_wanted = gemm_row_grid
+        #: The longest decision (``--max-model-len`` memory rows): a step's records are decided in groups of at most
+        #: this many padded rows, and vLLM's profiling step decides one such record (:meth:`_probe_head`), so the
+        #: head's largest transient is inside the peak the KV cache is sized around.
+        self.max_decision_rows = max_decision_rows
+        self._head_probed = False
         #: ``--gemm-row-grid``: once the warm-up has run all its row counts, the head's GEMMs outside its graphs
         #: (the per-token stage, the eager head) run at them (:class:`~clef_vllm.worker.gemm_warmup.GridRows`).
         self.row_grid: GridRows | None = None
@@ -215,6 +220,28 @@ class ClefPooler(Pooler):
             log.info("clef GEMM rows: the head's GEMMs outside its graphs run at the warm-up's %d row counts "
                      "(--gemm-row-grid off: at their own)", len(self.row_grid.grid))
 
+    def _probe_head(self, hidden: torch.Tensor) -> None:
+        """Once, in vLLM's profiling step (the first call on a GPU outside a graph capture): feed one synthetic
+        record of :attr:`max_decision_rows` tokens through the per-token stage in chunks of this step's rows,
+        as a served long decision is fed, and decide it eagerly; everything is freed, its trace is the peak."""
+        self._head_probed = True
+        rows = self.max_decision_rows or 0
+        spec = synthetic_spec(rows) if hidden.shape[0] else None
+        if spec is None or hidden.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        before = torch.cuda.max_memory_allocated(hidden.device)
+        acc = RecordAccumulator(spec)
+        acc.synthetic = True
+        chunk = hidden.shape[0]
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            accumulate(self._head, hidden[:n], [(acc, 0, n, start)])
+        decide_records(self._head, self._table, [acc], None, eager=self.row_grid, max_rows=rows)
+        del acc
+        log.info("clef memory budget: vLLM's profiling step decided one %d-token record (the longest decision): "
+                 "%.2f GiB more at its peak", rows, max(0, torch.cuda.max_memory_allocated(hidden.device) - before)
+                 / (1 << 30))
+
     def _forward(self, hidden_states: torch.Tensor, pooling_metadata) -> list[torch.Tensor | None]:
         cursor = pooling_metadata.get_pooling_cursor()
         scheduled = cursor.num_scheduled_tokens_cpu.tolist()
@@ -239,6 +266,8 @@ class ClefPooler(Pooler):
             offset += n
         if self.gemm_warmup_rows and pieces:
             self._warm_gemms(device)
+        if not self._head_probed and pieces and device.type == "cuda":
+            self._probe_head(hidden_states)
         grid = self.row_grid or contextlib.nullcontext()
         with grid:
             accumulate(self._head, hidden_states, pieces)
@@ -249,7 +278,8 @@ class ClefPooler(Pooler):
             records = [acc for _, acc in finishing]
             # vLLM's profiling and warm-up runs (synthetic specs) never capture graphs.
             graphs = None if any(acc.synthetic for acc in records) else self.head_graphs
-            probs = decide_records(self._head, self._table, records, graphs, eager=grid)
+            probs = decide_records(self._head, self._table, records, graphs, eager=grid,
+                                   max_rows=self.max_decision_rows)
             for (i, _), p in zip(finishing, probs):
                 out[i] = p
                 states[i].clef = None
