@@ -507,6 +507,9 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
     bucket = min(i.prefill_max_bucket, i.max_num_batched_tokens) if i.prefill_graphs else 0
     capture = bucket or min(2 * i.max_num_seqs, MAX_CAPTURE_SIZE, i.max_num_batched_tokens)
     parts.append(Part("activations", activations, f"one step of {i.max_num_batched_tokens:,} tokens", "vllm"))
+    # the profiling step's transients come one after another: its peak is the largest, so each counts only what
+    # it adds above the ones before it (activations, the GDN prefill, the GEMM warm-up, the longest decision)
+    peak = activations
     if m.gdn:
         kh, vh, kd, vd, ssm = m.gdn
         dims = dict(key_heads=kh, value_heads=vh, key_dim=kd, value_dim=vd)
@@ -514,9 +517,10 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
         step = (gdn_live_bytes(tokens, hidden=m.hidden, **dims)
                 + gdn_prefill_bytes(tokens, i.max_num_seqs, ssm_bytes=ssm, **dims))
         sequences = len(worst_prefill_lengths(tokens, i.max_num_seqs))
-        parts.append(Part("GDN prefill", max(step - activations, 0),
+        parts.append(Part("GDN prefill", max(step - peak, 0),
                           f"its core in {sequences} sequences (run in vLLM's profiling): {gib(step)} GiB transient, "
                           "above activations only", "vllm"))
+        peak = max(peak, step)
     parts.append(Part("beyond the profile", int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * i.max_num_batched_tokens),
                       "what a served step holds beyond vLLM's profiling step", "vllm"))
     parts += [
@@ -538,15 +542,16 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
     parts += [Part(name, graphs.get(name, 0), note, "plugin") for name, note in notes.items()]
     rows = i.warmup_rows
     warmup = int(GEMM_WARMUP_BYTES_PER_ROW * _ratio((m.hidden + m.head_width, REF_HIDDEN + REF_WIDTH)) * rows)
-    parts.append(Part("GEMM warm-up", max(warmup - activations, 0),
-                      f"up to {rows:,} rows: {gib(warmup)} GiB transient, above activations only" if rows else "off",
+    parts.append(Part("GEMM warm-up", max(warmup - peak, 0),
+                      f"up to {rows:,} rows: {gib(warmup)} GiB transient, above the step's peak" if rows else "off",
                       "plugin"))
     row = m.head_width * _DTYPE_BYTES[i.head_dtype]
     share = row / (row + m.kv.attention_bytes_per_token)
     decision = HEAD_DECISION_ROW_FACTOR * row * i.max_model_len
-    parts.append(Part("longest decision", max(decision - activations, 0),
+    peak = max(peak, warmup)
+    parts.append(Part("longest decision", max(decision - peak, 0),
                       f"the head on {i.max_model_len:,} memory rows (run in vLLM's profiling): {gib(decision)} GiB "
-                      "transient, above activations only", "plugin"))
+                      "transient, above the step's peak", "plugin"))
     in_flight = int(max(i.budget_bytes - sum(p.bytes for p in parts), 0) * share)
     parts.append(Part("memory rows in flight", in_flight, f"requests mid-prefill, {share:.1%} of the KV room",
                       "plugin"))
