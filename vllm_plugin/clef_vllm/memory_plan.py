@@ -79,7 +79,7 @@ LEAN_BATCHED_TOKENS, LEAN_PREFILL_BUCKET = 8192, 2048
 #: What a served step holds beyond the peak of vLLM's profiling step, per batched token: a step of ~8,000 tokens
 #: (a 16,384-token decision's first chunk) held 1.65 GiB above the weights, the KV cache and the graph pools where
 #: the profile (its GDN prefill core included, :mod:`clef_vllm.worker.gdn_profile`) peaked at 1.20 GiB (9B Hybrid,
-#: H100, ``bench/results/memory_budget.json``); 0.6 GiB at 8,192 tokens. The worker keeps it out of the KV cache.
+#: H100, run 3 of ``bench/results/memory_budget_earlier_runs.txt``); 0.6 GiB at 8,192 tokens. The worker keeps it out of the KV cache.
 RUNTIME_EXCESS_BYTES_PER_TOKEN = int(0.6 * GIB / 8192)
 #: The head's transient when it decides one record, in memory rows' bytes per row (the normalised memory, its keys
 #: and values, the padded copy): the worker's profiling decides one ``max_model_len`` record.
