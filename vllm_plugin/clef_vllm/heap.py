@@ -29,6 +29,13 @@ def freeze_heap() -> tuple[int, float]:
 #: the reference backend's batches come in ever-new shapes and each shape's primitives were kept: per-minute
 #: RSS floors rose 0.92 -> 1.5 GB over a 30-minute soak, and 0.94 -> 1.12 GB with 8 (docs/operating.md).
 ONEDNN_PRIMITIVE_CACHE = 8
+#: Computations kept by ideep, PyTorch's oneDNN layer (``LRU_CACHE_CAPACITY``; its default is 1,024). Each
+#: bfloat16 ``linear`` on a CPU with AVX-512 BF16 or AMX goes through it, and each new input shape adds an entry
+#: of 0.25-0.5 MB of malloc'd memory that is never freed while it is kept (pytorch/pytorch#27971): a server whose
+#: batches come in ever-new shapes fills all 1,024, ~240 MB over its first minutes under the adversarial soak
+#: (800 shapes of one linear keep 207 MB of heap in use, 10 MB with 32: tests/test_heap.py). 32 holds every
+#: distinct linear of a forward pass (7 in the demo checkpoint), so the layers of one batch still share theirs.
+IDEEP_COMPUTATION_CACHE = 32
 #: glibc malloc arenas (``M_ARENA_MAX``; glibc's default is 8 per core). Each thread that allocates under
 #: contention gets an arena, and each arena keeps its own fragments: a server under the adversarial soak held
 #: ~790 MB in some twenty thread arenas of 35-56 MB resident each, against 190 MB in the main heap.
@@ -41,12 +48,13 @@ _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8          # glibc's mallopt parameters (
 
 
 def bound_native_caches(environ: dict | None = None) -> None:
-    """Bound the native memory a long-running process keeps: oneDNN's primitive cache (read by oneDNN when it
-    first builds a primitive), unless the environment already sets it; glibc's arenas and mmap threshold
+    """Bound the native memory a long-running process keeps: oneDNN's primitive cache and ideep's computation
+    cache (each read when first used), unless the environment already sets them; glibc's arenas and mmap threshold
     (``mallopt``: from this call on; without glibc, nothing), unless ``MALLOC_ARENA_MAX`` /
     ``MALLOC_MMAP_THRESHOLD_`` are set. Call it early, before the threads that allocate start."""
     environ = os.environ if environ is None else environ
     environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+    environ.setdefault("LRU_CACHE_CAPACITY", str(IDEEP_COMPUTATION_CACHE))
     try:
         import ctypes
 
