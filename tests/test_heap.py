@@ -1,11 +1,11 @@
-"""clef_vllm.heap's full-collection hook: its total, its per-collection log, and the long pauses the server
+"""clef_vllm.util.heap's full-collection hook: its total, its per-collection log, and the long pauses the server
 logs once serving."""
 
 import gc
 import logging
 from types import SimpleNamespace
 
-from clef_vllm.heap import FullCollections
+from clef_vllm.util.heap import FullCollections
 from clef_vllm.server.service import DRAINING, LOADING, READY, DecisionService
 
 
@@ -53,7 +53,7 @@ def test_the_server_logs_a_long_pause_only_once_serving(caplog):
 
 
 def test_the_server_caps_onednn_primitives_unless_the_environment_says_otherwise():
-    from clef_vllm.heap import ONEDNN_PRIMITIVE_CACHE, bound_native_caches
+    from clef_vllm.util.heap import ONEDNN_PRIMITIVE_CACHE, bound_native_caches
 
     env: dict = {"MALLOC_ARENA_MAX": "8", "MALLOC_MMAP_THRESHOLD_": "131072"}     # glibc's own settings stay
     bound_native_caches(env)

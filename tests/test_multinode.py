@@ -1,4 +1,4 @@
-"""Multi-node data parallelism (clef_vllm/multinode.py, the data-parallel options): the flags reach vLLM's
+"""Multi-node data parallelism (clef_vllm/backends/multinode.py, the data-parallel options): the flags reach vLLM's
 engine config as vLLM reads them for a pooling model, the layouts that cannot work are refused by name, and a
 headless node checks the checkpoint's version marker before it starts anything. No GPU: the engines themselves
 start in the GPU run."""
@@ -12,7 +12,7 @@ import pytest
 
 from clef_vllm.backends.options import OptionError, backend_options, engine_args, given_options
 from clef_vllm.backends.vllm_backend import StateAffinity
-from clef_vllm.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
+from clef_vllm.backends.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
 from clef_vllm.server.cli import build_parser, main
 
 HEAD = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-address", "10.0.0.1",

@@ -23,7 +23,7 @@ from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, DEFAULT_ST
                                 GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
                                 IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
                                 SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, CLEF_WORKER, tell_worker)
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH
+from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
 DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
@@ -149,8 +149,9 @@ class ReferenceOptions(_Validated):
 
 def _max_num_batched_tokens(opts: "VllmOptions", kwargs: dict) -> None:
     """Default: the request limit, at least 8192 and at most 16384 (one chunk holds a typical prompt)."""
-    kwargs["max_num_batched_tokens"] = int(opts.max_num_batched_tokens
-                                           or max(8192, min(int(opts.max_model_len), 16384)))
+    from clef_vllm.plan.memory_plan import batched_tokens
+
+    kwargs["max_num_batched_tokens"] = batched_tokens(opts.max_num_batched_tokens, opts.max_model_len)
 
 
 def _gpu_memory(opts: "VllmOptions", kwargs: dict) -> None:
@@ -160,7 +161,7 @@ def _gpu_memory(opts: "VllmOptions", kwargs: dict) -> None:
 def _engines_per_gpu(opts: "VllmOptions", kwargs: dict) -> None:
     """Every engine runs the plugin's worker class, which keeps the process inside its memory budget
     (:mod:`clef_vllm.worker.budget`); engines that share a GPU run its subclass that places them and starts them
-    one at a time (:mod:`clef_vllm.worker.shared_gpu`)."""
+    one at a time (:mod:`clef_vllm.worker.fast.shared_gpu`)."""
     kwargs["worker_cls"] = CLEF_WORKER
     if opts.engines_per_gpu > 1:
         tell_worker(kwargs, ENGINES_PER_GPU_KEY, opts.engines_per_gpu)
@@ -172,11 +173,11 @@ def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
-    """The worker's GDN prefill graphs (:mod:`clef_vllm.worker.prefill_graphs`) per padded bucket up to
+    """The worker's GDN prefill graphs (:mod:`clef_vllm.worker.fast.prefill_graphs`) per padded bucket up to
     the step's token budget, and vLLM's piecewise CUDA graphs captured up to the same token counts."""
     if not opts.prefill_graphs:
         return
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
 
     budget = kwargs["max_num_batched_tokens"]
     # engine_kwargs has filled in the checkpoint's defaults (prefill_graphs.default_buckets); options alone,
@@ -193,20 +194,20 @@ def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
-    """The GDN metadata memo of single-prefill steps (:mod:`clef_vllm.worker.gdn_metadata`) is on unless
+    """The GDN metadata memo of single-prefill steps (:mod:`clef_vllm.worker.fast.gdn_metadata`) is on unless
     the worker is told otherwise."""
     if not opts.gdn_metadata_memo:
         tell_worker(kwargs, GDN_MEMO_KEY, False)
 
 
 def _gdn_tuning(opts: "VllmOptions", kwargs: dict) -> None:
-    """The GDN prefill's Triton kernels tuned per shape class at start-up (:mod:`clef_vllm.worker.gdn_tuning`)."""
+    """The GDN prefill's Triton kernels tuned per shape class at start-up (:mod:`clef_vllm.worker.fast.gdn_tuning`)."""
     if opts.gdn_tuning:
         tell_worker(kwargs, GDN_TUNING_KEY, True)
 
 
 def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
-    """NVFP4 layers as BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`) when
+    """NVFP4 layers as BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.fast.nvfp4_bf16`) when
     asked (``auto``: the worker decides by its GPU), vLLM's own kernel otherwise and whenever
     ``--linear-backend`` chooses."""
     if opts.nvfp4_kernel != "vllm" and not opts.linear_backend_chosen:
@@ -214,7 +215,7 @@ def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
-    """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) unless turned off."""
+    """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.fast.gemm_warmup`) unless turned off."""
     if opts.gemm_warmup:
         tell_worker(kwargs, GEMM_WARMUP_KEY, {"rows": opts.gemm_warmup_rows} if opts.gemm_warmup_rows else True)
         if opts.gemm_row_grid:
@@ -222,7 +223,7 @@ def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
 
 
 def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
-    """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
+    """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.fast.head_graphs`) for steps finishing up to
     ``head_graph_records`` requests."""
     if opts.head_graphs:
         tell_worker(kwargs, HEAD_GRAPHS_KEY, {"records": opts.head_graph_records})
@@ -230,12 +231,12 @@ def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
 
 def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
     """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
-    (:mod:`clef_vllm.worker.state_cache`); the scheduler (always ours) keeps the two consistent."""
+    (:mod:`clef_vllm.worker.fast.state_cache`); the scheduler (always ours) keeps the two consistent."""
     kwargs["enable_prefix_caching"] = opts.state_cache
     if not opts.state_cache:
         return
     if opts.state_cache_match == "unit":
-        from clef_vllm.state_keys import KEY_UNIT
+        from clef_vllm.schema.state_keys import KEY_UNIT
 
         kwargs.update(prefix_match_unit=KEY_UNIT)   # hits and GDN states at the state's end, not at a block's
     tell_worker(kwargs, STATE_CACHE_KEY, {"on": True})

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from clef_vllm import __version__
+from clef_vllm.version import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
 from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point,
                                      systemone_url, wait_ready)
@@ -36,8 +36,8 @@ from clef_vllm.bench.report import bench_row, bench_table, compare_points, compa
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHARED_STATES, DEFAULT_SHORT_TOKENS, WARM_START, WORKLOADS,
                                        BenchRequest, RequestFactory, Variant, build_variants)
-from clef_vllm.heap import frozen_heap
-from clef_vllm.records import load_request_file
+from clef_vllm.util.heap import frozen_heap
+from clef_vllm.schema.records import load_request_file
 
 LONG_REQUEST_TOKENS = 2048
 
@@ -512,7 +512,7 @@ def _paired(args, factory, headers: dict, results: dict, out: Path, log: Callabl
 @contextlib.contextmanager
 def steady_heap(log: Callable[[str], None]):
     """clef-bench measures with its objects so far out of the garbage collector's full collections
-    (:func:`clef_vllm.heap.frozen_heap`)."""
+    (:func:`clef_vllm.util.heap.frozen_heap`)."""
     with frozen_heap() as frozen:
         log(f"garbage collector: {frozen} objects frozen while measuring")
         yield
@@ -536,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.tokenizer or raw_dir
     factory = None
     if tokenizer:
-        from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
-        from clef_vllm.encoding import RequestEncoder
+        from clef_vllm.model.demo import describe_demo, is_demo, resolve_model_dir
+        from clef_vllm.schema.encoding import RequestEncoder
 
         tokenizer = resolve_model_dir(tokenizer)       # "demo" -> the demo checkpoint; never a model hub
         if is_demo(args.tokenizer or raw_dir):
