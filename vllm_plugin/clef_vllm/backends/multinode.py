@@ -18,6 +18,7 @@ import logging
 import signal
 from pathlib import Path
 
+from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.options import VllmOptions
 
 log = logging.getLogger("clef_vllm")
@@ -25,15 +26,6 @@ log = logging.getLogger("clef_vllm")
 #: ``--load-timeout`` of a head node that waits for ranks on other nodes, when none is given (vLLM's head waits
 #: for them without a bound)
 REMOTE_RANKS_LOAD_TIMEOUT_S = 1800.0
-
-
-def remote_ranks(opts: VllmOptions) -> range:
-    """The data-parallel ranks a head node leaves to ``--headless`` nodes (empty: all are here, or Ray places
-    them)."""
-    local = opts.data_parallel_size_local
-    if opts.headless or local is None or opts.data_parallel_backend != "mp":
-        return range(0)
-    return range(local, opts.data_parallel_size)
 
 
 def load_timeout(opts: VllmOptions | None, given: float | None) -> float | None:

@@ -36,7 +36,7 @@ from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
 from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.model.features import HeadSpec
-from clef_vllm.backends.multinode import remote_ranks
+from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.util.stacks import dump_descendant_stacks
 from clef_vllm.schema.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
 from clef_vllm.worker.dummy_loader import is_dummy

@@ -123,7 +123,7 @@ class ModelShape:
 
     Linear weights are counted per scheme as vLLM 0.28 resolves it
     (:func:`clef_vllm.quant.schemes.scheme_table`) over the leaf shapes
-    :func:`clef_vllm.tools.clef_load.linear_shapes` gives."""
+    :func:`clef_vllm.model.layout.linear_shapes` gives."""
 
     fp8_weights: int               # FP8 linear weights
     fp8_channels: int              # their output channels (one float32 scale each)
@@ -151,9 +151,8 @@ class ModelShape:
         """``config``: the checkpoint's ``config.json`` dict; ``head_config``: ``joint_head_config.json`` as a
         dict or a :class:`clef_vllm.model.head.HeadConfig`; ``int8_tables``: the repacked layout's int8 tables."""
         from clef_vllm.model.head import HeadConfig, count_parameters
-        from clef_vllm.model.layout import text_config
+        from clef_vllm.model.layout import linear_shapes, text_config
         from clef_vllm.quant import schemes as S
-        from clef_vllm.tools.clef_load import linear_shapes
 
         if not isinstance(head_config, HeadConfig):
             head_config = HeadConfig.from_dict(dict(head_config))
