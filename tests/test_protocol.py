@@ -14,8 +14,9 @@ import json
 import pytest
 
 from clef_vllm.schema.errors import Kind
-from clef_vllm.schema.protocol import (ChoiceQuestion, Dialect, NoulQuestion, RequestError, RequestLimits, ScoreQuestion,
-                                SystemOneRequest, parse_request, question_field)
+from clef_vllm.schema.protocol import (ChoiceQuestion, Dialect, NoulQuestion, RequestError, RequestLimits,
+                                       ScoreQuestion, SystemOneRequest, question_field)
+from clef_vllm.schema.dialects import parse_request
 
 REF, WAI = "reference", "workers-ai"
 
