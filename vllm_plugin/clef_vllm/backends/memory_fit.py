@@ -12,6 +12,8 @@ makes no CUDA context) and the budget ``--gpu-memory-utilization`` gives each en
   whose message names the biggest consumers and the flags that free memory (the server prints it
   and exits 1, before loading anything).
 
+:func:`plan_for_checkpoint` is the same plan for any device size (``clef-load --gpu-memory``).
+
 The plan is logged (``clef memory plan: ...``); the worker's ``clef memory budget: ...`` line then says
 what vLLM measured, for comparison.
 """

@@ -17,7 +17,7 @@ The budget is ``--gpu-memory-utilization`` of the device's memory. The plan coun
   GEMM warm-up (a transient peak: only what exceeds one step's activations counts) and the state cache's
   memory rows;
 * **the KV cache**: the rest, in blocks, tokens and sequences of ``--max-model-len`` tokens exactly as
-  vLLM 0.28 counts them (:class:`KvLayout`).
+  vLLM 0.28 counts them (:class:`~clef_vllm.plan.shapes.KvLayout`).
 
 The non-weight costs are module constants measured on the 9B (``REF_*`` shapes) and scaled linearly to
 other shapes; each says what it models. Pure arithmetic on config dicts: no torch, no GPU, no vLLM.
