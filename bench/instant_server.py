@@ -31,9 +31,9 @@ import uvicorn
 from clef_vllm.backends.base import Backend
 from clef_vllm.backends.options import VllmOptions
 from clef_vllm.schema.encoding import RequestEncoder
-from clef_vllm.util.heap import FullCollections
 from clef_vllm.server.app import create_app
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
+from clef_vllm.util.heap import FullCollections
 from clef_vllm.worker.fast.batch_wait import BatchWait
 
 

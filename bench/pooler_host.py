@@ -27,10 +27,10 @@ def median_ms(fn, number: int = 50, runs: int = 7) -> float:
 
 def main() -> int:
     from clef_vllm.bench.workloads import RequestFactory, build_variants
-    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.model.demo import demo_checkpoint
     from clef_vllm.model.features import HeadSpec, RecordAccumulator, step_indices
     from clef_vllm.schema.dialects import parse_request
-    from clef_vllm.model.demo import demo_checkpoint
+    from clef_vllm.schema.encoding import RequestEncoder
 
     encoder = RequestEncoder.from_pretrained(demo_checkpoint())
     factory = RequestFactory(encoder, seed=1)

@@ -210,13 +210,13 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
 
-    from clef_vllm.util.atomic import atomic_dir
-    from clef_vllm.schema.encoding import RequestEncoder
-    from clef_vllm.model.layout import VL_BACKBONE_PREFIX
     from clef_vllm.model.head import JointSchemaHead
-    from clef_vllm.schema.protocol import RequestError
+    from clef_vllm.model.layout import VL_BACKBONE_PREFIX
     from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.protocol import RequestError
     from clef_vllm.schema.records import read_records, request_body
+    from clef_vllm.util.atomic import atomic_dir
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
@@ -382,8 +382,8 @@ def heldout_requests(data: Path, limit: int) -> list[dict]:
 
 
 def encode_all(encoder, requests):
-    from clef_vllm.schema.protocol import RequestError
     from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.protocol import RequestError
 
     out = []
     for body in requests:

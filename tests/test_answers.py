@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from clef_vllm.schema.answers import build_answer, build_response, gini_purity, hosted_envelope
+from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.encoding import EncodedField, EncodedRequest
 from clef_vllm.schema.protocol import Dialect
-from clef_vllm.schema.dialects import parse_request
 
 REF, WAI = Dialect.REFERENCE, Dialect.WORKERS_AI
 

@@ -22,10 +22,10 @@ from clef_vllm.bench.loadgen import (percentile, server_timing, server_total_ms,
 from clef_vllm.bench.parity import compare_runs, distribution, kl_divergence, total_variation
 from clef_vllm.bench.parity_cli import main as parity_main
 from clef_vllm.bench.targets import Answered, Condition
-from clef_vllm.schema.records import load_request_file
-from clef_vllm.testing.server import free_port
 from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_variants,
                                        synthetic_parity_set)
+from clef_vllm.schema.records import load_request_file
+from clef_vllm.testing.server import free_port
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -1236,9 +1236,9 @@ def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
     from array import array
     from types import SimpleNamespace
 
-    from clef_vllm.util import trace
     from clef_vllm.bench.raw_vllm import RawVllmEngine
     from clef_vllm.bench.workloads import BenchRequest
+    from clef_vllm.util import trace
 
     calls = []
 

@@ -15,10 +15,10 @@ import unicodedata
 
 import pytest
 
+from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.encoding import RequestEncoder, render
 from clef_vllm.schema.errors import Kind
 from clef_vllm.schema.protocol import RequestError
-from clef_vllm.schema.dialects import parse_request
 
 # Literal copies of the release's fixed text (docs/encoding-and-head.md), NOT imported from encoding.py.
 SYS = ("Read the complete state and schema. Decide every field jointly. "

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
+from clef_vllm.plan.graph_costs import worst_prefill_lengths as worst_lengths
 from clef_vllm.worker import gdn_profile
 from clef_vllm.worker.gdn_profile import GdnPeakProbe
-from clef_vllm.plan.graph_costs import worst_prefill_lengths as worst_lengths
 
 
 class FakeGdnLayer:

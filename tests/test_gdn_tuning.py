@@ -139,8 +139,8 @@ def test_gdn_features_are_off_where_the_gdn_prefill_is_not_triton(fresh_stats, m
 
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-    from clef_vllm.worker.model import ClefFlashForDecision
     from clef_vllm.worker.fast.prefill_graphs import triton_gdn
+    from clef_vllm.worker.model import ClefFlashForDecision
 
     class StandInLayer(QwenGatedDeltaNetAttention):
         def __init__(self, backend):

@@ -79,8 +79,8 @@ def test_the_warmup_runs_the_heads_matmul_attentions_over_long_memories(monkeypa
     """The matmul route's batched GEMMs (a few records over 1,024 keys or more) are warmed too: at every grid row
     count that takes the route, for 4, 16 and 64 queries and 1, 2, 4 ... up to the most records that take it,
     with the head's own layout (views of the projections' outputs)."""
-    import clef_vllm.worker.fast.gemm_warmup as warmup
     from clef_vllm.model.head import MATMUL_MIN_KEYS, attention_route
+    import clef_vllm.worker.fast.gemm_warmup as warmup
     from clef_vllm.worker.fast.gemm_warmup import attention_shapes
 
     release = attention_shapes(16, 64, 16384)                 # the release head at the default context

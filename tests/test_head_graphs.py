@@ -16,10 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from clef_vllm.model.features import decide_group, decide_records
 from clef_vllm.model.tables import DenseTable
+from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
 from clef_vllm.worker.fast.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
                                           StaticInputs, choose_memory, choose_schema, graph_buckets,
                                           padded_probabilities, record_buckets, repeat_first_record)
-from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
 from support.graph_runner import CpuGraphRunner
 
 

@@ -5,8 +5,8 @@ import gc
 import logging
 from types import SimpleNamespace
 
-from clef_vllm.util.heap import FullCollections
 from clef_vllm.server.service import DRAINING, LOADING, READY, DecisionService
+from clef_vllm.util.heap import FullCollections
 
 
 def make_cycles(n):

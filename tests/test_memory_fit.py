@@ -22,8 +22,8 @@ HOPPER, BLACKWELL = (9, 0), (10, 0)
 @pytest.fixture(scope="module")
 def hybrid_9b(tmp_path_factory) -> Path:
     """A config-only 9B Hybrid folder (layers 0-16 FP8, 17-31 NVFP4), as ``bench/make_ckpt.py 9b DIR --hybrid 17``."""
-    from clef_vllm.quant.recipe import ignore_list, quantization_config
     from clef_vllm.model.release import clef_flash_config, write_config_only_checkpoint
+    from clef_vllm.quant.recipe import ignore_list, quantization_config
 
     config = clef_flash_config()
     config["quantization_config"] = quantization_config(config, 17, ignore_list(config))
@@ -144,8 +144,8 @@ def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consum
 
 
 def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(monkeypatch, caplog):
-    from clef_vllm.worker import memory
     from clef_vllm.plan.graph_costs import graph_reservation
+    from clef_vllm.worker import memory
 
     caplog.set_level(logging.INFO, logger="clef_vllm")
     prefill = {"buckets": [64, 2048], "scope": "core"}

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from clef_vllm.plan import memory_plan as MP
 from clef_vllm.backends.memory_fit import plan_for_checkpoint
 from clef_vllm.backends.options import VllmOptions
 from clef_vllm.model.layout import NOT_TEXT_PREFIXES
+from clef_vllm.plan import memory_plan as MP
 
 GIB = MP.GIB
 #: What vLLM gives a 16 GB card by default: 0.9 of its 15.92 GiB.
@@ -26,8 +26,8 @@ CARD_16 = int(15.92 * GIB)
 def hybrid_9b(tmp_path_factory) -> Path:
     """A config-only 9B Hybrid folder (repacked layout, layers 0-16 FP8, 17-31 NVFP4), as
     ``bench/make_ckpt.py 9b DIR --hybrid 17`` writes it (without a tokenizer)."""
-    from clef_vllm.quant.recipe import ignore_list, quantization_config
     from clef_vllm.model.release import clef_flash_config, write_config_only_checkpoint
+    from clef_vllm.quant.recipe import ignore_list, quantization_config
 
     config = clef_flash_config()
     config["quantization_config"] = quantization_config(config, 17, ignore_list(config))

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
+from clef_vllm.backends.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
 from clef_vllm.backends.options import OptionError, backend_options, engine_args, given_options
 from clef_vllm.backends.vllm_backend import StateAffinity
-from clef_vllm.backends.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
 from clef_vllm.server.cli import build_parser, main
 
 HEAD = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-address", "10.0.0.1",

@@ -13,10 +13,10 @@ import json
 
 import pytest
 
+from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import Kind
 from clef_vllm.schema.protocol import (ChoiceQuestion, Dialect, NoulQuestion, RequestError, RequestLimits,
                                        ScoreQuestion, SystemOneRequest, question_field)
-from clef_vllm.schema.dialects import parse_request
 
 REF, WAI = "reference", "workers-ai"
 

@@ -136,8 +136,8 @@ def test_a_rank_the_client_does_not_hold_is_not_watched_and_a_stopped_watchdog_g
 def test_the_vllm_backend_watches_the_remote_ranks_only_and_is_dead_once_one_is(tiny_release):
     from support import vllm_cpu
 
-    from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
 
     encoded = RequestEncoder.from_pretrained(tiny_release).encode(parse_request(REQUEST))
     cores = EngineCores()

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from clef_vllm.schema.answers import build_response
 from clef_vllm.backends import OptionError, make_backend, resolve_backend
 from clef_vllm.backends.reference import ReferenceBackend
 from clef_vllm.model.checkpoint import load_head, locate_checkpoint
-from clef_vllm.schema.dialects import parse_request
 from clef_vllm.model.tables import DenseTable, Int8RowTable
+from clef_vllm.schema.answers import build_response
+from clef_vllm.schema.dialects import parse_request
 
 WORDS = ("the customer order invoice payment refund billing technical sales account support ticket urgent error "
          "outage service login password email team product price plan upgrade cancel status paid overdue draft "

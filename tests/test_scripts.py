@@ -83,9 +83,9 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_build_data_records_are_systemone_requests(hybrid_pipeline, tmp_path):
+    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.schema.protocol import Dialect
-    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.records import load_request_file, read_records, request_body
 
     run_script("build_data.py", "--out", tmp_path, "--synthetic", "--synthetic-count", 300)
@@ -155,9 +155,9 @@ def test_pipeline_checkpoint_passes_clef_load(hybrid_pipeline):
 def test_pipeline_checkpoint_loads_with_package_loaders(hybrid_pipeline):
     from clef_vllm import ARCHITECTURE
     from clef_vllm.model.checkpoint import load_head, locate_checkpoint
+    from clef_vllm.model.tables import load_int8_tables
     from clef_vllm.quant.fused_scales import fused_global_scales
     from clef_vllm.quant.schemes import read_quantization_config
-    from clef_vllm.model.tables import load_int8_tables
 
     files = locate_checkpoint(hybrid_pipeline.checkpoint)
     assert files.layout == "repacked" and files.tables_file is not None
@@ -239,9 +239,9 @@ def test_unfused_gdn_scales_are_refused(hybrid_pipeline, tmp_path):
 
 def test_split_edges(tmp_path):
     """K=0: all NVFP4, K=num_layers: all FP8 (one config group each); K outside [0, L] is refused."""
+    from clef_vllm.model.tiny import tiny_text_config
     from clef_vllm.quant.recipe import hybrid_config_groups
     from clef_vllm.quant.schemes import FP8_W8A8, NVFP4_W4A4, scheme_table, summarize_schemes
-    from clef_vllm.model.tiny import tiny_text_config
     from clef_vllm.tools import quantize_mixed
 
     source_config = tmp_path / "tiny_config.json"

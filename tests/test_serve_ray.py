@@ -17,11 +17,11 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install './vllm_plugin[ray]')")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install './vllm_plugin[ray]')")
 
-from clef_vllm.schema.encoding import RequestEncoder  # noqa: E402
 from clef_vllm.model.features import HeadSpec  # noqa: E402
+from clef_vllm.schema.encoding import RequestEncoder  # noqa: E402
 from clef_vllm.schema.protocol import SystemOneRequest  # noqa: E402
-from clef_vllm.server.serve_ray import REPLICA_HEADER  # noqa: E402
 from clef_vllm.schema.state_keys import KEY_UNIT, state_key  # noqa: E402
+from clef_vllm.server.serve_ray import REPLICA_HEADER  # noqa: E402
 from clef_vllm.testing.server import LiveServer  # noqa: E402
 from conftest import REQUEST  # noqa: E402
 
@@ -205,7 +205,8 @@ def test_a_serve_config_file_builds_the_same_replicas(tiny_release):
 
     text = re.search(r"^```yaml\n(.*?)^```", (REPO / "docs" / "deploy.md").read_text(), re.M | re.S).group(1)
     config = ServeDeploySchema.model_validate(yaml.safe_load(text)).applications[0]
-    assert config.import_path == "clef_vllm.server.serve_ray:build_app" and config.route_prefix is None
+    module, _, name = config.import_path.partition(":")
+    assert module == build_app.__module__ and name == "build_app" and config.route_prefix is None
     assert build_app({**config.args, "model": str(tiny_release)})._bound_deployment.num_replicas == config.args["replicas"]
     with pytest.raises(OptionError):
         build_app({"model": str(tiny_release), "backend": "reference", "options": {"max_num_seqs": 8}})

@@ -1048,9 +1048,9 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
 
     from vllm.config import ProfilerConfig
 
-    from clef_vllm.util import trace
     from clef_vllm.backends.vllm_backend import VllmBackend
     from clef_vllm.model.features import synthetic_spec
+    from clef_vllm.util import trace
 
     assert trace.ProfileWindow.from_env("") is None
     window = trace.ProfileWindow.from_env(str(tmp_path))
@@ -1137,8 +1137,8 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
 
     from clef_vllm.contract import NVFP4_KERNEL_KEY
     from clef_vllm.quant.numerics import nvfp4_dequantize
-    from clef_vllm.worker.model import kernel_report
     from clef_vllm.worker.fast.nvfp4_bf16 import install
+    from clef_vllm.worker.model import kernel_report
 
     with caplog.at_level(logging.INFO, logger="clef_vllm"):
         bf16 = vllm_cpu.load_model(hybrid_checkpoint, additional_config={NVFP4_KERNEL_KEY: "bf16"})

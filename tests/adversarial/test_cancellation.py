@@ -46,9 +46,9 @@ def test_cancelled_pool_work_stops_at_its_next_checkpoint_and_queued_work_never_
 
 
 def test_encoding_and_the_value_scan_stop_when_cancelled(tiny_release):
+    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.schema.protocol import RequestLimits
-    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.server.body import count_values
 
     encoder = RequestEncoder.from_pretrained(tiny_release, max_length=16384)

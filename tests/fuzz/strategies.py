@@ -189,9 +189,9 @@ def check_encoding(encoder, body) -> None:
     import torch
 
     from clef_vllm.schema.answers import build_response
+    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.errors import Kind
     from clef_vllm.schema.protocol import RequestError
-    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.server.errors import error_body, outcome
 
     try:

@@ -146,8 +146,8 @@ def run_engine(config: dict) -> dict:
 def tiny_hybrid(work: Path) -> Path:
     """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 of a tiny release checkpoint at Marlin-sized widths
     (hidden 256), int8 tables (the tools' pipeline with the native exporter, on the CPU: seconds)."""
-    from clef_vllm.testing.hybrid import build_tiny_hybrid
     from clef_vllm.model.tiny import build_tiny_checkpoint
+    from clef_vllm.testing.hybrid import build_tiny_hybrid
 
     release = build_tiny_checkpoint(work / "tiny-release", layout="release", hidden=256)
     return build_tiny_hybrid(release, work)

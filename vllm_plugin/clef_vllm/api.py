@@ -13,14 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from clef_vllm.schema.answers import build_response
 from clef_vllm.backends import Backend, make_backend
 from clef_vllm.model.demo import resolve_model_dir
+from clef_vllm.schema.answers import build_response
+from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.schema.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
 from clef_vllm.schema.openai_decisions import check_fits
 from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
-from clef_vllm.schema.dialects import parse_request
 
 
 class Clef:

@@ -54,11 +54,11 @@ def run_headless(model_dir: str | Path, opts: VllmOptions) -> int:
     The steps of vLLM's own ``vllm serve --headless`` (``vllm/entrypoints/cli/serve.py`` ``run_headless``):
     vLLM's engine manager starts ``data_parallel_size_local`` engines from ``data_parallel_rank`` on, which
     connect to ``tcp://data_parallel_master_ip:data_parallel_rpc_port``; without importing vLLM's API server."""
-    from clef_vllm.plugin import register
     from clef_vllm.backends.memory_fit import fit_options
     from clef_vllm.backends.vllm_backend import import_vllm
     from clef_vllm.model.checkpoint import CheckpointError, load_head_config, locate_checkpoint
     from clef_vllm.plan.memory_plan import PlanDoesNotFit
+    from clef_vllm.plugin import register
     from clef_vllm.worker.dummy_loader import is_dummy
 
     try:

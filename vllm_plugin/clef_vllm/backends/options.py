@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, HEAD_GRAPH_RECORDS, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES
 from clef_vllm.backends import engine_settings as E
+from clef_vllm.contract import DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, HEAD_GRAPH_RECORDS, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.

@@ -26,19 +26,19 @@ from typing import Any, Sequence
 
 import torch
 
-from clef_vllm.model.layout import ARCHITECTURE
-from clef_vllm.util import trace
 from clef_vllm.backends.base import Backend, BackendDeadError
+from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
-from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
-from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
+from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.model.features import HeadSpec
-from clef_vllm.backends.engine_settings import remote_ranks
-from clef_vllm.util.stacks import dump_descendant_stacks
+from clef_vllm.model.layout import ARCHITECTURE
+from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.schema.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
+from clef_vllm.util import trace
+from clef_vllm.util.stacks import dump_descendant_stacks
 from clef_vllm.worker.dummy_loader import is_dummy
 
 log = logging.getLogger("clef_vllm")

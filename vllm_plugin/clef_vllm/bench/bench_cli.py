@@ -28,16 +28,16 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from clef_vllm.version import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
+from clef_vllm.bench.bench_plan import LONG_REQUEST_TOKENS, PlanItem, int_list, make_plan, parse_concurrency  # noqa: F401 - API
 from clef_vllm.bench.loadgen import (HttpSender, base_url, closed_loop, dumps, parse_headers, summarize_point,
                                      systemone_url, wait_ready)
-from clef_vllm.bench.bench_plan import LONG_REQUEST_TOKENS, PlanItem, int_list, make_plan, parse_concurrency  # noqa: F401 - API
 from clef_vllm.bench.report import bench_row, bench_table, compare_points, compare_table
 from clef_vllm.bench.workloads import (DEFAULT_FANOUT_QUESTIONS, DEFAULT_FANOUT_STATE_TOKENS, DEFAULT_LONG_TOKENS,
                                        DEFAULT_SHARED_STATES, DEFAULT_SHORT_TOKENS, WORKLOADS,
                                        RequestFactory)
 from clef_vllm.util.heap import frozen_heap
+from clef_vllm.version import __version__
 
 
 def _shared_states(text: str) -> list[tuple[int, ...]]:

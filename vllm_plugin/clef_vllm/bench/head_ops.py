@@ -22,9 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from clef_vllm.model.features import RecordAccumulator, accumulate, decide_records
+from clef_vllm.model.features import synthetic_spec
 from clef_vllm.model.head import HeadConfig, JointSchemaHead
 from clef_vllm.model.tables import Int8RowTable
-from clef_vllm.model.features import synthetic_spec
 
 VIEWS = {"aten::view", "aten::transpose", "aten::slice", "aten::select", "aten::unsqueeze", "aten::reshape",
          "aten::chunk", "aten::lift_fresh", "aten::detach_", "aten::t", "aten::expand", "aten::split",

@@ -295,8 +295,8 @@ class RequestFactory:
         req = BenchRequest(variant, body, payload, questions, None, label=label)
         if self.encoder is None:
             return req
-        from clef_vllm.schema.protocol import RequestError
         from clef_vllm.schema.dialects import parse_request
+        from clef_vllm.schema.protocol import RequestError
         from clef_vllm.server.errors import outcome
 
         try:

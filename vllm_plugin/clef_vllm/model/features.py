@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from clef_vllm.model.head import DecisionBatch, FieldLayout, JointSchemaHead, ranks_within, segment_sum, span_positions
-from clef_vllm.schema.state_keys import KEY_UNIT, prefix_keys
 from clef_vllm.model.tables import LexicalTable
+from clef_vllm.schema.state_keys import KEY_UNIT, prefix_keys
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from clef_vllm.model.layout import ARCHITECTURE
-from clef_vllm.version import __version__
-from clef_vllm.util.atomic import atomic_dir, save_safetensors, write_json
 from clef_vllm.model.checkpoint import locate_checkpoint
+from clef_vllm.model.layout import ARCHITECTURE
 from clef_vllm.model.layout import EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES
 from clef_vllm.model.tables import quantize_rows, table_keys
+from clef_vllm.util.atomic import atomic_dir, save_safetensors, write_json
+from clef_vllm.version import __version__
 
 
 def default_marker(version: str = __version__) -> str:

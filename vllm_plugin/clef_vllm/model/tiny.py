@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from clef_vllm.util.atomic import atomic_dir
-from clef_vllm.schema.encoding import PREFIX_TEXT, SCHEMA_HEADER_TEXT, SUFFIX_TEXT
 from clef_vllm.model.head import HeadConfig, JointSchemaHead
+from clef_vllm.schema.encoding import PREFIX_TEXT, SCHEMA_HEADER_TEXT, SUFFIX_TEXT
+from clef_vllm.util.atomic import atomic_dir
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",

@@ -29,9 +29,9 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
+from clef_vllm.plan.graph_costs import gdn_live_bytes, gdn_prefill_bytes, graph_reservation, worst_prefill_lengths
 from clef_vllm.plan.shapes import (DTYPE_BYTES, GIB, NVFP4_GROUP, NVFP4_KERNELS, KvLayout, ModelShape,  # noqa: F401 - API
                                    model_shape_for_checkpoint)
-from clef_vllm.plan.graph_costs import gdn_live_bytes, gdn_prefill_bytes, graph_reservation, worst_prefill_lengths
 
 
 # --------------------------------------------------------------------------- calibrated constants

@@ -184,8 +184,8 @@ def fix_fused_global_scales(checkpoint, out: str | Path | None = None) -> list[S
 
     from safetensors import safe_open
 
-    from clef_vllm.util.atomic import atomic_dir, save_safetensors
     from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.util.atomic import atomic_dir, save_safetensors
 
     src = Path(checkpoint)
     if out is not None and Path(out).resolve() != src.resolve():

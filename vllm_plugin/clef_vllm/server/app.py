@@ -31,7 +31,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.staticfiles import StaticFiles
 
-from clef_vllm.version import __version__
 from clef_vllm.backends.base import Backend
 from clef_vllm.schema.errors import ClefError, ClientClosed, Kind
 from clef_vllm.schema.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
@@ -45,6 +44,7 @@ from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.middleware import CONTEXT_KEY, DOCS_ASSETS, BearerAuth, EdgeMiddleware
 from clef_vllm.server.service import FAILED, READY, DecisionService
 from clef_vllm.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings  # noqa: F401 - re-exported
+from clef_vllm.version import __version__
 
 log = logging.getLogger("clef_vllm.server")
 

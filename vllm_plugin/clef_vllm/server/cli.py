@@ -26,7 +26,6 @@ import sys
 
 import uvicorn
 
-from clef_vllm.version import __version__
 from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
@@ -37,6 +36,7 @@ from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, 
                                        DEFAULT_MAX_BULK_LINES,
                                        DEFAULT_MAX_CONNECTIONS, DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S,
                                        DEFAULT_SERVED_MODELS, DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
+from clef_vllm.version import __version__
 
 API_KEY_ENV = "CLEF_API_KEY"
 
@@ -211,16 +211,16 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
     same server on another backend (``clef-serve-ray``: clef_vllm/server/serve_ray.py)."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
-    from clef_vllm.util.heap import bound_native_caches
     from clef_vllm.server.logs import setup_logging
+    from clef_vllm.util.heap import bound_native_caches
 
     bound_native_caches()                     # before the backend builds its first oneDNN primitive
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_vllm")
 
     from clef_vllm.backends import make_backend, resolve_backend, vllm_usable
-    from clef_vllm.model.demo import describe_demo, is_demo, resolve_model_dir
     from clef_vllm.backends.multinode import load_timeout
+    from clef_vllm.model.demo import describe_demo, is_demo, resolve_model_dir
     from clef_vllm.server.app import create_app
     from clef_vllm.server.children import default_signals_in_forked_children, stop_children
     from clef_vllm.server.connection import ConnectionRules, protocol_class

@@ -22,19 +22,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator
 
-from clef_vllm.schema.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
+from clef_vllm.schema.answers import build_response, hosted_envelope
+from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.util.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
 from clef_vllm.schema.openai_decisions import check_fits
 from clef_vllm.schema.protocol import Dialect, RequestLimits, SystemOneRequest
-from clef_vllm.schema.dialects import parse_request
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
 from clef_vllm.server.loop_lag import INTERVAL_S, watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
+from clef_vllm.util.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
 
 log = logging.getLogger("clef_vllm.server")
 

@@ -24,11 +24,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from clef_vllm.util.atomic import write_json
 from clef_vllm.contract import DEFAULT_NVFP4_KERNEL, NVFP4_KERNELS
 from clef_vllm.model.layout import linear_shapes, text_config
 from clef_vllm.quant import kernels as K
 from clef_vllm.quant import schemes as S
+from clef_vllm.util.atomic import write_json
 
 OK, ERROR = "ok", "error"
 
@@ -163,8 +163,8 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
 
     from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
     from clef_vllm.model.layout import NOT_TEXT_PREFIXES
-    from clef_vllm.quant.fused_scales import fused_global_scales
     from clef_vllm.model.tables import TableError, load_int8_tables
+    from clef_vllm.quant.fused_scales import fused_global_scales
 
     report = Report(str(path))
     try:
@@ -328,9 +328,9 @@ def format_layers(report: Report) -> list[str]:
 def print_memory_plan(a) -> int:
     """``--gpu-memory``: the fitted memory plan (or why none fits), and ``--json`` with it; the exit status."""
     from clef_vllm.backends.memory_fit import plan_for_checkpoint
-    from clef_vllm.plan import memory_plan as MP
     from clef_vllm.backends.options import VllmOptions
     from clef_vllm.model.checkpoint import CheckpointError
+    from clef_vllm.plan import memory_plan as MP
 
     result: dict = {"path": str(a.checkpoint), "device_total_bytes": a.gpu_memory}
     try:

@@ -39,19 +39,19 @@ import sys
 import time
 from pathlib import Path
 
-from clef_vllm.util.atomic import atomic_dir, save_safetensors, write_json
 from clef_vllm.model.layout import backbone_prefix, text_config
 from clef_vllm.quant.recipe import (DEFAULT_SPLIT_9B, FP8_GROUP, GDN_FUSED, NVFP4_GROUP, RECIPE_IGNORE,
                                     hybrid_config_groups, ignore_list, quantization_config, write_recipe)
+from clef_vllm.util.atomic import atomic_dir, save_safetensors, write_json
 
 # --------------------------------------------------------------------------- calibration data
 
 
 def calibration_ids(data: str | Path | None, tokenizer_dir: Path, num: int, max_len: int) -> list[list[int]]:
     """Token ids of ``num`` build_data records encoded by the package's RequestEncoder."""
+    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.schema.protocol import RequestError
-    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.records import read_records, request_body
     from clef_vllm.tools.build_data import synthetic_records
 
@@ -335,8 +335,8 @@ def emit_config_only(source_config: Path | None, out: Path, split: int, head_con
     ``recipe.yaml`` and ``clef_head/joint_head_config.json`` (with the version marker) for a
     checkpoint whose weights are built elsewhere. ``source_config=None``: the Clef-Flash release's
     ``config.json`` (:func:`clef_vllm.model.release.clef_flash_config`)."""
-    from clef_vllm.model.layout import ARCHITECTURE
     from clef_vllm.model.head import HeadConfig
+    from clef_vllm.model.layout import ARCHITECTURE
     from clef_vllm.model.layout import HEAD_CONFIG, HEAD_DIR, MARKER
     from clef_vllm.model.release import RELEASE_HEAD_CONFIG, clef_flash_config
     from clef_vllm.model.repack import default_marker

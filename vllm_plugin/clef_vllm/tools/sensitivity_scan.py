@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from clef_vllm.util.atomic import write_json
 from clef_vllm.quant.fake_quant import FakeQuant
+from clef_vllm.util.atomic import write_json
 
 GROUPS = ("attn", "mlp")
 MIXER_LEAVES = {"linear_attn": ("in_proj_qkv", "in_proj_z", "out_proj"),
@@ -109,8 +109,8 @@ def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
 
 
 def encode_records(encoder, records, max_length: int) -> tuple[list, list[dict]]:
-    from clef_vllm.schema.protocol import RequestError
     from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.protocol import RequestError
     from clef_vllm.schema.records import request_body
 
     encoded, kept = [], []

@@ -22,8 +22,8 @@ from pathlib import Path
 
 def shrink(src: Path, out: Path | None, marker: str | None, keep_architecture: bool) -> dict:
     """Repack ``src`` (into ``out`` or in place). Returns what happened, for printing and tests."""
-    from clef_vllm.model.layout import ARCHITECTURE
     from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.model.layout import ARCHITECTURE
     from clef_vllm.model.repack import repack_tables, set_marker
 
     files = locate_checkpoint(src)

@@ -35,11 +35,11 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
+from clef_vllm.plan.graph_costs import graph_reservation
 from clef_vllm.plan.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, REF_HIDDEN, REF_INTERMEDIATE,
                                    RUNTIME_EXCESS_BYTES_PER_TOKEN, VLLM_GRAPH_UNDERCOUNT)
-from clef_vllm.worker.gdn_profile import GdnPeakProbe
-from clef_vllm.plan.graph_costs import graph_reservation
 from clef_vllm.worker import memory
+from clef_vllm.worker.gdn_profile import GdnPeakProbe
 
 log = logging.getLogger("clef_vllm")
 

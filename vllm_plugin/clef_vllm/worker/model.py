@@ -29,17 +29,17 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Mo
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.platforms import current_platform
 
-from clef_vllm.util import trace
-from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.contract import (GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
                                 NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
-from clef_vllm.model.head import JointSchemaHead
+from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.model.features import PADDED_ROWS_FLOOR
+from clef_vllm.model.head import JointSchemaHead
 from clef_vllm.model.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
-from clef_vllm.quant.fused_scales import fused_global_scales
-from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.model.tables import DenseTable, Int8RowTable, load_int8_tables
+from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.kernels import kernel_report
+from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
+from clef_vllm.util import trace
 from clef_vllm.worker import memory
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.embedding import Int8RowEmbedding

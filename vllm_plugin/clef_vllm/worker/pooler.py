@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 
-from clef_vllm.util import trace
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
 from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
 from clef_vllm.model.head import JointSchemaHead
-from clef_vllm.schema.state_keys import KEY_UNIT, block_keys
 from clef_vllm.model.tables import LexicalTable
+from clef_vllm.schema.state_keys import KEY_UNIT, block_keys
+from clef_vllm.util import trace
 from clef_vllm.worker.fast import state_cache
 from clef_vllm.worker.fast.gemm_warmup import GridRows, warm_gemm_kernels
 from clef_vllm.worker.fast.head_graphs import HeadGraphRunner

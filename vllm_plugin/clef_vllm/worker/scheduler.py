@@ -68,9 +68,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from clef_vllm.util import trace
 from clef_vllm.contract import BATCH_WAIT_KEY, IDLE_CLEANUP_KEY, PARAMS_KEY, worker_setting
 from clef_vllm.schema.state_keys import KEY_UNIT
+from clef_vllm.util import trace
 from clef_vllm.worker.fast import state_cache
 from clef_vllm.worker.fast.batch_wait import BatchWait
 
