@@ -34,9 +34,9 @@ def measure(unit: int, n: int) -> str:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    from clef_vllm import state_keys
     from clef_vllm.contract import PARAMS_KEY
-    from clef_vllm.state_keys import prefix_keys
+    from clef_vllm.schema import state_keys
+    from clef_vllm.schema.state_keys import prefix_keys
     from clef_vllm.worker.scheduler import block_hasher
 
     ids = list(range(1000, 1000 + n))

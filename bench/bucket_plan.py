@@ -34,7 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, choose_bucket, default_buckets
+from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS, choose_bucket, default_buckets
 
 
 def step_costs(rows: list[dict], scale: float, other_us: float) -> dict[int, float]:

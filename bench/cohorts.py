@@ -32,11 +32,11 @@ import sys
 
 from clef_vllm.bench.cohorts import GROUP_GAP_S, size_histogram, split_groups
 from clef_vllm.bench.loadgen import percentile
-from clef_vllm.heap import LONG_PAUSE_LINE
 from clef_vllm.server.loop_lag import STALL_LINE
+from clef_vllm.util.heap import LONG_PAUSE_LINE
 
 TEXT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO clef_vllm\.access\b.*? duration_ms=([\d.]+)")
-#: the server's lines about a held event loop (clef_vllm.heap, clef_vllm.server.loop_lag) start so
+#: the server's lines about a held event loop (clef_vllm.util.heap, clef_vllm.server.loop_lag) start so
 HELD_JSON = (LONG_PAUSE_LINE, STALL_LINE)
 #: ... and in the text format
 HELD = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) WARNING \S+: "

@@ -13,8 +13,8 @@ import sys
 import time
 
 from clef_vllm.bench.workloads import RequestFactory, build_variants
-from clef_vllm.encoding import RequestEncoder
-from clef_vllm.protocol import parse_request
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.encoding import RequestEncoder
 from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
 
 

@@ -18,10 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from front_end_share import bench_point, save  # noqa: E402
+from front_end_share import bench_point, save
 
-from clef_vllm.testing.server import LiveServer  # noqa: E402
+from clef_vllm.testing.server import LiveServer
 
 
 def run_point(url: str, checkpoint: str, workload: str, concurrency: int, requests: int, out: Path) -> dict:

@@ -33,10 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from instant_server import SteppedEngine  # noqa: E402
+from instant_server import SteppedEngine
 
-from clef_vllm.testing.server import LiveServer  # noqa: E402
+from clef_vllm.testing.server import LiveServer
 
 
 async def engine_only(engine: SteppedEngine, concurrency: int, tokens: list[int], submit_ms: float = 0.0) -> dict:

@@ -17,7 +17,7 @@ what the op's tuned kernels would save per step over 24 GDN layers.
     PYTHONPATH=/root/site:$PWD/vllm_plugin python3 bench/gdn_configs.py --out $OUT/gdn_configs.json
 
 (``h200_gdn_configs.json`` was made by this script with its own copy of the kernel lookup, before that lookup
-moved to ``clef_vllm.worker.gdn_tuning.autotuned_kernels``.)
+moved to ``clef_vllm.worker.fast.gdn_tuning.autotuned_kernels``.)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> int:
     from vllm.third_party.flash_linear_attention.ops import chunk as chunk_ops
     from vllm.third_party.flash_linear_attention.ops.index import prepare_chunk_indices, prepare_chunk_offsets
 
-    from clef_vllm.worker.gdn_tuning import autotuned_kernels
+    from clef_vllm.worker.fast.gdn_tuning import autotuned_kernels
 
     tuners = autotuned_kernels()
     calls: dict[str, tuple] = {}

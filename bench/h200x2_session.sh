@@ -409,7 +409,7 @@ traced_9b() {  # traced_9b NAME LIMIT PORT LABEL CONC [VAR=VALUE...]: the 9B BF1
       CONC_OVERRIDES= TIME_LIMIT=6 WARMUP=3 READY_TIMEOUT=300 BENCH_TIMEOUT=300 \
       "BENCH_ARGS=--shared-states 4096x64,15872x33" PHASES=server LABEL="$label" \
       SERVER_ARGS="--load-format dummy --state-cache on" "$@" bash bench/gpu_bench.sh "$NINE" "$port"
-  python3 -m clef_vllm.trace "$S/$name/trace.jsonl" >"$S/$name/trace_summary.txt" 2>&1
+  python3 -m clef_vllm.util.trace "$S/$name/trace.jsonl" >"$S/$name/trace_summary.txt" 2>&1
 }
 
 planned_pair_fp8() {  # the FP8 sweep's bucket plan for the short workload, paired against the default at c=1
@@ -955,7 +955,7 @@ thirtyseventh1_queue0)   # ~1,500 s: launch with `wait 520` in the staging's las
   job paired_engine_thread_fp8 0 480 env COMPARE="fp8:fp8thread:short fp8:fp8thread:short:16,64" PAIRS=200 \
       TIME_LIMIT=20 PORT0=9110 bash bench/paired.sh "$NINE" "fp8=--load-format dummy --quantization fp8" \
       "fp8thread=--load-format dummy --quantization fp8 --engine-core thread"
-  # one short decision's engine time split without a profiler (the worker's step events, clef_vllm.trace): the
+  # one short decision's engine time split without a profiler (the worker's step events, clef_vllm.util.trace): the
   # default FP8 server, then the default BF16 server with the state cache on (short, then 4k / 16k follow-ups)
   traced_9b trace_fp8_steps 300 9101 9b-dummy-fp8-trace-steps-c1 1 WORKLOADS=short "BENCH_ARGS=" \
       "SERVER_ARGS=--load-format dummy --quantization fp8"

@@ -1,5 +1,5 @@
 """The joint head's decision over one record's memory, SDPA's fused attention against the matmul route
-(``clef_vllm.head.attention_route``), GPU time per decision replayed from a CUDA graph as the head graphs
+(``clef_vllm.model.head.attention_route``), GPU time per decision replayed from a CUDA graph as the head graphs
 run it. Needs a CUDA GPU and torch only (no vLLM).
 
     python bench/head_attention.py [-o head_attention.json]
@@ -17,9 +17,9 @@ import statistics
 
 import torch
 
-from clef_vllm import head as head_module
-from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
-from clef_vllm.release import RELEASE_HEAD_CONFIG
+from clef_vllm.model import head as head_module
+from clef_vllm.model.head import DecisionBatch, FieldLayout, JointSchemaHead
+from clef_vllm.model.release import RELEASE_HEAD_CONFIG
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 24576, 32768)
 #: (name, route, cuDNN attention on): SDPA as the server runs it (vLLM turns PyTorch's cuDNN attention off at

@@ -9,7 +9,7 @@ With ``--step-ms F --per-token-us P`` the backend answers in *steps*, as vLLM's 
 requests waiting when a step begins (up to ``--step-tokens``) finish together after F ms + P µs per
 token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`;
 ``bench/front_end_share.py`` drives the same engine without HTTP to compare). ``--batch-wait-ms MS`` has it
-hold new requests between steps by the scheduler's own rule 5 (``clef_vllm.worker.batch_wait``), polling
+hold new requests between steps by the scheduler's own rule 5 (``clef_vllm.worker.fast.batch_wait``), polling
 every millisecond as vLLM's idle engine core does. Like ``clef-systemone`` it freezes start-up's objects out of the
 garbage collector's full collections once loaded (``--no-freeze-heap``: not); ``--gc-log PATH`` records every full
 collection's length (with vLLM's client imported, as the real front end has it) and writes them at exit.
@@ -30,11 +30,11 @@ import uvicorn
 
 from clef_vllm.backends.base import Backend
 from clef_vllm.backends.options import VllmOptions
-from clef_vllm.encoding import RequestEncoder
-from clef_vllm.heap import FullCollections
+from clef_vllm.schema.encoding import RequestEncoder
 from clef_vllm.server.app import create_app
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
-from clef_vllm.worker.batch_wait import BatchWait
+from clef_vllm.util.heap import FullCollections
+from clef_vllm.worker.fast.batch_wait import BatchWait
 
 
 class InstantBackend(Backend):

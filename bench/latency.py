@@ -74,7 +74,7 @@ def sweep_sizes(spec: str) -> list[int]:
 
 def sweep_buckets(sizes: list[int]) -> list[int]:
     """The prefill-graph buckets of a sweep: every swept size, the generic buckets outside the swept range."""
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
 
     return sorted(set(sizes) | {b for b in DEFAULT_BUCKETS if b < sizes[0] or b > sizes[-1]})
 
@@ -118,7 +118,7 @@ def profiled(request: Callable[[int], float], n: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from clef_vllm.bench.gpu_timeline import phase_timeline, timeline
-    from clef_vllm.trace import PHASE_NAMES      # the worker's ranges under CLEF_VLLM_PROFILE_PHASES=1
+    from clef_vllm.util.trace import PHASE_NAMES      # the worker's ranges under CLEF_VLLM_PROFILE_PHASES=1
 
     mark = "clef_request"           # each request's window; the profiler also shows it as a GPU-side range
     ranges = {mark, *PHASE_NAMES}   # profiler ranges, not kernels
@@ -154,13 +154,13 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     if engine_process:      # the worker report below sends a function to the engine core's process
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    os.environ["CLEF_VLLM_PROFILE_PHASES"] = "1"     # the worker marks its phases (clef_vllm.trace.PHASE_NAMES)
+    os.environ["CLEF_VLLM_PROFILE_PHASES"] = "1"     # the worker marks its phases (clef_vllm.util.trace.PHASE_NAMES)
     import torch
     from vllm import LLM, PoolingParams, TokensPrompt
 
     from clef_vllm import register
     from clef_vllm.backends.vllm_backend import pooling_params
-    from clef_vllm.features import HeadSpec, synthetic_spec
+    from clef_vllm.model.features import HeadSpec, synthetic_spec
 
     register()
     kw = engine_settings(mode, ckpt, quantization, sweep, nvfp4_kernel)
@@ -235,7 +235,7 @@ def run_mode(mode: str, ckpt: Path, quantization: str | None, followups_only: bo
         def report(worker):
             model = worker.model_runner.model
             out = {f"{name}_graphs": runner.describe() for name, runner in model.graph_runners().items()}
-            from clef_vllm.worker import state_cache
+            from clef_vllm.worker.fast import state_cache
 
             if state_cache.current() is not None:
                 out["state_cache"] = state_cache.current().describe()
@@ -284,7 +284,7 @@ def main() -> int:
         return 0
     ckpt = a.ckpt
     if ckpt is None:
-        from clef_vllm.release import write_config_only_checkpoint
+        from clef_vllm.model.release import write_config_only_checkpoint
 
         ckpt = Path(tempfile.mkdtemp()) / "clef-9b"
         write_config_only_checkpoint(ckpt, layout="repacked")

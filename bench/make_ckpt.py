@@ -31,11 +31,11 @@ def main() -> int:
         print(f"{a.out} exists; leaving it as it is")
         return 0
     if a.kind == "tiny":
-        from clef_vllm.tiny import build_tiny_checkpoint
+        from clef_vllm.model.tiny import build_tiny_checkpoint
 
         build_tiny_checkpoint(a.out, layout=a.layout or "release")
     else:
-        from clef_vllm.release import clef_flash_config, write_config_only_checkpoint
+        from clef_vllm.model.release import clef_flash_config, write_config_only_checkpoint
 
         config = None
         if a.hybrid is not None:

@@ -571,7 +571,7 @@ def build_pools(ckpt: str, *, seed: int = 0, short_tokens: int = 360, long_token
                 n_shared: int = 96, keep_ids: bool = False) -> Pools:
     """clef-bench's ``short``, ``long`` and ``shared-state`` variants on the checkpoint's tokenizer."""
     from clef_vllm.bench.workloads import WARM_START, RequestFactory, build_variants
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     encoder = RequestEncoder.from_pretrained(ckpt, max_length=max_model_len)
     factory = RequestFactory(encoder, seed=seed, keep_ids=keep_ids)

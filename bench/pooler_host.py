@@ -1,7 +1,7 @@
 """Host (Python) time the Clef pooler spends in vLLM's engine core per request, outside the GPU kernels:
 a request's setup when its first chunk arrives (the head spec from the wire, its validation, the
 token -> segment map) and, per step, the index data of the records the step finishes
-(:func:`clef_vllm.features.step_indices`). Also the front end's share of a request's parameters: the
+(:func:`clef_vllm.model.features.step_indices`). Also the front end's share of a request's parameters: the
 spec on the wire, vLLM's ``PoolingParams`` and the deep copy vLLM's input processing makes of them
 (``PoolingParams.clone``). Short requests of clef-bench's ``short`` workload, encoded with the demo
 checkpoint's tokenizer; median of 7 runs of 50. CPU only, no model (vLLM imported for its parameters).
@@ -27,10 +27,10 @@ def median_ms(fn, number: int = 50, runs: int = 7) -> float:
 
 def main() -> int:
     from clef_vllm.bench.workloads import RequestFactory, build_variants
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.features import HeadSpec, RecordAccumulator, step_indices
-    from clef_vllm.protocol import parse_request
-    from clef_vllm.demo import demo_checkpoint
+    from clef_vllm.model.demo import demo_checkpoint
+    from clef_vllm.model.features import HeadSpec, RecordAccumulator, step_indices
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
 
     encoder = RequestEncoder.from_pretrained(demo_checkpoint())
     factory = RequestFactory(encoder, seed=1)

@@ -99,9 +99,9 @@ def load_data(data: str | None, work: Path, small: bool) -> Path:
 
 def prompt_texts(records) -> list[str]:
     """The texts the encoder tokenizes, for training the proxy's BPE."""
-    from clef_vllm import encoding as E
-    from clef_vllm.protocol import parse_request
-    from clef_vllm.records import request_body
+    from clef_vllm.schema import encoding as E
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.records import request_body
 
     texts = [E.PREFIX_TEXT, E.SCHEMA_HEADER_TEXT, E.OPTIONS_HEADER_TEXT, E.FIELD_END_TEXT, E.SUFFIX_TEXT] * 20
     for r in records:
@@ -121,7 +121,7 @@ def train_tokenizer(texts: list[str], vocab: int, out: Path):
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    from clef_vllm.tiny import CHAT_TEMPLATE, QWEN_SPLIT, SPECIAL_TOKENS
+    from clef_vllm.model.tiny import CHAT_TEMPLATE, QWEN_SPLIT, SPECIAL_TOKENS
 
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -148,8 +148,8 @@ def proxy_configs(tok, small: bool):
     """(VL Qwen3_5Config, HeadConfig): hidden 256, 8 layers (6 GDN + 2 full), every dim a multiple of 64."""
     from transformers import Qwen3_5Config
 
-    from clef_vllm.head import HeadConfig
-    from clef_vllm.tiny import SPECIAL_TOKENS, tiny_text_config
+    from clef_vllm.model.head import HeadConfig
+    from clef_vllm.model.tiny import SPECIAL_TOKENS, tiny_text_config
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     hidden, layers = (128, 4) if small else (256, 8)
@@ -193,8 +193,8 @@ def pad(seqs: list[list[int]], pad_id: int, device):
 def decision_probs(model, head, lm_weight, batch_encoded, device):
     """Differentiable per-record option probabilities with the package's head path (fp32 training;
     the small proxy needs no autocast, and fp32 is the path the CPU smoke run exercises)."""
-    from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
-    from clef_vllm.tables import DenseTable
+    from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+    from clef_vllm.model.tables import DenseTable
 
     ids, mask = pad([e.input_ids for e in batch_encoded], 0, device)
     hidden = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
@@ -210,12 +210,13 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
 
-    from clef_vllm.atomic import atomic_dir
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.layout import VL_BACKBONE_PREFIX
-    from clef_vllm.head import JointSchemaHead
-    from clef_vllm.protocol import RequestError, parse_request
-    from clef_vllm.records import read_records, request_body
+    from clef_vllm.model.head import JointSchemaHead
+    from clef_vllm.model.layout import VL_BACKBONE_PREFIX
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.protocol import RequestError
+    from clef_vllm.schema.records import read_records, request_body
+    from clef_vllm.util.atomic import atomic_dir
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
@@ -342,7 +343,7 @@ def train_proxy(work: Path, data: Path, device: torch.device, small: bool, resul
 
 def build_all(work: Path, data: Path, device: torch.device, results: Results) -> dict[str, Path]:
     """BF16 + Hybrid K in {0, L/2, L}: quantize (native), shrink tables, clef_load."""
-    from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.model.checkpoint import locate_checkpoint
     from clef_vllm.tools import quantize_mixed, shrink_tables
     from clef_vllm.tools.clef_load import check_checkpoint
 
@@ -375,13 +376,14 @@ def build_all(work: Path, data: Path, device: torch.device, results: Results) ->
 
 
 def heldout_requests(data: Path, limit: int) -> list[dict]:
-    from clef_vllm.records import read_records, request_body
+    from clef_vllm.schema.records import read_records, request_body
 
     return [request_body(r) for r in read_records(data, split="heldout", limit=limit)]
 
 
 def encode_all(encoder, requests):
-    from clef_vllm.protocol import RequestError, parse_request
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.protocol import RequestError
 
     out = []
     for body in requests:
@@ -417,7 +419,7 @@ def simulate(work: Path, data: Path, device: torch.device, records: int, results
                 continue    # no NVFP4 layer: same as w4a16
             with FakeQuant() as fq:
                 if numerics == "w4a4":   # calibrate activation global scales on train records first
-                    from clef_vllm.records import read_records
+                    from clef_vllm.schema.records import read_records
                     from clef_vllm.tools.sensitivity_scan import calibrate_input_amax, encode_records
 
                     fq.input_amax = calibrate_input_amax(backend, encode_records(

@@ -120,7 +120,7 @@ def check_response(body: dict, expect: dict, request: dict, encoder=None) -> str
     if usage.get("output_tokens") != 0 or not usage.get("input_tokens", 0) > 0:
         return f"usage {usage}"
     if encoder is not None:
-        from clef_vllm.protocol import parse_request
+        from clef_vllm.schema.dialects import parse_request
 
         want = encoder.encode(parse_request(request)).num_tokens
         if usage["input_tokens"] != want:
@@ -964,8 +964,8 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     encoder = None
     if args.tokenizer:
-        from clef_vllm.demo import resolve_model_dir
-        from clef_vllm.encoding import RequestEncoder
+        from clef_vllm.model.demo import resolve_model_dir
+        from clef_vllm.schema.encoding import RequestEncoder
 
         encoder = RequestEncoder.from_pretrained(resolve_model_dir(args.tokenizer), max_length=args.max_model_len)
     before = scrape(args.url, headers)

@@ -18,7 +18,7 @@ engine settings, one request at a time), before that option is trusted:
    hidden states (max |diff|, exact or not) and the time each takes (host time to return, wall time
    to the result).
 
-   - ``static`` (the design to test, ``clef_vllm.worker.step_graphs.StepGraph``, what
+   - ``static`` (the design to test, ``clef_vllm.worker.fast.step_graphs.StepGraph``, what
      ``--prefill-graph-scope step`` runs; first): the graph reads static copies of the token ids,
      positions, FA3 metadata tensors and slot mappings, refreshed from each step before its replay;
      FA3's metadata is captured for the padded size (every padded row, the longest query, the
@@ -132,9 +132,9 @@ def summarize_survey(steps: list[dict]) -> dict:
 
 
 def graph_classes():
-    """The design under test (:class:`clef_vllm.worker.step_graphs.StepGraph`, flavour ``static``) and the
+    """The design under test (:class:`clef_vllm.worker.fast.step_graphs.StepGraph`, flavour ``static``) and the
     naive capture (``direct``)."""
-    from clef_vllm.worker.step_graphs import StepGraph
+    from clef_vllm.worker.fast.step_graphs import StepGraph
 
     class DirectGraph(StepGraph):
         """The step's own tensors, as captured: no static copies, nothing refreshed but the GDN mask."""
@@ -177,13 +177,13 @@ def main() -> int:
 
     from clef_vllm import register
     from clef_vllm.backends.vllm_backend import pooling_params
-    from clef_vllm.features import synthetic_spec
-    from clef_vllm.worker.prefill_graphs import fallback_reason
+    from clef_vllm.model.features import synthetic_spec
+    from clef_vllm.worker.fast.prefill_graphs import fallback_reason
 
     register()
     ckpt = args.ckpt
     if ckpt is None:
-        from clef_vllm.release import write_config_only_checkpoint
+        from clef_vllm.model.release import write_config_only_checkpoint
 
         ckpt = Path(tempfile.mkdtemp()) / "clef-9b"
         write_config_only_checkpoint(ckpt, layout="repacked")

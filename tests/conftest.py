@@ -55,7 +55,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_release(tmp_path_factory) -> Path:
     """Tiny checkpoint in the Cloudflare release layout (with mtp.* tensors, as Qwen3.5 ships them)."""
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-release", mtp=True)
 
@@ -63,7 +63,7 @@ def tiny_release(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_repacked(tmp_path_factory) -> Path:
     """The same weights (same seed) repacked: clef_head/ + int8 tables + version marker."""
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-repacked", layout="repacked", mtp=True)
 

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from clef_vllm.answers import build_answer, build_response, gini_purity, hosted_envelope
-from clef_vllm.encoding import EncodedField, EncodedRequest
-from clef_vllm.protocol import Dialect, parse_request
+from clef_vllm.schema.answers import build_answer, build_response, gini_purity, hosted_envelope
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.encoding import EncodedField, EncodedRequest
+from clef_vllm.schema.protocol import Dialect
 
 REF, WAI = Dialect.REFERENCE, Dialect.WORKERS_AI
 

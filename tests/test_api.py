@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import clef_vllm
-from clef_vllm.errors import Kind
-from clef_vllm.protocol import RequestError
+from clef_vllm.schema.errors import Kind
+from clef_vllm.schema.protocol import RequestError
 
 REQUEST = {
     "model": "clef-flash",
@@ -78,7 +78,7 @@ def test_import_is_lazy_and_exposes_clef():
 def test_systemone_answers_all_three_question_types(clef):
     body = clef.systemone(REQUEST)
     check_shapes(body, REQUEST)
-    enc = clef.backend.encoder.encode(clef_vllm.protocol.parse_request(REQUEST))
+    enc = clef.backend.encoder.encode(clef_vllm.schema.dialects.parse_request(REQUEST))
     assert body["usage"]["input_tokens"] == enc.num_tokens
     assert body["usage"]["truncated_state_tokens"] == 0
     assert clef.systemone(REQUEST) == body                 # deterministic
@@ -190,7 +190,7 @@ def test_bad_arguments_are_refused(tiny_release, tmp_path):
         Clef(tiny_release, backend="reference", dtype="int4")
     with pytest.raises(ValueError, match="'gpu_memory_utilization' applies to the vllm backend"):
         Clef(tiny_release, backend="reference", gpu_memory_utilization=0.5)    # never silently dropped
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="not a directory"):
         Clef(tmp_path / "missing", backend="reference")

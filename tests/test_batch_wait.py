@@ -1,9 +1,9 @@
-"""Rule 5's decision alone (``clef_vllm.worker.batch_wait``; the scheduler's use of it: tests/test_scheduler.py,
+"""Rule 5's decision alone (``clef_vllm.worker.fast.batch_wait``; the scheduler's use of it: tests/test_scheduler.py,
 the stepped stand-in engine's: tests/test_bench.py)."""
 
 from __future__ import annotations
 
-from clef_vllm.worker.batch_wait import PEAK_WINDOW_S, BatchWait
+from clef_vllm.worker.fast.batch_wait import PEAK_WINDOW_S, BatchWait
 
 
 def _hold(rule: BatchWait, now: float, waiting: int, oldest: float, running: int = 0) -> bool:

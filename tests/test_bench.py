@@ -22,10 +22,10 @@ from clef_vllm.bench.loadgen import (percentile, server_timing, server_total_ms,
 from clef_vllm.bench.parity import compare_runs, distribution, kl_divergence, total_variation
 from clef_vllm.bench.parity_cli import main as parity_main
 from clef_vllm.bench.targets import Answered, Condition
-from clef_vllm.records import load_request_file
-from clef_vllm.testing.server import free_port
 from clef_vllm.bench.workloads import (RequestFactory, StateWriter, build_variants,
                                        synthetic_parity_set)
+from clef_vllm.schema.records import load_request_file
+from clef_vllm.testing.server import free_port
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -43,7 +43,7 @@ def hosted_server(tiny_release, cache_dir):
 
 @pytest.fixture(scope="module")
 def tiny_encoder(tiny_release):
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     return RequestEncoder.from_pretrained(tiny_release)
 
@@ -89,7 +89,7 @@ def test_state_writer_hits_exact_token_counts(tiny_encoder, n):
 
 
 def test_qwen_tokenizer_workloads_have_exact_totals(qwen_tokenizer_dir):
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     factory = RequestFactory(RequestEncoder.from_pretrained(qwen_tokenizer_dir), seed=3)
     short, long4k, long16k = build_variants(["short", "long"])
@@ -230,7 +230,7 @@ def test_bench_modules_import_without_torch_or_vllm():
 
 def test_raw_vllm_engine_settings(tiny_release, tiny_repacked, tmp_path):
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
-    from clef_vllm.release import clef_flash_config, write_config_only_checkpoint
+    from clef_vllm.model.release import clef_flash_config, write_config_only_checkpoint
 
     release = raw_engine_kwargs(tiny_release, max_model_len=4096)
     repacked = raw_engine_kwargs(tiny_repacked, extra={"max_num_seqs": 7})
@@ -409,7 +409,7 @@ def test_bench_short_and_fanout_against_live_server(live_server, tiny_release, t
 def test_bench_tokenizer_demo_is_the_local_demo_checkpoint(live_server, tiny_short_tokens, tmp_path, capsys):
     """--tokenizer demo means the demo checkpoint (its tokenizer is the tiny one the live server uses);
     a name that is not a folder fails at once, naming the flag, and never reaches for a model hub."""
-    from clef_vllm.demo import demo_checkpoint
+    from clef_vllm.model.demo import demo_checkpoint
 
     rc, res = _bench([live_server.url, "--tokenizer", "demo", "--short-tokens", str(tiny_short_tokens), "-c", "1",
                       "-n", "2", "--warmup", "0", "--fail-on-error"], tmp_path / "demo.json")
@@ -689,7 +689,7 @@ def test_the_gpu_timeline_attributes_busy_and_idle_time_to_marked_phases():
 
 
 def test_profile_phases_wrap_only_when_switched_on(monkeypatch):
-    from clef_vllm import trace
+    from clef_vllm.util import trace
 
     def f(x):
         return x + 1
@@ -905,7 +905,7 @@ def test_bench_versus_raw_pairs_a_server_with_raw_vllm_in_this_process(live_serv
     this process (started once, closed at the end), paired at c=1 and in time blocks above, with the raw
     options passed to the engine; refused without a URL or beside --versus."""
     from clef_vllm.bench import raw_vllm
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     _StubRawEngine.made.clear()
     monkeypatch.setattr(raw_vllm, "RawVllmEngine", _StubRawEngine)
@@ -925,7 +925,7 @@ def test_bench_versus_raw_pairs_a_server_with_raw_vllm_in_this_process(live_serv
     assert two["concurrency"] == 2 and [b["side"] for b in two["blocks"]] == ["a", "b"]
     assert len(two["pair_ratios"]) == 1 and two["unanswered"] == 0
     # B embedded exactly the token ids the server encodes for those requests (the tokenizer: MODEL_DIR's)
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.schema.dialects import parse_request
 
     encoder = RequestEncoder.from_pretrained(str(tiny_release))
     assert len(engine.sent) >= 1 + 4 + 1                   # warm-up, the pairs, at least one block request
@@ -1161,7 +1161,7 @@ def test_the_stepped_engine_holds_by_the_schedulers_batch_wait():
     without the wait it runs alone."""
     import asyncio
 
-    from clef_vllm.worker.batch_wait import BatchWait
+    from clef_vllm.worker.fast.batch_wait import BatchWait
 
     SteppedEngine = bench_script("instant_server").SteppedEngine
 
@@ -1236,9 +1236,9 @@ def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
     from array import array
     from types import SimpleNamespace
 
-    from clef_vllm import trace
     from clef_vllm.bench.raw_vllm import RawVllmEngine
     from clef_vllm.bench.workloads import BenchRequest
+    from clef_vllm.util import trace
 
     calls = []
 
@@ -1380,7 +1380,7 @@ def test_the_bucket_plan_keeps_each_lengths_cheapest_bucket_and_prints_a_valid_f
     length pads to its cheapest bucket at or above it); sizes outside the sweep keep the defaults; pruning
     keeps the range's top; the printed value is what --prefill-graph-buckets accepts."""
     from clef_vllm.backends.options import bucket_list
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
 
     plan = bench_script("bucket_plan")
     gemm = {256: 5.0, 272: 9.0, 288: 8.0, 304: 6.0, 320: 7.0}             # 304 beats 272, 288 and 320 minus padding
@@ -1410,7 +1410,7 @@ def test_the_bucket_plan_says_whether_a_list_pads_some_length_unlike_the_default
     """``bench/bucket_plan.py --differs`` (the session script pairs a plan only when it changes something):
     exit 0 and the differing ranges when some length of --lengths pads to another bucket than the server's
     default for --linear does, 1 when all pad alike; --lengths is required."""
-    from clef_vllm.worker.prefill_graphs import LINEAR_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import LINEAR_BUCKETS
 
     plan = bench_script("bucket_plan")
     fp8 = ",".join(str(b) for b in LINEAR_BUCKETS["fp8"])
@@ -1433,7 +1433,7 @@ def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(t
     ones outside) and writes one p50 per size; ``bench/bucket_plan.py`` takes those p50s as the costs, with no
     model, and refuses --profiled for them."""
     from clef_vllm.backends.options import bucket_list
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
 
     latency, plan = bench_script("latency"), bench_script("bucket_plan")
     sizes = latency.sweep_sizes("256:320:16")
@@ -1559,7 +1559,7 @@ def test_clef_bench_measures_with_its_heap_frozen_and_gives_it_back():
     after, since tests call its main in their own process."""
     import gc
 
-    from clef_vllm.heap import frozen_heap
+    from clef_vllm.util.heap import frozen_heap
 
     assert gc.get_freeze_count() == 0
     with frozen_heap() as frozen:

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from clef_vllm import __version__
 from clef_vllm.backends.reference import ReferenceBackend
-from clef_vllm.checkpoint import (CheckpointError, check_version_marker, load_head, load_head_config,
+from clef_vllm.model.checkpoint import (CheckpointError, check_version_marker, load_head, load_head_config,
                                   locate_checkpoint)
-from clef_vllm.head import JointSchemaHead
-from clef_vllm.tables import TableError, load_int8_tables
+from clef_vllm.model.head import JointSchemaHead
+from clef_vllm.model.tables import TableError, load_int8_tables
 
 EMBED, LM_HEAD = "model.language_model.embed_tokens.weight", "lm_head.weight"
 
@@ -356,8 +356,8 @@ def test_quantized_backbone_is_refused_by_the_reference_backend(tiny_release, tm
 def test_unsharded_checkpoint_in_both_layouts(tmp_path, cache_dir):
     """One ``model.safetensors`` without an index: the root's joint_head.safetensors is not a backbone file."""
     from clef_vllm import Clef
-    from clef_vllm.repack import repack_tables
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.repack import repack_tables
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     single = build_tiny_checkpoint(tmp_path / "single", shard_mb=100)
     files = locate_checkpoint(single)

@@ -15,9 +15,10 @@ import unicodedata
 
 import pytest
 
-from clef_vllm.encoding import RequestEncoder, render
-from clef_vllm.errors import Kind
-from clef_vllm.protocol import RequestError, parse_request
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.encoding import RequestEncoder, render
+from clef_vllm.schema.errors import Kind
+from clef_vllm.schema.protocol import RequestError
 
 # Literal copies of the release's fixed text (docs/encoding-and-head.md), NOT imported from encoding.py.
 SYS = ("Read the complete state and schema. Decide every field jointly. "
@@ -209,7 +210,7 @@ def test_segmentwise_differs_from_whole_string_tokenization(enc, hf_tok):
 
 
 def test_batched_rust_path_equals_transformers_on_every_segment(enc, hf_tok):
-    from clef_vllm.encoding import question_options, render_option
+    from clef_vllm.schema.encoding import question_options, render_option
 
     texts = [PREFIX, SCHEMA, SUFFIX, "\nALLOWED OPTIONS:\n", "\n", "END FIELD\n"]
     for data in (FULL, req("Ünïcödé ☕ 日本語 Ωμέγα 🎉 naïve   spaces\ttab\r\nline", q={
@@ -384,7 +385,7 @@ def test_instruction_fallback_only_for_missing_null_or_empty_string(enc, hf_tok,
 def test_every_span_decodes_to_its_rendered_text(enc, hf_tok):
     got = encode(enc, FULL)
     parsed = parse_request(FULL)
-    from clef_vllm.encoding import question_options, render_option
+    from clef_vllm.schema.encoding import question_options, render_option
 
     for f, (qid, q) in zip(got.fields, parsed.questions.items()):
         ins = q.instructions
@@ -500,7 +501,7 @@ def _tricky_text(rng, n_chars: int) -> str:
 def test_state_pieces_cut_only_at_the_documented_places(enc):
     import random
 
-    from clef_vllm.encoding import state_pieces
+    from clef_vllm.schema.encoding import state_pieces
 
     rng = random.Random(1)
     for _ in range(200):
@@ -530,7 +531,7 @@ def test_state_pieces_cut_only_at_the_documented_places(enc):
 def test_state_pieces_give_the_ids_of_the_whole_text(enc, hf_tok, tiktoken_tok):
     import random
 
-    from clef_vllm.encoding import state_pieces
+    from clef_vllm.schema.encoding import state_pieces
 
     assert enc.split_state
     rng = random.Random(7)
@@ -582,7 +583,7 @@ def test_a_state_longer_than_the_budget_is_tokenized_only_as_far_as_needed(enc, 
 
 
 def test_a_state_that_cannot_be_cut_near_the_budget(enc):
-    from clef_vllm.encoding import MAX_UNCUT_CHARS
+    from clef_vllm.schema.encoding import MAX_UNCUT_CHARS
 
     ok = encode(enc, req("x" * (MAX_UNCUT_CHARS // 2)), max_length=400)       # tokenized whole: exact
     assert ok.truncation_exact and ok.truncated_state_tokens == len(enc.tokenize("x" * (MAX_UNCUT_CHARS // 2))) - \
@@ -600,7 +601,7 @@ def test_the_incremental_renderer_writes_exactly_what_json_dumps_writes():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from clef_vllm.encoding import StateText
+    from clef_vllm.schema.encoding import StateText
 
     json_values = st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
@@ -624,7 +625,7 @@ def test_the_incremental_renderer_writes_exactly_what_json_dumps_writes():
 
 
 def test_a_schema_that_cannot_fit_is_refused_before_it_is_all_tokenized(enc, monkeypatch):
-    import clef_vllm.encoding as encoding
+    import clef_vllm.schema.encoding as encoding
 
     calls = []
     real = enc._tokenize_many
@@ -639,7 +640,7 @@ def test_a_schema_that_cannot_fit_is_refused_before_it_is_all_tokenized(enc, mon
 def test_a_long_state_encodes_exactly_as_the_spec_says(enc, tiktoken_tok):
     import random
 
-    from clef_vllm.encoding import STATE_PIECE_CHARS
+    from clef_vllm.schema.encoding import STATE_PIECE_CHARS
 
     state = unicodedata.normalize("NFC", _tricky_text(random.Random(3), 12 * STATE_PIECE_CHARS))
     data = req(state, team={"type": "choice", "criteria": {"billing": "Payments", "technical": "Outages"}})
@@ -657,7 +658,7 @@ def test_a_cut_inside_an_added_token_is_found_however_the_tokens_overlap():
     nest, or start at the same place, cuts near the text's ends."""
     import random
 
-    from clef_vllm.encoding import _inside_added_token
+    from clef_vllm.schema.encoding import _inside_added_token
 
     def spans(text, cut, added):
         return any(text.startswith(t, i) and i < cut < i + len(t)
@@ -717,8 +718,8 @@ def test_a_repeated_long_state_reuses_its_whole_ids_list(hf_tok, monkeypatch):
     by what later requests do with it; short states are not held, and at most STATE_LISTS states are."""
     import random
 
-    from clef_vllm import encoding
-    from clef_vllm.encoding import STATE_LIST_MIN_CHARS, STATE_LISTS
+    from clef_vllm.schema import encoding
+    from clef_vllm.schema.encoding import STATE_LIST_MIN_CHARS, STATE_LISTS
 
     plain = RequestEncoder(hf_tok, piece_cache=0, state_list_cache=0)
     cached = RequestEncoder(hf_tok)
@@ -780,7 +781,7 @@ def test_a_repeated_schema_is_tokenized_once_per_segment_with_the_same_ids(hf_to
 
 
 def test_the_piece_cache_drops_the_least_recently_used_pieces():
-    from clef_vllm.encoding import PieceCache
+    from clef_vllm.schema.encoding import PieceCache
 
     cache = PieceCache(capacity=4, max_pieces=100)        # 4 ids in all
     a, b, c = (PieceCache.key(t) for t in ("alpha", "beta", "gamma"))
@@ -796,7 +797,7 @@ def test_the_piece_cache_drops_the_least_recently_used_pieces():
         many.put(PieceCache.key(str(i)), [i])
     assert len(many) == 3 and many.size == 3 and many.get(PieceCache.key("9")) is not None
     assert PieceCache.key("\ud800 lone surrogate") != PieceCache.key("x")   # any str can be keyed
-    from clef_vllm.lru import SizedLRU
+    from clef_vllm.util.lru import SizedLRU
 
     store = SizedLRU(capacity=10)                         # the store under both says whether it kept a value
     assert store.put("x", "kept", 10) is True and store.put("y", "too big", 11) is False

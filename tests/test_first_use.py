@@ -73,7 +73,7 @@ def test_sensitivity_scan_checks_matplotlib_before_the_scan(tiny_release, tmp_pa
 
 def test_a_checkpoint_without_tokenizer_json_is_told_so(tiny_release, tmp_path):
     from clef_vllm import Clef
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     broken = tmp_path / "no-tokenizer"
     shutil.copytree(tiny_release, broken)

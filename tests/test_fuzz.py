@@ -104,7 +104,7 @@ def test_bulk_lines_fail_alone(http, lines):
 
 @pytest.fixture(scope="module")
 def qwen_encoder(qwen_tokenizer_dir):
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     return RequestEncoder.from_pretrained(qwen_tokenizer_dir, max_length=4096)
 

@@ -1,4 +1,4 @@
-"""clef_vllm.worker.gdn_metadata: vLLM's GDN metadata builder, taught ``update_block_table``, gives a later
+"""clef_vllm.worker.fast.gdn_metadata: vLLM's GDN metadata builder, taught ``update_block_table``, gives a later
 KV-cache group exactly what its own build would, on CPU with vLLM 0.28's real builder."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def builders(tiny_release):
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from clef_vllm import register
-    from clef_vllm.worker import gdn_metadata
+    from clef_vllm.worker.fast import gdn_metadata
 
     register()
     assert gdn_metadata.install() and gdn_metadata.install()          # idempotent
@@ -102,7 +102,7 @@ def test_a_single_prefill_of_a_length_seen_before_gets_what_vllms_own_build_woul
     """The first group's builder keeps the metadata of a one-sequence prefill and answers a later step of the
     same new-token count and context flag with it: after builds of other lengths, with other block tables
     and other context lengths, every field equals vLLM's own build of that step."""
-    from clef_vllm.worker import gdn_metadata
+    from clef_vllm.worker.fast import gdn_metadata
 
     builder = builders[mode][0]
     own = type(builder)._clef_build
@@ -135,7 +135,7 @@ def test_a_single_prefill_of_a_length_seen_before_gets_what_vllms_own_build_woul
 
 
 def test_only_single_prefills_are_kept_and_the_least_recently_used_goes_first(builders, monkeypatch):
-    from clef_vllm.worker import gdn_metadata
+    from clef_vllm.worker.fast import gdn_metadata
 
     builder = builders["none"][0]
     own = type(builder)._clef_build
@@ -156,7 +156,7 @@ def test_only_single_prefills_are_kept_and_the_least_recently_used_goes_first(bu
 
 
 def test_with_the_memo_off_every_step_is_vllms_own_build_and_nothing_is_kept(builders):
-    from clef_vllm.worker import gdn_metadata
+    from clef_vllm.worker.fast import gdn_metadata
 
     builder = builders["none"][0]
     own = type(builder)._clef_build
@@ -181,7 +181,7 @@ def test_state_lines_read_from_one_column_are_what_vllm_gathers(builders):
     rows that do not (vLLM's own answer), a column at the table's end, no host lengths; ``none`` mode."""
     from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 
-    from clef_vllm.worker.gdn_metadata import state_table
+    from clef_vllm.worker.fast.gdn_metadata import state_table
 
     table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
     for lens in ([37], [64], [65], [1], [320], [37, 40, 33, 64], [37, 100], [5, 0], [0, 0], [33, 0]):
@@ -200,7 +200,7 @@ def test_a_step_of_one_column_does_no_gather(builders, monkeypatch):
     vLLM's gather (seven GPU operations a group) is not called, and every field is still vLLM's own build."""
     import vllm.v1.attention.backends.utils as vllm_utils
 
-    from clef_vllm.worker import gdn_metadata
+    from clef_vllm.worker.fast import gdn_metadata
 
     first, second = builders["align"]
     first.__dict__.pop(gdn_metadata.MEMO, None)
@@ -221,7 +221,7 @@ def test_a_step_of_one_column_does_no_gather(builders, monkeypatch):
 
 
 def test_only_plain_steps_share_a_build():
-    from clef_vllm.worker.gdn_metadata import shareable, update_block_table
+    from clef_vllm.worker.fast.gdn_metadata import shareable, update_block_table
 
     assert shareable(SimpleNamespace(use_spec_decode=False, use_full_cuda_graph=False))
     assert not shareable(SimpleNamespace(use_spec_decode=True, use_full_cuda_graph=False))
@@ -234,7 +234,7 @@ def test_only_plain_steps_share_a_build():
 def test_the_model_installs_it_before_vllm_makes_its_builders(tiny_release, monkeypatch):
     """The Clef model's constructor (in the engine process, before vLLM's KV-cache init makes the metadata
     builders) installs the shared build; nothing else does, so raw-vLLM baselines keep vLLM's own."""
-    from clef_vllm.worker import gdn_metadata
+    from clef_vllm.worker.fast import gdn_metadata
 
     calls = []
     monkeypatch.setattr(gdn_metadata, "install", lambda memo=True: calls.append(memo) or True)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import torch
 
+from clef_vllm.plan.graph_costs import worst_prefill_lengths as worst_lengths
 from clef_vllm.worker import gdn_profile
 from clef_vllm.worker.gdn_profile import GdnPeakProbe
-from clef_vllm.worker.graph_costs import worst_prefill_lengths as worst_lengths
 
 
 class FakeGdnLayer:
@@ -79,7 +79,8 @@ def test_the_probe_runs_the_core_once_at_the_steps_size_only_while_armed():
 def test_the_worker_arms_the_probe_around_vllms_profiling(monkeypatch):
     from vllm.v1.worker.gpu_worker import Worker
 
-    from clef_vllm.worker import budget, prefill_graphs
+    from clef_vllm.worker import budget
+    from clef_vllm.worker.fast import prefill_graphs
 
     layer = FakeGdnLayer()
     qkv = torch.ones(256, 48, dtype=torch.bfloat16)

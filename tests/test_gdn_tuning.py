@@ -1,4 +1,4 @@
-"""``--gdn-tuning`` (clef_vllm/worker/gdn_tuning.py): the GDN kernels' autotuners keep one tuning per shape class.
+"""``--gdn-tuning`` (clef_vllm/worker/fast/gdn_tuning.py): the GDN kernels' autotuners keep one tuning per shape class.
 
 Triton's kernels do not run on the CI machine, so the autotuner here is a stand-in with the interface the
 module uses (``arg_names``, ``cache``, ``run``; a key from its arguments without the token count, as the
@@ -13,8 +13,8 @@ import logging
 import pytest
 import torch
 
-from clef_vllm.worker import gdn_tuning
-from clef_vllm.worker.gdn_tuning import ClassedTuner, call_shape, shape_class, tuning_shapes
+from clef_vllm.worker.fast import gdn_tuning
+from clef_vllm.worker.fast.gdn_tuning import ClassedTuner, call_shape, shape_class, tuning_shapes
 
 
 class StandInTuner:
@@ -139,8 +139,8 @@ def test_gdn_features_are_off_where_the_gdn_prefill_is_not_triton(fresh_stats, m
 
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
+    from clef_vllm.worker.fast.prefill_graphs import triton_gdn
     from clef_vllm.worker.model import ClefFlashForDecision
-    from clef_vllm.worker.prefill_graphs import triton_gdn
 
     class StandInLayer(QwenGatedDeltaNetAttention):
         def __init__(self, backend):

@@ -1,4 +1,4 @@
-"""``--gemm-warmup`` (clef_vllm/worker/gemm_warmup.py): the head's GEMM shapes, and its matmul attentions, over a
+"""``--gemm-warmup`` (clef_vllm/worker/fast/gemm_warmup.py): the head's GEMM shapes, and its matmul attentions, over a
 grid of row counts.
 
 Whether it removes CUDA's mid-step kernel loads is a GPU measurement (bench/step_timeline.py --gaps on a
@@ -14,10 +14,10 @@ import random
 
 import torch
 
-from clef_vllm.features import decide_records
-from clef_vllm.tables import DenseTable
+from clef_vllm.model.features import decide_records
+from clef_vllm.model.tables import DenseTable
 from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
-from clef_vllm.worker.gemm_warmup import ROW_RATIO, GridRows, linear_shapes, row_grid, warm_gemm_kernels
+from clef_vllm.worker.fast.gemm_warmup import ROW_RATIO, GridRows, linear_shapes, row_grid, warm_gemm_kernels
 from support.gemm_shapes import GemmShapes
 
 
@@ -54,7 +54,7 @@ def test_running_out_of_memory_stops_the_warmup_not_the_step(monkeypatch, caplog
     is reported (a warning, ``stopped`` with how far it got) and swallowed, so the step goes on."""
     import logging
 
-    import clef_vllm.worker.gemm_warmup as warmup
+    import clef_vllm.worker.fast.gemm_warmup as warmup
 
     head = random_head(SMALL)
     calls = {"n": 0}
@@ -79,9 +79,9 @@ def test_the_warmup_runs_the_heads_matmul_attentions_over_long_memories(monkeypa
     """The matmul route's batched GEMMs (a few records over 1,024 keys or more) are warmed too: at every grid row
     count that takes the route, for 4, 16 and 64 queries and 1, 2, 4 ... up to the most records that take it,
     with the head's own layout (views of the projections' outputs)."""
-    import clef_vllm.worker.gemm_warmup as warmup
-    from clef_vllm.head import MATMUL_MIN_KEYS, attention_route
-    from clef_vllm.worker.gemm_warmup import attention_shapes
+    from clef_vllm.model.head import MATMUL_MIN_KEYS, attention_route
+    import clef_vllm.worker.fast.gemm_warmup as warmup
+    from clef_vllm.worker.fast.gemm_warmup import attention_shapes
 
     release = attention_shapes(16, 64, 16384)                 # the release head at the default context
     assert {q for _, q, _ in release} == {4, 16, 64} and max(r for r, _, _ in release) == 7

@@ -1,5 +1,5 @@
 """JointSchemaHead (docs/encoding-and-head.md): the vectorised head against a LITERAL loop implementation
-of the head's forward pass (tests/support/release_math.py), which shares no code with ``clef_vllm.head``.
+of the head's forward pass (tests/support/release_math.py), which shares no code with ``clef_vllm.model.head``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from clef_vllm.features import RecordAccumulator, accumulate, decide_records
-from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead, count_parameters
-from clef_vllm.release import RELEASE_HEAD_CONFIG
-from clef_vllm.tables import DenseTable
+from clef_vllm.model.features import RecordAccumulator, accumulate, decide_records
+from clef_vllm.model.head import HeadConfig, HeadConfigError, JointSchemaHead, count_parameters
+from clef_vllm.model.release import RELEASE_HEAD_CONFIG
+from clef_vllm.model.tables import DenseTable
 from clef_vllm.testing.head_cases import SMALL, VOCAB, random_head, random_record, spec_of
 from support.release_math import literal_logits
 
-RELEASE = RELEASE_HEAD_CONFIG    # one home for the release head's dimensions (clef_vllm.release)
+RELEASE = RELEASE_HEAD_CONFIG    # one home for the release head's dimensions (clef_vllm.model.release)
 
 
 def vectorised(head, table, records, *, logits=True, chunk: int | None = None) -> list[torch.Tensor]:
@@ -66,7 +66,7 @@ def test_long_records_take_the_matmul_attention_and_still_equal_the_literal_loop
     """A record longer than MATMUL_MIN_KEYS attends to its memory by two matmuls (the route a few queries
     over a long state take on the GPU); in float32 it still equals the literal implementation, alone and
     padded next to a short record."""
-    from clef_vllm import head as head_module
+    from clef_vllm.model import head as head_module
 
     head, E, records = setup
     calls = []
@@ -87,7 +87,7 @@ def test_long_records_take_the_matmul_attention_and_still_equal_the_literal_loop
 
 
 def test_the_attention_route_is_chosen_by_shape():
-    from clef_vllm.head import MATMUL_MAX_BYTES, MATMUL_MIN_KEYS, attention_route
+    from clef_vllm.model.head import MATMUL_MAX_BYTES, MATMUL_MIN_KEYS, attention_route
 
     assert attention_route(1, 16, 16, 24576, 64) == "matmul"          # a 16k follow-up's option queries
     assert attention_route(1, 16, 4, 16384, 64) == "matmul"           # its field queries
@@ -104,7 +104,7 @@ def test_the_attention_route_is_chosen_by_shape():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_matmul_attention_equals_sdpa_with_padding(dtype, tol):
-    from clef_vllm.head import matmul_attention
+    from clef_vllm.model.head import matmul_attention
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for n in (5, 300, 300))
@@ -187,7 +187,7 @@ def test_padding_rows_do_not_leak_between_records(setup):
 
 
 def test_padding_groups_bound_the_padded_rows():
-    from clef_vllm.features import PADDED_ROWS_FLOOR, PADDING_FACTOR, padding_groups
+    from clef_vllm.model.features import PADDED_ROWS_FLOOR, PADDING_FACTOR, padding_groups
 
     assert padding_groups([300] * 40) == [list(range(40))]                   # one length: one group
     assert padding_groups([40 + 3 * i for i in range(32)]) == [list(range(31, -1, -1))]   # similar: one group
@@ -211,7 +211,7 @@ def test_padding_groups_bound_the_padded_rows():
 def test_records_of_very_different_lengths_are_decided_in_groups_with_the_same_answers(setup):
     """A long record beside many short ones: decide_records splits them (each GEMM of the head sees at most
     twice the real memory rows, or the floor) and every record's logits equal its logits alone."""
-    from clef_vllm.features import PADDED_ROWS_FLOOR, PADDING_FACTOR
+    from clef_vllm.model.features import PADDED_ROWS_FLOOR, PADDING_FACTOR
     from support.gemm_shapes import GemmShapes
 
     head, E, _ = setup

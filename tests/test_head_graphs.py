@@ -1,4 +1,4 @@
-"""Head graphs (clef_vllm/worker/head_graphs.py): the padded graph body against the eager head.
+"""Head graphs (clef_vllm/worker/fast/head_graphs.py): the padded graph body against the eager head.
 
 The CUDA capture itself needs a GPU (tests/gpu/head_graphs.py); everything it replays is the
 function tested here on the CPU: the padded batch built from the static buffers, with stale values
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from clef_vllm.features import decide_group, decide_records
-from clef_vllm.tables import DenseTable
-from clef_vllm.worker.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
+from clef_vllm.model.features import decide_group, decide_records
+from clef_vllm.model.tables import DenseTable
+from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
+from clef_vllm.worker.fast.head_graphs import (MEMORY_BUCKETS, SCHEMA_BUCKETS, SEVERAL_MEMORY_LIMIT, HeadGraphRunner,
                                           StaticInputs, choose_memory, choose_schema, graph_buckets,
                                           padded_probabilities, record_buckets, repeat_first_record)
-from clef_vllm.testing.head_cases import SMALL, VOCAB, finished, random_head, random_record
 from support.graph_runner import CpuGraphRunner
 
 

@@ -1,12 +1,12 @@
-"""clef_vllm.heap's full-collection hook: its total, its per-collection log, and the long pauses the server
+"""clef_vllm.util.heap's full-collection hook: its total, its per-collection log, and the long pauses the server
 logs once serving."""
 
 import gc
 import logging
 from types import SimpleNamespace
 
-from clef_vllm.heap import FullCollections
 from clef_vllm.server.service import DRAINING, LOADING, READY, DecisionService
+from clef_vllm.util.heap import FullCollections
 
 
 def make_cycles(n):
@@ -53,7 +53,7 @@ def test_the_server_logs_a_long_pause_only_once_serving(caplog):
 
 
 def test_the_server_caps_onednn_primitives_unless_the_environment_says_otherwise():
-    from clef_vllm.heap import IDEEP_COMPUTATION_CACHE, ONEDNN_PRIMITIVE_CACHE, bound_native_caches
+    from clef_vllm.util.heap import IDEEP_COMPUTATION_CACHE, ONEDNN_PRIMITIVE_CACHE, bound_native_caches
 
     env: dict = {"MALLOC_ARENA_MAX": "8", "MALLOC_MMAP_THRESHOLD_": "131072"}     # glibc's own settings stay
     bound_native_caches(env)
@@ -69,7 +69,7 @@ def test_the_server_caps_onednn_primitives_unless_the_environment_says_otherwise
 # still in use after them (glibc's count, after a trim) is what ideep's computation cache keeps.
 _NEW_SHAPES = """
 import ctypes, sys
-from clef_vllm.heap import bound_native_caches
+from clef_vllm.util.heap import bound_native_caches
 bound_native_caches()
 import torch
 

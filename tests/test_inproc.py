@@ -240,8 +240,8 @@ def test_the_vllm_backend_answers_through_the_engine_thread_and_reports_its_deat
     from support import vllm_cpu
 
     from clef_vllm.backends.base import BackendDeadError
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
 
     body = {"model": "clef-flash", "state": {"ticket": "printer on fire"},
             "questions": {"urgent": {"type": "noul", "instructions": "Is it urgent?"}}}

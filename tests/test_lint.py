@@ -17,8 +17,10 @@ def test_the_tree_passes_ruff():
 
 #: The decision core: protocol -> encoding -> head/features -> answers, plus what they share. None
 #: of it may import a backend, the server, vLLM's worker side or vLLM itself.
-CORE = ("protocol", "encoding", "head", "features", "answers", "errors", "state_keys", "contract", "layout")
-ABOVE = ("clef_vllm.backends", "clef_vllm.server", "clef_vllm.worker", "clef_vllm.api", "clef_vllm.bench", "vllm")
+CORE = ("schema/protocol", "schema/dialects", "schema/openai_decisions", "schema/encoding", "model/head", "model/features",
+        "schema/answers", "schema/errors", "schema/state_keys", "contract", "model/layout")
+ABOVE = ("clef_vllm.backends", "clef_vllm.server", "clef_vllm.worker", "clef_vllm.api", "clef_vllm.bench", "clef_vllm.plugin",
+         "vllm")
 
 
 def _imports(path) -> set[str]:

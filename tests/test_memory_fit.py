@@ -13,7 +13,7 @@ import torch
 
 from clef_vllm.backends.memory_fit import fit_options, options_for
 from clef_vllm.backends.options import backend_options, engine_args
-from clef_vllm.memory_plan import PlanDoesNotFit, PlanInputs
+from clef_vllm.plan.memory_plan import PlanDoesNotFit, PlanInputs
 
 GIB = 1 << 30
 HOPPER, BLACKWELL = (9, 0), (10, 0)
@@ -22,8 +22,8 @@ HOPPER, BLACKWELL = (9, 0), (10, 0)
 @pytest.fixture(scope="module")
 def hybrid_9b(tmp_path_factory) -> Path:
     """A config-only 9B Hybrid folder (layers 0-16 FP8, 17-31 NVFP4), as ``bench/make_ckpt.py 9b DIR --hybrid 17``."""
+    from clef_vllm.model.release import clef_flash_config, write_config_only_checkpoint
     from clef_vllm.quant.recipe import ignore_list, quantization_config
-    from clef_vllm.release import clef_flash_config, write_config_only_checkpoint
 
     config = clef_flash_config()
     config["quantization_config"] = quantization_config(config, 17, ignore_list(config))
@@ -88,7 +88,7 @@ def test_turning_a_switch_off_resets_its_sub_options():
 
 
 def test_the_worker_reserves_what_the_plugin_graphs_hold():
-    from clef_vllm.worker.graph_costs import HEAD_GRAPH_BYTES, graph_reservation
+    from clef_vllm.plan.graph_costs import HEAD_GRAPH_BYTES, graph_reservation
 
     full = graph_reservation(hidden=4096, intermediate=12288, head_records=16,
                              prefill_buckets=[64, 4096], step_graphs=True)
@@ -144,8 +144,8 @@ def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consum
 
 
 def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(monkeypatch, caplog):
+    from clef_vllm.plan.graph_costs import graph_reservation
     from clef_vllm.worker import memory
-    from clef_vllm.worker.graph_costs import graph_reservation
 
     caplog.set_level(logging.INFO, logger="clef_vllm")
     prefill = {"buckets": [64, 2048], "scope": "core"}

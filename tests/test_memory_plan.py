@@ -1,4 +1,4 @@
-"""The GPU memory plan (clef_vllm.memory_plan): weights from parameter shapes (the 9B Hybrid config and the
+"""The GPU memory plan (clef_vllm.plan.memory_plan, clef_vllm.plan.shapes): weights from parameter shapes (the 9B Hybrid config and the
 tiny checkpoints' real tensors), vLLM 0.28's KV arithmetic against its logged lines, the NVFP4 kernel
 choice, fit() on a 16 GB card, the does-not-fit message and ``clef-load --gpu-memory``."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from clef_vllm import memory_plan as MP
+from clef_vllm.backends.memory_fit import plan_for_checkpoint
 from clef_vllm.backends.options import VllmOptions
-from clef_vllm.layout import NOT_TEXT_PREFIXES
+from clef_vllm.model.layout import NOT_TEXT_PREFIXES
+from clef_vllm.plan import memory_plan as MP
 
 GIB = MP.GIB
 #: What vLLM gives a 16 GB card by default: 0.9 of its 15.92 GiB.
@@ -25,8 +26,8 @@ CARD_16 = int(15.92 * GIB)
 def hybrid_9b(tmp_path_factory) -> Path:
     """A config-only 9B Hybrid folder (repacked layout, layers 0-16 FP8, 17-31 NVFP4), as
     ``bench/make_ckpt.py 9b DIR --hybrid 17`` writes it (without a tokenizer)."""
+    from clef_vllm.model.release import clef_flash_config, write_config_only_checkpoint
     from clef_vllm.quant.recipe import ignore_list, quantization_config
-    from clef_vllm.release import clef_flash_config, write_config_only_checkpoint
 
     config = clef_flash_config()
     config["quantization_config"] = quantization_config(config, 17, ignore_list(config))
@@ -37,7 +38,7 @@ def hybrid_9b(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bf16_9b(tmp_path_factory) -> Path:
-    from clef_vllm.release import write_config_only_checkpoint
+    from clef_vllm.model.release import write_config_only_checkpoint
 
     empty = tmp_path_factory.mktemp("no-tokenizer")
     return write_config_only_checkpoint(tmp_path_factory.mktemp("ckpt") / "9b", empty, layout="repacked")
@@ -118,7 +119,7 @@ def _tensor_bytes(files, skip=NOT_TEXT_PREFIXES) -> dict[str, int]:
 def test_weights_match_the_tiny_checkpoints_tensors(tiny_release, tiny_repacked):
     """A real (tiny, unquantized) checkpoint: the plan's weights are its tensors' bytes in vLLM's dtypes,
     plus the rotary cache; the repacked tables are the int8 file's bytes."""
-    from clef_vllm.checkpoint import load_head_state, load_head_config, locate_checkpoint
+    from clef_vllm.model.checkpoint import load_head_state, load_head_config, locate_checkpoint
 
     files = locate_checkpoint(tiny_release)
     model = MP.model_shape_for_checkpoint(tiny_release)
@@ -184,7 +185,7 @@ def test_fit_on_a_16gb_card(hybrid_9b):
     """Default flags on a 16 GB card: the packed NVFP4 kernel, features turned down until five 16k-token
     sequences fit (3.05 GiB: what the Hybrid leaves for the KV cache on such a card), one line per change, in
     fit's order (the GEMM warm-up's row cap first)."""
-    plan = MP.plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16)
+    plan = plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16)
     assert plan.inputs.nvfp4_kernel == "vllm"
     assert plan.max_concurrency >= MP.MIN_SEQUENCES
     assert plan.kv_tokens >= 5 * 16384 and plan.kv_bytes >= 3.05 * GIB
@@ -195,9 +196,9 @@ def test_fit_on_a_16gb_card(hybrid_9b):
     assert plan.kv_bytes - before.kv_bytes > 0
     assert len(plan.describe()) == len(plan.parts) + 5 + len(plan.changes)
     # a stricter target turns more off; a large card changes nothing
-    strict = MP.plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, min_sequences=6)
+    strict = plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, min_sequences=6)
     assert len(strict.changes) > len(plan.changes) and strict.kv_bytes > plan.kv_bytes
-    assert MP.plan_for_checkpoint(hybrid_9b, device_total_bytes=80 * GIB).changes == ()
+    assert plan_for_checkpoint(hybrid_9b, device_total_bytes=80 * GIB).changes == ()
 
 
 def test_from_options_reads_the_servers_settings():
@@ -212,7 +213,7 @@ def test_from_options_reads_the_servers_settings():
 
 def test_does_not_fit_names_consumers_and_flags(hybrid_9b):
     with pytest.raises(MP.PlanDoesNotFit) as caught:
-        MP.plan_for_checkpoint(hybrid_9b, device_total_bytes=4 * GIB)
+        plan_for_checkpoint(hybrid_9b, device_total_bytes=4 * GIB)
     message = str(caught.value)
     assert "\n" not in message and "Traceback" not in message
     assert "3.60 GiB budget" in message and "FP8 W8A8 linears 3.42 GiB" in message
@@ -220,7 +221,7 @@ def test_does_not_fit_names_consumers_and_flags(hybrid_9b):
                  "--gpu-memory-utilization"):
         assert flag in message
     with pytest.raises(MP.PlanDoesNotFit, match=r"--nvfp4-kernel vllm \(4\.14 GiB less\)"):
-        MP.plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, nvfp4_kernel="bf16")
+        plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, nvfp4_kernel="bf16")
 
 
 @pytest.mark.parametrize("text,size", [("16GiB", 16 * GIB), ("15.92GiB", int(15.92 * GIB)), ("24GB", 24 * 10**9),

@@ -1,4 +1,4 @@
-"""Multi-node data parallelism (clef_vllm/multinode.py, the data-parallel options): the flags reach vLLM's
+"""Multi-node data parallelism (clef_vllm/backends/multinode.py, the data-parallel options): the flags reach vLLM's
 engine config as vLLM reads them for a pooling model, the layouts that cannot work are refused by name, and a
 headless node checks the checkpoint's version marker before it starts anything. No GPU: the engines themselves
 start in the GPU run."""
@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
+from clef_vllm.backends.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
 from clef_vllm.backends.options import OptionError, backend_options, engine_args, given_options
 from clef_vllm.backends.vllm_backend import StateAffinity
-from clef_vllm.multinode import REMOTE_RANKS_LOAD_TIMEOUT_S, headless_config, load_timeout, remote_ranks
 from clef_vllm.server.cli import build_parser, main
 
 HEAD = ["--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-address", "10.0.0.1",
@@ -128,7 +128,6 @@ def test_a_headless_node_refuses_a_checkpoint_for_another_plugin_version_before_
 
 HEADLESS_ALONE = """
 import sys
-sys.path.insert(0, {tests!r})
 from support import vllm_cpu
 vllm_cpu.setup_env()
 import vllm.v1.engine.core as core
@@ -140,6 +139,15 @@ if __name__ == "__main__":
 """
 
 
+def tests_on_path() -> str:
+    """PYTHONPATH for a child that imports ``support`` from this folder, as pytest's own process does."""
+    import os
+
+    from conftest import REPO
+
+    return os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+
+
 def test_a_headless_node_whose_head_never_answers_exits_1(tiny_release, tmp_path):
     """vLLM's engine manager starts the node's engine, which cannot join (nothing listens at the head's
     address): the engine gives up after vLLM's handshake timeout and the node exits 1, saying why."""
@@ -148,13 +156,12 @@ def test_a_headless_node_whose_head_never_answers_exits_1(tiny_release, tmp_path
     import sys
 
     from clef_vllm.testing.server import free_port
-    from conftest import REPO
 
     script = tmp_path / "headless_alone.py"
-    script.write_text(HEADLESS_ALONE.format(tests=str(REPO / "tests"), model=str(tiny_release), port=str(free_port()),
+    script.write_text(HEADLESS_ALONE.format(model=str(tiny_release), port=str(free_port()),
                                             minutes=0.05))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
+                         env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "PYTHONPATH": tests_on_path()})
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Did not receive response from front-end process" in out.stderr
     assert "headless node: an engine exited" in out.stderr
@@ -170,15 +177,14 @@ def test_a_headless_node_stops_on_sigterm_with_exit_0(tiny_release, tmp_path):
     import psutil
 
     from clef_vllm.testing.server import free_port
-    from conftest import REPO
 
     script = tmp_path / "headless_alone.py"
-    script.write_text(HEADLESS_ALONE.format(tests=str(REPO / "tests"), model=str(tiny_release), port=str(free_port()),
+    script.write_text(HEADLESS_ALONE.format(model=str(tiny_release), port=str(free_port()),
                                             minutes=5))
     log = tmp_path / "headless.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=err,
-                                env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"})
+                                env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "PYTHONPATH": tests_on_path()})
     try:
         deadline = time.monotonic() + 120
         while "headless node: data-parallel ranks 1-1 of 2" not in log.read_text():

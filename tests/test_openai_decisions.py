@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clef_vllm.errors import Kind, RequestError
-from clef_vllm.openai_decisions import parse_decision_request
+from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.openai_decisions import parse_decision_request
 from conftest import LiveServer
 
 KEY = "decisions-test-key-0123456789"

@@ -1,4 +1,4 @@
-"""Prefill graphs (clef_vllm.worker.prefill_graphs): bucket choice, fallback rules, padding exactness.
+"""Prefill graphs (clef_vllm.worker.fast.prefill_graphs): bucket choice, fallback rules, padding exactness.
 
 The graph body runs here with a plain-torch reference of the GDN kernels: padding a sequence to a
 bucket must leave the real rows' outputs AND the stored conv / SSM states exactly as without
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clef_vllm.worker.prefill_graphs import (DEFAULT_BUCKETS, Bucket, GdnDims, GdnGraphRunner, choose_bucket,
+from clef_vllm.worker.fast.prefill_graphs import (DEFAULT_BUCKETS, Bucket, GdnDims, GdnGraphRunner, choose_bucket,
                                              cudagraph_capture_sizes, fallback_reason, single_sequence_core,
                                              single_sequence_layer)
 from support.gdn_reference import KERNELS
@@ -41,7 +41,7 @@ def test_choose_bucket_is_the_smallest_that_fits():
     assert choose_bucket(513, buckets) is None
     assert list(DEFAULT_BUCKETS) == sorted(DEFAULT_BUCKETS)
     from clef_vllm.backends.options import bucket_list
-    from clef_vllm.worker.prefill_graphs import LINEAR_BUCKETS, default_buckets
+    from clef_vllm.worker.fast.prefill_graphs import LINEAR_BUCKETS, default_buckets
 
     for linear, buckets in LINEAR_BUCKETS.items():                 # valid --prefill-graph-buckets values
         assert bucket_list(buckets) == buckets and default_buckets(linear) == buckets
@@ -294,7 +294,7 @@ def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_grou
     and a capture in mid-step (it overwrites them with the scratch line) all copy them again."""
     import vllm.forward_context
 
-    from clef_vllm.worker import prefill_graphs
+    from clef_vllm.worker.fast import prefill_graphs
 
     runner = GdnGraphRunner(buckets=(16,), kernels=KERNELS)
     runner._pool = object()                      # no CUDA pool on CPU; capture_graph is replaced below

@@ -13,9 +13,10 @@ import json
 
 import pytest
 
-from clef_vllm.errors import Kind
-from clef_vllm.protocol import (ChoiceQuestion, Dialect, NoulQuestion, RequestError, RequestLimits, ScoreQuestion,
-                                SystemOneRequest, parse_request, question_field)
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.errors import Kind
+from clef_vllm.schema.protocol import (ChoiceQuestion, Dialect, NoulQuestion, RequestError, RequestLimits,
+                                       ScoreQuestion, SystemOneRequest, question_field)
 
 REF, WAI = "reference", "workers-ai"
 
@@ -445,7 +446,7 @@ def test_errors_know_nothing_of_http_and_the_server_table_maps_every_kind():
                                                                  "param": "questions.team.criteria", "code": 422}}
     media = refused(body() | {"images": ["x"]}, REF, kind=Kind.UNSUPPORTED, field="images")
     assert error_body(media)["error"]["code"] == 400 and error_body(media)["error"]["param"] == "images"
-    from clef_vllm.errors import ServiceError
+    from clef_vllm.schema.errors import ServiceError
 
     assert error_body(ServiceError("boom"))["error"] == {"message": "boom", "type": "server_error", "param": None,
                                                          "code": 500}

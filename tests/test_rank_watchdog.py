@@ -136,8 +136,8 @@ def test_a_rank_the_client_does_not_hold_is_not_watched_and_a_stopped_watchdog_g
 def test_the_vllm_backend_watches_the_remote_ranks_only_and_is_dead_once_one_is(tiny_release):
     from support import vllm_cpu
 
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
 
     encoded = RequestEncoder.from_pretrained(tiny_release).encode(parse_request(REQUEST))
     cores = EngineCores()
@@ -175,14 +175,13 @@ def test_the_vllm_backend_watches_the_remote_ranks_only_and_is_dead_once_one_is(
 #: ZMQ router drops messages to an engine that vanished). Every request is computed "there".
 HEAD_WITH_REMOTE_RANKS = """
 import sys
-sys.path.insert(0, {tests!r})
 from support import vllm_cpu
 vllm_cpu.setup_env()
 import asyncio, itertools
 from types import SimpleNamespace
 import torch
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
-from clef_vllm.features import HeadSpec
+from clef_vllm.model.features import HeadSpec
 
 REMOTE = ("127.0.0.1", {rank_port})
 
@@ -261,6 +260,8 @@ while True:
 
 
 def test_a_head_whose_remote_rank_is_killed_answers_503_says_failed_and_exits_1(tiny_release, cache_dir, tmp_path):
+    import os
+
     import httpx
 
     remote = subprocess.Popen([sys.executable, "-c", REMOTE_RANKS], stdout=subprocess.PIPE, text=True)
@@ -268,10 +269,11 @@ def test_a_head_whose_remote_rank_is_killed_answers_503_says_failed_and_exits_1(
     try:
         rank_port = int(remote.stdout.readline())
         script = tmp_path / "head.py"
-        script.write_text(HEAD_WITH_REMOTE_RANKS.format(tests=str(REPO / "tests"), model=str(tiny_release),
+        script.write_text(HEAD_WITH_REMOTE_RANKS.format(model=str(tiny_release),
                                                         rank_port=rank_port, interval="0.25"))
+        pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
         server = LiveServer([], command=lambda port: [sys.executable, str(script), str(port)],
-                            log_path=tmp_path / "head.log").wait_ready()
+                            env={"PYTHONPATH": pythonpath}, log_path=tmp_path / "head.log").wait_ready()
         for _ in range(3):
             status, text = server.call("/v1/systemone", REQUEST)
             assert status == 200, text

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from clef_vllm.answers import build_response
 from clef_vllm.backends import OptionError, make_backend, resolve_backend
 from clef_vllm.backends.reference import ReferenceBackend
-from clef_vllm.checkpoint import load_head, locate_checkpoint
-from clef_vllm.protocol import parse_request
-from clef_vllm.tables import DenseTable, Int8RowTable
+from clef_vllm.model.checkpoint import load_head, locate_checkpoint
+from clef_vllm.model.tables import DenseTable, Int8RowTable
+from clef_vllm.schema.answers import build_response
+from clef_vllm.schema.dialects import parse_request
 
 WORDS = ("the customer order invoice payment refund billing technical sales account support ticket urgent error "
          "outage service login password email team product price plan upgrade cancel status paid overdue draft "
@@ -248,7 +248,7 @@ def test_the_state_cache_answers_later_requests_about_a_state_from_its_kept_pass
     tokens on a hit, 0 on the first sight and for short states; requests about one state in one batch share
     the pass; the least recently used state goes first past the byte cap; off by default, and the cap alone
     (cache off) is refused."""
-    from clef_vllm.state_keys import MIN_REUSE_TOKENS
+    from clef_vllm.schema.state_keys import MIN_REUSE_TOKENS
 
     rng = random.Random(5)
     long_state = " ".join(rng.choice(WORDS) for _ in range(1400))

@@ -24,7 +24,7 @@ def ids(n: int, salt: int = 0) -> list[int]:
 
 def reuse(token_ids: list[int], limit: int) -> dict:
     """The plugin's wire spec for a request whose first ``limit`` tokens are its reusable state."""
-    from clef_vllm.state_keys import prefix_keys
+    from clef_vllm.schema.state_keys import prefix_keys
 
     return {"r": limit, "k": list(prefix_keys(token_ids, limit))}
 
@@ -210,7 +210,7 @@ def test_a_clef_requests_prefix_cache_hashes_are_its_state_keys_then_vllms_chain
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.engine import core
 
-    from clef_vllm.state_keys import KEY_UNIT, block_keys
+    from clef_vllm.schema.state_keys import KEY_UNIT, block_keys
 
     sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, state_cache=True, unit=unit)
     assert getattr(core.get_request_block_hasher, "clef", False)       # register() ran (scheduler_for)
@@ -238,7 +238,7 @@ def test_a_clef_request_with_nothing_to_reuse_is_not_hashed_and_runs_uncached(ti
     """A Clef request without keys (a state's first sighting, a state too short to key) neither reads nor
     writes the prefix cache, so the engine core does not hash its prompt; it still runs to the end, and
     the same prompt again is computed again (nothing was cached under any hash)."""
-    from clef_vllm.features import synthetic_spec
+    from clef_vllm.model.features import synthetic_spec
 
     sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
     prompt = ids(200)
@@ -266,8 +266,8 @@ def test_installing_the_block_hasher_twice_wraps_vllms_once():
 def test_a_follow_up_on_the_same_state_gets_vllms_hit_capped_by_the_rows_present(tiny_release):
     import torch
 
-    from clef_vllm.state_keys import block_keys
-    from clef_vllm.worker import state_cache
+    from clef_vllm.schema.state_keys import block_keys
+    from clef_vllm.worker.fast import state_cache
 
     cache = state_cache.SideCache(capacity=16, block=BLOCK, width=3, dtype=torch.float32, device="cpu")
     state_cache.install(cache)
@@ -302,7 +302,7 @@ def test_a_scheduler_that_cannot_see_the_pool_says_so_once_and_grants_no_hit(tin
 def test_a_clef_request_with_nothing_to_reuse_runs_in_one_step(tiny_release):
     """vLLM stops an align-mode prefill at its last full block so that a later request could resume
     there; a Clef request with no keyed state (too short) can serve nobody, so it runs in one step."""
-    from clef_vllm.features import synthetic_spec
+    from clef_vllm.model.features import synthetic_spec
 
     sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN, state_cache=True)
     clef = vllm_cpu.pooling_request(sched, "clef", ids(200), synthetic_spec(200).to_wire())
@@ -325,8 +325,8 @@ def test_matching_at_the_key_unit_resumes_a_follow_up_at_the_end_of_the_state(ti
     is cached, and a follow-up whose rows are present computes only what follows 208, in one chunk."""
     import torch
 
-    from clef_vllm.state_keys import block_keys
-    from clef_vllm.worker import state_cache
+    from clef_vllm.schema.state_keys import block_keys
+    from clef_vllm.worker.fast import state_cache
 
     cache = state_cache.SideCache(capacity=32, block=BLOCK, width=3, dtype=torch.float32, device="cpu", tails=True)
     state_cache.install(cache)
@@ -364,7 +364,7 @@ def test_the_side_cache_keeps_tails_exactly_when_vllm_registers_them(tiny_releas
     with the opposite guess (before the scheduler existed) follows the scheduler, and says so."""
     import torch
 
-    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.fast import state_cache
 
     for guess in (True, False):
         cache = state_cache.SideCache(capacity=4, block=BLOCK, width=3, dtype=torch.float32, device="cpu",
@@ -425,7 +425,7 @@ def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monke
     """``CLEF_VLLM_TRACE``: the engine core's part of a request's timeline (added, first scheduled, done)."""
     import json
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
 
     path = tmp_path / "trace.jsonl"
     monkeypatch.setattr(trace, "PATH", str(path))
@@ -448,7 +448,7 @@ def test_the_request_timeline_is_traced_when_asked(tiny_release, tmp_path, monke
 def test_the_trace_summary_pairs_both_processes_events_by_request(tmp_path, capsys):
     import json
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
 
     def ev(t, name, rid, **fields):
         return json.dumps({"t": t, "pid": 1, "event": name, "request": rid, **fields})
@@ -534,7 +534,7 @@ def test_the_trace_summary_says_which_graphs_each_request_replayed(tmp_path, cap
     since the previous ``engine_done`` (its own steps when it ran alone)."""
     import json
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
 
     def ev(t, name, rid, **fields):
         return json.dumps({"t": t, "pid": 1, "event": name, "request": rid, **fields})
@@ -578,7 +578,7 @@ def test_the_front_ends_hand_offs_are_traced_on_asyncllms_own_objects(tmp_path, 
 
     from vllm.v1.engine import EngineCoreOutput, FinishReason
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
 
     calls = []
 
@@ -644,8 +644,8 @@ def test_keyed_requests_finish_under_any_token_budget_when_matching_at_the_key_u
     compute only what follows the state's end (208)."""
     import torch
 
-    from clef_vllm.state_keys import block_keys
-    from clef_vllm.worker import state_cache
+    from clef_vllm.schema.state_keys import block_keys
+    from clef_vllm.worker.fast import state_cache
 
     cache = state_cache.SideCache(capacity=32, block=BLOCK, width=3, dtype=torch.float32, device="cpu", tails=True)
     state_cache.install(cache)

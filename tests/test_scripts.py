@@ -74,7 +74,7 @@ def hybrid_pipeline(tmp_path_factory, tiny_release) -> HybridPipeline:
 
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:
-    from clef_vllm.checkpoint import iter_backbone_tensors, locate_checkpoint
+    from clef_vllm.model.checkpoint import iter_backbone_tensors, locate_checkpoint
 
     return dict(iter_backbone_tensors(locate_checkpoint(path)))
 
@@ -83,9 +83,10 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_build_data_records_are_systemone_requests(hybrid_pipeline, tmp_path):
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import Dialect, parse_request
-    from clef_vllm.records import load_request_file, read_records, request_body
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.protocol import Dialect
+    from clef_vllm.schema.records import load_request_file, read_records, request_body
 
     run_script("build_data.py", "--out", tmp_path, "--synthetic", "--synthetic-count", 300)
     for split in ("train", "heldout"):      # deterministic
@@ -118,7 +119,7 @@ def test_quantization_tools_import_neither_vllm_nor_the_server():
     """clef-quantize-mixed runs in the llm-compressor venv, where clef-vllm has no dependencies
     installed: what it imports must not need vLLM (or the server's FastAPI stack)."""
     code = ("import sys, clef_vllm.tools.quantize_mixed, clef_vllm.quant.fused_scales, clef_vllm.quant.fake_quant, "
-            "clef_vllm.quant.kernels, clef_vllm.records, clef_vllm.backends.reference; "
+            "clef_vllm.quant.kernels, clef_vllm.schema.records, clef_vllm.backends.reference; "
             "bad = [m for m in ('vllm', 'fastapi', 'uvicorn', 'clef_vllm.server') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
@@ -153,10 +154,10 @@ def test_pipeline_checkpoint_passes_clef_load(hybrid_pipeline):
 
 def test_pipeline_checkpoint_loads_with_package_loaders(hybrid_pipeline):
     from clef_vllm import ARCHITECTURE
-    from clef_vllm.checkpoint import load_head, locate_checkpoint
+    from clef_vllm.model.checkpoint import load_head, locate_checkpoint
+    from clef_vllm.model.tables import load_int8_tables
     from clef_vllm.quant.fused_scales import fused_global_scales
     from clef_vllm.quant.schemes import read_quantization_config
-    from clef_vllm.tables import load_int8_tables
 
     files = locate_checkpoint(hybrid_pipeline.checkpoint)
     assert files.layout == "repacked" and files.tables_file is not None
@@ -238,9 +239,9 @@ def test_unfused_gdn_scales_are_refused(hybrid_pipeline, tmp_path):
 
 def test_split_edges(tmp_path):
     """K=0: all NVFP4, K=num_layers: all FP8 (one config group each); K outside [0, L] is refused."""
+    from clef_vllm.model.tiny import tiny_text_config
     from clef_vllm.quant.recipe import hybrid_config_groups
     from clef_vllm.quant.schemes import FP8_W8A8, NVFP4_W4A4, scheme_table, summarize_schemes
-    from clef_vllm.tiny import tiny_text_config
     from clef_vllm.tools import quantize_mixed
 
     source_config = tmp_path / "tiny_config.json"
@@ -265,7 +266,7 @@ def test_split_edges(tmp_path):
 
 
 def test_shrink_tables_in_place_rerun_and_no_half_written(hybrid_pipeline, tmp_path):
-    from clef_vllm.repack import repack_tables
+    from clef_vllm.model.repack import repack_tables
 
     work = tmp_path / "ckpt"
     shutil.copytree(hybrid_pipeline.quantized, work)

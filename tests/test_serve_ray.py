@@ -1,4 +1,4 @@
-"""``clef-serve-ray`` (clef_vllm/serve_ray.py): two reference-backend replicas on the tiny checkpoint behind
+"""``clef-serve-ray`` (clef_vllm/server/serve_ray.py): two reference-backend replicas on the tiny checkpoint behind
 the front-end, on a Ray cluster on loopback started once for the module. Answers equal a single server's,
 a state's requests meet one replica, and a replica killed under load costs no wrong answer."""
 
@@ -17,11 +17,11 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install './vllm_plugin[ray]')")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install './vllm_plugin[ray]')")
 
-from clef_vllm.encoding import RequestEncoder  # noqa: E402
-from clef_vllm.features import HeadSpec  # noqa: E402
-from clef_vllm.protocol import SystemOneRequest  # noqa: E402
-from clef_vllm.serve_ray import REPLICA_HEADER  # noqa: E402
-from clef_vllm.state_keys import KEY_UNIT, state_key  # noqa: E402
+from clef_vllm.model.features import HeadSpec  # noqa: E402
+from clef_vllm.schema.encoding import RequestEncoder  # noqa: E402
+from clef_vllm.schema.protocol import SystemOneRequest  # noqa: E402
+from clef_vllm.schema.state_keys import KEY_UNIT, state_key  # noqa: E402
+from clef_vllm.server.serve_ray import REPLICA_HEADER  # noqa: E402
 from clef_vllm.testing.server import LiveServer  # noqa: E402
 from conftest import REQUEST  # noqa: E402
 
@@ -61,7 +61,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def replicas(cluster, tiny_release):
     server = LiveServer([], ready_timeout=120.0, command=lambda port: [
-        sys.executable, "-m", "clef_vllm.serve_ray", "--port", str(port), "--model", str(tiny_release),
+        sys.executable, "-m", "clef_vllm.server.serve_ray", "--port", str(port), "--model", str(tiny_release),
         "--backend", "reference", "--replicas", "2", "--ray-address", cluster, "--app-name", "clef-test",
         "--health-check-period", "2"]).wait_ready()
     yield server
@@ -170,7 +170,7 @@ def test_another_front_end_serves_through_the_running_replicas(cluster, tiny_rel
     """A front-end started while the application runs (a rolling restart, a second ingress) keeps its replicas."""
     before = replica_actors()
     other = LiveServer([], ready_timeout=120.0, command=lambda port: [
-        sys.executable, "-m", "clef_vllm.serve_ray", "--port", str(port), "--model", str(tiny_release),
+        sys.executable, "-m", "clef_vllm.server.serve_ray", "--port", str(port), "--model", str(tiny_release),
         "--backend", "reference", "--replicas", "2", "--ray-address", cluster, "--app-name", "clef-test"]).wait_ready()
     try:
         status, headers, text = post(other.url + "/v1/systemone", ticket(400))
@@ -182,9 +182,9 @@ def test_another_front_end_serves_through_the_running_replicas(cluster, tiny_rel
 
 
 def test_a_serve_config_file_builds_the_same_replicas(tiny_release):
-    """``import_path: clef_vllm.serve_ray:build_app`` deploys what ``clef-serve-ray`` deploys."""
+    """``import_path: clef_vllm.server.serve_ray:build_app`` deploys what ``clef-serve-ray`` deploys."""
     from clef_vllm.backends.options import OptionError
-    from clef_vllm.serve_ray import ROUTER, build_app
+    from clef_vllm.server.serve_ray import ROUTER, build_app
 
     app = build_app({"model": str(tiny_release), "backend": "reference", "replicas": 3, "replica_cpus": 2,
                      "options": {"max_batch_size": 4}})
@@ -205,7 +205,8 @@ def test_a_serve_config_file_builds_the_same_replicas(tiny_release):
 
     text = re.search(r"^```yaml\n(.*?)^```", (REPO / "docs" / "deploy.md").read_text(), re.M | re.S).group(1)
     config = ServeDeploySchema.model_validate(yaml.safe_load(text)).applications[0]
-    assert config.import_path == "clef_vllm.serve_ray:build_app" and config.route_prefix is None
+    module, _, name = config.import_path.partition(":")
+    assert module == build_app.__module__ and name == "build_app" and config.route_prefix is None
     assert build_app({**config.args, "model": str(tiny_release)})._bound_deployment.num_replicas == config.args["replicas"]
     with pytest.raises(OptionError):
         build_app({"model": str(tiny_release), "backend": "reference", "options": {"max_num_seqs": 8}})

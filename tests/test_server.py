@@ -1171,8 +1171,8 @@ def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_relea
     from vllm.v1.engine.exceptions import EngineDeadError
 
     from clef_vllm.backends.base import BackendDeadError
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
 
     started, cancelled = threading.Event(), threading.Event()
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from clef_vllm.backends.options import OptionError, backend_options, engine_args
-from clef_vllm.worker import shared_gpu
+from clef_vllm.worker.fast import shared_gpu
 
 
 def test_engines_per_gpu_reach_the_engine_as_the_worker_class_and_each_engine_gets_its_share_of_memory():
@@ -18,7 +18,7 @@ def test_engines_per_gpu_reach_the_engine_as_the_worker_class_and_each_engine_ge
     assert one["gpu_memory_utilization"] == 0.9 and one["worker_cls"] == "clef_vllm.worker.budget.ClefWorker"
     assert "clef_engines_per_gpu" not in one["additional_config"]
     two = engine_args(backend_options("vllm", {"data_parallel_size": 4, "engines_per_gpu": 2}))
-    assert two["worker_cls"] == "clef_vllm.worker.shared_gpu.SharedGpuWorker"
+    assert two["worker_cls"] == "clef_vllm.worker.fast.shared_gpu.SharedGpuWorker"
     assert two["additional_config"]["clef_engines_per_gpu"] == 2
     assert two["gpu_memory_utilization"] == 0.425                # 0.9 split, less headroom for the second engine
     four = engine_args(backend_options("vllm", {"data_parallel_size": 4, "engines_per_gpu": 4}))
@@ -58,7 +58,7 @@ def test_the_engine_config_carries_the_worker_class(tiny_release):
     from clef_vllm.backends.vllm_backend import engine_kwargs
 
     cfg = AsyncEngineArgs(**engine_kwargs(tiny_release, data_parallel_size=2, engines_per_gpu=2)).create_engine_config()
-    assert cfg.parallel_config.worker_cls == "clef_vllm.worker.shared_gpu.SharedGpuWorker"
+    assert cfg.parallel_config.worker_cls == "clef_vllm.worker.fast.shared_gpu.SharedGpuWorker"
     assert cfg.parallel_config.data_parallel_size == 2
     assert cfg.cache_config.gpu_memory_utilization == 0.425
     assert cfg.parallel_config.assigned_physical_gpu_ids is None   # placed by each engine's worker

@@ -1,4 +1,4 @@
-"""Thread stacks on demand (clef_vllm.stacks) and the bounded warm-up step that uses them."""
+"""Thread stacks on demand (clef_vllm.util.stacks) and the bounded warm-up step that uses them."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import time
 import pytest
 
 from clef_vllm.backends.vllm_backend import EngineError, bounded_warmup_step
-from clef_vllm.stacks import catches
+from clef_vllm.util.stacks import catches
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1") or not os.path.exists("/proc/self/status"),
                                 reason="SIGUSR1 and /proc are Linux features")
 
 CHILD = """
 import sys, time
-from clef_vllm.stacks import enable_stack_dumps
+from clef_vllm.util.stacks import enable_stack_dumps
 assert enable_stack_dumps()
 def stuck_in_the_engine():
     print("ready", flush=True)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clef_vllm.state_keys import KEY_UNIT, block_keys, prefix_keys
+from clef_vllm.schema.state_keys import KEY_UNIT, block_keys, prefix_keys
 from support import vllm_cpu
 
 
@@ -39,7 +39,7 @@ def test_prefix_keys_are_chained_blake2b_over_little_endian_ids_and_memoised():
     import hashlib
     import struct
 
-    from clef_vllm import state_keys
+    from clef_vllm.schema import state_keys
 
     ids = [3, 70000, 2**32 - 1] + list(range(200, 261))             # 64 ids: 4 units
     h = hashlib.blake2b(digest_size=16, person=b"clef-state-v1")
@@ -78,7 +78,7 @@ def rows(value: float, block: int = 32, width: int = 3) -> torch.Tensor:
 
 
 def test_side_cache_reads_written_blocks_and_evicts_least_recently_used():
-    from clef_vllm.worker.state_cache import SideCache
+    from clef_vllm.worker.fast.state_cache import SideCache
 
     cache = SideCache(capacity=2, block=32, width=3, dtype=torch.float32, device="cpu")
     units = prefix_keys(list(range(200)), 200)                     # 12 units: 6 blocks of 32
@@ -104,7 +104,7 @@ def test_side_cache_reads_written_blocks_and_evicts_least_recently_used():
 def test_side_cache_keeps_the_tail_of_a_prefix_that_ends_inside_a_block():
     """With vLLM matching prefixes at the key unit, a hit can end at the state's end, inside a block:
     the rows from that block's start are one more entry, under the key of the prefix's last unit."""
-    from clef_vllm.worker.state_cache import SideCache
+    from clef_vllm.worker.fast.state_cache import SideCache
 
     cache = SideCache(capacity=4, block=64, width=3, dtype=torch.float32, device="cpu", tails=True)
     units = prefix_keys(list(range(300)), 300)                     # 18 units; blocks of 4 units
@@ -126,7 +126,7 @@ def test_side_cache_keeps_the_tail_of_a_prefix_that_ends_inside_a_block():
 
 
 def test_side_cache_is_sized_to_cover_the_kv_cache():
-    from clef_vllm.worker.state_cache import capacity_for, side_share
+    from clef_vllm.worker.fast.state_cache import capacity_for, side_share
 
     share = side_share(1024, torch.bfloat16, 32768)                # Qwen3.5-9B: 8 attention layers x 4 KiB
     assert share == pytest.approx(2048 / (2048 + 32768))
@@ -192,7 +192,7 @@ def fake_request(limit, unit_keys, num_tokens=400, skip=False):
 
 @pytest.fixture
 def side_cache():
-    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.fast import state_cache
 
     cache = state_cache.SideCache(capacity=16, block=32, width=3, dtype=torch.float32, device="cpu")
     state_cache.install(cache)
@@ -222,7 +222,7 @@ def test_the_hit_is_capped_by_the_rows_present_and_the_reusable_prefix(side_cach
     assert hit(sched, fake_request(290, units, skip=True))[1] == 0
     assert len(sched.kv_cache_manager.caps) == asked
     # no side cache in this process (not created yet): never a hit
-    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.fast import state_cache
 
     state_cache.install(None)
     assert hit(sched, fake_request(290, units))[1] == 0
@@ -240,13 +240,13 @@ def release_model(tiny_release):
 
 @pytest.fixture(scope="module")
 def encoder(tiny_release):
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     return RequestEncoder.from_pretrained(tiny_release)
 
 
 def _request(state, questions):
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.schema.dialects import parse_request
 
     return parse_request({"model": "m", "state": state, "questions": questions})
 
@@ -255,8 +255,8 @@ def _request(state, questions):
 def test_pooler_answers_a_hit_from_cached_rows_like_a_full_prefill(release_model, encoder, tiny_release):
     from vllm.v1.pool.metadata import PoolingStates
 
-    from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
-    from clef_vllm.worker import state_cache
+    from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+    from clef_vllm.worker.fast import state_cache
     from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 
     m = release_model
@@ -308,8 +308,8 @@ def test_pooler_keeps_the_tail_and_answers_a_hit_at_the_end_of_the_state(release
     prefix's last block boundary, and a hit there (inside a block) is answered like a full prefill."""
     from vllm.v1.pool.metadata import PoolingStates
 
-    from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
-    from clef_vllm.worker import state_cache
+    from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+    from clef_vllm.worker.fast import state_cache
     from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
 
     m, block = release_model, 32
@@ -438,7 +438,7 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
 def test_the_side_cache_is_sized_from_this_processs_memory_not_the_devices(monkeypatch):
     """Two engines on one GPU (a paired benchmark): the second one's pool is its share of ITS budget. With
     the device's used memory counted, the other engine's 39 GiB left it one block (twentyninth GPU round)."""
-    from clef_vllm.worker import state_cache
+    from clef_vllm.worker.fast import state_cache
     from clef_vllm.worker.pooler import StateCacheSettings, side_capacity
 
     gib = 2**30

@@ -1,4 +1,4 @@
-"""Whole-step graphs (clef_vllm.worker.step_graphs, ``--prefill-graph-scope step``): which steps may use
+"""Whole-step graphs (clef_vllm.worker.fast.step_graphs, ``--prefill-graph-scope step``): which steps may use
 one, the static inputs a replay reads and how each step refreshes them. The capture itself needs a GPU
 (bench/step_graph_probe.py compares replays with vLLM's path there)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
-from clef_vllm.worker.step_graphs import (StepGraph, StepGraphRunner, groups, refresh, refresh_all, static_slots,
+from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner
+from clef_vllm.worker.fast.step_graphs import (StepGraph, StepGraphRunner, groups, refresh, refresh_all, static_slots,
                                           step_reason)
 from test_prefill_graphs import HV, DV, inputs, make_bucket, make_layer
 
@@ -216,7 +216,7 @@ def test_each_kind_of_step_captures_its_own_graph_for_fa3s_longest_sequence(monk
     import vllm.forward_context
     from vllm.config import CUDAGraphMode
 
-    from clef_vllm.worker import step_graphs
+    from clef_vllm.worker.fast import step_graphs
 
     gdn_runner, _ = runner_with_bucket(448)
     gdn_runner.prefixes = ["layers.0.linear_attn"]
@@ -276,7 +276,7 @@ def test_inline_bodies_write_the_state_line_from_the_static_source():
     """What a captured step runs for each GDN layer (CPU, no graph): the static source's state line, every
     padded row copied, exact on the real rows (see also tests/test_prefill_graphs.py)."""
     from support.gdn_reference import KERNELS
-    from clef_vllm.worker.prefill_graphs import single_sequence_core
+    from clef_vllm.worker.fast.prefill_graphs import single_sequence_core
 
     gdn_runner, bucket = runner_with_bucket(16)
     view = make_layer(False, seed=3)
@@ -349,7 +349,7 @@ def test_the_default_scope_is_step_wherever_step_graphs_can_run(tiny_release):
 
 
 def test_a_split_plan_gives_each_sequence_its_bucket_and_kind():
-    from clef_vllm.worker.step_graphs import CONTEXT, FRESH, SPLIT_TOKENS, Part, split_plan
+    from clef_vllm.worker.fast.step_graphs import CONTEXT, FRESH, SPLIT_TOKENS, Part, split_plan
 
     buckets = (64, 128, 400, 448)
     plan = split_plan([0, 400, 790, 1210], [400, 390, 420 + 300], buckets, 4, 4)
@@ -368,11 +368,11 @@ def test_a_split_plan_gives_each_sequence_its_bucket_and_kind():
 
 def batch_context(lens, lines, contexts=None, mode=PIECEWISE):
     """A step of several prefill sequences as vLLM 0.28 describes it (the GDN metadata with the host-side query
-    start locations and sequence lengths clef_vllm.worker.gdn_metadata keeps on it)."""
+    start locations and sequence lengths clef_vllm.worker.fast.gdn_metadata keeps on it)."""
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-    from clef_vllm.worker.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
+    from clef_vllm.worker.fast.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
 
     contexts = contexts or [0] * len(lens)
     starts = [0]

@@ -40,13 +40,13 @@ def repacked_model(tiny_repacked):
 
 @pytest.fixture(scope="module")
 def encoder(tiny_release):
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
 
     return RequestEncoder.from_pretrained(tiny_release)
 
 
 def _requests():
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.schema.dialects import parse_request
 
     bodies = [
         {"model": "m", "state": "Checkout fails for every customer.",
@@ -124,7 +124,7 @@ def test_engine_settings_resolve_to_the_pooling_runner_with_explicit_defaults(ti
     # the GDN metadata memo: on unless told (the worker reads an explicit False)
     assert "clef_gdn_metadata_memo" not in one.additional_config
     assert engine_kwargs(tiny_release, gdn_metadata_memo=False)["additional_config"]["clef_gdn_metadata_memo"] is False
-    # the GDN kernels tuned per shape class at start-up unless told (clef_vllm.worker.gdn_tuning)
+    # the GDN kernels tuned per shape class at start-up unless told (clef_vllm.worker.fast.gdn_tuning)
     assert one.additional_config["clef_gdn_tuning"] is True
     assert "clef_gdn_tuning" not in engine_kwargs(tiny_release, gdn_tuning=False)["additional_config"]
     # NVFP4 layers: auto unless told (the worker's nvfp4_bf16.install reads the key and resolves auto by its GPU);
@@ -153,7 +153,7 @@ def test_default_buckets_follow_the_backbones_linear_kernels(tiny_release, tmp_p
     """Unset ``--prefill-graph-buckets``: a BF16 backbone adds 400, online FP8 pads 321-480 tokens to 480 (the
     H200's cheap step sizes), a quantized checkpoint keeps the generic list; vLLM's capture sizes follow."""
     from clef_vllm.backends.vllm_backend import engine_kwargs
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, LINEAR_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS, LINEAR_BUCKETS
 
     def planned(model_dir, **opts):
         kwargs = engine_kwargs(model_dir, max_model_len=4096, **opts)
@@ -282,7 +282,7 @@ def test_repacked_checkpoint_names_its_own_architecture(tiny_repacked):
 
 def _reference_state(checkpoint):
     """The checkpoint's text backbone tensors, by vLLM name, unfused."""
-    from clef_vllm.checkpoint import iter_backbone_tensors, locate_checkpoint
+    from clef_vllm.model.checkpoint import iter_backbone_tensors, locate_checkpoint
 
     out = {}
     for name, t in iter_backbone_tensors(locate_checkpoint(checkpoint)):
@@ -308,7 +308,7 @@ def test_release_layout_loads_every_tensor(release_model, tiny_release):
     # lm_head of the release goes to the dense lexical table; the head loads strictly
     lm = load_file(str(tiny_release / "model-00003-of-00003.safetensors")).get("lm_head.weight")
     if lm is None:
-        from clef_vllm.checkpoint import find_backbone_tensor, locate_checkpoint
+        from clef_vllm.model.checkpoint import find_backbone_tensor, locate_checkpoint
 
         lm = find_backbone_tensor(locate_checkpoint(tiny_release), ("lm_head.weight",))
     assert torch.equal(m.lm_table.weight, lm)
@@ -318,8 +318,8 @@ def test_release_layout_loads_every_tensor(release_model, tiny_release):
 
 
 def test_repacked_layout_keeps_both_tables_int8(repacked_model, release_model, tiny_repacked):
-    from clef_vllm.checkpoint import locate_checkpoint
-    from clef_vllm.tables import load_int8_tables
+    from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.model.tables import load_int8_tables
     from clef_vllm.worker.embedding import Int8RowEmbedding
 
     a, b = repacked_model, release_model
@@ -360,7 +360,7 @@ def test_int8_embedding_splits_the_vocabulary_as_vllm_does():
 
 
 def _specs_and_hidden(encoder, hidden_size):
-    from clef_vllm.features import HeadSpec
+    from clef_vllm.model.features import HeadSpec
 
     specs = [HeadSpec.from_encoded(encoder.encode(r)) for r in _requests()]
     g = torch.Generator().manual_seed(3)
@@ -369,7 +369,7 @@ def _specs_and_hidden(encoder, hidden_size):
 
 
 def _unchunked(model, specs, hidden):
-    from clef_vllm.features import RecordAccumulator, accumulate, decide_records
+    from clef_vllm.model.features import RecordAccumulator, accumulate, decide_records
 
     out = []
     for spec, h in zip(specs, hidden):
@@ -419,7 +419,7 @@ def test_the_pooler_marks_each_step_in_the_request_trace(release_model, encoder,
     request's engine time with them."""
     import json
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
     from vllm.v1.pool.metadata import PoolingStates
 
     m = release_model
@@ -455,7 +455,7 @@ def test_the_trace_marks_the_model_runners_input_preparation(tmp_path, monkeypat
     with tracing off it changes nothing."""
     import json
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     class Runner(GPUModelRunner):        # a subclass: the wrappers land on it, vLLM's class stays as it is
@@ -501,7 +501,7 @@ def test_the_trace_marks_an_output_where_the_engine_core_sends_it_and_where_the_
     import inspect
     import json
 
-    from clef_vllm import trace
+    from clef_vllm.util import trace
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -587,7 +587,7 @@ def test_pooler_with_the_row_grid_runs_every_gemm_at_a_grid_count_and_answers_as
     """``--gemm-row-grid``: the real pooler over chunked steps of several requests with its row grid on (as after
     the GPU warm-up): every GEMM of the per-token stage and the eager head runs at a grid row count (recorded
     at the aten level), and each answer is the pooler's without the grid (float32 head: up to rounding)."""
-    from clef_vllm.worker.gemm_warmup import GridRows
+    from clef_vllm.worker.fast.gemm_warmup import GridRows
     from support.gemm_shapes import GemmShapes
 
     m = release_model
@@ -612,7 +612,7 @@ def test_the_wire_spec_round_trips_packed_and_refuses_what_it_did_not_write(enco
     one, and a damaged wire raises one of the errors the pooler turns into a NaN answer."""
     from clef_vllm.backends.vllm_backend import pooling_params
     from clef_vllm.contract import PARAMS_KEY
-    from clef_vllm.features import HeadSpec
+    from clef_vllm.model.features import HeadSpec
 
     for request in _requests():
         encoded = encoder.encode(request)
@@ -642,7 +642,7 @@ def test_the_wire_spec_round_trips_packed_and_refuses_what_it_did_not_write(enco
 def test_pooler_handles_warmup_calls_without_params_and_bad_specs(release_model, encoder):
     from vllm.v1.pool.metadata import PoolingStates
 
-    from clef_vllm.features import HeadSpec
+    from clef_vllm.model.features import HeadSpec
 
     m = release_model
     # vLLM's dummy run: PoolingParams(task="plugin") only, many short requests
@@ -717,7 +717,7 @@ def test_pooler_restarts_a_preempted_request(release_model, encoder):
 def test_pooler_output_equals_reference_head_on_same_hidden_states(release_model, tiny_release, encoder):
     """The worker-side head and the reference backend's head are the same computation."""
     from clef_vllm.backends.reference import ReferenceBackend
-    from clef_vllm.features import HeadSpec
+    from clef_vllm.model.features import HeadSpec
     from vllm.v1.pool.metadata import PoolingStates
 
     ref = ReferenceBackend(tiny_release, device="cpu")
@@ -753,7 +753,7 @@ def _rewrite_shard(ckpt, edit):
 
 
 def test_refuses_a_missing_backbone_tensor(tiny_release, tmp_path):
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     ckpt = _copy(tiny_release, tmp_path)
     index, shard = _rewrite_shard(ckpt, lambda t: t.pop("model.language_model.layers.0.mlp.down_proj.weight"))
@@ -774,7 +774,7 @@ def test_refuses_an_unexpected_backbone_tensor(tiny_release, tmp_path):
 
 
 def test_refuses_non_finite_tensors(tiny_release, tmp_path):
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     ckpt = _copy(tiny_release, tmp_path)
 
@@ -789,7 +789,7 @@ def test_refuses_non_finite_tensors(tiny_release, tmp_path):
 
 
 def test_refuses_a_missing_int8_table(tiny_repacked, tmp_path):
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     ckpt = _copy(tiny_repacked, tmp_path)
     (ckpt / "clef_head" / "tables_int8.safetensors").unlink()
@@ -798,7 +798,7 @@ def test_refuses_a_missing_int8_table(tiny_repacked, tmp_path):
 
 
 def test_refuses_a_version_marker_mismatch_in_the_worker(tiny_repacked, tmp_path):
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     ckpt = _copy(tiny_repacked, tmp_path)
     cfg_path = ckpt / "clef_head" / "joint_head_config.json"
@@ -917,9 +917,9 @@ def test_a_9b_shaped_hybrid_folder_resolves_like_the_release_and_needs_no_weight
     from support.vllm_cpu import REPO
 
     from clef_vllm.backends.vllm_backend import engine_kwargs
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
     from clef_vllm.quant.schemes import scheme_table, summarize_schemes
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
 
     folder = tmp_path / "9b-hybrid"
     subprocess.run([sys.executable, str(REPO / "bench/make_ckpt.py"), "9b", str(folder), "--hybrid", "17"], check=True,
@@ -951,7 +951,7 @@ def _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path):
 
 def test_refuses_nvfp4_fused_shards_with_different_global_scales(hybrid_checkpoint, tmp_path):
     """vLLM keeps the max divisor of a fused module and silently mis-scales the others: refused."""
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     ckpt = _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path)
     with pytest.raises(CheckpointError, match="different weight global scales.*in_proj_qkvz"):
@@ -963,7 +963,7 @@ def test_fused_scale_fix_from_the_refusal_message_makes_the_checkpoint_load(hybr
     import subprocess
     import sys
 
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     ckpt = _with_mismatched_fused_scale(hybrid_checkpoint, tmp_path)
     with pytest.raises(CheckpointError) as refusal:
@@ -989,7 +989,7 @@ def test_warmup_lengths_cover_every_bucket_both_alignments_and_a_chunked_prompt(
     """The server's warm-up lengths (also what tests/gpu/diag_hang.py --len server replays): every prefill-graph
     bucket, lengths that are and are not multiples of 16, one longer than a step (capped at max_model_len)."""
     from clef_vllm.backends.vllm_backend import engine_kwargs, warmup_lengths
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
 
     lengths = warmup_lengths(engine_kwargs(tiny_release, prefill_graph_scope="core", max_model_len=8192,
                                            max_num_batched_tokens=2048))
@@ -1016,7 +1016,7 @@ def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
     reaches vLLM's own methods through both wrappers."""
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-    from clef_vllm.worker.prefill_graphs import GdnGraphRunner
+    from clef_vllm.worker.fast.prefill_graphs import GdnGraphRunner
 
     model = vllm_cpu.load_model(tiny_release)               # its own copy: the wrappers stay on it
     layers = [m for m in model.modules() if isinstance(m, QwenGatedDeltaNetAttention)]
@@ -1048,9 +1048,9 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
 
     from vllm.config import ProfilerConfig
 
-    from clef_vllm import trace
     from clef_vllm.backends.vllm_backend import VllmBackend
-    from clef_vllm.features import synthetic_spec
+    from clef_vllm.model.features import synthetic_spec
+    from clef_vllm.util import trace
 
     assert trace.ProfileWindow.from_env("") is None
     window = trace.ProfileWindow.from_env(str(tmp_path))
@@ -1137,8 +1137,8 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
 
     from clef_vllm.contract import NVFP4_KERNEL_KEY
     from clef_vllm.quant.numerics import nvfp4_dequantize
+    from clef_vllm.worker.fast.nvfp4_bf16 import install
     from clef_vllm.worker.model import kernel_report
-    from clef_vllm.worker.nvfp4_bf16 import install
 
     with caplog.at_level(logging.INFO, logger="clef_vllm"):
         bf16 = vllm_cpu.load_model(hybrid_checkpoint, additional_config={NVFP4_KERNEL_KEY: "bf16"})
@@ -1179,7 +1179,7 @@ def test_nvfp4_kernel_bf16_dequantizes_the_hybrids_nvfp4_layers_once_at_load(hyb
     from vllm.model_executor.kernels import linear
     from vllm.platforms import current_platform
 
-    from clef_vllm.worker.nvfp4_bf16 import kernel_class
+    from clef_vllm.worker.fast.nvfp4_bf16 import kernel_class
 
     assert install("auto") is False
     for capability, first in (((9, 0), True), ((10, 0), False)):
@@ -1200,7 +1200,7 @@ def test_nvfp4_kernel_bf16_on_a_checkpoint_without_nvfp4_layers_says_it_changes_
     act on in a checkpoint without NVFP4 W4A4 layers, and stays quiet with the default."""
     from clef_vllm.backends.options import backend_options
     from clef_vllm.backends.vllm_backend import VllmBackend
-    from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.model.checkpoint import locate_checkpoint
     from clef_vllm.quant import kernels
 
     monkeypatch.setattr(kernels, "cuda_capability", lambda: (9, 0))      # as on an H200

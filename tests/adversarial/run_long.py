@@ -375,8 +375,8 @@ def main() -> int:
     os.environ.setdefault("CLEF_VLLM_CACHE", str(Path(tempfile.gettempdir()) / "clef-vllm-cache"))
     import shutil
 
+    from clef_vllm.model.tiny import build_tiny_checkpoint
     from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
-    from clef_vllm.tiny import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="clef-adversarial-"))
     ckpt = build_tiny_checkpoint(work / "tiny", mtp=True)

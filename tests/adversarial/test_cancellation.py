@@ -46,8 +46,9 @@ def test_cancelled_pool_work_stops_at_its_next_checkpoint_and_queued_work_never_
 
 
 def test_encoding_and_the_value_scan_stop_when_cancelled(tiny_release):
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import RequestLimits, parse_request
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.protocol import RequestLimits
     from clef_vllm.server.body import count_values
 
     encoder = RequestEncoder.from_pretrained(tiny_release, max_length=16384)
@@ -100,7 +101,7 @@ def test_a_body_already_received_is_taken_even_when_the_server_was_busy_past_the
     """A client that has sent its whole body is never refused as too slow, however long the server spends
     between two pieces (a bulk stream working through a piece's lines): the deadlines count only the time
     spent waiting for bytes, and bytes already received are taken even past a deadline."""
-    from clef_vllm.errors import Kind, RequestError
+    from clef_vllm.schema.errors import Kind, RequestError
     from clef_vllm.server.body import BodyReader
 
     async def run(stall_after: int | None):

@@ -73,7 +73,7 @@ def run_hypothesis(fn, strategy, examples: int, seed: int):
 
 def start_server(args) -> LiveServer:
     """A CPU reference server on a tiny checkpoint built on the spot."""
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="clef-fuzz-"))
     ckpt = build_tiny_checkpoint(work / "tiny", mtp=True)
@@ -209,7 +209,7 @@ def main() -> int:
     timed("bulk-lines", lambda: run_hypothesis(bulk_one, st.lists(line, min_size=1, max_size=8), args.bulk, seed + 2))
 
     # 5. in-process model + encoder
-    from clef_vllm.encoding import RequestEncoder
+    from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
 
     encoder = RequestEncoder.from_pretrained(cached_qwen35_tokenizer(Path(os.environ["CLEF_VLLM_CACHE"])),

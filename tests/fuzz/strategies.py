@@ -188,9 +188,10 @@ def check_encoding(encoder, body) -> None:
     """parse -> encode -> answers for one decoded body; only RequestError may escape."""
     import torch
 
-    from clef_vllm.answers import build_response
-    from clef_vllm.errors import Kind
-    from clef_vllm.protocol import RequestError, parse_request
+    from clef_vllm.schema.answers import build_response
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.errors import Kind
+    from clef_vllm.schema.protocol import RequestError
     from clef_vllm.server.errors import error_body, outcome
 
     try:

@@ -28,7 +28,7 @@ from vllm import LLM, TokensPrompt  # noqa: E402
 from clef_vllm import register  # noqa: E402
 from clef_vllm.backends.vllm_backend import (engine_kwargs, pooling_params, warmup_batches,  # noqa: E402
                                              warmup_lengths)
-from clef_vllm.features import synthetic_spec  # noqa: E402
+from clef_vllm.model.features import synthetic_spec  # noqa: E402
 
 register()
 if args.big:

@@ -150,7 +150,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", layout="release")
     results = {}

@@ -8,7 +8,7 @@ export PYTHONPATH=/root/site:$PWD/vllm_plugin VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLI
 export CLEF_VLLM_CACHE=/root/clef-cache TRITON_CACHE_DIR=/root/.triton/cache
 python3 - <<'PY'
 import pathlib, re
-ver = re.search(r'__version__ = "([^"]+)"', pathlib.Path("vllm_plugin/clef_vllm/__init__.py").read_text()).group(1)
+ver = re.search(r'__version__ = "([^"]+)"', pathlib.Path("vllm_plugin/clef_vllm/version.py").read_text()).group(1)
 d = pathlib.Path(f"/root/site/clef_vllm-{ver}.dist-info"); d.mkdir(parents=True, exist_ok=True)
 (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: clef-vllm\nVersion: {ver}\n")
 (d / "entry_points.txt").write_text("[vllm.general_plugins]\nclef = clef_vllm:register\n\n"

@@ -17,7 +17,7 @@
 3. **metadata memo**: a short and a long (chunked) request one at a time (with the graphs: their step
    graphs captured, for a capturing step runs the per-layer path), the memo emptied, both again (the
    metadata built), another length, both a third time: the third runs take their GDN metadata from the
-   memo of one-sequence prefills (``clef_vllm/worker/gdn_metadata.py``; the worker's ``built`` /
+   memo of one-sequence prefills (``clef_vllm/worker/fast/gdn_metadata.py``; the worker's ``built`` /
    ``reused`` counts say so) and must answer bit-identically to the second, on vLLM's path and with the
    graphs.
 4. **nvfp4**: a tiny Hybrid (FP8 W8A8 layers 0-1, NVFP4 W4A4 layers 2-3: ``scripts/quantize_mixed.py --engine
@@ -57,8 +57,8 @@ HERE = Path(__file__).resolve()
 
 
 def encode(encoder, body: dict, keyed: bool):
-    from clef_vllm.features import HeadSpec
-    from clef_vllm.protocol import parse_request
+    from clef_vllm.model.features import HeadSpec
+    from clef_vllm.schema.dialects import parse_request
 
     enc = encoder.encode(parse_request(body))
     return enc, HeadSpec.from_encoded(enc, state_keys=keyed)
@@ -78,8 +78,8 @@ def run_engine(config: dict) -> dict:
     from clef_vllm import register
     from clef_vllm.backends.vllm_backend import engine_kwargs, pooling_params
     from clef_vllm.contract import STATE_CACHE_KEY
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.worker import state_cache
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.worker.fast import state_cache
 
     register()
     ckpt = Path(config["ckpt"])
@@ -99,7 +99,7 @@ def run_engine(config: dict) -> dict:
 
     def forget_memo(worker) -> int:
         """Empty the GDN builders' memos of one-sequence prefills; how many builders had one."""
-        from clef_vllm.worker import gdn_metadata
+        from clef_vllm.worker.fast import gdn_metadata
 
         emptied = 0
         for groups in worker.model_runner.attn_groups:
@@ -125,7 +125,7 @@ def run_engine(config: dict) -> dict:
             for r, e in zip(results, encs)]})
 
     def report(worker):
-        from clef_vllm.worker import gdn_metadata
+        from clef_vllm.worker.fast import gdn_metadata
 
         model = worker.model_runner.model
         rep = {"block_size": worker.vllm_config.cache_config.block_size,
@@ -146,8 +146,8 @@ def run_engine(config: dict) -> dict:
 def tiny_hybrid(work: Path) -> Path:
     """FP8 W8A8 layers 0-1 + NVFP4 W4A4 layers 2-3 of a tiny release checkpoint at Marlin-sized widths
     (hidden 256), int8 tables (the tools' pipeline with the native exporter, on the CPU: seconds)."""
+    from clef_vllm.model.tiny import build_tiny_checkpoint
     from clef_vllm.testing.hybrid import build_tiny_hybrid
-    from clef_vllm.tiny import build_tiny_checkpoint
 
     release = build_tiny_checkpoint(work / "tiny-release", layout="release", hidden=256)
     return build_tiny_hybrid(release, work)
@@ -210,7 +210,7 @@ def main() -> int:
         return 0
 
     from clef_vllm.bench.workloads import synthetic_parity_set
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -39,11 +39,11 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from clef_vllm.features import decide_records
-    from clef_vllm.release import RELEASE_HEAD_CONFIG as CFG
-    from clef_vllm.tables import Int8RowTable, quantize_rows
-    from clef_vllm.worker.head_graphs import HeadGraphRunner
+    from clef_vllm.model.features import decide_records
+    from clef_vllm.model.release import RELEASE_HEAD_CONFIG as CFG
+    from clef_vllm.model.tables import Int8RowTable, quantize_rows
     from clef_vllm.testing.head_cases import finished, random_head, random_record
+    from clef_vllm.worker.fast.head_graphs import HeadGraphRunner
 
     torch.manual_seed(0)
     dev = torch.device(args.device)

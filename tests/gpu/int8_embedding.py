@@ -22,9 +22,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ids", type=int, default=4096, help="random token ids to compare (default 4096)")
     args = ap.parse_args()
-    from clef_vllm.checkpoint import locate_checkpoint
-    from clef_vllm.tables import load_int8_tables
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.model.tables import load_int8_tables
+    from clef_vllm.model.tiny import build_tiny_checkpoint
     from clef_vllm.worker.embedding import Int8RowEmbedding
 
     folder = Path(tempfile.mkdtemp()) / "tiny"

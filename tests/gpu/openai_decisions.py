@@ -6,7 +6,7 @@ Starts ``clef-systemone --backend vllm`` on the demo checkpoint, asks one decisi
 (over-length and ``input_image``) in OpenAI's envelope. Standard library only (no SDK on the GPU
 machine; tests/test_openai_decisions.py runs the SDKs on the CPU).
 
-Usage (GPU machine, vLLM on PYTHONPATH): ``python tests/gpu/openai_decisions.py [--out DIR]``
+Usage (GPU machine, clef-vllm and vLLM installed): ``python tests/gpu/openai_decisions.py [--out DIR]``
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "vllm_plugin"))
-
-from clef_vllm.testing.server import LiveServer  # noqa: E402
+from clef_vllm.testing.server import LiveServer
 
 STATE = "Checkout has been failing for every customer for the last hour."
 QUESTIONS = [

@@ -84,8 +84,8 @@ def parity(layout: str, n: int, workdir: Path, engine: dict) -> dict:
 
     from clef_vllm import Clef
     from clef_vllm.bench.workloads import synthetic_parity_set
-    from clef_vllm.protocol import parse_request
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
+    from clef_vllm.schema.dialects import parse_request
 
     ckpt = build_tiny_checkpoint(workdir / f"tiny-{layout}", layout=layout, mtp=True)
     bodies = synthetic_parity_set(n, seed=11, max_words=1500)
@@ -141,7 +141,7 @@ async def http_load(url: str, bodies: list[dict], concurrency: int) -> tuple[lis
 def server_load(workdir: Path, dp: int, n: int, engine: dict, log_dir: Path, engines_per_gpu: int = 1) -> dict:
     from clef_vllm import Clef
     from clef_vllm.bench.workloads import synthetic_parity_set
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     ckpt = workdir / "tiny-release"
     if not ckpt.exists():

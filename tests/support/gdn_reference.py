@@ -1,6 +1,6 @@
 """A plain-torch Gated DeltaNet core (conv1d, gating prep, recurrent delta rule) for CPU tests.
 
-Same contract as :class:`clef_vllm.worker.prefill_graphs.GdnKernels`; fp32, one token at a time,
+Same contract as :class:`clef_vllm.worker.fast.prefill_graphs.GdnKernels`; fp32, one token at a time,
 so it is exact where the math is: it checks the padding rules of the prefill graphs, not vLLM's
 chunked Triton kernels (those are compared on the GPU).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clef_vllm.worker.prefill_graphs import GdnKernels
+from clef_vllm.worker.fast.prefill_graphs import GdnKernels
 
 
 def conv(x, layer, has_init, lines, query_start_loc, meta):

@@ -4,7 +4,7 @@ self-checks, fill, replay, gather) except the CUDA graph itself, which a stand-i
 
 from __future__ import annotations
 
-from clef_vllm.worker.head_graphs import HeadGraphRunner, padded_probabilities
+from clef_vllm.worker.fast.head_graphs import HeadGraphRunner, padded_probabilities
 
 
 class CpuGraphRunner(HeadGraphRunner):

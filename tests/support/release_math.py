@@ -2,7 +2,7 @@
 
 :func:`literal_logits` loops per field and per option and uses PyTorch's own
 ``nn.MultiheadAttention`` and ``nn.TransformerDecoderLayer(norm_first=True, activation="gelu")``
-modules loaded from the head's state dict, so it shares no code with ``clef_vllm.head``. It
+modules loaded from the head's state dict, so it shares no code with ``clef_vllm.model.head``. It
 computes in float32 whatever dtype the head holds.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clef_vllm.head import JointSchemaHead
+from clef_vllm.model.head import JointSchemaHead
 
 
 @torch.no_grad()

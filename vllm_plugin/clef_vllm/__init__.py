@@ -6,7 +6,6 @@ Importing this package is cheap: no torch, no vLLM, no CUDA. ``register()`` is t
 
 import os as _os
 
-__version__ = "0.1.0"
 
 # ``torch.cuda.is_available()`` normally calls cudaGetDeviceCount, which "poisons" fork: vLLM's
 # engine-core process, forked later from this process, then dies with "Cannot re-initialize CUDA
@@ -14,31 +13,9 @@ __version__ = "0.1.0"
 # switch to spawn). The NVML-based check answers the same question without touching CUDA.
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-#: The architecture name written into repacked checkpoints' config.json and used as
-#: ``hf_overrides={"architectures": [...]}`` when serving the Cloudflare release.
-ARCHITECTURE = "ClefFlashForDecision"
-
-_registered = False
-
-
-def register() -> None:
-    """Register the Clef-Flash architecture with vLLM's ModelRegistry (idempotent, no CUDA)."""
-    global _registered
-    if _registered:
-        return
-    from vllm import ModelRegistry
-
-    from clef_vllm.stacks import enable_stack_dumps
-    from clef_vllm.worker.dummy_loader import register_loader as register_dummy_loader
-    from clef_vllm.worker.scheduler import install_block_hasher
-
-    enable_stack_dumps()   # kill -USR1 <engine core pid> prints where it is (vLLM loads this in every process)
-    install_block_hasher()  # a Clef request's state keys are its prefix-cache block hashes
-    register_dummy_loader()  # --load-format clef-dummy (benchmarks of quantized layouts without weights)
-
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "clef_vllm.worker.model:ClefFlashForDecision")
-    _registered = True
+from clef_vllm.model.layout import ARCHITECTURE  # noqa: E402 - after the environment above
+from clef_vllm.plugin import register  # noqa: E402
+from clef_vllm.version import __version__  # noqa: E402
 
 
 def __getattr__(name):

@@ -13,13 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from clef_vllm.answers import build_response
 from clef_vllm.backends import Backend, make_backend
-from clef_vllm.demo import resolve_model_dir
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH
-from clef_vllm.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
-from clef_vllm.openai_decisions import check_fits
-from clef_vllm.protocol import SYSTEMONE_DIALECTS, Dialect, parse_request
+from clef_vllm.model.demo import resolve_model_dir
+from clef_vllm.schema.answers import build_response
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
+from clef_vllm.schema.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
+from clef_vllm.schema.openai_decisions import check_fits
+from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
 
 
 class Clef:
@@ -46,19 +47,19 @@ class Clef:
                                              **engine_options)
 
     def systemone(self, request: dict) -> dict:
-        """Answer one SystemOne request; raises :class:`~clef_vllm.errors.RequestError` (a ValueError
+        """Answer one SystemOne request; raises :class:`~clef_vllm.schema.errors.RequestError` (a ValueError
         naming the field; ``.kind`` says what is wrong) for invalid input."""
         return self.systemone_batch([request])[0]
 
     def systemone_batch(self, requests: Sequence[dict]) -> list[dict]:
         """Answer many requests in one batch (order preserved). An invalid request raises
-        :class:`~clef_vllm.errors.RequestError` naming its index (``requests[3].questions.x...``)
+        :class:`~clef_vllm.schema.errors.RequestError` naming its index (``requests[3].questions.x...``)
         before any work is done."""
         return self._batch(requests, self.dialect)
 
     def decisions(self, request: dict) -> dict:
         """Answer one request in OpenAI's Decisions format (the body ``client.decisions.create`` sends:
-        ``model``, ``input``, ``questions``), as ``POST /v1/decisions`` does (clef_vllm.openai_decisions);
+        ``model``, ``input``, ``questions``), as ``POST /v1/decisions`` does (clef_vllm.schema.openai_decisions);
         an input that does not fit ``max_model_len`` raises (``context_length_exceeded``), it is not cut."""
         return self.decisions_batch([request])[0]
 

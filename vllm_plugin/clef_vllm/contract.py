@@ -72,8 +72,8 @@ ENGINES_PER_GPU_KEY = "clef_engines_per_gpu"
 #: and the allocator capped at the budget (:mod:`clef_vllm.worker.budget`).
 CLEF_WORKER = "clef_vllm.worker.budget.ClefWorker"
 #: vLLM's ``worker_cls`` for engines that share a GPU: it places them and starts them one at a time
-#: (:mod:`clef_vllm.worker.shared_gpu`).
-SHARED_GPU_WORKER = "clef_vllm.worker.shared_gpu.SharedGpuWorker"
+#: (:mod:`clef_vllm.worker.fast.shared_gpu`).
+SHARED_GPU_WORKER = "clef_vllm.worker.fast.shared_gpu.SharedGpuWorker"
 
 
 def tell_worker(engine_kwargs: dict, key: str, value) -> None:

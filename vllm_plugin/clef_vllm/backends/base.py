@@ -16,8 +16,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from clef_vllm.encoding import EncodedRequest, RequestEncoder
-from clef_vllm.errors import Kind, ServiceError
+from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
+from clef_vllm.schema.errors import Kind, ServiceError
 
 log = logging.getLogger("clef_vllm")
 

@@ -29,7 +29,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from clef_vllm import trace
+from clef_vllm.util import trace
 
 log = logging.getLogger("clef_vllm")
 

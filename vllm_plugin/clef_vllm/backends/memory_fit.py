@@ -1,16 +1,18 @@
 """The memory plan at the vLLM backend's start: settings that fit the GPU, or a clear refusal.
 
 Before the engine starts, :func:`fit_options` computes the checkpoint's memory plan
-(:mod:`clef_vllm.memory_plan`) for the first visible GPU's memory (read with NVML: the front end
+(:mod:`clef_vllm.plan.memory_plan`) for the first visible GPU's memory (read with NVML: the front end
 makes no CUDA context) and the budget ``--gpu-memory-utilization`` gives each engine, then:
 
 * resolves ``--nvfp4-kernel auto`` by memory as well as speed (BF16 dequantized weights only where
   the KV cache keeps room for a few ``--max-model-len`` sequences; the packed kernel otherwise);
 * turns the plugin's memory-costly features down or off where the KV cache would be too small,
   one log line per change saying what and why;
-* refuses a plan that cannot hold one sequence with :class:`~clef_vllm.memory_plan.PlanDoesNotFit`,
+* refuses a plan that cannot hold one sequence with :class:`~clef_vllm.plan.memory_plan.PlanDoesNotFit`,
   whose message names the biggest consumers and the flags that free memory (the server prints it
   and exits 1, before loading anything).
+
+:func:`plan_for_checkpoint` is the same plan for any device size (``clef-load --gpu-memory``).
 
 The plan is logged (``clef memory plan: ...``); the worker's ``clef memory budget: ...`` line then says
 what vLLM measured, for comparison.
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from clef_vllm.backends.options import VllmOptions
-from clef_vllm.memory_plan import (MIN_BF16_SEQUENCES, MemoryPlan, PlanInputs, choose_nvfp4_kernel, fit, gib,
-                                   model_shape_for_checkpoint)
+from clef_vllm.plan.memory_plan import (MIN_BF16_SEQUENCES, MIN_SEQUENCES, MemoryPlan, PlanInputs, choose_nvfp4_kernel,
+                                        fit, gib, model_shape_for_checkpoint)
 from clef_vllm.quant.kernels import resolve_nvfp4_kernel
 
 log = logging.getLogger("clef_vllm")
@@ -73,7 +76,7 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
     if given.prefill_graphs and not inputs.prefill_graphs:
         changes.update(prefill_graphs=False)
     elif inputs.prefill_max_bucket < given.prefill_max_bucket:
-        from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS
+        from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
 
         changes.update(prefill_graph_buckets=tuple(b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS)
                                                    if b <= inputs.prefill_max_bucket))
@@ -96,7 +99,7 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
 def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]] | None = None
                 ) -> tuple[VllmOptions, MemoryPlan | None]:
     """The options the engine starts with and the plan behind them (``None``: no GPU known, the options as
-    given). Raises :class:`~clef_vllm.memory_plan.PlanDoesNotFit`."""
+    given). Raises :class:`~clef_vllm.plan.memory_plan.PlanDoesNotFit`."""
     device = device if device is not None else device_memory()
     if device is None:
         return opts, None
@@ -122,3 +125,22 @@ def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]
                f"GiB budget less than {MIN_BF16_SEQUENCES} sequences of {opts.max_model_len:,} tokens")
         log.info("clef memory plan: --nvfp4-kernel auto chose %s (%s)", kernel, why)
     return options_for(opts, plan.inputs), plan
+
+
+def plan_for_checkpoint(model_dir: str | Path, *, device_total_bytes: int,
+                        gpu_memory_utilization: float | None = None, options=None, capability=None,
+                        min_sequences: float = MIN_SEQUENCES, **settings) -> MemoryPlan:
+    """The fitted plan of the checkpoint at ``model_dir`` on a device of ``device_total_bytes``.
+
+    ``options``: a ``VllmOptions`` (default: the server's defaults); ``gpu_memory_utilization``: the
+    budget's share of the device (default: the options'); ``settings``: any :class:`PlanInputs` field on
+    top. ``nvfp4_kernel`` ``auto`` is resolved by :func:`choose_nvfp4_kernel` (``capability``: the GPU's,
+    when known). Raises :class:`PlanDoesNotFit`."""
+    if options is None:
+        options = VllmOptions()
+    share = options.resolved_gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
+    model = model_shape_for_checkpoint(model_dir)
+    inputs = PlanInputs.from_options(options, int(share * device_total_bytes), **settings)
+    if inputs.nvfp4_kernel == "auto":
+        inputs = dataclasses.replace(inputs, nvfp4_kernel=choose_nvfp4_kernel(model, inputs, capability))
+    return fit(model, inputs, min_sequences=min_sequences)

@@ -19,11 +19,9 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from clef_vllm.contract import (BATCH_WAIT_KEY, DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, ENGINES_PER_GPU_KEY,
-                                GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_GRAPH_RECORDS, HEAD_GRAPHS_KEY,
-                                IDLE_CLEANUP_KEY, NVFP4_KERNEL_KEY, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES, PREFILL_GRAPHS_KEY,
-                                SCHEDULER_CLASSES, SHARED_GPU_WORKER, STATE_CACHE_KEY, CLEF_WORKER, tell_worker)
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH
+from clef_vllm.backends import engine_settings as E
+from clef_vllm.contract import DEFAULT_NVFP4_KERNEL, DEFAULT_STEP_GRAPH_SPLIT, HEAD_GRAPH_RECORDS, NVFP4_KERNELS, PREFILL_GRAPH_SCOPES
+from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 
 #: ``dtype`` / ``head_dtype`` spellings accepted, by canonical name.
 DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
@@ -147,115 +145,6 @@ class ReferenceOptions(_Validated):
         return self.head_dtype or self.dtype
 
 
-def _max_num_batched_tokens(opts: "VllmOptions", kwargs: dict) -> None:
-    """Default: the request limit, at least 8192 and at most 16384 (one chunk holds a typical prompt)."""
-    kwargs["max_num_batched_tokens"] = int(opts.max_num_batched_tokens
-                                           or max(8192, min(int(opts.max_model_len), 16384)))
-
-
-def _gpu_memory(opts: "VllmOptions", kwargs: dict) -> None:
-    kwargs["gpu_memory_utilization"] = opts.resolved_gpu_memory_utilization
-
-
-def _engines_per_gpu(opts: "VllmOptions", kwargs: dict) -> None:
-    """Every engine runs the plugin's worker class, which keeps the process inside its memory budget
-    (:mod:`clef_vllm.worker.budget`); engines that share a GPU run its subclass that places them and starts them
-    one at a time (:mod:`clef_vllm.worker.shared_gpu`)."""
-    kwargs["worker_cls"] = CLEF_WORKER
-    if opts.engines_per_gpu > 1:
-        tell_worker(kwargs, ENGINES_PER_GPU_KEY, opts.engines_per_gpu)
-        kwargs["worker_cls"] = SHARED_GPU_WORKER
-
-
-def _head_dtype_config(opts: "VllmOptions", kwargs: dict) -> None:
-    tell_worker(kwargs, HEAD_DTYPE_KEY, opts.resolved_head_dtype)
-
-
-def _prefill_graphs(opts: "VllmOptions", kwargs: dict) -> None:
-    """The worker's GDN prefill graphs (:mod:`clef_vllm.worker.prefill_graphs`) per padded bucket up to
-    the step's token budget, and vLLM's piecewise CUDA graphs captured up to the same token counts."""
-    if not opts.prefill_graphs:
-        return
-    from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, cudagraph_capture_sizes
-
-    budget = kwargs["max_num_batched_tokens"]
-    # engine_kwargs has filled in the checkpoint's defaults (prefill_graphs.default_buckets); options alone,
-    # with no checkpoint to read, get the generic list
-    buckets = [b for b in (opts.prefill_graph_buckets or DEFAULT_BUCKETS) if b <= budget]
-    scope = opts.resolved_prefill_graph_scope
-    setting = {"buckets": buckets, "scope": scope}
-    if scope == "step":
-        setting["split"] = opts.step_graph_split
-    tell_worker(kwargs, PREFILL_GRAPHS_KEY, setting)
-    if not opts.enforce_eager:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": cudagraph_capture_sizes(
-            budget, buckets, kwargs["max_num_seqs"], between_buckets=scope != "step")}
-
-
-def _gdn_memo(opts: "VllmOptions", kwargs: dict) -> None:
-    """The GDN metadata memo of single-prefill steps (:mod:`clef_vllm.worker.gdn_metadata`) is on unless
-    the worker is told otherwise."""
-    if not opts.gdn_metadata_memo:
-        tell_worker(kwargs, GDN_MEMO_KEY, False)
-
-
-def _gdn_tuning(opts: "VllmOptions", kwargs: dict) -> None:
-    """The GDN prefill's Triton kernels tuned per shape class at start-up (:mod:`clef_vllm.worker.gdn_tuning`)."""
-    if opts.gdn_tuning:
-        tell_worker(kwargs, GDN_TUNING_KEY, True)
-
-
-def _nvfp4_kernel(opts: "VllmOptions", kwargs: dict) -> None:
-    """NVFP4 layers as BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`) when
-    asked (``auto``: the worker decides by its GPU), vLLM's own kernel otherwise and whenever
-    ``--linear-backend`` chooses."""
-    if opts.nvfp4_kernel != "vllm" and not opts.linear_backend_chosen:
-        tell_worker(kwargs, NVFP4_KERNEL_KEY, opts.nvfp4_kernel)
-
-
-def _gemm_warmup(opts: "VllmOptions", kwargs: dict) -> None:
-    """The head's GEMM kernels loaded at the first step (:mod:`clef_vllm.worker.gemm_warmup`) unless turned off."""
-    if opts.gemm_warmup:
-        tell_worker(kwargs, GEMM_WARMUP_KEY, {"rows": opts.gemm_warmup_rows} if opts.gemm_warmup_rows else True)
-        if opts.gemm_row_grid:
-            tell_worker(kwargs, GEMM_ROW_GRID_KEY, True)
-
-
-def _head_graphs(opts: "VllmOptions", kwargs: dict) -> None:
-    """The worker's joint-head CUDA graphs (:mod:`clef_vllm.worker.head_graphs`) for steps finishing up to
-    ``head_graph_records`` requests."""
-    if opts.head_graphs:
-        tell_worker(kwargs, HEAD_GRAPHS_KEY, {"records": opts.head_graph_records})
-
-
-def _state_cache(opts: "VllmOptions", kwargs: dict) -> None:
-    """vLLM's prefix caching (align mode) plus the memory rows of cached prefixes in the worker
-    (:mod:`clef_vllm.worker.state_cache`); the scheduler (always ours) keeps the two consistent."""
-    kwargs["enable_prefix_caching"] = opts.state_cache
-    if not opts.state_cache:
-        return
-    if opts.state_cache_match == "unit":
-        from clef_vllm.state_keys import KEY_UNIT
-
-        kwargs.update(prefix_match_unit=KEY_UNIT)   # hits and GDN states at the state's end, not at a block's
-    tell_worker(kwargs, STATE_CACHE_KEY, {"on": True})
-
-
-def _scheduling(opts: "VllmOptions", kwargs: dict) -> None:
-    """Always our scheduler (a context-filling prompt finishes: its rule 0), on vLLM's synchronous
-    ``Scheduler`` or, with ``async_scheduling``, on its ``AsyncScheduler``: the engine core then schedules
-    and prepares the next step while the GPU runs the current one (vLLM 0.28 leaves that off for pooling
-    models unless asked; docs/latency.md, "Async scheduling")."""
-    kwargs["async_scheduling"] = opts.async_scheduling
-    kwargs["scheduler_cls"] = SCHEDULER_CLASSES[opts.async_scheduling]
-
-
-def _batch_wait(opts: "VllmOptions", kwargs: dict) -> None:
-    """The scheduler's rule 5: an idle engine may hold a few new requests up to this long to batch them."""
-    if opts.resolved_batch_wait_ms:
-        tell_worker(kwargs, BATCH_WAIT_KEY, opts.resolved_batch_wait_ms)
-
-
 def check_data_parallel(opts: "VllmOptions") -> None:
     """The data-parallel layouts this server runs (docs/deploy.md): one node; a head node with some of the
     ranks plus ``--headless`` nodes with the rest (``mp``); or every rank placed by Ray from the head node
@@ -301,12 +190,6 @@ def check_data_parallel(opts: "VllmOptions") -> None:
                           "data_parallel_backend")
 
 
-def _data_parallel_backend(opts: "VllmOptions", kwargs: dict) -> None:
-    """vLLM's ``data_parallel_backend``, given only when it is not vLLM's default (``mp``)."""
-    if opts.data_parallel_backend != "mp":
-        kwargs["data_parallel_backend"] = opts.data_parallel_backend
-
-
 #: ``--gpu-memory-utilization``'s default for one engine on a GPU (vLLM's own)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -318,12 +201,6 @@ SHARED_GPU_HEADROOM = 0.05
 #: ``--batch-wait-ms``'s default for one engine in its own process (measured: BF16 short decisions at c=16
 #: 1.062x the req/s of no wait, c=64 1.001x; one request at a time never waits)
 DEFAULT_BATCH_WAIT_MS = 2.0
-
-
-def _idle_cleanup(opts: "VllmOptions", kwargs: dict) -> None:
-    """vLLM's engine step that only drops finished requests, kept when asked (the scheduler's rule 4)."""
-    if opts.idle_cleanup_step:
-        tell_worker(kwargs, IDLE_CLEANUP_KEY, True)
 
 
 #: ``--prefill-graph-buckets``: each a multiple of this (vLLM's capture sizes; Triton specialises on it), at most
@@ -368,7 +245,7 @@ class VllmOptions(_Validated):
     dtype: str = option("bfloat16", "dtype of the backbone: vLLM runs Clef in bfloat16; for a float32 head use "
                         "head_dtype (--head-dtype)", engine="dtype", kind=(str,), choices=("bfloat16",))
     head_dtype: str | None = option(None, "the joint head's dtype inside the worker (bfloat16 or float32)",
-                                    engine=_head_dtype_config, kind=(str,), choices=("bfloat16", "float32"))
+                                    engine=E.head_dtype_config, kind=(str,), choices=("bfloat16", "float32"))
     max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", engine="max_model_len", kind=int,
                                 minimum=1)
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",
@@ -392,7 +269,7 @@ class VllmOptions(_Validated):
     data_parallel_backend: str = option("mp", "how the head starts data-parallel engines: 'mp' (processes on this "
                                         "node; remote ranks are --headless nodes) or 'ray' (Ray actors placed on "
                                         "a Ray cluster's GPUs from the head node alone; needs ray)",
-                                        flags=("--data-parallel-backend", "-dpb"), engine=_data_parallel_backend,
+                                        flags=("--data-parallel-backend", "-dpb"), engine=E.data_parallel_backend,
                                         kind=str, choices=("mp", "ray"))
     headless: bool = option(False, "start this node's data-parallel engines only, no HTTP server: they join the "
                             "head node at --data-parallel-address (docs/deploy.md)", flags=("--headless",),
@@ -406,16 +283,16 @@ class VllmOptions(_Validated):
                                   "GPU in order (default 1); they start one after another, each with its share of "
                                   "the memory. For data parallelism on fewer GPUs, not for speed: measured slower "
                                   "than one engine (docs/operating.md)", flags=("--engines-per-gpu",),
-                                  engine=_engines_per_gpu, kind=int, minimum=1)
+                                  engine=E.engines_per_gpu, kind=int, minimum=1)
     gpu_memory_utilization: float | None = option(None, "share of a GPU's memory each engine may use (default 0.9; with "
                                                   "--engines-per-gpu K, (0.9 - 0.05 (K-1)) / K)",
-                                                  flags=("--gpu-memory-utilization",), engine=_gpu_memory,
+                                                  flags=("--gpu-memory-utilization",), engine=E.gpu_memory,
                                                   kind=float, minimum=0.01, maximum=1.0)
     max_num_seqs: int = option(128, "requests per engine step (default 128)", flags=("--max-num-seqs",),
                                engine="max_num_seqs", kind=int, minimum=1)
     max_num_batched_tokens: int | None = option(None, "tokens per engine step; longer prompts are chunked (default: "
                                                 "max-model-len clamped to [8192, 16384])",
-                                                flags=("--max-num-batched-tokens",), engine=_max_num_batched_tokens,
+                                                flags=("--max-num-batched-tokens",), engine=E.max_num_batched_tokens,
                                                 kind=int, minimum=1)
     enforce_eager: bool = option(False, "no CUDA graphs / torch.compile (faster start, slower steps)",
                                  flags=("--enforce-eager",), engine="enforce_eager", kind=bool, action="store_true")
@@ -434,7 +311,7 @@ class VllmOptions(_Validated):
                                "Marlin W4A16 before Blackwell, native W4A4 from it; the least memory) or 'bf16' "
                                "(weights dequantized to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without "
                                "its cost at prefill sizes, 3.6x the weights' memory; docs/latency.md)",
-                               flags=("--nvfp4-kernel",), engine=_nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
+                               flags=("--nvfp4-kernel",), engine=E.nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
                                       kind=str)
@@ -445,7 +322,7 @@ class VllmOptions(_Validated):
     seed: int = option(0, "engine seed", engine="seed", kind=int)
     prefill_graphs: bool = option(True, "replay the GDN layers of single-sequence prefill steps from CUDA graphs and "
                                   "capture vLLM's piecewise graphs up to the same token counts (default on; "
-                                  "docs/latency.md)", flags=("--prefill-graphs",), engine=_prefill_graphs, kind=bool)
+                                  "docs/latency.md)", flags=("--prefill-graphs",), engine=E.prefill_graphs, kind=bool)
     prefill_graph_scope: str = option("auto", "what a prefill graph holds: 'core' (the GDN core), 'layer' (also "
                                       "vLLM's split of the projections and the gated norm), 'step' (the core "
                                       "graphs, and the whole backbone of a single-sequence step in one graph) or "
@@ -468,16 +345,16 @@ class VllmOptions(_Validated):
     gdn_metadata_memo: bool = option(True, "answer a single-sequence prefill step of a length seen before with "
                                      "the GDN attention metadata built then (its state indices this step's; "
                                      "default on; docs/latency.md)", flags=("--gdn-metadata-memo",),
-                                     engine=_gdn_memo, kind=bool)
+                                     engine=E.gdn_memo, kind=bool)
     gdn_tuning: bool = option(True, "at start-up, autotune the GDN prefill's Triton kernels for one short "
                               "sequence, one long one and a batch of sequences, and run each step with its "
                               "class's choice (vLLM tunes them once, at 64 tokens, for every step; default on: "
                               "~7 s with Triton's compile cache warm, about a minute on a fresh machine, mostly "
                               "compiling what vLLM's warm-up would compile; docs/latency.md)", flags=("--gdn-tuning",),
-                              engine=_gdn_tuning, kind=bool)
+                              engine=E.gdn_tuning, kind=bool)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
-                               engine=_head_graphs, kind=bool)
+                               engine=E.head_graphs, kind=bool)
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
                                      flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
@@ -485,7 +362,7 @@ class VllmOptions(_Validated):
                                "so CUDA loads their kernels then, not mid-step later, when a first-time kernel "
                                "waits for the GPU to drain (default on: about half a second once; "
                                "docs/latency.md)",
-                               flags=("--gemm-warmup",), engine=_gemm_warmup, kind=bool)
+                               flags=("--gemm-warmup",), engine=E.gemm_warmup, kind=bool)
     gemm_warmup_rows: int | None = option(None, "with the GEMM warm-up on, the most rows it runs the head's GEMMs at "
                                           "(default: a step's most, max(max_num_batched_tokens, max_model_len); the "
                                           "memory plan lowers it where the warm-up's transient memory would crowd the "
@@ -498,7 +375,7 @@ class VllmOptions(_Validated):
     state_cache: bool = option(True, "reuse a state computed once (vLLM: prefix caching plus the head's memory rows "
                                "of cached prefixes, default on; reference: the backbone's cache at the end of "
                                "each state, default off: the reference is the exact one; docs/state-cache.md)",
-                               flags=("--state-cache",), engine=_state_cache, kind=bool)
+                               flags=("--state-cache",), engine=E.state_cache, kind=bool)
     state_cache_admit: str = option("repeat", "with the state cache on, which states are kept: 'repeat' (a state "
                                     "seen before or in flight; a state's first request runs in one step and "
                                     "is not cached) or 'first' (every state long enough)",
@@ -515,17 +392,17 @@ class VllmOptions(_Validated):
                               flags=("--engine-core",), kind=str, choices=("process", "thread"))
     async_scheduling: bool = option(False, "schedule and prepare the next engine step while the GPU runs the "
                                     "current one (vLLM's async scheduling; default off, as vLLM's for pooling "
-                                    "models; docs/latency.md)", flags=("--async-scheduling",), engine=_scheduling,
+                                    "models; docs/latency.md)", flags=("--async-scheduling",), engine=E.scheduling,
                                     kind=bool)
     idle_cleanup_step: bool = option(False, "when the last request finishes, step the engine once more only to "
                                      "drop it from the workers, as vLLM does (default off: the next step that "
                                      "schedules work drops it; docs/latency.md)", flags=("--idle-cleanup-step",),
-                                     engine=_idle_cleanup, kind=bool)
+                                     engine=E.idle_cleanup, kind=bool)
     batch_wait_ms: float | None = option(None, "while nothing runs and fewer requests wait than half the largest "
                                          "step of the last second, hold them up to this many milliseconds to "
                                          "batch them (default 2 with one engine in its own process, else 0: "
                                          "never; docs/latency.md)",
-                                         flags=("--batch-wait-ms",), engine=_batch_wait, kind=float, minimum=0.0,
+                                         flags=("--batch-wait-ms",), engine=E.batch_wait, kind=float, minimum=0.0,
                                          maximum=50.0, metavar="MS")
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")

@@ -26,14 +26,14 @@ import torch
 
 from clef_vllm.backends.base import Backend, MicroBatcher, measure_stage, parse_dtype
 from clef_vllm.backends.options import ReferenceOptions, backend_options
-from clef_vllm.checkpoint import (CheckpointError, CheckpointFiles, iter_backbone_tensors, load_head,
+from clef_vllm.model.checkpoint import (CheckpointError, CheckpointFiles, iter_backbone_tensors, load_head,
                                   locate_checkpoint)
-from clef_vllm.encoding import EncodedRequest, RequestEncoder
-from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records
-from clef_vllm.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES
-from clef_vllm.lru import SizedLRU
-from clef_vllm.state_keys import MIN_REUSE_TOKENS, prefix_digest
-from clef_vllm.tables import DenseTable, LexicalTable, load_int8_tables
+from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records
+from clef_vllm.model.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES
+from clef_vllm.model.tables import DenseTable, LexicalTable, load_int8_tables
+from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
+from clef_vllm.schema.state_keys import MIN_REUSE_TOKENS, prefix_digest
+from clef_vllm.util.lru import SizedLRU
 
 log = logging.getLogger("clef_vllm")
 

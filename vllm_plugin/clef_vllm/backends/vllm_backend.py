@@ -26,18 +26,19 @@ from typing import Any, Sequence
 
 import torch
 
-from clef_vllm import ARCHITECTURE, trace
 from clef_vllm.backends.base import Backend, BackendDeadError
+from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
-from clef_vllm.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
-from clef_vllm.encoding import EncodedRequest, RequestEncoder
-from clef_vllm.features import HeadSpec
-from clef_vllm.multinode import remote_ranks
-from clef_vllm.stacks import dump_descendant_stacks
-from clef_vllm.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
+from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
+from clef_vllm.model.features import HeadSpec
+from clef_vllm.model.layout import ARCHITECTURE
+from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
+from clef_vllm.schema.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
+from clef_vllm.util import trace
+from clef_vllm.util.stacks import dump_descendant_stacks
 from clef_vllm.worker.dummy_loader import is_dummy
 
 log = logging.getLogger("clef_vllm")
@@ -73,7 +74,7 @@ def import_vllm():
 #: How long a request waits for another one computing the same state before computing it too.
 FOLLOWER_WAIT_S = 30.0
 #: One warm-up step (a prompt alone, or a batch) that takes longer than this means a stuck engine: the
-#: engine processes are asked for their thread stacks (SIGUSR1, :mod:`clef_vllm.stacks`) and the start
+#: engine processes are asked for their thread stacks (SIGUSR1, :mod:`clef_vllm.util.stacks`) and the start
 #: fails naming the step, instead of /health never turning 200. Generous: it includes Triton's JIT and
 #: the prefill graphs' capture on a fresh machine.
 WARMUP_STEP_TIMEOUT_S = 180.0
@@ -202,11 +203,11 @@ def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **k
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for a Clef checkpoint (explicit, version-stable):
     :data:`FIXED_ENGINE_SETTINGS` + what the options produce (:func:`~clef_vllm.backends.options.engine_args`).
     Unset prefill-graph buckets become the defaults of the checkpoint's linear kernels
-    (:func:`~clef_vllm.worker.prefill_graphs.default_buckets`)."""
+    (:func:`~clef_vllm.worker.fast.prefill_graphs.default_buckets`)."""
     opts = options if options is not None else backend_options("vllm", kwargs)
     files = locate_checkpoint(model_dir, require_weights=not is_dummy(opts.load_format))
     if opts.prefill_graphs and opts.prefill_graph_buckets is None:
-        from clef_vllm.worker.prefill_graphs import default_buckets
+        from clef_vllm.worker.fast.prefill_graphs import default_buckets
 
         opts = replace(opts, prefill_graph_buckets=default_buckets(linear_method(files, opts)))
     architectures = files.config.get("architectures") or []
@@ -235,7 +236,7 @@ class VllmBackend(Backend):
         self.options = options if options is not None else backend_options("vllm", kwargs)
         import_vllm()   # fail early, naming the extra to install
 
-        from clef_vllm import register
+        from clef_vllm.plugin import register
 
         register()
         self.files = locate_checkpoint(model_dir, require_weights=not is_dummy(self.options.load_format))
@@ -379,7 +380,7 @@ class VllmBackend(Backend):
 
     async def _run_ids(self, ids: list[int], reuse: int = 0) -> torch.Tensor:
         """A warm-up prompt with a synthetic spec; ``reuse``: its first tokens are a state to key (state cache)."""
-        from clef_vllm.features import synthetic_spec
+        from clef_vllm.model.features import synthetic_spec
 
         spec = synthetic_spec(len(ids))
         if reuse:

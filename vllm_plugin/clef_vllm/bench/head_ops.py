@@ -21,10 +21,10 @@ from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from clef_vllm.features import RecordAccumulator, accumulate, decide_records
-from clef_vllm.head import HeadConfig, JointSchemaHead
-from clef_vllm.tables import Int8RowTable
-from clef_vllm.features import synthetic_spec
+from clef_vllm.model.features import RecordAccumulator, accumulate, decide_records
+from clef_vllm.model.features import synthetic_spec
+from clef_vllm.model.head import HeadConfig, JointSchemaHead
+from clef_vllm.model.tables import Int8RowTable
 
 VIEWS = {"aten::view", "aten::transpose", "aten::slice", "aten::select", "aten::unsqueeze", "aten::reshape",
          "aten::chunk", "aten::lift_fresh", "aten::detach_", "aten::t", "aten::expand", "aten::split",
@@ -49,7 +49,7 @@ def count(head, table, lengths: list[int]) -> dict:
 def time_head(device: str = "cuda", shapes=((1, 300), (8, 300), (64, 300), (1, 4096), (1, 16384)),
               repeats: int = 10) -> dict:
     """Milliseconds of one step's head inputs + head for ``(records, tokens each)`` shapes, release dims, bf16."""
-    from clef_vllm.release import RELEASE_HEAD_CONFIG
+    from clef_vllm.model.release import RELEASE_HEAD_CONFIG
 
     dev = torch.device(device)
     cfg = RELEASE_HEAD_CONFIG

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clef_vllm import __version__
 from clef_vllm.bench import RESULT_SCHEMA_VERSION
 from clef_vllm.bench.loadgen import dumps, parse_headers, wait_ready
 from clef_vllm.bench.parity import accuracy, compare_runs, count_questions
@@ -36,7 +35,8 @@ from clef_vllm.bench.raw_vllm import parse_engine_arg
 from clef_vllm.bench.report import parity_markdown, parity_table
 from clef_vllm.bench.targets import Answered, Condition, Target, open_target
 from clef_vllm.bench.workloads import request_set_digest, synthetic_parity_set
-from clef_vllm.records import load_request_file
+from clef_vllm.schema.records import load_request_file
+from clef_vllm.version import __version__
 
 DEFAULT_SYNTHETIC = 64
 

@@ -106,8 +106,8 @@ class RawVllmEngine:
         from vllm.config import PoolerConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from clef_vllm import trace
         from clef_vllm.backends.vllm_backend import engine_input
+        from clef_vllm.util import trace
 
         kwargs = dict(self.engine_kwargs)
         if isinstance(kwargs.get("pooler_config"), dict):

@@ -151,7 +151,7 @@ class OfflineTarget(Target):
         return info
 
     def _one(self, body: dict) -> Answered:
-        from clef_vllm.errors import ClefError
+        from clef_vllm.schema.errors import ClefError
         from clef_vllm.server.errors import outcome
 
         t0 = time.perf_counter()

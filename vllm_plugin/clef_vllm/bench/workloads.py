@@ -1,7 +1,7 @@
 """Deterministic request sets with known token counts.
 
 Every generated request is a plain SystemOne body. Its expected ``usage.input_tokens`` is
-computed with the project's own encoder (:class:`clef_vllm.encoding.RequestEncoder`) on the
+computed with the project's own encoder (:class:`clef_vllm.schema.encoding.RequestEncoder`) on the
 checkpoint's tokenizer, so a server that reports another count is encoding differently.
 
 Sizes: ``short`` and ``long`` variants aim at a TOTAL input-token count (state + template +
@@ -295,7 +295,8 @@ class RequestFactory:
         req = BenchRequest(variant, body, payload, questions, None, label=label)
         if self.encoder is None:
             return req
-        from clef_vllm.protocol import RequestError, parse_request
+        from clef_vllm.schema.dialects import parse_request
+        from clef_vllm.schema.protocol import RequestError
         from clef_vllm.server.errors import outcome
 
         try:
@@ -310,7 +311,7 @@ class RequestFactory:
 
     def _fixed_tokens(self, body: dict) -> int:
         """Tokens of ``body`` with an empty state (template + schema)."""
-        from clef_vllm.protocol import parse_request
+        from clef_vllm.schema.dialects import parse_request
 
         return self.encoder.encode(parse_request({**body, "state": ""}), max_length=1 << 30).num_tokens
 

@@ -115,7 +115,7 @@ def _read_global_scales(source) -> dict[str, float]:
 
     files = getattr(source, "weight_files", None)
     if files is None:
-        from clef_vllm.checkpoint import locate_checkpoint
+        from clef_vllm.model.checkpoint import locate_checkpoint
 
         files = locate_checkpoint(source).weight_files
     out = {}
@@ -176,7 +176,7 @@ def fix_fused_global_scales(checkpoint, out: str | Path | None = None) -> list[S
     """Apply :func:`unify_fused_global_scales` to a checkpoint on disk.
 
     Only the safetensors files that hold a changed tensor are rewritten. ``out=None`` rewrites in
-    place, each file atomically (:mod:`clef_vllm.atomic`); with ``out`` the whole checkpoint is
+    place, each file atomically (:mod:`clef_vllm.util.atomic`); with ``out`` the whole checkpoint is
     copied there first and the copy appears only when complete. Returns what changed (empty:
     nothing to fix).
     """
@@ -184,8 +184,8 @@ def fix_fused_global_scales(checkpoint, out: str | Path | None = None) -> list[S
 
     from safetensors import safe_open
 
-    from clef_vllm.atomic import atomic_dir, save_safetensors
-    from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.util.atomic import atomic_dir, save_safetensors
 
     src = Path(checkpoint)
     if out is not None and Path(out).resolve() != src.resolve():

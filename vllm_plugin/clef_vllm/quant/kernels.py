@@ -1,11 +1,13 @@
 """Which vLLM 0.28 scheme class and GEMM kernel a quantization scheme gets on a CUDA capability.
 
 The only part of :mod:`clef_vllm.quant` that serving needs: the server's front-end logs this
-prediction per scheme at start-up (each worker then logs what it actually instantiated).
+prediction per scheme at start-up, and each worker logs what it actually instantiated
+(:func:`kernel_report`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from clef_vllm.quant.schemes import FP8_W8A8, FP8_W8A16, NVFP4_W4A4, NVFP4_W4A16, UNQUANTIZED
@@ -67,7 +69,7 @@ def predict_kernel(kind: str, capability, *, linear_backend: str = "auto", flash
     FlashInfer/CUTLASS native W4A4 on SM100+. ``linear_backend="emulation"`` forces the NVFP4
     emulation kernel (true W4A4 numerics, slow). ``flashinfer``: whether FlashInfer is installed.
     ``nvfp4_kernel="bf16"`` (``--nvfp4-kernel``) puts the plugin's kernel before vLLM's for NVFP4 W4A4 layers:
-    BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.nvfp4_bf16`); ``"auto"`` does so where
+    BF16 GEMMs on weights dequantized at load (:mod:`clef_vllm.worker.fast.nvfp4_bf16`); ``"auto"`` does so where
     vLLM's own would be Marlin (:func:`resolve_nvfp4_kernel`).
     """
     cap = parse_capability(capability)
@@ -122,3 +124,35 @@ def cuda_capability() -> tuple[int, int] | None:
     if not torch.cuda.is_available():
         return None
     return tuple(torch.cuda.get_device_capability(0))
+
+
+def kernel_report(model) -> list[str]:
+    """What the worker actually runs per linear module: ``scheme -> GEMM kernel x count``.
+
+    On Hopper an NVFP4 W4A4 checkpoint shows ``MarlinNvFp4LinearKernel``: weight-only W4A16.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not isinstance(module, LinearBase):
+            continue
+        scheme = getattr(module, "scheme", None)
+        owner = scheme if scheme is not None else method
+        kernel = getattr(owner, "kernel", None) or getattr(owner, "fp8_linear", None)
+        label = type(owner).__name__ + (f" -> {type(kernel).__name__}" if kernel is not None else "")
+        counts[label] = counts.get(label, 0) + 1
+    lines = [f"{label} x{n}" for label, n in sorted(counts.items())]
+    if any("MarlinNvFp4" in line for line in lines):
+        lines.append("NVFP4 W4A4 layers run as Marlin W4A16 on this GPU: weights only, activations stay BF16 "
+                     "(no native FP4 before Blackwell), and at prefill sizes ~3x slower per layer than FP8 W8A8 "
+                     "(measured on an H200: docs/latency.md; --nvfp4-kernel vllm or a --linear-backend chose this; the "
+                     "default, auto, dequantizes them at load instead)")
+    if any("Bf16NvFp4" in line for line in lines):
+        lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16/auto): "
+                     "W4A16 numerics, activations stay BF16, the weights take 3.6x their packed memory")
+    mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
+    lines.append(f"CUDA loads kernels {'eagerly' if mode == 'EAGER' else 'lazily'} in this process "
+                 f"(CUDA_MODULE_LOADING={mode})")
+    return lines

@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from clef_vllm.atomic import write_text
-from clef_vllm.layout import backbone_prefix, text_config
+from clef_vllm.model.layout import backbone_prefix, text_config
 from clef_vllm.quant.schemes import first_matching_target, vllm_linear_modules
+from clef_vllm.util.atomic import write_text
 
 #: Checkpoint leaf names quantized by the Hybrid recipe, by parent module.
 COVERED = {

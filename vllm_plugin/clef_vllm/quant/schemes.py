@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from clef_vllm.layout import TEXT_BACKBONE_PREFIX, VL_BACKBONE_PREFIX
+from clef_vllm.model.layout import TEXT_BACKBONE_PREFIX, VL_BACKBONE_PREFIX
 
 # --------------------------------------------------------------------------- names
 

@@ -8,7 +8,7 @@ documentation at ``/docs`` and ``/redoc`` (assets served by this server: no CDN)
 The model loads in the background after the server starts listening, so ``/health`` can say
 503 ("loading") instead of refusing connections; it says 200 only once requests can be served,
 and 503 again while draining (SIGTERM) or after the engine failed. Every error is a
-:class:`~clef_vllm.errors.ClefError` whose kind maps to a status in ONE table
+:class:`~clef_vllm.schema.errors.ClefError` whose kind maps to a status in ONE table
 (``server/errors.py``). Nothing a client sends produces a 500 or a stack trace.
 POST bodies must declare their media type: ``application/json`` (``NDJSON_TYPES`` for the bulk
 endpoint), else 415. Trailing-slash redirects are off (``/health/`` is 404).
@@ -31,10 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.staticfiles import StaticFiles
 
-from clef_vllm import __version__
 from clef_vllm.backends.base import Backend
-from clef_vllm.errors import ClefError, ClientClosed, Kind
-from clef_vllm.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
+from clef_vllm.schema.errors import ClefError, ClientClosed, Kind
+from clef_vllm.schema.protocol import ChoiceAnswer, NoulAnswer, ScoreAnswer, SystemOneRequest, SystemOneResponse
 from clef_vllm.server.body import (HOSTED_TYPES, JSON_TYPES, NDJSON_TYPES, check_content_encoding,  # noqa: F401 - API
                                    check_media_type, decode_json)
 from clef_vllm.server.bulk import BulkStream
@@ -45,6 +44,7 @@ from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.middleware import CONTEXT_KEY, DOCS_ASSETS, BearerAuth, EdgeMiddleware
 from clef_vllm.server.service import FAILED, READY, DecisionService
 from clef_vllm.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings  # noqa: F401 - re-exported
+from clef_vllm.version import __version__
 
 log = logging.getLogger("clef_vllm.server")
 

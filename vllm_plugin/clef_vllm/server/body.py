@@ -4,7 +4,7 @@ their media type, and decoding them as strict JSON within the structural limits.
 Decoding runs in the server's CPU pool (see service.py), never on the event loop. Before
 ``json.loads`` builds a single object, a scan counts the body's JSON values in windows of
 :data:`SCAN_WINDOW` bytes (each a few C calls, so the GIL is released between them) and refuses a
-body with more values than :class:`~clef_vllm.protocol.RequestLimits` allows: a million keys or a
+body with more values than :class:`~clef_vllm.schema.protocol.RequestLimits` allows: a million keys or a
 600,000-question body costs a few milliseconds to refuse, not gigabytes to parse.
 """
 
@@ -16,8 +16,8 @@ import math
 import time
 from typing import Any, Awaitable, Callable
 
-from clef_vllm.errors import ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.protocol import MAX_INT_DIGITS, RequestLimits
+from clef_vllm.schema.errors import ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.schema.protocol import MAX_INT_DIGITS, RequestLimits
 
 #: Bytes scanned per step when counting a body's JSON values.
 SCAN_WINDOW = 1 << 20

@@ -30,7 +30,7 @@ from typing import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
 from clef_vllm.server.admission import BULK
 from clef_vllm.server.body import BodyReader, body_too_large
 from clef_vllm.server.context import RequestContext

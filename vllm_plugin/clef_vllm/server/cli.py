@@ -26,17 +26,17 @@ import sys
 
 import uvicorn
 
-from clef_vllm import __version__
 from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
-from clef_vllm.encoding import DEFAULT_MAX_LENGTH
-from clef_vllm.protocol import SYSTEMONE_DIALECTS, Dialect
+from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
+from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.connection import PROBE_CONNECTIONS
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                        DEFAULT_MAX_BULK_LINES,
                                        DEFAULT_MAX_CONNECTIONS, DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S,
                                        DEFAULT_SERVED_MODELS, DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
+from clef_vllm.version import __version__
 
 API_KEY_ENV = "CLEF_API_KEY"
 
@@ -208,19 +208,19 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
          wrap_app=None) -> int:
     """Serve until stopped; the exit status is the module docstring's. ``parser`` (a :func:`build_parser` with
     more flags), ``load_with(args, model_dir, backend, options) -> Backend`` and ``wrap_app(app, args)``: the
-    same server on another backend (``clef-serve-ray``: clef_vllm/serve_ray.py)."""
+    same server on another backend (``clef-serve-ray``: clef_vllm/server/serve_ray.py)."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
-    from clef_vllm.heap import bound_native_caches
     from clef_vllm.server.logs import setup_logging
+    from clef_vllm.util.heap import bound_native_caches
 
     bound_native_caches()                     # before the backend builds its first oneDNN primitive
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_vllm")
 
     from clef_vllm.backends import make_backend, resolve_backend, vllm_usable
-    from clef_vllm.demo import describe_demo, is_demo, resolve_model_dir
-    from clef_vllm.multinode import load_timeout
+    from clef_vllm.backends.multinode import load_timeout
+    from clef_vllm.model.demo import describe_demo, is_demo, resolve_model_dir
     from clef_vllm.server.app import create_app
     from clef_vllm.server.children import default_signals_in_forked_children, stop_children
     from clef_vllm.server.connection import ConnectionRules, protocol_class
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
                          f"{chosen}. Drop the flag or pass --backend {exc.applies_to}")
         parser.error(f"{flag_of(exc.option) if exc.option else 'options'}: {exc}")
     vllm_opts = backend_options(backend, options) if backend == "vllm" else None
-    if vllm_opts is not None and vllm_opts.headless:         # engines only: clef_vllm/multinode.py
-        from clef_vllm.multinode import run_headless
+    if vllm_opts is not None and vllm_opts.headless:         # engines only: clef_vllm/backends/multinode.py
+        from clef_vllm.backends.multinode import run_headless
 
         return run_headless(resolve_model_dir(args.model), vllm_opts)
     load_failure: list[BaseException] = []

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from clef_vllm.protocol import Dialect
+from clef_vllm.schema.protocol import Dialect
 
 #: Where the HTTP middleware keeps a request's :class:`RequestContext` (``scope["state"]``).
 CONTEXT_KEY = "clef_ctx"

@@ -4,7 +4,7 @@
     POST /v1/decisions        one Decisions request, answered with a Decisions response
     POST /v1/decisions/bulk   NDJSON: one Decisions request per line, one line per answer
 
-The mapping lives in :mod:`clef_vllm.openai_decisions` (the offline API's ``Clef.decisions`` uses
+The mapping lives in :mod:`clef_vllm.schema.openai_decisions` (the offline API's ``Clef.decisions`` uses
 it too); here are only the routes. Both run the native handlers (same engine slots, queue,
 ``--request-timeout``, cancellation, ``Server-Timing``, ``X-Request-Id``, Bearer key) in the
 ``openai`` dialect, which the HTTP middleware gives every request under :data:`DECISIONS_PREFIX`
@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from clef_vllm.protocol import Dialect
+from clef_vllm.schema.protocol import Dialect
 
 DECISIONS_PREFIX = "/v1/decisions"
 DECISIONS_ROUTES = (DECISIONS_PREFIX, DECISIONS_PREFIX + "/bulk")

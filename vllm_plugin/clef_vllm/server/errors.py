@@ -1,7 +1,7 @@
 """The one place where error kinds become HTTP: status, metrics ``reason`` label, hosted error code.
 
 Every error the server answers goes through :data:`OUTCOMES`; the code that raises an error only
-names its :class:`~clef_vllm.errors.Kind`. docs/operating.md lists the same table.
+names its :class:`~clef_vllm.schema.errors.Kind`. docs/operating.md lists the same table.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from clef_vllm.errors import ClefError, Kind, ServiceError
-from clef_vllm.protocol import Dialect
+from clef_vllm.schema.errors import ClefError, Kind, ServiceError
+from clef_vllm.schema.protocol import Dialect
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from clef_vllm.backends.base import Backend, BackendDeadError
-from clef_vllm.encoding import EncodedRequest
+from clef_vllm.schema.encoding import EncodedRequest
 
 log = logging.getLogger("clef_vllm.faults")
 

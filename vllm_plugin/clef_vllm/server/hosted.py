@@ -33,8 +33,8 @@ from typing import Awaitable, Callable, Iterable
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from clef_vllm.errors import Kind, RequestError
-from clef_vllm.protocol import Dialect
+from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.protocol import Dialect
 from clef_vllm.server.context import CONTEXT_KEY
 
 #: Path prefixes answered in the hosted dialect (errors included), and protected by the API key.
@@ -62,7 +62,7 @@ def echoed_model(model_name: str) -> str:
 
 
 def unknown_model(model_name: str, served: Iterable[str]) -> RequestError:
-    """:data:`~clef_vllm.errors.Kind.UNKNOWN_MODEL` (400, hosted "no route" code 7000), naming the
+    """:data:`~clef_vllm.schema.errors.Kind.UNKNOWN_MODEL` (400, hosted "no route" code 7000), naming the
     model asked for and the names served."""
     shown = model_name if len(model_name) <= 200 else model_name[:200] + "..."
     return RequestError(f"no route for model {shown!r}: this server runs {', '.join(map(repr, served))} "

@@ -10,8 +10,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
-from clef_vllm import __version__
 from clef_vllm.server.loop_lag import INTERVAL_S, LAG_BUCKETS
+from clef_vllm.version import __version__
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                    300.0)

@@ -13,8 +13,8 @@ import logging
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clef_vllm.errors import ClefError, ClientClosed, Kind, ServiceError
-from clef_vllm.protocol import Dialect
+from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, ServiceError
+from clef_vllm.schema.protocol import Dialect
 from clef_vllm.server.connection import PROBE_ONLY
 from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request_id
 from clef_vllm.server.decisions import DECISIONS_DIALECT, DECISIONS_PREFIX, DECISIONS_ROUTES, decisions_path

@@ -22,18 +22,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator
 
-from clef_vllm.answers import build_response, hosted_envelope
 from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
-from clef_vllm.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
-from clef_vllm.openai_decisions import check_fits
-from clef_vllm.protocol import Dialect, RequestLimits, SystemOneRequest, parse_request
+from clef_vllm.schema.answers import build_response, hosted_envelope
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.schema.openai_decisions import check_fits
+from clef_vllm.schema.protocol import Dialect, RequestLimits, SystemOneRequest
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
 from clef_vllm.server.loop_lag import INTERVAL_S, watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
+from clef_vllm.util.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
 
 log = logging.getLogger("clef_vllm.server")
 
@@ -173,7 +174,7 @@ class DecisionService:
         m.gauge("clef_buffered_body_bytes", "Request body bytes held in memory", lambda: float(self.buffered_bytes))
 
     def _long_gc_pause(self, ms: float, freed: int) -> None:
-        """A full garbage collection of ``ms`` (at least :data:`clef_vllm.heap.LONG_PAUSE_MS`) stopped the event
+        """A full garbage collection of ``ms`` (at least :data:`clef_vllm.util.heap.LONG_PAUSE_MS`) stopped the event
         loop: say so once serving (the load's and the freeze's own collections are expected)."""
         if self.status in (READY, DRAINING):
             log.warning(LONG_PAUSE_LINE + " for %.0f ms (it freed %d unreachable objects; %d frozen objects not "

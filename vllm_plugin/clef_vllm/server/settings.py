@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from clef_vllm.protocol import Dialect
+from clef_vllm.schema.protocol import Dialect
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 #: Names the server answers to by default: ours, and the hosted model's (the hosted route's path).
@@ -65,7 +65,7 @@ class ServerSettings:
     max_bulk_streams: int = 4
     max_bulk_lines: int | None = DEFAULT_MAX_BULK_LINES
     # process: once loaded, move what start-up allocated out of the garbage collector's full collections
-    # (``clef_vllm.heap.freeze_heap``; ``--gc-freeze``), and time the full collections for /metrics
+    # (``clef_vllm.util.heap.freeze_heap``; ``--gc-freeze``), and time the full collections for /metrics
     # (``clef_gc_pause_seconds``: a process-wide hook). The CLI's own process does both; in-process users need not.
     freeze_heap: bool = False
     gc_metrics: bool = False

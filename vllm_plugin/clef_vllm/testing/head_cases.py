@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate
-from clef_vllm.head import HeadConfig, JointSchemaHead
+from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate
+from clef_vllm.model.head import HeadConfig, JointSchemaHead
 
 VOCAB = 97
 SMALL = HeadConfig(hidden_size=48, width=32, routing_layers=2, layers=2, heads=4, feedforward=64)

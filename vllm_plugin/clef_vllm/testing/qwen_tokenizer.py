@@ -55,8 +55,8 @@ def build_qwen35_tokenizer(out: str | Path) -> Path:
 
 def cached_qwen35_tokenizer(cache_dir: str | Path | None = None) -> Path:
     """The Qwen3.5 tokenizer folder, built once under ``$CLEF_VLLM_CACHE`` (default ~/.cache/clef-vllm)."""
-    from clef_vllm.atomic import atomic_dir
-    from clef_vllm.demo import cache_root
+    from clef_vllm.model.demo import cache_root
+    from clef_vllm.util.atomic import atomic_dir
 
     path = Path(cache_dir or cache_root()) / "qwen3.5-tokenizer"
     if not (path / "tokenizer.json").is_file():

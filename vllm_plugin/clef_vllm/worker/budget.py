@@ -15,7 +15,7 @@ Some things are not in that sum, and :class:`ClefWorker` takes them out of the K
   outside PyTorch that later graph captures add;
 * the plugin's own CUDA graphs and their buffers (the step, GDN and head graphs), captured after the
   KV cache exists: :func:`plugin_graph_bytes` estimates them from the settings the worker got
-  (:mod:`clef_vllm.worker.graph_costs` holds the per-feature figures), and what vLLM's own graphs hold
+  (:mod:`clef_vllm.plan.graph_costs` holds the per-feature figures), and what vLLM's own graphs hold
   beyond vLLM's estimate of them (measured ~40 % more);
 * and, once the engine is warm, the caching allocator is capped at what the budget leaves beside
   the non-PyTorch memory (``torch.cuda.set_per_process_memory_fraction``): under load the allocator
@@ -35,11 +35,11 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
-from clef_vllm.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, REF_HIDDEN, REF_INTERMEDIATE,
+from clef_vllm.plan.graph_costs import graph_reservation
+from clef_vllm.plan.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, REF_HIDDEN, REF_INTERMEDIATE,
                                    RUNTIME_EXCESS_BYTES_PER_TOKEN, VLLM_GRAPH_UNDERCOUNT)
-from clef_vllm.worker.gdn_profile import GdnPeakProbe
-from clef_vllm.worker.graph_costs import graph_reservation
 from clef_vllm.worker import memory
+from clef_vllm.worker.gdn_profile import GdnPeakProbe
 
 log = logging.getLogger("clef_vllm")
 
@@ -71,7 +71,7 @@ def outside_allocator() -> int:
 
 def plugin_graph_bytes(vllm_config) -> dict[str, int]:
     """The plugin's CUDA graphs this worker will capture after the KV cache exists, by kind, in bytes (the
-    settings the backend gave it; :func:`clef_vllm.worker.graph_costs.graph_reservation` holds the figures)."""
+    settings the backend gave it; :func:`clef_vllm.plan.graph_costs.graph_reservation` holds the figures)."""
     if not torch.cuda.is_available():
         return {}
     head = worker_setting(vllm_config, HEAD_GRAPHS_KEY)
@@ -85,7 +85,7 @@ def plugin_graph_bytes(vllm_config) -> dict[str, int]:
 
 
 def runtime_excess_bytes(vllm_config) -> int:
-    """What a served step holds beyond vLLM's profiling step (:data:`clef_vllm.memory_plan.RUNTIME_EXCESS_BYTES_PER_TOKEN`
+    """What a served step holds beyond vLLM's profiling step (:data:`clef_vllm.plan.memory_plan.RUNTIME_EXCESS_BYTES_PER_TOKEN`
     per batched token, scaled by hidden + intermediate size)."""
     text = vllm_config.model_config.hf_text_config
     width = (text.hidden_size + text.intermediate_size) / (REF_HIDDEN + REF_INTERMEDIATE)
@@ -122,7 +122,7 @@ class ClefWorker(Worker):
         head, per_token = getattr(model, "head", None), getattr(model, "kv_bytes_per_token", None)
         if head is None or not per_token or room <= 0:
             return 0
-        from clef_vllm.worker.state_cache import side_share
+        from clef_vllm.worker.fast.state_cache import side_share
 
         return int(room * side_share(head.config.width, head.dtype, per_token))
 

@@ -108,7 +108,7 @@ def register_loader() -> None:
             """vLLM's load, then the kernels the model's linear layers run (a real checkpoint's load says
             them too, from the model's own ``load_weights``, which a dummy load never calls)."""
             model = super().load_model(vllm_config, model_config, *args, **kwargs)
-            from clef_vllm.worker.model import kernel_report
+            from clef_vllm.quant.kernels import kernel_report
 
             for line in kernel_report(model):
                 log.info("clef kernels in use: %s", line)

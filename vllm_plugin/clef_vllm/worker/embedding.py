@@ -1,11 +1,11 @@
 """The token embedding of a repacked checkpoint, kept int8 on the GPU.
 
 A repacked checkpoint stores the embedding in ``clef_head/tables_int8.safetensors`` as int8 rows with
-one float32 scale per row (:mod:`clef_vllm.tables`). :class:`Int8RowEmbedding` holds exactly that in
+one float32 scale per row (:mod:`clef_vllm.model.tables`). :class:`Int8RowEmbedding` holds exactly that in
 the worker, 1 byte a weight and 4 bytes a row instead of vLLM's 2 bytes a weight (0.95 GiB less for
 Qwen3.5-9B's 248,320 x 4,096 table), and gathers the rows a step's tokens need, scaling each one in
-float32 and rounding it to the model's dtype with :func:`clef_vllm.tables.scale_rows`, the arithmetic of
-dequantizing the whole table once (:meth:`clef_vllm.tables.Int8RowTable.dequantize`): the hidden states are
+float32 and rounding it to the model's dtype with :func:`clef_vllm.model.tables.scale_rows`, the arithmetic of
+dequantizing the whole table once (:meth:`clef_vllm.model.tables.Int8RowTable.dequantize`): the hidden states are
 bit for bit the same.
 
 Tensor parallelism follows vLLM's ``VocabParallelEmbedding``: each rank holds the rows of its slice of
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from clef_vllm.tables import Int8RowTable, scale_rows
+from clef_vllm.model.tables import Int8RowTable, scale_rows
 
 #: vLLM pads the vocabulary to a multiple of this before splitting it between tensor-parallel ranks.
 VOCAB_PADDING = 64

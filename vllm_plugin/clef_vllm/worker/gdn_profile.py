@@ -12,8 +12,8 @@ several hundred MiB, and a server sized without it runs out of memory at its fir
 profiling run, :class:`clef_vllm.worker.budget.ClefWorker`), the profiling step's call runs that core
 once at the step's full size, on the live tensors of the profiling forward, as the worst step does:
 the step's tokens split into as many sequences of one token over a chunk as ``--max-num-seqs`` allows
-(the most chunks and states a step can have: :func:`clef_vllm.worker.graph_costs.worst_prefill_lengths`;
-:func:`~clef_vllm.worker.graph_costs.gdn_prefill_bytes` is the plan's estimate of it). Everything it allocates is freed before the layer
+(the most chunks and states a step can have: :func:`clef_vllm.plan.graph_costs.worst_prefill_lengths`;
+:func:`~clef_vllm.plan.graph_costs.gdn_prefill_bytes` is the plan's estimate of it). Everything it allocates is freed before the layer
 returns, so its only trace is the peak vLLM measures, and the KV cache is sized below it. One layer is
 enough: every GDN layer has the same shapes.
 """
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from clef_vllm.worker.graph_costs import worst_prefill_lengths
+from clef_vllm.plan.graph_costs import worst_prefill_lengths
 
 log = logging.getLogger("clef_vllm")
 
@@ -57,7 +57,7 @@ class GdnPeakProbe:
     def install(self, model: torch.nn.Module, layers: list | None = None) -> bool:
         """Wrap the first GDN layer of ``model`` (or of ``layers``); ``False`` when it has none."""
         if layers is None:
-            from clef_vllm.worker.prefill_graphs import gdn_layers
+            from clef_vllm.worker.fast.prefill_graphs import gdn_layers
 
             layers = gdn_layers(model)
         if not layers:

@@ -9,7 +9,7 @@ head and the lm_head table live on the model and run inside the worker through
 
 Weights: the backbone streams through vLLM's loader (both layouts; vision and MTP tensors are
 skipped; ``lm_head.weight`` of the release goes to the lexical table). The head and the int8
-tables are read with :mod:`clef_vllm.checkpoint` / :mod:`clef_vllm.tables` — the same loaders
+tables are read with :mod:`clef_vllm.model.checkpoint` / :mod:`clef_vllm.model.tables` — the same loaders
 as the reference backend — and both tables stay int8 with their row scales on the GPU (the
 embedding: :class:`~clef_vllm.worker.embedding.Int8RowEmbedding`). After loading, every expected tensor must have arrived and be
 finite, or the model refuses to start (vLLM does not check this for quantized checkpoints).
@@ -18,7 +18,6 @@ finite, or the model refuses to start (vLLM does not check this for quantized ch
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 
@@ -30,23 +29,23 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Mo
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.platforms import current_platform
 
-from clef_vllm import trace
-from clef_vllm.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.contract import (GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
                                 NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
-from clef_vllm.head import JointSchemaHead
-from clef_vllm.features import PADDED_ROWS_FLOOR
-from clef_vllm.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
+from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
+from clef_vllm.model.features import PADDED_ROWS_FLOOR
+from clef_vllm.model.head import JointSchemaHead
+from clef_vllm.model.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
+from clef_vllm.model.tables import DenseTable, Int8RowTable, load_int8_tables
 from clef_vllm.quant.fused_scales import fused_global_scales
+from clef_vllm.quant.kernels import kernel_report
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
-from clef_vllm.tables import DenseTable, Int8RowTable, load_int8_tables
-from clef_vllm.worker import gdn_metadata, gdn_tuning, memory, nvfp4_bf16
+from clef_vllm.util import trace
+from clef_vllm.worker import memory
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.embedding import Int8RowEmbedding
-from clef_vllm.worker.head_graphs import HeadGraphRunner
+from clef_vllm.worker.fast.registry import (DEFAULT_BUCKETS, SPLIT_TOKENS, GdnGraphRunner, HeadGraphRunner,
+                                            StepGraphRunner, gdn_metadata, gdn_tuning, nvfp4_bf16, triton_gdn)
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
-from clef_vllm.worker.prefill_graphs import DEFAULT_BUCKETS, GdnGraphRunner, triton_gdn
-from clef_vllm.worker.step_graphs import SPLIT_TOKENS, StepGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
@@ -72,36 +71,7 @@ def _all_finite(t: torch.Tensor) -> bool:
     return True
 
 
-def kernel_report(model: nn.Module) -> list[str]:
-    """What the worker actually runs per linear module: ``scheme -> GEMM kernel x count``.
 
-    On Hopper an NVFP4 W4A4 checkpoint shows ``MarlinNvFp4LinearKernel``: weight-only W4A16.
-    """
-    from vllm.model_executor.layers.linear import LinearBase
-
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is None or not isinstance(module, LinearBase):
-            continue
-        scheme = getattr(module, "scheme", None)
-        owner = scheme if scheme is not None else method
-        kernel = getattr(owner, "kernel", None) or getattr(owner, "fp8_linear", None)
-        label = type(owner).__name__ + (f" -> {type(kernel).__name__}" if kernel is not None else "")
-        counts[label] = counts.get(label, 0) + 1
-    lines = [f"{label} x{n}" for label, n in sorted(counts.items())]
-    if any("MarlinNvFp4" in line for line in lines):
-        lines.append("NVFP4 W4A4 layers run as Marlin W4A16 on this GPU: weights only, activations stay BF16 "
-                     "(no native FP4 before Blackwell), and at prefill sizes ~3x slower per layer than FP8 W8A8 "
-                     "(measured on an H200: docs/latency.md; --nvfp4-kernel vllm or a --linear-backend chose this; the "
-                     "default, auto, dequantizes them at load instead)")
-    if any("Bf16NvFp4" in line for line in lines):
-        lines.append("NVFP4 W4A4 layers run as BF16 GEMMs on weights dequantized at load (--nvfp4-kernel bf16/auto): "
-                     "W4A16 numerics, activations stay BF16, the weights take 3.6x their packed memory")
-    mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
-    lines.append(f"CUDA loads kernels {'eagerly' if mode == 'EAGER' else 'lazily'} in this process "
-                 f"(CUDA_MODULE_LOADING={mode})")
-    return lines
 
 
 class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):

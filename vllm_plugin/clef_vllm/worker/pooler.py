@@ -2,14 +2,14 @@
 :data:`clef_vllm.contract.POOLING_TASK`).
 
 vLLM calls the pooler on every step with that step's hidden states, also for partial
-prefills (chunked prefill). Per request, a :class:`~clef_vllm.features.RecordAccumulator`
+prefills (chunked prefill). Per request, a :class:`~clef_vllm.model.features.RecordAccumulator`
 kept on the request's ``PoolingStates`` absorbs each chunk (memory projection, span sums, last
 state); when the prompt is complete the head runs for every request finishing in this step at
 once, and the pooler returns that request's fp32 per-option probabilities — a few floats, never
 a [L, 4096] tensor. Unfinished requests get ``None`` (vLLM finishes a pooling request on its
 first non-None output). With the head graphs on, a step that finishes client requests only (up to
 ``--head-graph-records``, 16 by default) runs the head's decision from a CUDA graph
-(:mod:`clef_vllm.worker.head_graphs`).
+(:mod:`clef_vllm.worker.fast.head_graphs`).
 
 Per-request head specs travel in ``PoolingParams.extra_kwargs["clef"]``
 (:data:`clef_vllm.contract.PARAMS_KEY`; one packed int32 buffer, msgpack safe). vLLM's memory profiling and
@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.layers.pooler import Pooler, PoolingParamsUpdate
 
-from clef_vllm import trace
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK
-from clef_vllm.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
-from clef_vllm.head import JointSchemaHead
-from clef_vllm.state_keys import KEY_UNIT, block_keys
-from clef_vllm.tables import LexicalTable
-from clef_vllm.worker import state_cache
-from clef_vllm.worker.gemm_warmup import GridRows, warm_gemm_kernels
-from clef_vllm.worker.head_graphs import HeadGraphRunner
+from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records, synthetic_spec
+from clef_vllm.model.head import JointSchemaHead
+from clef_vllm.model.tables import LexicalTable
+from clef_vllm.schema.state_keys import KEY_UNIT, block_keys
+from clef_vllm.util import trace
+from clef_vllm.worker.fast import state_cache
+from clef_vllm.worker.fast.gemm_warmup import GridRows, warm_gemm_kernels
+from clef_vllm.worker.fast.head_graphs import HeadGraphRunner
 
 log = logging.getLogger("clef_vllm")
 
@@ -89,7 +89,7 @@ def make_side_cache(settings: StateCacheSettings, width: int, dtype: torch.dtype
 
 
 class ClefPooler(Pooler):
-    """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.features`."""
+    """Implements vLLM's ``Pooler`` contract; the math lives in :mod:`clef_vllm.model.features`."""
 
     def __init__(self, head: JointSchemaHead, table: LexicalTable, state_cache_settings: StateCacheSettings | None = None,
                  head_graphs: HeadGraphRunner | None = None, gemm_warmup_rows: int | None = None,
@@ -101,7 +101,7 @@ class ClefPooler(Pooler):
         self._cache_settings = state_cache_settings
         self.head_graphs = head_graphs
         #: ``--gemm-warmup``: the most rows a step gives the head's GEMMs, until the first real step on a GPU
-        #: has run them over a grid of row counts (:mod:`clef_vllm.worker.gemm_warmup`); then ``None``.
+        #: has run them over a grid of row counts (:mod:`clef_vllm.worker.fast.gemm_warmup`); then ``None``.
         self.gemm_warmup_rows = gemm_warmup_rows
         self._row_grid_wanted = gemm_row_grid
         #: The longest decision (``--max-model-len`` memory rows): a step's records are decided in groups of at most
@@ -110,7 +110,7 @@ class ClefPooler(Pooler):
         self.max_decision_rows = max_decision_rows
         self._head_probed = False
         #: ``--gemm-row-grid``: once the warm-up has run all its row counts, the head's GEMMs outside its graphs
-        #: (the per-token stage, the eager head) run at them (:class:`~clef_vllm.worker.gemm_warmup.GridRows`).
+        #: (the per-token stage, the eager head) run at them (:class:`~clef_vllm.worker.fast.gemm_warmup.GridRows`).
         self.row_grid: GridRows | None = None
 
     def side_cache(self, device) -> state_cache.SideCache | None:

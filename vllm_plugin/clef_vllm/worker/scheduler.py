@@ -2,7 +2,7 @@
 rules for Clef requests under the state cache.
 
 vLLM runs in the engine-core process together with its (single, TP=1) worker, so the scheduler
-sees the worker's side cache (:mod:`clef_vllm.worker.state_cache`) directly.
+sees the worker's side cache (:mod:`clef_vllm.worker.fast.state_cache`) directly.
 
 0. **A prompt of exactly ``max_model_len`` tokens finishes.** vLLM caps each chunk of a running
    request at ``max_model_len - computed - 1``, keeping room for the token a generating model
@@ -55,7 +55,7 @@ lookup and chunk split; rule 0 holds for them too.
    this scheduler), new requests are held for this step (vLLM's own ``PAUSED_NEW`` state for the one
    ``schedule`` call): the engine core steps empty and polls again a millisecond later (vLLM's idle
    sleep). One request at a time (a peak of 1) never waits. The decision itself is
-   :mod:`clef_vllm.worker.batch_wait`'s.
+   :mod:`clef_vllm.worker.fast.batch_wait`'s.
    Measured on the H200 (BF16, short decisions, 2 ms against none): 1.062x the req/s at c=16, 1.001x at c=64.
 """
 
@@ -68,11 +68,11 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from clef_vllm import trace
 from clef_vllm.contract import BATCH_WAIT_KEY, IDLE_CLEANUP_KEY, PARAMS_KEY, worker_setting
-from clef_vllm.state_keys import KEY_UNIT
-from clef_vllm.worker import state_cache
-from clef_vllm.worker.batch_wait import BatchWait
+from clef_vllm.schema.state_keys import KEY_UNIT
+from clef_vllm.util import trace
+from clef_vllm.worker.fast import state_cache
+from clef_vllm.worker.fast.batch_wait import BatchWait
 
 log = logging.getLogger("clef_vllm")
 

@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from clef_vllm import trace
+from clef_vllm.util import trace
 from clef_vllm.worker import memory
 
 log = logging.getLogger("clef_vllm")
@@ -93,7 +93,7 @@ def prefill_reason(md: Any, sequences: int | None = None) -> str | None:
     """Why a step's GDN metadata is not a plain prefill step (``None``: it is): speculative tokens, decodes,
     not ``sequences`` prefills (``"batch"`` for more; ``None``: any number), padded metadata, or not one state
     line per prefill. Host-side fields only. Single-sequence graphs ask for one sequence, the step graphs'
-    split of a small batch (``clef_vllm.worker.step_graphs``) for any."""
+    split of a small batch (``clef_vllm.worker.fast.step_graphs``) for any."""
     if getattr(md, "spec_sequence_masks", None) is not None or getattr(md, "num_spec_decodes", 0):
         return "speculative"
     if md.num_decodes:
@@ -318,7 +318,7 @@ def capture_graph(body: Callable[[], Any], pool) -> tuple["torch.cuda.CUDAGraph"
 
 @dataclass
 class GraphStats:
-    """Counters of a graph runner (this one and :mod:`clef_vllm.worker.head_graphs`)."""
+    """Counters of a graph runner (this one and :mod:`clef_vllm.worker.fast.head_graphs`)."""
 
     replays: int = 0
     layer_replays: int = 0          # prefill graphs: of which scope "layer"

@@ -219,10 +219,10 @@ def run_chunk_op(layer, sequences: int, each: int, dtype, device) -> None:
 def tune(model, budget: int, max_len: int, dtype, device) -> dict:
     """Tune every class of :func:`tuning_shapes` on ``model``'s first GDN layer; returns what ran, by class
     (sequences, tokens each, seconds). The worker calls it only where the layers run the Triton GDN kernels
-    (:func:`clef_vllm.worker.prefill_graphs.triton_gdn`)."""
+    (:func:`clef_vllm.worker.fast.prefill_graphs.triton_gdn`)."""
     import torch
 
-    from clef_vllm.worker.prefill_graphs import gdn_layers
+    from clef_vllm.worker.fast.prefill_graphs import gdn_layers
 
     layers = gdn_layers(model)
     if not layers or not TUNERS:

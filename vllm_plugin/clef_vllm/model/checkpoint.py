@@ -9,7 +9,7 @@
   neither table is in the backbone file(s).
 
 Every loader of the package (reference backend, vLLM model, tools) goes through here; the file
-and tensor names themselves are in :mod:`clef_vllm.layout`.
+and tensor names themselves are in :mod:`clef_vllm.model.layout`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Iterator
 
 import torch
 
-from clef_vllm import __version__
-from clef_vllm.head import HeadConfig, HeadConfigError, JointSchemaHead
-from clef_vllm.layout import (EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES,
+from clef_vllm.model.head import HeadConfig, HeadConfigError, JointSchemaHead
+from clef_vllm.model.layout import (EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES,
                               backbone_prefix, text_config)
+from clef_vllm.version import __version__
 
 __all__ = ["EMBED_KEYS", "HEAD_CONFIG", "HEAD_DIR", "HEAD_WEIGHTS", "INDEX", "LM_HEAD_KEYS", "MARKER", "TABLES",
            "CheckpointError", "CheckpointFiles", "locate_checkpoint", "load_head_config", "load_head_state",

@@ -1,7 +1,7 @@
 """SystemOne wire protocol: request/response models, dialects, limits and client errors.
 
-"Parse, don't validate": :func:`parse_request` turns a decoded JSON body into a typed
-:class:`SystemOneRequest` or raises :class:`~clef_vllm.errors.RequestError` naming the offending
+"Parse, don't validate": :func:`parse_systemone` turns a decoded JSON body into a typed
+:class:`SystemOneRequest` or raises :class:`~clef_vllm.schema.errors.RequestError` naming the offending
 field. The encoder only ever sees valid requests, and only requests within :class:`RequestLimits`:
 structural limits, checked before any tokenization, that no request able to fit the token budget
 can reach (so they cost nothing that the budget would not cost anyway).
@@ -16,8 +16,8 @@ Two dialects:
   fields refused; confidence is the normalised Gini purity and bodies use the hosted envelope.
 
 A third, ``openai``, is not a SystemOne dialect but OpenAI's Decisions wire format
-(``POST /v1/decisions``): :func:`parse_request` maps such a body to a SystemOne request through
-:mod:`clef_vllm.openai_decisions`, which also shapes its answers and errors.
+(``POST /v1/decisions``): :func:`clef_vllm.schema.dialects.parse_request` maps such a body to a SystemOne request through
+:mod:`clef_vllm.schema.openai_decisions`, which also shapes its answers and errors.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from clef_vllm.errors import Kind, RequestError
+from clef_vllm.schema.errors import Kind, RequestError
 
 __all__ = ["Dialect", "SYSTEMONE_DIALECTS", "DialectRules", "RULES", "RequestLimits", "RequestError", "SystemOneRequest",
-           "parse_request",
+           "gini_purity", "parse_systemone",
            "question_field", "QUESTION_TYPES", "TYPE_IDS"]
 
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -47,7 +47,7 @@ class Dialect(str, Enum):
 
     REFERENCE = "reference"
     WORKERS_AI = "workers-ai"
-    OPENAI = "openai"          # OpenAI's Decisions wire format (clef_vllm.openai_decisions)
+    OPENAI = "openai"          # OpenAI's Decisions wire format (clef_vllm.schema.openai_decisions)
 
 
 #: The dialects of the SystemOne body itself (``--dialect``).
@@ -149,7 +149,7 @@ class SystemOneRequest(BaseModel):
     videos: list[Any] | None = Field(default=None, description="Not supported by this build (HTTP 400 if non-empty).")
 
     _at_least_one = field_validator("questions")(_require_non_empty("at least one question is required"))
-    #: The OpenAI Decisions request this one was mapped from (``clef_vllm.openai_decisions.DecisionPlan``).
+    #: The OpenAI Decisions request this one was mapped from (``clef_vllm.schema.openai_decisions.DecisionPlan``).
     _decision: Any = PrivateAttr(default=None)
     #: Fields the reference dialect ignored, one line each (the response's ``warnings``).
     _warnings: list = PrivateAttr(default_factory=list)
@@ -390,19 +390,24 @@ def _scan_body(body: dict, limits: RequestLimits) -> _Scan:
     return scan
 
 
-def parse_request(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
-                  limits: RequestLimits | None = DEFAULT_LIMITS) -> SystemOneRequest:
-    """Validate a decoded JSON body into a :class:`SystemOneRequest` or raise :class:`RequestError`.
+def gini_purity(probs: Sequence[float]) -> float:
+    """Hosted confidence: ``(n·Σp² − 1)/(n − 1)`` clipped to [0, 1] (from the 4-decimal probabilities)."""
+    n = len(probs)
+    if n < 2:
+        return 1.0
+    return min(1.0, max(0.0, (n * sum(p * p for p in probs) - 1.0) / (n - 1)))
+
+
+def parse_systemone(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
+                    limits: RequestLimits | None = DEFAULT_LIMITS) -> SystemOneRequest:
+    """Validate a decoded JSON body of a SystemOne dialect into a :class:`SystemOneRequest` or raise
+    :class:`RequestError` (:func:`clef_vllm.schema.dialects.parse_request` parses every dialect).
 
     ``limits`` (default: sized for 16,384 tokens; ``None``: none) are checked first, on the raw
     structure, then the request is validated field by field."""
     dialect = Dialect(dialect)
     if dialect is Dialect.OPENAI:
-        from clef_vllm.openai_decisions import parse_decision_request
-
-        plan = parse_decision_request(body, limits)
-        plan.request._decision = plan
-        return plan.request
+        raise ValueError(f"{dialect.value} is not a SystemOne dialect: clef_vllm.schema.dialects.parse_request parses it")
     rules = RULES[dialect]
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")

@@ -18,9 +18,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead, ranks_within, segment_sum, span_positions
-from clef_vllm.state_keys import KEY_UNIT, prefix_keys
-from clef_vllm.tables import LexicalTable
+from clef_vllm.model.head import DecisionBatch, FieldLayout, JointSchemaHead, ranks_within, segment_sum, span_positions
+from clef_vllm.model.tables import LexicalTable
+from clef_vllm.schema.state_keys import KEY_UNIT, prefix_keys
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class HeadSpec:
     options_per_field: tuple[int, ...]
     lexical_ids: tuple[int, ...]                   # token ids inside the option spans, in order
     # State cache (optional): positions before ``reuse_limit`` (the first span) may come from the
-    # cache; ``state_keys`` are the content keys of that prefix (clef_vllm.worker.state_cache).
+    # cache; ``state_keys`` are the content keys of that prefix (clef_vllm.worker.fast.state_cache).
     reuse_limit: int = 0
     state_keys: tuple[bytes, ...] = ()
 
@@ -294,10 +294,10 @@ def decide_records(head: JointSchemaHead, table: LexicalTable, records: Sequence
 
     Records are decided in groups of similar memory lengths (:func:`padding_groups`), so the padded
     work stays within a small factor of the real work; usually a step's records form one group.
-    ``graphs`` (a :class:`clef_vllm.worker.head_graphs.HeadGraphRunner`) decides a group from a
+    ``graphs`` (a :class:`clef_vllm.worker.fast.head_graphs.HeadGraphRunner`) decides a group from a
     CUDA graph when it can (one record, or up to its largest record bucket); otherwise the head runs
     eagerly, inside the context ``eager`` when given (the worker's
-    :class:`~clef_vllm.worker.gemm_warmup.GridRows`); ``max_rows``: as :func:`padding_groups`'.
+    :class:`~clef_vllm.worker.fast.gemm_warmup.GridRows`); ``max_rows``: as :func:`padding_groups`'.
     """
     lengths = np.array([sum(m.shape[0] for m in r.memory) for r in records], dtype=np.int64)
     groups = padding_groups(lengths.tolist(), max_rows)

@@ -23,10 +23,10 @@ from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from clef_vllm.errors import Kind, RequestError
-from clef_vllm.lru import SizedLRU
-from clef_vllm.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
+from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
                                 SystemOneRequest)
+from clef_vllm.util.lru import SizedLRU
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "

@@ -1,6 +1,6 @@
 """Tiny Clef checkpoints in the EXACT release layout, built in seconds, deterministically.
 
-The demo checkpoint (:mod:`clef_vllm.demo`), the test suite and the GPU checks use them; users make
+The demo checkpoint (:mod:`clef_vllm.model.demo`), the test suite and the GPU checks use them; users make
 one with ``clef-make-tiny OUT`` (e.g. to try the scripts of docs/scripts.md).
 
 ``build_tiny_checkpoint(out)`` writes what Cloudflare/clef-flash ships, at toy size:
@@ -10,7 +10,7 @@ one with ``clef-make-tiny OUT`` (e.g. to try the scripts of docs/scripts.md).
 ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` (a 1,024-token
 byte-level BPE with the Qwen3.5 special tokens), ``joint_head.safetensors`` and
 ``joint_head_config.json``. ``layout="repacked"`` then moves the head to ``clef_head/`` and the
-tables to int8 (:mod:`clef_vllm.repack`).
+tables to int8 (:mod:`clef_vllm.model.repack`).
 
 Weights are random but scaled so that answers are not flat.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from clef_vllm.atomic import atomic_dir
-from clef_vllm.encoding import PREFIX_TEXT, SCHEMA_HEADER_TEXT, SUFFIX_TEXT
-from clef_vllm.head import HeadConfig, JointSchemaHead
+from clef_vllm.model.head import HeadConfig, JointSchemaHead
+from clef_vllm.schema.encoding import PREFIX_TEXT, SCHEMA_HEADER_TEXT, SUFFIX_TEXT
+from clef_vllm.util.atomic import atomic_dir
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -153,7 +153,7 @@ def build_tiny_checkpoint(out: str | Path, *, layout: str = "release", seed: int
                           embed_std: float = 1.0) -> Path:
     """Build a tiny checkpoint at ``out`` (must not exist). ``layout``: ``release`` or ``repacked``.
 
-    The folder appears only when complete (:mod:`clef_vllm.atomic`)."""
+    The folder appears only when complete (:mod:`clef_vllm.util.atomic`)."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(out)
@@ -164,7 +164,7 @@ def build_tiny_checkpoint(out: str | Path, *, layout: str = "release", seed: int
         with atomic_dir(out) as tmp:
             _write_release(tmp, **kw)
         return out
-    from clef_vllm.repack import repack_tables
+    from clef_vllm.model.repack import repack_tables
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.release-", dir=out.parent) as work:

@@ -7,7 +7,7 @@ skipped tokens must come from somewhere. This module keeps them.
 
 Design (docs/state-cache.md):
 
-* **Keys are content hashes** (:mod:`clef_vllm.state_keys`): the front-end keys the token ids of
+* **Keys are content hashes** (:mod:`clef_vllm.schema.state_keys`): the front-end keys the token ids of
   the reusable prefix (every token before the first question/option span) in chained units of
   16 tokens, so a key identifies an exact token prefix. Memory rows are a pure function
   of that prefix, so a row stored under a key can never be stale: there is no block id to be
@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from clef_vllm.state_keys import KEY_UNIT, block_keys, prefix_keys  # noqa: F401 - re-exported
+from clef_vllm.schema.state_keys import KEY_UNIT, block_keys, prefix_keys  # noqa: F401 - re-exported
 
 log = logging.getLogger("clef_vllm")
 

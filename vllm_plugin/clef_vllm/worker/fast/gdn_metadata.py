@@ -53,7 +53,7 @@ SEQ_LENS = "_clef_seq_lens"
 #: ... and the same lengths on the host (``None`` where vLLM has none), for :func:`state_table`
 SEQ_LENS_CPU = "_clef_seq_lens_cpu"
 #: ... and the step's query start locations on the host (where each sequence's rows begin), for the step
-#: graphs' replay of a small batch one sequence at a time (:mod:`clef_vllm.worker.step_graphs`)
+#: graphs' replay of a small batch one sequence at a time (:mod:`clef_vllm.worker.fast.step_graphs`)
 QUERY_START_CPU = "_clef_query_start_loc_cpu"
 #: where a builder keeps its single-prefill metadata, by :func:`memo_key`
 MEMO = "_clef_memo"

@@ -27,7 +27,7 @@ methods that prepare the step (:data:`RUNNER_EVENTS`: ``step_runner``, ``step_ba
 ``step_metadata``, ``step_inputs``) split vLLM's input preparation the same way.
 
 Wall-clock time is comparable across the processes of one machine.
-``python -m clef_vllm.trace FILE`` prints the median of each segment between them, per group of
+``python -m clef_vllm.util.trace FILE`` prints the median of each segment between them, per group of
 requests (warm-up; prompt length; whether it started from the state cache).
 """
 
@@ -446,10 +446,10 @@ def summary(lines, alone: bool = False) -> dict[str, dict]:
 
 
 def main(argv=None) -> int:
-    """``python -m clef_vllm.trace FILE``: the median of each segment of the traced requests."""
+    """``python -m clef_vllm.util.trace FILE``: the median of each segment of the traced requests."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m clef_vllm.trace", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m clef_vllm.util.trace", description=main.__doc__)
     ap.add_argument("file", help="a CLEF_VLLM_TRACE file")
     ap.add_argument("--alone", action="store_true",
                     help="only requests that had the server to themselves (no other request in flight)")

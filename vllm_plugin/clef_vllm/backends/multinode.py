@@ -18,6 +18,7 @@ import logging
 import signal
 from pathlib import Path
 
+from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.options import VllmOptions
 
 log = logging.getLogger("clef_vllm")
@@ -25,15 +26,6 @@ log = logging.getLogger("clef_vllm")
 #: ``--load-timeout`` of a head node that waits for ranks on other nodes, when none is given (vLLM's head waits
 #: for them without a bound)
 REMOTE_RANKS_LOAD_TIMEOUT_S = 1800.0
-
-
-def remote_ranks(opts: VllmOptions) -> range:
-    """The data-parallel ranks a head node leaves to ``--headless`` nodes (empty: all are here, or Ray places
-    them)."""
-    local = opts.data_parallel_size_local
-    if opts.headless or local is None or opts.data_parallel_backend != "mp":
-        return range(0)
-    return range(local, opts.data_parallel_size)
 
 
 def load_timeout(opts: VllmOptions | None, given: float | None) -> float | None:
@@ -62,11 +54,11 @@ def run_headless(model_dir: str | Path, opts: VllmOptions) -> int:
     The steps of vLLM's own ``vllm serve --headless`` (``vllm/entrypoints/cli/serve.py`` ``run_headless``):
     vLLM's engine manager starts ``data_parallel_size_local`` engines from ``data_parallel_rank`` on, which
     connect to ``tcp://data_parallel_master_ip:data_parallel_rpc_port``; without importing vLLM's API server."""
-    from clef_vllm import register
     from clef_vllm.backends.memory_fit import fit_options
     from clef_vllm.backends.vllm_backend import import_vllm
-    from clef_vllm.checkpoint import CheckpointError, load_head_config, locate_checkpoint
-    from clef_vllm.memory_plan import PlanDoesNotFit
+    from clef_vllm.model.checkpoint import CheckpointError, load_head_config, locate_checkpoint
+    from clef_vllm.plan.memory_plan import PlanDoesNotFit
+    from clef_vllm.plugin import register
     from clef_vllm.worker.dummy_loader import is_dummy
 
     try:

@@ -51,8 +51,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from clef_vllm.worker import memory
-from clef_vllm.worker.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
-from clef_vllm.worker.prefill_graphs import (SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason,
+from clef_vllm.worker.fast.gdn_metadata import QUERY_START_CPU, SEQ_LENS_CPU
+from clef_vllm.worker.fast.prefill_graphs import (SCRATCH_LINE, GdnGraphRunner, GraphStats, choose_bucket, fallback_reason,
                                              prefill_reason)
 
 log = logging.getLogger("clef_vllm")

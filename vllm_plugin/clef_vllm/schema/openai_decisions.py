@@ -3,7 +3,7 @@
 The one home of the mapping: the HTTP route, its bulk variant and the offline API
 (``Clef.decisions``) all call :func:`parse_decision_request` and :func:`decision_response`.
 A Decisions request becomes a SystemOne request (validated and limited by
-:func:`~clef_vllm.protocol.parse_request`, reference rules), is encoded and decided exactly as
+:func:`~clef_vllm.schema.protocol.parse_systemone`, reference rules), is encoded and decided exactly as
 ``POST /v1/systemone`` decides it, and its SystemOne answers become Decisions answers, so the
 probabilities are the very numbers ``/v1/systemone`` returns for the same decision.
 
@@ -46,9 +46,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from clef_vllm.answers import gini_purity
-from clef_vllm.errors import Kind, RequestError
-from clef_vllm.protocol import DEFAULT_LIMITS, Dialect, RequestLimits, SystemOneRequest, parse_request, question_field
+from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.protocol import (DEFAULT_LIMITS, Dialect, RequestLimits, SystemOneRequest, gini_purity,
+                                       parse_systemone, question_field)
 
 __all__ = ["DecisionPlan", "parse_decision_request", "decision_response", "check_fits", "MAX_QUESTIONS",
            "MAX_CHOICES"]
@@ -287,7 +287,7 @@ def _optional_text(body: dict, key: str, limit: int | None = None) -> None:
 
 def parse_decision_request(body: Any, limits: RequestLimits | None = DEFAULT_LIMITS) -> DecisionPlan:
     """Validate a decoded Decisions body and map it to a SystemOne request, or raise
-    :class:`~clef_vllm.errors.RequestError` whose ``field`` is the JSON path in the Decisions body
+    :class:`~clef_vllm.schema.errors.RequestError` whose ``field`` is the JSON path in the Decisions body
     (``questions[2].levels``). The SystemOne request then passes the reference rules and ``limits``."""
     if not isinstance(body, dict):
         raise _err("request body must be a JSON object", None)
@@ -336,7 +336,7 @@ def parse_decision_request(body: Any, limits: RequestLimits | None = DEFAULT_LIM
         questions.append(question)
 
     try:
-        request = parse_request({"model": model, "state": state, "questions": systemone}, Dialect.REFERENCE, limits)
+        request = parse_systemone({"model": model, "state": state, "questions": systemone}, Dialect.REFERENCE, limits)
     except RequestError as exc:
         raise RequestError(exc.message, kind=exc.kind, field=_field_path(exc.field, questions)) from None
     return DecisionPlan(request, questions)

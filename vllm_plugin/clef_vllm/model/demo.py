@@ -1,6 +1,6 @@
 """The demo checkpoint: what ``clef-systemone``, ``Clef()`` and the tools serve for ``demo``.
 
-A tiny random Clef in the release layout (:mod:`clef_vllm.tiny`), built on first use under
+A tiny random Clef in the release layout (:mod:`clef_vllm.model.tiny`), built on first use under
 ``$CLEF_VLLM_CACHE`` (default ``~/.cache/clef-vllm``). Its answers are random-weight answers: it
 shows the protocol and the serving path, not quality. The name ``demo`` never reaches a model hub.
 """
@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from clef_vllm import __version__
+from clef_vllm.version import __version__
 
 DEMO = "demo"
 
@@ -24,7 +24,7 @@ def cache_root() -> Path:
 
 def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """The demo checkpoint's folder, built (a few seconds) when it is not there yet."""
-    from clef_vllm.tiny import build_tiny_checkpoint
+    from clef_vllm.model.tiny import build_tiny_checkpoint
 
     path = Path(cache_dir or cache_root()) / f"demo-tiny-{__version__}"
     if not (path / "joint_head.safetensors").is_file():

@@ -2,10 +2,10 @@
 
 The worker captures its step, GDN and head graphs after vLLM has sized the KV cache, so their memory
 pools are not in vLLM's profile: :class:`clef_vllm.worker.budget.ClefWorker` takes this estimate out of the
-KV cache, and :mod:`clef_vllm.memory_plan` counts it in the plan. The figures were measured on the 9B-shaped
+KV cache, and :mod:`clef_vllm.plan.memory_plan` counts it in the plan. The figures were measured on the 9B-shaped
 model (hidden 4,096, intermediate 12,288):
 
-* head graphs: one pool shared by every bucket's graph (:mod:`clef_vllm.worker.head_graphs`), about the
+* head graphs: one pool shared by every bucket's graph (:mod:`clef_vllm.worker.fast.head_graphs`), about the
   same size whatever their records and memory rows (one figure);
 * GDN graphs: per GDN layer, the core's buffers at the largest prefill bucket (linear in it, scaled by the
   hidden size);

@@ -9,16 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from clef_vllm.encoding import EncodedRequest
-from clef_vllm.protocol import ChoiceQuestion, Dialect, NoulQuestion, SystemOneRequest
-
-
-def gini_purity(probs: Sequence[float]) -> float:
-    """Hosted confidence: ``(n·Σp² − 1)/(n − 1)`` clipped to [0, 1] (from the 4-decimal probabilities)."""
-    n = len(probs)
-    if n < 2:
-        return 1.0
-    return min(1.0, max(0.0, (n * sum(p * p for p in probs) - 1.0) / (n - 1)))
+from clef_vllm.schema.encoding import EncodedRequest
+from clef_vllm.schema.protocol import ChoiceQuestion, gini_purity, Dialect, NoulQuestion, SystemOneRequest
 
 
 def _confidence(raw: Sequence[float], rounded: Sequence[float], dialect: Dialect) -> float:
@@ -53,10 +45,10 @@ def build_answer(question, option_ids: Sequence[str], probs: Sequence[float], di
 def build_response(request: SystemOneRequest, encoded: EncodedRequest, probs,
                    dialect: Dialect | str = Dialect.REFERENCE) -> dict[str, Any]:
     """The SystemOne response body (bare; the HTTP layer adds the hosted envelope for workers-ai); for
-    the ``openai`` dialect, the Decisions response built from the reference one (clef_vllm.openai_decisions)."""
+    the ``openai`` dialect, the Decisions response built from the reference one (clef_vllm.schema.openai_decisions)."""
     dialect = Dialect(dialect)
     if dialect is Dialect.OPENAI:
-        from clef_vllm.openai_decisions import decision_response
+        from clef_vllm.schema.openai_decisions import decision_response
 
         return decision_response(request._decision, build_response(request, encoded, probs, Dialect.REFERENCE))
     values = probs.tolist() if hasattr(probs, "tolist") else list(probs)

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from clef_vllm.head import HeadConfig
+from clef_vllm.model.head import HeadConfig
 
 #: joint_head_config.json of the release.
 RELEASE_HEAD_CONFIG = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
@@ -50,10 +50,10 @@ def write_config_only_checkpoint(out: str | Path, tokenizer_dir: str | Path | No
 
     ``tokenizer_dir`` may hold any tokenizer whose ids fit the 248,320-row vocabulary (a tiny one
     is fine for throughput work: token counts are what matter); ``None`` writes the tiny test
-    tokenizer (:func:`clef_vllm.tiny.build_tokenizer`).
+    tokenizer (:func:`clef_vllm.model.tiny.build_tokenizer`).
     """
-    from clef_vllm import ARCHITECTURE
-    from clef_vllm.repack import default_marker
+    from clef_vllm.model.layout import ARCHITECTURE
+    from clef_vllm.model.repack import default_marker
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=False)
@@ -69,7 +69,7 @@ def write_config_only_checkpoint(out: str | Path, tokenizer_dir: str | Path | No
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     head_path.write_text(json.dumps(head, indent=2) + "\n")
     if tokenizer_dir is None:
-        from clef_vllm.tiny import build_tokenizer
+        from clef_vllm.model.tiny import build_tokenizer
 
         build_tokenizer(out)
         return out

@@ -1,7 +1,7 @@
 """Repack a checkpoint: embed_tokens and lm_head -> ``clef_head/tables_int8.safetensors``.
 
 Used by ``clef-shrink-tables`` and by the tiny-checkpoint builder. The output is written to a
-temporary sibling folder and renamed into place at the end (:mod:`clef_vllm.atomic`), so an
+temporary sibling folder and renamed into place at the end (:mod:`clef_vllm.util.atomic`), so an
 interrupted run never leaves a half-written checkpoint.
 """
 
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from clef_vllm import ARCHITECTURE, __version__
-from clef_vllm.atomic import atomic_dir, save_safetensors, write_json
-from clef_vllm.checkpoint import locate_checkpoint
-from clef_vllm.layout import EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES
-from clef_vllm.tables import quantize_rows, table_keys
+from clef_vllm.model.checkpoint import locate_checkpoint
+from clef_vllm.model.layout import ARCHITECTURE
+from clef_vllm.model.layout import EMBED_KEYS, HEAD_CONFIG, HEAD_DIR, HEAD_WEIGHTS, INDEX, LM_HEAD_KEYS, MARKER, TABLES
+from clef_vllm.model.tables import quantize_rows, table_keys
+from clef_vllm.util.atomic import atomic_dir, save_safetensors, write_json
+from clef_vllm.version import __version__
 
 
 def default_marker(version: str = __version__) -> str:

@@ -4,7 +4,7 @@ The front-end is ``clef-systemone`` itself (the same routes, limits, auth, diale
 :func:`clef_vllm.server.cli.main`) on a backend, :class:`ReplicaSet`, that encodes requests here and sends
 each one to a replica of the :class:`ClefReplica` deployment. Replicas are chosen by Ray Serve's
 consistent-hash router (``ray.serve.experimental.consistent_hash_router.ConsistentHashRouter``), keyed by
-:func:`clef_vllm.state_keys.state_key` through ``handle.options(session_id=...)``: every request about one
+:func:`clef_vllm.schema.state_keys.state_key` through ``handle.options(session_id=...)``: every request about one
 state goes to the replica whose state cache holds it. Each answer names its replica in the
 ``X-Clef-Replica`` response header.
 
@@ -30,9 +30,9 @@ from typing import Any, Sequence
 import torch
 
 from clef_vllm.backends.base import Backend, BackendDeadError
-from clef_vllm.encoding import EncodedRequest, RequestEncoder
-from clef_vllm.errors import Kind, ServiceError
-from clef_vllm.state_keys import state_key
+from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
+from clef_vllm.schema.errors import Kind, ServiceError
+from clef_vllm.schema.state_keys import state_key
 
 log = logging.getLogger("clef_vllm")
 
@@ -233,14 +233,14 @@ APP_ARGS = ("model", "backend", "options", "replicas", "replica_cpus", "replica_
 
 def build_app(args: dict[str, Any]):
     """The replicas as a Serve application, for a Serve config file (``import_path:
-    clef_vllm.serve_ray:build_app``, docs/deploy.md); ``clef-serve-ray --app-name NAME`` then serves through
+    clef_vllm.server.serve_ray:build_app``, docs/deploy.md); ``clef-serve-ray --app-name NAME`` then serves through
     them. Unknown ``args`` and bad options are refused before anything is deployed."""
     from clef_vllm.backends import backend_options, resolve_backend
-    from clef_vllm.demo import resolve_model_dir
+    from clef_vllm.model.demo import resolve_model_dir
 
     unknown = sorted(set(args) - set(APP_ARGS))
     if unknown:
-        raise ValueError(f"unknown clef_vllm.serve_ray:build_app args {unknown}; it takes {list(APP_ARGS)}")
+        raise ValueError(f"unknown clef_vllm.server.serve_ray:build_app args {unknown}; it takes {list(APP_ARGS)}")
     ns = build_parser().parse_args([])
     for name in APP_ARGS[3:]:
         if name in args:

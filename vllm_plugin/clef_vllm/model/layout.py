@@ -1,6 +1,6 @@
 """Where things live in a Clef checkpoint: file names and tensor-name prefixes (no torch).
 
-Two layouts exist (:mod:`clef_vllm.checkpoint` finds and checks them):
+Two layouts exist (:mod:`clef_vllm.model.checkpoint` finds and checks them):
 
 * **release** (Cloudflare/clef-flash): ``joint_head.safetensors`` + ``joint_head_config.json`` at
   the root; ``embed_tokens`` and ``lm_head`` in the 16-bit backbone shards.
@@ -15,6 +15,10 @@ a text-only config (``Qwen3_5ForCausalLM``) under ``model.``. :func:`backbone_pr
 from __future__ import annotations
 
 from typing import Mapping
+
+#: The architecture name written into repacked checkpoints' config.json and used as
+#: ``hf_overrides={"architectures": [...]}`` when serving the Cloudflare release.
+ARCHITECTURE = "ClefFlashForDecision"
 
 HEAD_DIR = "clef_head"
 HEAD_CONFIG = "joint_head_config.json"
@@ -43,3 +47,15 @@ def text_config(config: Mapping) -> Mapping:
     """The text model's config: ``text_config`` of a VL-shaped config, else the config itself."""
     text = config.get("text_config")
     return text if isinstance(text, Mapping) else config
+
+
+def linear_shapes(text: dict) -> dict[str, tuple[int, int]]:
+    """``[out, in]`` of every Qwen3.5 text linear leaf (HF names), from the config."""
+    h, inter = text["hidden_size"], text["intermediate_size"]
+    heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text.get("head_dim") or h // text["num_attention_heads"]
+    kh, vh = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    kd, vd = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    return {"q_proj": (2 * heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h), "o_proj": (h, heads * hd),
+            "in_proj_qkv": (2 * kh * kd + vh * vd, h), "in_proj_z": (vh * vd, h), "in_proj_b": (vh, h),
+            "in_proj_a": (vh, h), "out_proj": (h, vh * vd), "gate_proj": (inter, h), "up_proj": (inter, h),
+            "down_proj": (h, inter)}

@@ -39,9 +39,9 @@ from typing import Sequence
 import torch
 
 from clef_vllm.contract import HEAD_GRAPH_RECORDS
-from clef_vllm.head import DecisionBatch, FieldLayout, JointSchemaHead
+from clef_vllm.model.head import DecisionBatch, FieldLayout, JointSchemaHead
 from clef_vllm.worker import memory
-from clef_vllm.worker.prefill_graphs import GraphStats, capture_graph, choose_bucket
+from clef_vllm.worker.fast.prefill_graphs import GraphStats, capture_graph, choose_bucket
 
 log = logging.getLogger("clef_vllm")
 

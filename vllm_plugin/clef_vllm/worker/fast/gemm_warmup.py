@@ -14,14 +14,14 @@ So, with ``--gemm-warmup`` (on by default), the first step that reaches the head
 shape of the head (in and out features, bias) over a grid of row counts, 1 to the most rows a
 step can give it, each count :data:`ROW_RATIO` times the last: cuBLAS meets its shapes, and CUDA
 loads its kernels, while the GPU has nothing else queued (the eager head pads a group of records
-to its longest, at most twice their real rows: :func:`clef_vllm.features.padding_groups`). Nothing of it reaches an answer (the
+to its longest, at most twice their real rows: :func:`clef_vllm.model.features.padding_groups`). Nothing of it reaches an answer (the
 inputs and weights are zeros of the head's dtype, the outputs are dropped). A row count between
 two grid points may still get a kernel of its own; ``bench/step_timeline.py --gaps`` counts the
 lazy loads a profiled step still has (at c=64, twenty-fifth session: 1-3 a step with it, 4-6 without).
 
-The head's attentions over a long memory run as batched GEMMs too (:func:`clef_vllm.head.matmul_attention`,
+The head's attentions over a long memory run as batched GEMMs too (:func:`clef_vllm.model.head.matmul_attention`,
 a few records' queries over 1,024 keys or more): the warm-up runs them at the memory grid's row counts from
-:data:`~clef_vllm.head.MATMUL_MIN_KEYS` on, for 4, 16 and 64 queries and 1, 2, 4 ... and the most records
+:data:`~clef_vllm.model.head.MATMUL_MIN_KEYS` on, for 4, 16 and 64 queries and 1, 2, 4 ... and the most records
 that take that route, laid out as the head lays them out (views of its projections' outputs).
 
 A row count between two grid points may still get a kernel of its own, and the head's GEMMs take a new row
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from clef_vllm.head import MATMUL_MAX_TILES, attention_route, matmul_attention
+from clef_vllm.model.head import MATMUL_MAX_TILES, attention_route, matmul_attention
 
 log = logging.getLogger("clef_vllm")
 
@@ -78,7 +78,7 @@ def linear_shapes(module: nn.Module) -> list[tuple[int, int, bool]]:
 
 
 def attention_shapes(heads: int, head_dim: int, max_rows: int) -> list[tuple[int, int, int]]:
-    """The ``(records, queries, keys)`` the warm-up runs :func:`~clef_vllm.head.matmul_attention` at: every
+    """The ``(records, queries, keys)`` the warm-up runs :func:`~clef_vllm.model.head.matmul_attention` at: every
     grid row count up to ``max_rows`` that takes the matmul route, for :data:`ATTENTION_QUERIES` queries and
     1, 2, 4 ... records up to the most that take it."""
     out = []

@@ -1,0 +1,1 @@
+"""Speed features of the worker, one module each; the model class reaches them through :mod:`.registry`."""
