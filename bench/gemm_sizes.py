@@ -1,6 +1,6 @@
 """GPU time of the 9B backbone's linear layers per padded token count: which sizes are cheap to pad to.
 
-Why: in the seventeenth session's profiles one 400-token decision spent 9.4 ms of GPU time in GEMMs
+Why: in a profile of the default server, one 400-token decision spent 9.4 ms of GPU time in GEMMs
 when the step graph padded it to 448 tokens, against 8.0 ms for raw vLLM at its real 409 tokens
 (bench/results/README.md): cuBLAS picks its kernel per shape, and the time is not proportional to
 the rows. The step graphs pad every single-sequence step to a bucket (``DEFAULT_BUCKETS``); this

@@ -29,7 +29,7 @@ engine settings, one request at a time), before that option is trusted:
    - ``fresh``: ``static`` with the padded size as FA3's longest sequence instead of the model's
      (valid for steps without context, as here; what ``--prefill-graph-scope step`` now runs for
      such steps, while ``static`` is what it runs for steps with context): whether that length is
-     what made ``static`` ~1 ms slower than ``direct`` in the fourteenth session, and whether it
+     what made ``static`` ~1 ms slower than ``direct`` when it was measured, and whether it
      changes exactness.
    - ``direct``: the graph reads the tensors of the step it was captured in, as they are; it can be
      right only where the survey finds every input at a fixed address (and may break the engine
@@ -150,7 +150,7 @@ def graph_classes():
         """``static`` with FA3 captured for the padded size as the longest sequence, not the model's: valid
         only for steps without context (every step the probe replays). FA3 sizes its work (and picks
         its split count) from that length: does the model's longest cost the ~1 ms by which ``direct``
-        replays beat ``static`` in the fourteenth session?"""
+        replays beat ``static``?"""
 
         def statics(self, ctx, input_ids, positions):
             self.max_len = int(input_ids.shape[0])

@@ -974,7 +974,7 @@ def _port_free(port: int) -> bool:
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_paired_script_refuses_a_plan_whose_engines_cannot_fit_on_the_gpu(tiny_release, tmp_path):
-    """Three GPU servers at 0.28 of the GPU and raw vLLM after them (the thirty-third session's first plan: the
+    """Three GPU servers at 0.28 of the GPU and raw vLLM after them (a plan of bench/h200x2_session.sh: the
     servers held 48-49 GiB each and raw's engine did not start) are refused before any server starts, naming
     what they need; two at 0.25 with raw fit, and so do reference servers (no GPU)."""
     root = Path(__file__).resolve().parents[1]

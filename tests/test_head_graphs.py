@@ -213,7 +213,7 @@ class OpLog(TorchDispatchMode):
 
 
 def test_the_graph_body_never_touches_host_data():
-    """The class of the bug the first GPU round hit (``padding[...] = False`` copied a host scalar): the
+    """The class of bug a GPU run hit (``padding[...] = False`` copied a host scalar): the
     padded decision issues no op that creates a tensor from host data or reads a device value back.
     The op log is taken on the CPU; on a GPU each such op would synchronise (eager) or fail (capture)."""
     head, table = small_head_and_table()

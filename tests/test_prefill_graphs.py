@@ -373,7 +373,7 @@ def test_a_replay_always_uses_its_steps_state_line_copied_once_per_step_and_grou
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ctx)
     qkv, b, a = inputs(12, seed=5)                       # 9 real rows padded to 12 by vLLM
     # Inside a step graph the padded rows hold whatever the graph's memory held: FA3 writes no row after
-    # the last sequence's, so they can be NaN or Inf (the tiny parity's warm-up, twentyninth GPU round).
+    # the last sequence's, so they can be NaN or Inf (seen in the tiny parity's warm-up on a GPU).
     # The delta rule mixes rows through products (0 * NaN is NaN), so such rows are replaced on the way in:
     # zeros for the conv input, -inf for the gate inputs (g = 0 and beta = 0 for a padded row).
     for t, junk in ((qkv, float("nan")), (b, float("inf")), (a, float("-inf"))):

@@ -393,7 +393,7 @@ def test_matching_at_whole_blocks_keeps_its_block_boundary(tiny_release):
 def test_an_unkeyed_request_is_scheduled_as_with_the_cache_off(tiny_release):
     """A short state is not keyed: with the state cache on, after a state was cached and hit, its request
     gets the same single step, the same number of new blocks and the same blocks to zero as with the cache
-    off (the twelfth session's short c=1 cost is not in the scheduler's hands)."""
+    off (a short c=1 decision's cost is not in the scheduler's hands)."""
 
     def steps(sched, requests):
         seen = []

@@ -65,7 +65,7 @@ def test_a_warm_up_step_in_time_returns_its_value():
 
 
 def test_a_failed_warm_up_step_names_itself():
-    """A warm-up answer the engine got wrong says which warm-up step it was (the twentyninth GPU round's
+    """A warm-up answer the engine got wrong says which warm-up step it was (a GPU run's
     "engine returned 9 values for 9 options" said neither the step nor what was wrong)."""
     async def step():
         raise EngineError("engine returned non-finite values for 9 of 9 options")

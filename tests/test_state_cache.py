@@ -437,7 +437,7 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
 
 def test_the_side_cache_is_sized_from_this_processs_memory_not_the_devices(monkeypatch):
     """Two engines on one GPU (a paired benchmark): the second one's pool is its share of ITS budget. With
-    the device's used memory counted, the other engine's 39 GiB left it one block (twentyninth GPU round)."""
+    the device's used memory counted, the other engine's 39 GiB left it one block (seen on a GPU)."""
     from clef_vllm.worker.fast import state_cache
     from clef_vllm.worker.pooler import StateCacheSettings, side_capacity
 

@@ -332,7 +332,7 @@ def main() -> int:
         bodies = synthetic_parity_set(requests, seed=13, max_words=1500)
         program = [{"name": f"r{i}", "bodies": [b]} for i, b in enumerate(bodies)]
         # without the plugin's graphs: the kernels are the question, and two engines' captures and checks took
-        # the 300 s the twenty-third session gave this part
+        # 300 s for this part
         runs = {k: child({"ckpt": str(hybrid), "graphs": False, "cache": False, "nvfp4_kernel": k,
                           "program": program}, work, f"nvfp4_{k}") for k in ("vllm", "bf16")}
         if all("steps" in r for r in runs.values()):

@@ -2,7 +2,7 @@
 
 Why: ``AsyncLLM`` always runs the engine core in a process of its own and talks to it over ZMQ. For one
 short decision that trip costs ~2.5 ms (a 400-token FP8 decision took 18.1 ms with the engine core in
-process and 20.7 ms with it apart, eleventh session), about what FP8 lacks to reach 20 ms through the
+process and 20.7 ms with it apart), about what FP8 lacks to reach 20 ms through the
 server. vLLM has no asyncio client for an in-process engine core, so this module drives its synchronous
 ``LLMEngine`` (engine core in process: ``InprocClient``) from a thread of its own and gives the backend
 the part of ``AsyncLLM`` it uses: ``encode`` (an async generator of outputs), ``abort``, ``errored``,
@@ -15,7 +15,7 @@ thread only registers the request with the output processor and the engine core 
 The price: the engine core's Python work (scheduling, input preparation, the pooler's host work) shares
 one interpreter lock with the HTTP front end. It is released while the thread waits for the GPU, so at
 c=1 nothing contends; under load the front end and the engine core slow each other. Measured on the
-H200 (nineteenth session): one short decision 0.92x the default's time, 0.85-0.88x its req/s at
+H200: one short decision 0.92x the default's time, 0.85-0.88x its req/s at
 c=16/64; so off by default, one engine only (no data parallelism); docs/latency.md.
 """
 

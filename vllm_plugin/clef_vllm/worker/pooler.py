@@ -60,7 +60,7 @@ def side_capacity(settings: StateCacheSettings, width: int, dtype: torch.dtype, 
 
     Only this process's memory counts, as in vLLM's own KV sizing: another engine on the same GPU (a
     second server, a paired benchmark) is not this one's budget. Counting the device's used memory gave
-    the second of two servers a one-block pool, so its state cache never hit (twentyninth GPU round)."""
+    the second of two servers a one-block pool, so its state cache never hit."""
     if settings.capacity_blocks is not None:
         return settings.capacity_blocks
     device = torch.device(device)

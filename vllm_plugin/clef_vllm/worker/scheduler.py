@@ -49,7 +49,7 @@ lookup and chunk split; rule 0 holds for them too.
    its own process, none with data parallelism or the engine thread).
    Under load a closed loop of clients resubmits over a few milliseconds after a large step answers
    them; an idle engine starts the first one or two at once, and each such step runs padded to a graph
-   bucket for one request (the seventeenth session's c=16 profile: steps of 14, 1, 1, 2, 14, ...
+   bucket for one request (a c=16 profile: steps of 14, 1, 1, 2, 14, ...
    requests). With a wait, while nothing is running, the waiting requests are fewer than half the
    largest step of the last second and the oldest has waited less than MS (counted from its arrival at
    this scheduler), new requests are held for this step (vLLM's own ``PAUSED_NEW`` state for the one

@@ -21,7 +21,7 @@ by field, on CPU.
 besides the state indices depends only on the sequence's new-token count and on whether it continues
 from a state: the FLA chunk indices and offsets and the causal-conv metadata come from the query start
 locations ``[0, n]``, the initial-state flags from ``context > 0``. Those are a dozen host ops, two pinned
-allocations and their host-to-device copies per step (the nineteenth session's trace put vLLM's attention
+allocations and their host-to-device copies per step (a step's trace puts vLLM's attention
 metadata at ~1.9 ms of a short step), and the step graphs read only the state line and the flag of it. So
 the first group's builder keeps the metadata of such steps (the :data:`MEMO_SIZE` most recently used keys) and
 answers a later step of the same key with it, its state indices recomputed from this step's block table

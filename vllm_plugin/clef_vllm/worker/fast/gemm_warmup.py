@@ -4,11 +4,11 @@ CUDA loads a kernel when it is first launched (lazy loading, CUDA's default sinc
 load waits until the GPU has run everything already queued. cuBLAS picks a GEMM kernel by the
 GEMM's shape, and the head's GEMMs take a new row count nearly every step: the memory projection
 runs on all of a step's tokens, the evidence and decoder layers' projections on the memory rows of
-the requests it finishes. Profiled at 64 concurrent short decisions (twenty-third session), a
+the requests it finishes. Profiled at 64 concurrent short decisions, a
 kernel cuBLAS had not used before stopped the engine's host for 104-304 ms once a step, with the
 GPU then idle for the head's and the next step's launches. Loading every kernel up front
 (``CUDA_MODULE_LOADING=EAGER``) is no way out: it took 5 min 43 s to create an engine's CUDA
-context on an H200 (twenty-fourth session).
+context on an H200.
 
 So, with ``--gemm-warmup`` (on by default), the first step that reaches the head runs each distinct linear
 shape of the head (in and out features, bias) over a grid of row counts, 1 to the most rows a
@@ -17,7 +17,7 @@ loads its kernels, while the GPU has nothing else queued (the eager head pads a 
 to its longest, at most twice their real rows: :func:`clef_vllm.model.features.padding_groups`). Nothing of it reaches an answer (the
 inputs and weights are zeros of the head's dtype, the outputs are dropped). A row count between
 two grid points may still get a kernel of its own; ``bench/step_timeline.py --gaps`` counts the
-lazy loads a profiled step still has (at c=64, twenty-fifth session: 1-3 a step with it, 4-6 without).
+lazy loads a profiled step still has (at c=64: 1-3 a step with it, 4-6 without).
 
 The head's attentions over a long memory run as batched GEMMs too (:func:`clef_vllm.model.head.matmul_attention`,
 a few records' queries over 1,024 keys or more): the warm-up runs them at the memory grid's row counts from
