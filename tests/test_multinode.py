@@ -139,7 +139,7 @@ if __name__ == "__main__":
 """
 
 
-def tests_on_path() -> str:
+def pythonpath_with_tests() -> str:
     """PYTHONPATH for a child that imports ``support`` from this folder, as pytest's own process does."""
     import os
 
@@ -161,7 +161,7 @@ def test_a_headless_node_whose_head_never_answers_exits_1(tiny_release, tmp_path
     script.write_text(HEADLESS_ALONE.format(model=str(tiny_release), port=str(free_port()),
                                             minutes=0.05))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "PYTHONPATH": tests_on_path()})
+                         env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "PYTHONPATH": pythonpath_with_tests()})
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Did not receive response from front-end process" in out.stderr
     assert "headless node: an engine exited" in out.stderr
@@ -184,7 +184,7 @@ def test_a_headless_node_stops_on_sigterm_with_exit_0(tiny_release, tmp_path):
     log = tmp_path / "headless.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=err,
-                                env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "PYTHONPATH": tests_on_path()})
+                                env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "PYTHONPATH": pythonpath_with_tests()})
     try:
         deadline = time.monotonic() + 120
         while "headless node: data-parallel ranks 1-1 of 2" not in log.read_text():
