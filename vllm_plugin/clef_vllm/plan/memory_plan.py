@@ -383,15 +383,23 @@ def choose_nvfp4_kernel(model: ModelShape, inputs: PlanInputs, capability=None) 
     return "bf16" if roomy else "vllm"
 
 
+def _warmup_cap(i: PlanInputs, rows: int):
+    return replace(i, gemm_warmup_rows=rows), \
+        f"GEMM warm-up capped at {rows:,} rows (larger head GEMMs load their kernels at first use)"
+
+
+def _batched(i: PlanInputs, tokens: int):
+    return replace(i, max_num_batched_tokens=tokens), \
+        f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {tokens:,} (longer prompts in chunks)"
+
+
 def _steps(inputs: PlanInputs):
     """The feature changes :func:`fit` tries, cheapest loss first: ``(new inputs, what)``."""
     i = inputs
     if i.gemm_warmup and i.warmup_rows > GEMM_WARMUP_CAP_ROWS:
-        yield replace(i, gemm_warmup_rows=GEMM_WARMUP_CAP_ROWS), \
-            f"GEMM warm-up capped at {GEMM_WARMUP_CAP_ROWS:,} rows (larger head GEMMs load their kernels at first use)"
+        yield _warmup_cap(i, GEMM_WARMUP_CAP_ROWS)
     if i.max_num_batched_tokens > LEAN_BATCHED_TOKENS:
-        yield replace(i, max_num_batched_tokens=LEAN_BATCHED_TOKENS), \
-            f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {LEAN_BATCHED_TOKENS:,} (longer prompts in chunks)"
+        yield _batched(i, LEAN_BATCHED_TOKENS)
     if i.max_num_seqs > LEAN_SEQUENCES:
         yield replace(i, max_num_seqs=LEAN_SEQUENCES), \
             f"--max-num-seqs {i.max_num_seqs} -> {LEAN_SEQUENCES} (a step prefills at most {LEAN_SEQUENCES} requests)"
@@ -403,12 +411,9 @@ def _steps(inputs: PlanInputs):
         yield replace(i, prefill_max_bucket=LEAN_PREFILL_BUCKET), \
             f"prefill graphs up to {LEAN_PREFILL_BUCKET:,} tokens (--prefill-graph-buckets)"
     if i.max_num_batched_tokens > LEANER_BATCHED_TOKENS:
-        yield replace(i, max_num_batched_tokens=LEANER_BATCHED_TOKENS), \
-            f"--max-num-batched-tokens {i.max_num_batched_tokens:,} -> {LEANER_BATCHED_TOKENS:,} (longer prompts in chunks)"
+        yield _batched(i, LEANER_BATCHED_TOKENS)
     if i.gemm_warmup and i.warmup_rows > LEANER_BATCHED_TOKENS // 2:
-        rows = LEANER_BATCHED_TOKENS // 2
-        yield replace(i, gemm_warmup_rows=rows), \
-            f"GEMM warm-up capped at {rows:,} rows (larger head GEMMs load their kernels at first use)"
+        yield _warmup_cap(i, LEANER_BATCHED_TOKENS // 2)
     if i.prefill_graphs:
         yield replace(i, prefill_graphs=False, step_graphs=False), "--prefill-graphs off"
     if i.gemm_warmup:
