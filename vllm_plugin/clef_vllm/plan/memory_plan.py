@@ -80,6 +80,15 @@ LEAN_BATCHED_TOKENS, LEAN_PREFILL_BUCKET = 8192, 2048
 #: the profile (its GDN prefill core included, :mod:`clef_vllm.worker.gdn_profile`) peaked at 1.20 GiB (9B Hybrid,
 #: H100, run 3 of ``bench/results/memory_budget_earlier_runs.txt``); 0.6 GiB at 8,192 tokens. The worker keeps it out of the KV cache.
 RUNTIME_EXCESS_BYTES_PER_TOKEN = int(0.6 * GIB / 8192)
+
+
+def served_step_excess(hidden: int, intermediate: int, batched_tokens: int) -> int:
+    """:data:`RUNTIME_EXCESS_BYTES_PER_TOKEN` for a step of ``batched_tokens``, scaled by hidden + intermediate
+    size: the plan's figure and the worker's reservation."""
+    width = (hidden + intermediate) / (REF_HIDDEN + REF_INTERMEDIATE)
+    return int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * batched_tokens)
+
+
 #: The head's transient when it decides one record, in memory rows' bytes per row (the normalised memory, its keys
 #: and values, the padded copy): the worker's profiling decides one ``max_model_len`` record.
 HEAD_DECISION_ROW_FACTOR = 6
@@ -319,7 +328,7 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
                           f"its core in {sequences} sequences (run in vLLM's profiling): {gib(step)} GiB transient, "
                           "above activations only", "vllm"))
         peak = max(peak, step)
-    parts.append(Part("beyond the profile", int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * i.max_num_batched_tokens),
+    parts.append(Part("beyond the profile", served_step_excess(m.hidden, m.intermediate, i.max_num_batched_tokens),
                       "what a served step holds beyond vLLM's profiling step", "vllm"))
     parts += [
               Part("vLLM CUDA graphs", max(int(VLLM_GRAPH_BYTES_PER_TOKEN * width * capture), VLLM_GRAPH_MIN_BYTES)

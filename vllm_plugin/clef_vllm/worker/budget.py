@@ -36,8 +36,8 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
 from clef_vllm.plan.graph_costs import graph_reservation
-from clef_vllm.plan.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, REF_HIDDEN, REF_INTERMEDIATE,
-                                   RUNTIME_EXCESS_BYTES_PER_TOKEN, VLLM_GRAPH_UNDERCOUNT)
+from clef_vllm.plan.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, VLLM_GRAPH_UNDERCOUNT,
+                                        served_step_excess)
 from clef_vllm.worker import memory
 from clef_vllm.worker.gdn_profile import GdnPeakProbe
 
@@ -88,8 +88,8 @@ def runtime_excess_bytes(vllm_config) -> int:
     """What a served step holds beyond vLLM's profiling step (:data:`clef_vllm.plan.memory_plan.RUNTIME_EXCESS_BYTES_PER_TOKEN`
     per batched token, scaled by hidden + intermediate size)."""
     text = vllm_config.model_config.hf_text_config
-    width = (text.hidden_size + text.intermediate_size) / (REF_HIDDEN + REF_INTERMEDIATE)
-    return int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * vllm_config.scheduler_config.max_num_batched_tokens)
+    return served_step_excess(text.hidden_size, text.intermediate_size,
+                              vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def gib(n: float) -> str:
