@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -33,12 +34,13 @@ log = logging.getLogger("clef_vllm")
 
 
 def vllm_prep(conv_out, a, b, layer):
-    """vLLM 0.28's post-convolution step, called as its ``_forward_core`` prefill path calls it."""
-    from vllm.third_party.flash_linear_attention.ops import fused_post_conv_prep
+    """vLLM 0.28's post-convolution step, called as its prefill path calls it (the prefill graphs' own call,
+    :func:`clef_vllm.worker.fast.prefill_graphs.vllm_kernels`), with this rank's share of the key heads."""
+    from clef_vllm.worker.fast.prefill_graphs import vllm_kernels
 
-    return fused_post_conv_prep(conv_output=conv_out, a=a, b=b, A_log=layer.A_log, dt_bias=layer.dt_bias,
-                                num_k_heads=layer.num_k_heads // layer.tp_size, head_k_dim=layer.head_k_dim,
-                                head_v_dim=layer.head_v_dim, apply_l2norm=True, output_g_exp=False)
+    dims = SimpleNamespace(A_log=layer.A_log, dt_bias=layer.dt_bias, num_k_heads=layer.num_k_heads // layer.tp_size,
+                           head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim)
+    return vllm_kernels().prep(conv_out, a, b, dims)
 
 
 class GdnPeakProbe:
