@@ -550,7 +550,8 @@ def engine_args(opts: VllmOptions) -> dict[str, Any]:
 
 
 def add_flags(group, backend: str) -> None:
-    """Add the flags of ``backend``'s options that declare ``flags`` to an argparse group.
+    """Add the flags of ``backend``'s options that declare ``flags`` to an argparse group, or to the group
+    ``group(name)`` returns for option ``name`` when ``group`` is callable.
 
     Defaults are suppressed: a flag that was not given does not appear in the namespace, so
     :func:`given_options` can tell "given" from "default" (a flag given for the other backend is
@@ -559,6 +560,7 @@ def add_flags(group, backend: str) -> None:
         m = f.metadata
         if not m.get("flags"):
             continue
+        target = group(f.name) if callable(group) else group
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": m["help"]}
         if m.get("action"):
             kw["action"] = m["action"]
@@ -571,7 +573,7 @@ def add_flags(group, backend: str) -> None:
                 kw["choices"] = list(m["choices"])
             if m.get("metavar"):
                 kw["metavar"] = m["metavar"]
-        group.add_argument(*m["flags"], **kw)
+        target.add_argument(*m["flags"], **kw)
 
 
 def flag_of(name: str) -> str:
