@@ -102,7 +102,7 @@ def test_the_16gb_plan_reaches_the_engine_as_a_leaner_step_lean_prefill_buckets_
     kwargs = engine_args(fitted)
     settings = WorkerSettings.of(SimpleNamespace(**kwargs))
     assert kwargs["max_num_batched_tokens"] == 4096 and not settings.head_graphs
-    assert kwargs["max_num_seqs"] == 32 and fitted.gemm_warmup_rows == 2048 == settings.gemm_warmup_rows
+    assert kwargs["max_num_seqs"] == 32 and fitted.gemm_warmup_rows == 4096 == settings.gemm_warmup_rows
     assert max(settings.prefill_graphs.buckets) == 2048 and settings.prefill_graphs.scope == "core"
 
 
