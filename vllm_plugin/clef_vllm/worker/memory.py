@@ -39,6 +39,14 @@ def _reserved() -> int:
     return int(torch.cuda.memory_reserved()) if torch.cuda.is_available() else 0
 
 
+def _segments() -> int:
+    """Bytes of memory the allocator has obtained from the driver so far (cumulative: what it released since does
+    not count)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("reserved_bytes.all.allocated", 0))
+
+
 def _allocated() -> int:
     return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
 
@@ -74,13 +82,15 @@ def _device_total() -> int:
 class Ledger:
     """Reserved-memory growth per kind of plugin work, and the budget it is held against.
 
-    ``reserved`` / ``allocated`` / ``used`` / ``total`` read the allocator, the driver's count for this process
-    and the device (injectable for tests); ``budget_fraction`` is vLLM's ``gpu_memory_utilization`` (``None``:
-    not a GPU worker)."""
+    ``reserved`` / ``allocated`` / ``segments`` / ``used`` / ``total`` read the allocator (``segments``: the bytes it
+    has obtained from the driver so far, cumulative), the driver's count for this process and the device (injectable
+    for tests); ``budget_fraction`` is vLLM's ``gpu_memory_utilization`` (``None``: not a GPU worker)."""
 
     def __init__(self, reserved: Callable[[], int] = _reserved, allocated: Callable[[], int] = _allocated,
-                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = process_used):
+                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = process_used,
+                 segments: Callable[[], int] = _segments):
         self._reserved, self._allocated, self._total, self._used = reserved, allocated, total, used
+        self._segments = segments
         self.taken: Counter[str] = Counter()
         self.times: Counter[str] = Counter()
         self.budget_fraction: float | None = None
@@ -92,13 +102,15 @@ class Ledger:
 
     @contextlib.contextmanager
     def taking(self, what: str):
-        """Count the reserved memory's growth while the block runs as ``what``'s (kept on failure too:
-        a failed capture's pool stays reserved)."""
-        before = self._reserved()
+        """Count the memory the allocator obtains while the block runs as ``what``'s (kept on failure too: a
+        failed capture's pool stays reserved). New segments, not the net change of what it holds: the allocator,
+        capped at the budget (:mod:`clef_vllm.worker.budget`), may release cached blocks meanwhile to make room,
+        which would make a capture look as if it had given memory back."""
+        before = self._segments()
         try:
             yield
         finally:
-            self.taken[what] += self._reserved() - before
+            self.taken[what] += self._segments() - before
             self.times[what] += 1
             self.dirty = True
 
