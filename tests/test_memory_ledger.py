@@ -12,27 +12,15 @@ GIB = 1 << 30
 
 
 class FakeDevice:
-    """An allocator that holds ``reserved`` bytes and has obtained ``segments`` bytes from the driver in all."""
-
     def __init__(self, reserved_gib: float, total_gib: float = 100.0):
-        self._reserved = int(reserved_gib * GIB)
-        self.segments = self._reserved
+        self.reserved = int(reserved_gib * GIB)
         self.total = int(total_gib * GIB)
-
-    @property
-    def reserved(self) -> int:
-        return self._reserved
-
-    @reserved.setter
-    def reserved(self, value: int) -> None:
-        self.segments += max(value - self._reserved, 0)     # growth is new segments; a release is not
-        self._reserved = value
 
     def ledger(self, fraction: float | None = 0.5, used_over_reserved_gib: float | None = None) -> memory.Ledger:
         used = None if used_over_reserved_gib is None else \
             (lambda: self.reserved + int(used_over_reserved_gib * GIB))   # the CUDA context, kernels, workspaces
         ledger = memory.Ledger(reserved=lambda: self.reserved, allocated=lambda: self.reserved - GIB,
-                               total=lambda: self.total, used=used or (lambda: None), segments=lambda: self.segments)
+                               total=lambda: self.total, used=used or (lambda: None))
         ledger.budget_fraction = fraction
         return ledger
 
@@ -51,16 +39,20 @@ def test_taking_counts_reserved_growth_per_kind_even_when_the_work_fails():
     assert ledger.taken[memory.HEAD_GRAPHS] == GIB and ledger.dirty
 
 
-def test_taking_counts_new_segments_when_the_capped_allocator_releases_cached_blocks_meanwhile():
-    """A capture that takes 1 GiB while the allocator, at its cap, releases 3 GiB of cached blocks took 1 GiB
-    (the net change, -2 GiB, would say it gave memory back)."""
+def test_taking_never_counts_a_negative_figure_when_the_capped_allocator_releases_cached_blocks_meanwhile():
+    """A capture during which the allocator, at its cap, releases 3 GiB of cached blocks and obtains 1 GiB for the
+    graph's pool counts 0 (a lower bound), not -2 GiB; the next capture that grows the reservations counts its
+    growth."""
     dev = FakeDevice(40)
     ledger = dev.ledger()
     with ledger.taking(memory.STEP_GRAPHS):
         dev.reserved -= 3 * GIB                  # cached blocks released to make room
         dev.reserved += GIB                      # the graph pool's new segment
-    assert ledger.taken[memory.STEP_GRAPHS] == GIB
-    assert "step graphs 1.00 GiB (1x)" in ledger.report()[1]
+    with ledger.taking(memory.STEP_GRAPHS):
+        dev.reserved += GIB // 2
+    assert ledger.taken[memory.STEP_GRAPHS] == GIB // 2 and ledger.times[memory.STEP_GRAPHS] == 2
+    line = ledger.report()[1]
+    assert "step graphs 0.50 GiB (2x)" in line and "(reservations' growth, at least)" in line
 
 
 def test_report_within_and_beyond_the_budget():

@@ -39,14 +39,6 @@ def _reserved() -> int:
     return int(torch.cuda.memory_reserved()) if torch.cuda.is_available() else 0
 
 
-def _segments() -> int:
-    """Bytes of memory the allocator has obtained from the driver so far (cumulative: what it released since does
-    not count)."""
-    if not torch.cuda.is_available():
-        return 0
-    return int(torch.cuda.memory_stats().get("reserved_bytes.all.allocated", 0))
-
-
 def _allocated() -> int:
     return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0
 
@@ -82,15 +74,13 @@ def _device_total() -> int:
 class Ledger:
     """Reserved-memory growth per kind of plugin work, and the budget it is held against.
 
-    ``reserved`` / ``allocated`` / ``segments`` / ``used`` / ``total`` read the allocator (``segments``: the bytes it
-    has obtained from the driver so far, cumulative), the driver's count for this process and the device (injectable
-    for tests); ``budget_fraction`` is vLLM's ``gpu_memory_utilization`` (``None``: not a GPU worker)."""
+    ``reserved`` / ``allocated`` / ``used`` / ``total`` read the allocator, the driver's count for this process
+    and the device (injectable for tests); ``budget_fraction`` is vLLM's ``gpu_memory_utilization`` (``None``:
+    not a GPU worker)."""
 
     def __init__(self, reserved: Callable[[], int] = _reserved, allocated: Callable[[], int] = _allocated,
-                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = process_used,
-                 segments: Callable[[], int] = _segments):
+                 total: Callable[[], int] = _device_total, used: Callable[[], int | None] = process_used):
         self._reserved, self._allocated, self._total, self._used = reserved, allocated, total, used
-        self._segments = segments
         self.taken: Counter[str] = Counter()
         self.times: Counter[str] = Counter()
         self.budget_fraction: float | None = None
@@ -102,15 +92,17 @@ class Ledger:
 
     @contextlib.contextmanager
     def taking(self, what: str):
-        """Count the memory the allocator obtains while the block runs as ``what``'s (kept on failure too: a
-        failed capture's pool stays reserved). New segments, not the net change of what it holds: the allocator,
-        capped at the budget (:mod:`clef_vllm.worker.budget`), may release cached blocks meanwhile to make room,
-        which would make a capture look as if it had given memory back."""
-        before = self._segments()
+        """Count the growth of the allocator's reservations while the block runs as ``what``'s (kept on failure
+        too: a failed capture's pool stays reserved). A block whose reservations did not grow counts 0: the
+        allocator, capped at the budget (:mod:`clef_vllm.worker.budget`), may release cached blocks meanwhile to
+        make room, so the count is a lower bound of what the captures hold, never a negative figure. (The
+        allocator's cumulative count of new segments is no better: at the cap it releases and obtains segments
+        over and over within one capture.)"""
+        before = self._reserved()
         try:
             yield
         finally:
-            self.taken[what] += self._segments() - before
+            self.taken[what] += max(self._reserved() - before, 0)
             self.times[what] += 1
             self.dirty = True
 
@@ -129,7 +121,7 @@ class Ledger:
             "the allocator holds "
         line = (f"clef memory: {process}{held / GIB:.2f} GiB ({self._allocated() / GIB:.2f} GiB in use) against "
                 f"vLLM's budget of {budget / GIB:.2f} GiB (--gpu-memory-utilization {self.budget_fraction:g} of "
-                f"{total / GIB:.1f} GiB); taken after vLLM sized its KV cache: "
+                f"{total / GIB:.1f} GiB); taken after vLLM sized its KV cache (reservations' growth, at least): "
                 + (", ".join(parts) if parts else "nothing")
                 + (f" (reserved for them: {self.reserved_for_graphs / GIB:.2f} GiB)"
                    if self.reserved_for_graphs is not None else ""))
