@@ -19,8 +19,9 @@ from clef_vllm.schema.answers import build_response
 from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.schema.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
+from clef_vllm.schema.media import MEDIA_KEYS, decode_media
 from clef_vllm.schema.openai_decisions import check_fits
-from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
+from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect, RequestLimits, attach_media
 
 
 class Clef:
@@ -48,7 +49,9 @@ class Clef:
 
     def systemone(self, request: dict) -> dict:
         """Answer one SystemOne request; raises :class:`~clef_vllm.schema.errors.RequestError` (a ValueError
-        naming the field; ``.kind`` says what is wrong) for invalid input."""
+        naming the field; ``.kind`` says what is wrong) for invalid input. ``images`` (and ``videos``, reference
+        dialect) may hold ``PIL.Image`` objects, bytes or local paths besides data: URIs; they are validated as
+        the server validates them (docs/protocol.md, Media), then refused: this build's model sees no images."""
         return self.systemone_batch([request])[0]
 
     def systemone_batch(self, requests: Sequence[dict]) -> list[dict]:
@@ -72,7 +75,7 @@ class Clef:
         limits = self.backend.encoder.request_limits()
         for i, body in enumerate(requests):
             try:
-                req = parse_request(body, dialect, limits)
+                req = _parse(body, dialect, limits)
                 enc = self.backend.encoder.encode(req)
                 if dialect is Dialect.OPENAI:
                     check_fits(enc)
@@ -93,3 +96,13 @@ class Clef:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _parse(body: Any, dialect: Dialect, limits: RequestLimits) -> Any:
+    """``parse_request``, with the offline forms of media (``PIL.Image``, bytes, paths) and their pixels decoded."""
+    if dialect is Dialect.OPENAI or not isinstance(body, dict) or not MEDIA_KEYS.keys() & body.keys():
+        return parse_request(body, dialect, limits)
+    req = parse_request({k: v for k, v in body.items() if k not in MEDIA_KEYS}, dialect, limits)
+    attach_media(req, body.get("images"), body.get("videos"), dialect, limits, local=True)
+    decode_media(req._media)
+    return req

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.media import TypedMediaTokens, no_check, text_only
 from clef_vllm.schema.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
                                 SystemOneRequest)
 from clef_vllm.util.lru import SizedLRU
@@ -142,10 +143,9 @@ def state_pieces(text: str, size: int = STATE_PIECE_CHARS, added: Sequence[str] 
 
 
 class PieceCache(SizedLRU):
-    """Token ids of texts tokenized on their own (state pieces, schema segments) by content (a 16-byte
-    BLAKE2b digest of the text), least recently used dropped past ``capacity`` ids in all or
-    ``max_pieces`` texts (default ``capacity // 64``). Thread-safe; tokenizing such a text is a pure
-    function of the text."""
+    """Token ids of texts tokenized on their own (state pieces, schema segments) by content (a 16-byte BLAKE2b
+    digest of the text), least recently used dropped past ``capacity`` ids in all or ``max_pieces`` texts (default
+    ``capacity // 64``). Thread-safe; tokenizing such a text is a pure function of the text."""
 
     def __init__(self, capacity: int = STATE_PIECE_CACHE, max_pieces: int | None = None):
         super().__init__(capacity, capacity // 64 if max_pieces is None else max_pieces)
@@ -194,9 +194,9 @@ def _scalar_text(node: Any) -> str | None:
 class StateText:
     """The state's rendered text (``render(state)``), produced only as far as it is read.
 
-    A string state is used as is. Any other state is written piece by piece with an explicit stack
-    (no recursion), exactly as ``json.dumps(state, sort_keys=True, separators=(",", ":"),
-    ensure_ascii=False)`` would write it; long strings are escaped a chunk at a time."""
+    A string state is used as is. Any other state is written piece by piece with an explicit stack (no recursion),
+    exactly as ``json.dumps(state, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` would write it;
+    long strings are escaped a chunk at a time."""
 
     def __init__(self, state: Any):
         self._size = len(state) if isinstance(state, str) else 0
@@ -360,9 +360,9 @@ class RequestEncoder:
     def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, max_state_tokens: int | None = None,
                  piece_cache: int = STATE_PIECE_CACHE, segment_cache: int = SCHEMA_SEGMENT_CACHE,
                  state_list_cache: int = STATE_LIST_IDS):
-        # A transformers fast tokenizer or a bare ``tokenizers.Tokenizer``; we call the Rust
-        # tokenizer directly (batched, no padding/truncation state, so it is thread-safe).
-        self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        # A transformers fast tokenizer or a bare ``tokenizers.Tokenizer``; we call the Rust tokenizer directly
+        self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)     # (batched, stateless: thread-safe)
+        self._typed = TypedMediaTokens(self._tok)         # media tokens typed in text stay text (schema/media.py)
         self.max_length = int(max_length)
         self.max_state_tokens = max_state_tokens
         self._prefix = self.tokenize(PREFIX_TEXT)
@@ -437,11 +437,11 @@ class RequestEncoder:
         return list(self._prefix)
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of one segment, no special tokens added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of one segment, no special tokens added (typed media tokens as text)."""
+        return self._typed.encode_batch((text,))[0]
 
     def _tokenize_many(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        return self._typed.encode_batch(texts)
 
     def request_limits(self, max_length: int | None = None) -> RequestLimits:
         """Structural limits for requests of at most ``max_length`` tokens (see :class:`RequestLimits`)."""
@@ -454,8 +454,10 @@ class RequestEncoder:
         Raises RequestError(SCHEMA_TOO_LONG) as soon as the schema alone cannot fit, and
         RequestError(TOO_COMPLEX) for a state that cannot be cut where the budget ends (see
         ``MAX_UNCUT_CHARS``). ``checkpoint`` is called between steps (it raises to stop the work)."""
+        if request._media:                # validated media (schema/media.py): this build's backends see no images
+            raise text_only(request._media)
         max_length = self.max_length if max_length is None else int(max_length)
-        check = checkpoint or _no_check
+        check = checkpoint or no_check
         questions = list(request.questions.items())
         options = [question_options(q) for _, q in questions]
 
@@ -527,7 +529,7 @@ class RequestEncoder:
         Only a prefix of a long state is rendered and tokenized: one that ends at a safe cut and
         holds more than ``keep`` tokens, so its first ``keep`` ids are those of the whole state.
         The number cut is then estimated (``exact`` False) from the characters left out."""
-        check = checkpoint or _no_check
+        check = checkpoint or no_check
         text = StateText(state)
         keep = max(0, keep)
         if not self.split_state:                  # no provably safe cut for this tokenizer: all of it
@@ -587,10 +589,6 @@ class RequestEncoder:
                 found[i] = ids
                 cache.put(keys[i], ids)
         return found
-
-
-def _no_check() -> None:
-    return None
 
 
 def _schema_too_long(tokens: int, max_length: int, exact: bool) -> RequestError:

@@ -19,6 +19,9 @@ class Kind(str, Enum):
     MALFORMED = "malformed"                      # not JSON / not NDJSON
     UNSUPPORTED = "unsupported"                  # a feature this build does not have (images, videos)
     INVALID = "invalid"                          # well-formed but not a valid request
+    MEDIA_MALFORMED = "media_malformed"          # an images/videos entry that is no inline image (bad base64, a URL)
+    MEDIA_INVALID = "media_invalid"              # bytes that are no accepted image (corrupt, wrong format); too many
+    MEDIA_TOO_LARGE = "media_too_large"          # an image's or the request's bytes, pixels or frames over the limits
     BODY_TOO_LARGE = "body_too_large"            # more bytes than the body cap
     TOO_COMPLEX = "too_complex"                  # structural limits: JSON values, nesting, questions, options, chars
     SCHEMA_TOO_LONG = "schema_too_long"          # prompt + questions alone exceed the token limit

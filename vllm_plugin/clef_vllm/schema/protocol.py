@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, WORKERS_AI_MEDIA_LIMITS, MediaLimits, parse_media
 
 __all__ = ["Dialect", "SYSTEMONE_DIALECTS", "DialectRules", "RULES", "RequestLimits", "RequestError", "SystemOneRequest",
            "gini_purity", "parse_systemone",
@@ -145,14 +146,19 @@ class SystemOneRequest(BaseModel):
     model: str = Field(description="Echoed in the response.")
     state: Any = Field(description="Any JSON value (required key; may be null).")
     questions: dict[str, Question] = Field(description="Ordered map question_id -> question; at least one.")
-    images: list[Any] | None = Field(default=None, description="Not supported by this build (HTTP 400 if non-empty).")
-    videos: list[Any] | None = Field(default=None, description="Not supported by this build (HTTP 400 if non-empty).")
+    images: list[Any] | None = Field(default=None, description="data: URIs (base64 PNG, JPEG, WebP, GIF: first frame; "
+                                     "workers-ai: PNG, JPEG, WebP, also bare base64), validated (docs/protocol.md, "
+                                     "Media); this build's model does not see them yet (400 after validation).")
+    videos: list[Any] | None = Field(default=None, description="Reference dialect: each an array of frames (data: URIs) "
+                                     "or one animated GIF/WebP/PNG; validated, then 400 as images.")
 
     _at_least_one = field_validator("questions")(_require_non_empty("at least one question is required"))
     #: The OpenAI Decisions request this one was mapped from (``clef_vllm.schema.openai_decisions.DecisionPlan``).
     _decision: Any = PrivateAttr(default=None)
     #: Fields the reference dialect ignored, one line each (the response's ``warnings``).
     _warnings: list = PrivateAttr(default_factory=list)
+    #: The validated media (``clef_vllm.schema.media.MediaItem``), images first; ``images``/``videos`` are then None.
+    _media: list = PrivateAttr(default_factory=list)
 
 
 class NoulAnswer(BaseModel):
@@ -228,6 +234,7 @@ class RequestLimits:
     max_schema_chars: int | None = None
     max_model_chars: int | None = MAX_MODEL_CHARS
     tokens: int | None = None                     # the budget they were sized for (for messages)
+    media: MediaLimits = DEFAULT_MEDIA_LIMITS     # images and videos (the workers-ai dialect: the hosted limits)
 
     @classmethod
     def for_tokens(cls, max_tokens: int, max_token_bytes: int = DEFAULT_MAX_TOKEN_BYTES) -> "RequestLimits":
@@ -422,9 +429,6 @@ def parse_systemone(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
     except ValidationError as err:
         raise _from_validation_error(err) from None
 
-    for media in ("images", "videos"):
-        if getattr(req, media):
-            raise RequestError("not supported by this build (text-only)", kind=Kind.UNSUPPORTED, field=media)
     if rules.forbid_unknown_fields and req.model_extra:
         raise RequestError("unknown field", field=next(iter(req.model_extra)))
     if rules.max_questions is not None and len(req.questions) > rules.max_questions:
@@ -470,7 +474,18 @@ def parse_systemone(body: Any, dialect: Dialect | str = Dialect.REFERENCE,
                            field="questions")
     if not rules.forbid_unknown_fields:
         req._warnings = unknown_fields(req)
+    attach_media(req, req.images, req.videos, dialect, limits)
     return req
+
+
+def attach_media(req: SystemOneRequest, images: Any, videos: Any, dialect: Dialect, limits: RequestLimits | None,
+                 *, local: bool = False) -> None:
+    """Validate ``images`` and ``videos`` (bytes and headers: :func:`clef_vllm.schema.media.parse_media`) into
+    ``req._media``, after everything else in the request passed; the request then holds no base64 text.
+    ``local``: the offline API (bytes, paths and ``PIL.Image`` objects too)."""
+    media = WORKERS_AI_MEDIA_LIMITS if dialect is Dialect.WORKERS_AI else (limits or DEFAULT_LIMITS).media
+    req._media = parse_media(images, videos, media, local=local)
+    req.images = req.videos = None
 
 
 def unknown_fields(req: SystemOneRequest) -> list[str]:

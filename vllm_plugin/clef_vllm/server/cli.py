@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import uvicorn
 from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
+from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.connection import PROBE_CONNECTIONS
 from clef_vllm.server.flags import Sections, add_help_flags, mark_tuning, with_config
@@ -115,6 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                      help=f"on SIGTERM, seconds to finish accepted requests before exiting "
                           f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+
+    m = DEFAULT_MEDIA_LIMITS           # images/videos of the reference dialect; workers-ai keeps the hosted limits
+    lim.add_argument("--max-images", type=_non_negative_int, default=m.max_images,
+                     help=f"images per request; the one past it is 422 (default {m.max_images})")
+    lim.add_argument("--max-videos", type=_non_negative_int, default=m.max_videos,
+                     help=f"videos per request; the one past it is 422 (default {m.max_videos})")
+    lim.add_argument("--max-video-frames", type=_positive_int, default=m.max_video_frames,
+                     help=f"frames of one video, 413 beyond (default {m.max_video_frames})")
+    lim.add_argument("--max-image-pixels", type=_positive_int, default=m.max_pixels,
+                     help=f"width x height of one image or video frame, read from its header before any pixel is "
+                          f"decoded; 413 beyond (default {m.max_pixels:,}, the processor's max_pixels)")
+    lim.add_argument("--max-image-bytes", type=_positive_int, default=m.max_item_bytes,
+                     help=f"decoded (not base64) bytes of one image or video, 413 beyond (default {m.max_item_bytes})")
+    lim.add_argument("--max-media-bytes", type=_positive_int, default=m.max_total_bytes,
+                     help=f"decoded bytes of all images and videos of a request, 413 beyond "
+                          f"(default {m.max_total_bytes})")
+    lim.add_argument("--max-media-pixels", type=_positive_int, default=m.max_total_pixels,
+                     help=f"pixels of all images and video frames of a request (the decoding work), 413 beyond "
+                          f"(default {m.max_total_pixels:,})")
 
     sec = s["security"]
     sec.add_argument("--api-key", action="append", default=None,
@@ -201,6 +222,14 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    """The reference dialect's media limits from the flags."""
+    return dataclasses.replace(DEFAULT_MEDIA_LIMITS, max_images=args.max_images, max_videos=args.max_videos,
+                               max_video_frames=args.max_video_frames, max_pixels=args.max_image_pixels,
+                               max_item_bytes=args.max_image_bytes, max_total_bytes=args.max_media_bytes,
+                               max_total_pixels=args.max_media_pixels)
 
 
 def _split(values: list[str] | None) -> tuple[str, ...]:
@@ -302,7 +331,7 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
         dialect=Dialect(args.dialect), max_body_bytes=args.max_body_bytes, served_models=_served_models(args),
         max_in_flight=args.max_in_flight, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout or None, load_timeout_s=load_timeout(vllm_opts, args.load_timeout or None),
-        shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, api_keys=keys,
+        shutdown_timeout_s=args.shutdown_timeout, over_length=args.over_length, media=media_limits(args), api_keys=keys,
         auth_health_metrics=args.auth_health_metrics, cors_origins=_split(args.cors_origins),
         near_tie_margin=args.near_tie_margin, bulk_concurrency=args.bulk_concurrency,
         max_bulk_streams=args.max_bulk_streams, max_bulk_lines=args.max_bulk_lines or None,

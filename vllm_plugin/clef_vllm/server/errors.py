@@ -26,6 +26,7 @@ class Outcome:
 OUTCOMES: dict[Kind, Outcome] = {
     Kind.MALFORMED: Outcome(400, "bad_request", 6003),
     Kind.UNSUPPORTED: Outcome(400, "unsupported", 6003),
+    Kind.MEDIA_MALFORMED: Outcome(400, "media_malformed", 5006),
     Kind.UNKNOWN_MODEL: Outcome(400, "unknown_model", 7000),      # the hosted API's "no route"
     Kind.UNAUTHORIZED: Outcome(401, "unauthorized", 10000),
     Kind.NOT_FOUND: Outcome(404, "not_found", 7000),
@@ -35,8 +36,10 @@ OUTCOMES: dict[Kind, Outcome] = {
     Kind.TOO_COMPLEX: Outcome(413, "too_complex", 5021),
     Kind.SCHEMA_TOO_LONG: Outcome(413, "schema_too_long", 5021),
     Kind.TOO_MANY_TOKENS: Outcome(413, "too_many_tokens", 5021),
+    Kind.MEDIA_TOO_LARGE: Outcome(413, "media_too_large", 5021),
     Kind.UNSUPPORTED_MEDIA_TYPE: Outcome(415, "unsupported_media_type", 6003),
     Kind.INVALID: Outcome(422, "invalid", 5012),
+    Kind.MEDIA_INVALID: Outcome(422, "media_invalid", 5012),
     Kind.OVERLOADED: Outcome(429, "queue_full", 3040),
     Kind.BULK_STREAMS: Outcome(429, "bulk_streams", 3040),
     Kind.CLIENT_CLOSED: Outcome(499, "client_closed", 5012),
@@ -54,13 +57,15 @@ _HTTP_KINDS = {404: Kind.NOT_FOUND, 405: Kind.METHOD_NOT_ALLOWED}
 
 #: OpenAI's Decisions route (``Dialect.OPENAI``): the kinds whose status differs there (OpenAI answers a
 #: request it cannot take with 400, a prompt that does not fit included), and each kind's ``code``.
-OPENAI_STATUS = {Kind.INVALID: 400, Kind.TOO_COMPLEX: 400, Kind.SCHEMA_TOO_LONG: 400, Kind.TOO_MANY_TOKENS: 400}
+OPENAI_STATUS = {Kind.INVALID: 400, Kind.TOO_COMPLEX: 400, Kind.SCHEMA_TOO_LONG: 400, Kind.TOO_MANY_TOKENS: 400,
+                 Kind.MEDIA_INVALID: 400, Kind.MEDIA_TOO_LARGE: 400}
 OPENAI_CODES = {Kind.MALFORMED: "invalid_json", Kind.UNSUPPORTED: "unsupported_value", Kind.INVALID: "invalid_value",
                 Kind.TOO_COMPLEX: "request_too_large", Kind.SCHEMA_TOO_LONG: "context_length_exceeded",
                 Kind.TOO_MANY_TOKENS: "context_length_exceeded", Kind.BODY_TOO_LARGE: "request_too_large",
                 Kind.UNAUTHORIZED: "invalid_api_key", Kind.NOT_FOUND: "not_found",
                 Kind.UNKNOWN_MODEL: "model_not_found", Kind.OVERLOADED: "rate_limit_exceeded",
-                Kind.BULK_STREAMS: "rate_limit_exceeded"}
+                Kind.BULK_STREAMS: "rate_limit_exceeded", Kind.MEDIA_MALFORMED: "invalid_image",
+                Kind.MEDIA_INVALID: "invalid_image", Kind.MEDIA_TOO_LARGE: "image_too_large"}
 
 
 def outcome(exc: ClefError) -> Outcome:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import gc
 import json
@@ -26,6 +27,7 @@ from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, Re
 from clef_vllm.schema.answers import build_response, hosted_envelope
 from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
+from clef_vllm.schema.media import decode_media
 from clef_vllm.schema.openai_decisions import check_fits
 from clef_vllm.schema.protocol import Dialect, RequestLimits, SystemOneRequest
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
@@ -58,8 +60,10 @@ class CpuPool:
         self.queued = 0
         self.inline_bytes = inline_bytes
 
-    async def run(self, ctx: RequestContext | None, fn: Callable, *args) -> Any:
-        if ctx is not None and 0 < ctx.body_bytes <= self.inline_bytes:
+    async def run(self, ctx: RequestContext | None, fn: Callable, *args, inline: bool = True) -> Any:
+        """``fn(*args)`` in the pool (on the loop for a small body unless ``inline`` is False: media decoding,
+        whose work does not follow the body's size)."""
+        if inline and ctx is not None and 0 < ctx.body_bytes <= self.inline_bytes:
             ctx.checkpoint()
             return fn(*args)
         ctx_vars = contextvars.copy_context()            # log lines keep the request id
@@ -206,7 +210,7 @@ class DecisionService:
         in_flight = self.settings.max_in_flight or max(1, int(backend.suggested_max_in_flight()))
         queue = self.settings.max_queue if self.settings.max_queue is not None else 2 * in_flight
         self.admission = Admission(in_flight, queue)
-        self.limits = backend.encoder.request_limits()
+        self.limits = dataclasses.replace(backend.encoder.request_limits(), media=self.settings.media)
         if self.settings.freeze_heap:
             frozen, took_ms = freeze_heap()
             log.info("garbage collector: %d objects from start-up frozen (a full collection over them took %.0f ms "
@@ -414,6 +418,8 @@ class DecisionService:
             raw = raw.pop()
         parsed = await self.pool.run(ctx, self._parse, raw, ctx, dialect)
         del raw
+        if parsed._media:           # every frame decoded once (corrupt data: 422), in the pool whatever the body's size
+            await self.pool.run(ctx, decode_media, parsed._media, ctx.checkpoint, inline=False)
         ctx.add_stage("parse", time.perf_counter() - t0)
         ctx.questions = len(parsed.questions)
         encoded, probs = await self._admitted(parsed, ctx, kind)

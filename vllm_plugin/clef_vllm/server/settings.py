@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_vllm.schema.protocol import Dialect
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -44,6 +45,7 @@ class ServerSettings:
     health_poll_s: float = 1.0
     # size limits
     over_length: str = "truncate"             # "truncate" (cut the state's end) | "reject" (413)
+    media: MediaLimits = DEFAULT_MEDIA_LIMITS  # images/videos of the reference dialect (workers-ai: the hosted limits)
     max_buffered_bytes: int | None = None     # default: BUFFERED_BODIES x max_body_bytes
     # slow clients and connections
     header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S
