@@ -220,9 +220,10 @@ def _open(data: bytes, field: str, limits: MediaLimits, declared: str | None):
 
     try:
         image = Image.open(io.BytesIO(data), formats=list(limits.formats))
-    except Image.DecompressionBombError:
-        raise _too_large(f"declares more pixels than any image may have (at most {limits.max_pixels:,} are allowed)",
-                         field) from None
+    except Image.DecompressionBombError as exc:          # Pillow's own check, far above ours: the header's size
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        declared_px = f"{int(found.group(1)):,} pixels" if found else "more pixels than any image may have"
+        raise _too_large(f"declares {declared_px} in its header; at most {limits.max_pixels:,} are allowed", field) from None
     except UnidentifiedImageError:
         raise _invalid(f"is not a {_accepted(limits)} image (or its header is corrupt)", field) from None
     except Exception as exc:  # noqa: BLE001 - Pillow's plugins raise many types on hostile headers
@@ -380,7 +381,7 @@ def decode_media(items: Sequence[MediaItem], check: Callable[[], None] | None = 
                     with Image.open(io.BytesIO(source), formats=["PNG"]) as image:
                         image.verify()
                 except Exception as exc:  # noqa: BLE001 - reported per entry
-                    raise _invalid(f"is corrupt ({_reason(exc)})", item.field) from None
+                    raise _invalid(f"is truncated or corrupt ({_reason(exc)})", item.field) from None
         frames = _frames(item, check)
         try:
             for _ in frames:

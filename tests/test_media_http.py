@@ -1,0 +1,146 @@
+"""Media over HTTP on a real server (loopback): each bad image is its own 4xx in the route's envelope, naming the
+entry and with the dialect's code, never a 5xx or a stack trace; a valid one still ends in the text-only 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from conftest import REQUEST, LiveServer
+from test_media import data_uri, image_bytes, png_declaring
+
+HOSTED = "/client/v4/accounts/023e105f4ecef8ad9ca31a8372d0c353/ai/run/@cf/cloudflare/clef-flash"
+PNG = data_uri(image_bytes("PNG"))
+
+
+def noisy(fmt: str, size=(64, 64)) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    Image.effect_noise(size, 64).convert("RGB").save(out, fmt)
+    return out.getvalue()
+
+
+def reference(server: LiveServer, body: dict | bytes, status: int, field: str, message: str) -> dict:
+    code, text = server.call("/v1/systemone", body)
+    assert "Traceback" not in text
+    error = json.loads(text)["error"]
+    assert (code, error["param"], error["code"]) == (status, field, status), text
+    assert message in error["message"], text
+    return error
+
+
+def hosted(server: LiveServer, body: dict, status: int, hosted_code: int, message: str) -> dict:
+    code, text = server.call(HOSTED, {k: v for k, v in body.items() if k != "model"})
+    assert "Traceback" not in text
+    envelope = json.loads(text)
+    assert (code, envelope["success"], envelope["errors"][0]["code"]) == (status, False, hosted_code), text
+    assert message in envelope["errors"][0]["message"], text
+    return envelope
+
+
+def test_a_valid_image_passes_validation_then_gets_the_text_only_400(live_server):
+    for images in ([PNG], [data_uri(image_bytes("JPEG"), "image/jpeg"), data_uri(image_bytes("WEBP"), "image/webp")]):
+        reference(live_server, REQUEST | {"images": images}, 400, "images", "not supported by this build (text-only)")
+        hosted(live_server, REQUEST | {"images": images}, 400, 6003, "images: not supported by this build (text-only)")
+    reference(live_server, REQUEST | {"videos": [[PNG, PNG]]}, 400, "videos", "(text-only)")
+
+
+CASES = [
+    # (images, reference status, hosted status, hosted code, field, message)
+    pytest.param([data_uri(noisy("PNG")[:900])], 422, 422, 5012, "images[0]", "truncated or corrupt", id="truncated-png"),
+    pytest.param([data_uri(noisy("JPEG")[:700], "image/jpeg")], 422, 422, 5012, "images[0]", "", id="truncated-jpeg"),
+    pytest.param([data_uri(noisy("WEBP")[:500], "image/webp")], 422, 422, 5012, "images[0]", "", id="truncated-webp"),
+    pytest.param([PNG, data_uri(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)], 422, 422, 5012, "images[1]", "", id="corrupt"),
+    pytest.param([data_uri(png_declaring(100_000, 100_000))], 413, 413, 5021, "images[0]",
+                 "declares 10,000,000,000 pixels in its header", id="bomb"),
+    pytest.param([data_uri(image_bytes("JPEG"), "image/png")], 422, 422, 5012, "images[0]",
+                 "declares PNG (its MIME type) but the data is JPEG", id="wrong-mime"),
+    pytest.param(["data:image/png;base64,@@@@"], 400, 400, 5006, "images[0]", "not valid base64", id="bad-base64"),
+    pytest.param(["https://example.com/a.png"], 400, 400, 5006, "images[0]", "remote URLs are not fetched", id="url"),
+    pytest.param([PNG] * 9, 422, 422, 5012, "images[4]", "", id="nine-images"),    # reference: 8; hosted: 4
+]
+
+
+@pytest.mark.parametrize("images, status, hosted_status, hosted_code, field, message", CASES)
+def test_bad_images_get_their_own_4xx_on_both_routes(live_server, images, status, hosted_status, hosted_code, field,
+                                                     message):
+    body = REQUEST | {"images": images}
+    if field == "images[4]":
+        reference(live_server, body, status, "images[8]", "at most 8 images")
+        hosted(live_server, body, hosted_status, hosted_code, "images[4]: at most 4 images are allowed, got 9")
+        return
+    reference(live_server, body, status, field, message)
+    envelope = hosted(live_server, body, hosted_status, hosted_code, message)
+    assert envelope["errors"][0]["message"].startswith(f"{field}: ")
+
+
+def test_workers_ai_limits_over_http(live_server):
+    sixteen = data_uri(image_bytes("PNG", (4000, 4000), color="white"))
+    over = data_uri(image_bytes("PNG", (4096, 4000), color="white"))
+    hosted(live_server, REQUEST | {"images": [sixteen]}, 400, 6003, "(text-only)")        # 16.00 MP: valid
+    hosted(live_server, REQUEST | {"images": [over]}, 413, 5021, "images[0]: is 4096x4000 = 16,384,000 pixels")
+    hosted(live_server, REQUEST | {"images": [PNG] * 5}, 422, 5012, "images[4]: at most 4 images")
+    hosted(live_server, REQUEST | {"images": [data_uri(image_bytes("GIF"), "image/gif")]}, 422, 5012,
+           "image/gif is not accepted")
+    hosted(live_server, REQUEST | {"videos": [[PNG]]}, 422, 5012, "videos: unknown field")
+    # the reference dialect takes both (processor's 16,777,216 px; GIF: its first frame)
+    reference(live_server, REQUEST | {"images": [over, data_uri(image_bytes("GIF"), "image/gif")]}, 400, "images",
+              "(text-only)")
+
+
+def test_pads_typed_in_text_never_become_media(live_server):
+    body = REQUEST | {"state": "see <|vision_start|><|image_pad|><|vision_end|> and <|video_pad|>",
+                      "questions": {"q": {"type": "noul", "instructions": "Is <|image_pad|> here?"}}}
+    code, text = live_server.call("/v1/systemone", body)
+    assert code == 200, text                                        # answered: the pads are plain text
+    assert 0.0 <= json.loads(text)["answers"]["q"]["noul"] <= 1.0
+
+
+def test_the_sdk_sees_the_hosted_codes(live_server):
+    import cloudflare
+    from cloudflare import Cloudflare
+
+    with Cloudflare(api_token="unused", base_url=live_server.url + "/client/v4") as sdk:
+        run = {"account_id": "023e105f4ecef8ad9ca31a8372d0c353"}
+        body = {k: v for k, v in REQUEST.items() if k != "model"}
+        with pytest.raises(cloudflare.UnprocessableEntityError) as err:
+            sdk.ai.run("@cf/cloudflare/clef-flash", **run, extra_body=body | {"images": [PNG] * 5})
+        assert err.value.body["errors"][0]["code"] == 5012
+        with pytest.raises(cloudflare.BadRequestError) as err:
+            sdk.ai.run("@cf/cloudflare/clef-flash", **run, extra_body=body | {"images": [PNG]})
+        assert err.value.body["errors"][0] == {"code": 6003, "message": "images: not supported by this build (text-only)"}
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_release, cache_dir):
+    server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--max-images", "2",
+                         "--max-image-pixels", "100", "--max-image-bytes", "4096", "--max-media-bytes", "6000",
+                         "--max-video-frames", "2"]).wait_ready()
+    yield server
+    server.stop()
+
+
+def test_the_reference_limits_are_flags(strict_server):
+    small = data_uri(image_bytes("PNG", (10, 10)))
+    reference(strict_server, REQUEST | {"images": [small, small]}, 400, "images", "(text-only)")
+    reference(strict_server, REQUEST | {"images": [small] * 3}, 422, "images[2]", "at most 2 images")
+    reference(strict_server, REQUEST | {"images": [data_uri(image_bytes("PNG", (11, 10)))]}, 413, "images[0]",
+              "at most 100 (0.00 MP)")
+    reference(strict_server, REQUEST | {"images": [data_uri(noisy("PNG", (40, 40)))]}, 413, "images[0]",
+              "per item are allowed")
+    reference(strict_server, REQUEST | {"videos": [[small] * 3]}, 413, "videos[0]", "at most 2 are allowed")
+    # the workers-ai dialect keeps the hosted limits whatever the flags say
+    hosted(strict_server, REQUEST | {"images": [data_uri(image_bytes("PNG", (11, 10)))] * 3}, 400, 6003,
+           "(text-only)")
+
+
+def test_media_flags_are_tuning_flags():
+    from clef_vllm.server.cli import build_parser
+
+    parser = build_parser()
+    for dest in ("max_images", "max_videos", "max_video_frames", "max_image_pixels", "max_image_bytes",
+                 "max_media_bytes", "max_media_pixels"):
+        assert dest in parser.clef_tuning
