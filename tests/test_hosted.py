@@ -38,6 +38,7 @@ HYBRID = "clef-flash-hybrid"
 
 WITHOUT_MODEL = {k: v for k, v in REQUEST.items() if k != "model"}
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PNG_1X1 = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def test_sdk_invalid_requests_raise_its_bad_request_errors_with_our_message(sdk)
     assert "at most 64 questions" in str(err.value)
 
     with pytest.raises(cloudflare.BadRequestError) as err:                    # 400, hosted code 6003
-        sdk.ai.run(MODEL, account_id=ACCOUNT, extra_body=REQUEST | {"images": ["data:image/png;base64,AAAA"]})
+        sdk.ai.run(MODEL, account_id=ACCOUNT, extra_body=REQUEST | {"images": [PNG_1X1]})
     assert err.value.body["errors"][0] == {"code": 6003, "message": "images: not supported by this build (text-only)"}
 
     with pytest.raises(cloudflare.BadRequestError) as err:                    # unknown model: 400, "no route" 7000

@@ -284,3 +284,33 @@ def test_prompt_special_tokens_typed_in_text_are_unchanged(encoder):
     enc = encoder.encode(parse_request({"model": "m", "state": long_state,
                                         "questions": {"q": {"type": "noul", "instructions": "x"}}}))
     assert not MEDIA_IDS & set(enc.input_ids)
+
+
+# --------------------------------------------------------------------------- offline API (clef_vllm.api.Clef)
+
+
+def test_offline_api_validates_pil_bytes_and_paths_then_raises_the_same_errors(tiny_release, cache_dir, tmp_path):
+    from clef_vllm import Clef
+
+    path = tmp_path / "shot.jpg"
+    path.write_bytes(image_bytes("JPEG"))
+    with Clef(str(tiny_release), backend="reference") as clef:
+        assert clef.systemone({**REQUEST, "images": []})["answers"]["urgent"]["noul"] >= 0       # no media: answered
+        with pytest.raises(RequestError) as info:                   # valid media: validated, then text-only
+            clef.systemone(REQUEST | {"images": [Image.new("RGB", (5, 5)), image_bytes("PNG"), path, str(path)]})
+        assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "images")
+        with pytest.raises(RequestError) as info:
+            clef.systemone_batch([REQUEST, REQUEST | {"images": [image_bytes("PNG"), png_declaring(100_000, 100_000)]}])
+        assert (info.value.kind, info.value.field) == (Kind.MEDIA_TOO_LARGE, "requests[1].images[1]")
+        with pytest.raises(RequestError) as info:
+            clef.systemone(REQUEST | {"images": [noisy_truncated()]})
+        assert (info.value.kind, info.value.field) == (Kind.MEDIA_INVALID, "images[0]")
+        with pytest.raises(RequestError) as info:
+            clef.systemone(REQUEST | {"images": ["https://example.com/x.png"]})
+        assert (info.value.kind, info.value.field) == (Kind.MEDIA_MALFORMED, "images[0]")
+
+
+def noisy_truncated() -> bytes:
+    out = io.BytesIO()
+    Image.effect_noise((64, 64), 64).convert("RGB").save(out, "PNG")
+    return out.getvalue()[:900]

@@ -283,6 +283,9 @@ def test_32_concurrent_requests_each_match_the_request_alone(live):
 # --------------------------------------------------------------------------- client errors
 
 
+#: A valid 1x1 PNG: media pass validation (tests/test_media*.py), then this build's text-only 400.
+PNG_1X1 = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
 BAD_REQUESTS = [
     # (raw body, status, message fragment, param)
     (b'{"model": "m", "state": "x", "questions": ', 400, "body is not valid JSON", None),
@@ -293,10 +296,8 @@ BAD_REQUESTS = [
     (b'{"model":"m","state":-Infinity,"questions":{"q":{"type":"noul"}}}', 400, "is not valid JSON", None),
     (b'{"model":"m","state":1e400,"questions":{"q":{"type":"noul"}}}', 400, "out of range", None),
     (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply", None),
-    (json.dumps(REQUEST | {"images": ["data:image/png;base64,iVBORw0KGgo="]}).encode(), 400,
-     "not supported by this build", "images"),
-    (json.dumps(REQUEST | {"videos": ["data:video/mp4;base64,AAAA"]}).encode(), 400, "not supported by this build",
-     "videos"),
+    (json.dumps(REQUEST | {"images": [PNG_1X1]}).encode(), 400, "not supported by this build", "images"),
+    (json.dumps(REQUEST | {"videos": [[PNG_1X1, PNG_1X1]]}).encode(), 400, "not supported by this build", "videos"),
     (b"[]", 422, "request body must be a JSON object", None),
     (json.dumps({"state": "x", "questions": REQUEST["questions"]}).encode(), 422, "is required", "model"),
     (json.dumps({"model": "m", "questions": REQUEST["questions"]}).encode(), 422, "is required", "state"),
@@ -423,7 +424,7 @@ def test_gc_freeze_off_leaves_start_up_objects_in_the_collections(hosted):
     (json.dumps(REQUEST | {"questions": {"q": {"type": "score", "instructions": "x", "criteria": list(range(11))}}}
                 ).encode(), 422, 5012, "2-10 levels"),
     (b"{oops", 400, 6003, "body is not valid JSON"),
-    (json.dumps(REQUEST | {"images": ["data:image/png;base64,AAAA"]}).encode(), 400, 6003, "not supported"),
+    (json.dumps(REQUEST | {"images": [PNG_1X1]}).encode(), 400, 6003, "not supported"),
 ])
 def test_workers_ai_error_envelope(hosted, raw, status, code, fragment):
     resp = post(hosted, content=raw)

@@ -321,7 +321,7 @@ def parse_media(images: Any, videos: Any, limits: MediaLimits = DEFAULT_MEDIA_LI
     """Validate a request's ``images`` and ``videos`` (``None`` or arrays) from their bytes and headers:
     images first, then videos, in order. ``local`` (the offline API): entries may also be bytes, local paths
     or ``PIL.Image`` objects. No pixel is decoded here (:func:`decode_media` does)."""
-    if videos is not None and not limits.videos:
+    if videos and not limits.videos:                # (an empty array or null is no media, as before)
         raise RequestError("unknown field (this dialect takes no videos)", field="videos")
     items: list[MediaItem] = []
     totals = _Totals()
