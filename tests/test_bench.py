@@ -974,9 +974,9 @@ def _port_free(port: int) -> bool:
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_paired_script_refuses_a_plan_whose_engines_cannot_fit_on_the_gpu(tiny_release, tmp_path):
-    """Three GPU servers at 0.28 of the GPU and raw vLLM after them (a plan of bench/h200x2_session.sh: the
-    servers held 48-49 GiB each and raw's engine did not start) are refused before any server starts, naming
-    what they need; two at 0.25 with raw fit, and so do reference servers (no GPU)."""
+    """Three GPU servers at 0.28 of the GPU and raw vLLM after them (on an H200 such servers hold 48-49 GiB each
+    and raw's engine cannot start) are refused before any server starts, naming what they need; two at 0.25 with
+    raw fit, and so do reference servers (no GPU)."""
     root = Path(__file__).resolve().parents[1]
 
     def run(compare, *servers, **extra):
@@ -997,7 +997,7 @@ def test_paired_script_refuses_a_plan_whose_engines_cannot_fit_on_the_gpu(tiny_r
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_tokens, tmp_path):
     """bench/paired.sh on two reference servers: the same two servers compared at c=1 and at c=2 leave two
-    result files (the c=2 entry once overwrote the c=1 one, and a GPU session's per-pair data was lost); ENV_<NAME>
+    result files (one per comparison and concurrency, so no run overwrites another's per-pair data); ENV_<NAME>
     reaches that server's environment only (here the loader's gate, already open, which the server logs)."""
     root = Path(__file__).resolve().parents[1]
     gate = tmp_path / "gate"
@@ -1024,103 +1024,6 @@ def test_paired_script_keeps_one_result_per_comparison(tiny_release, tiny_short_
     for name in ("x", "y"):                                    # each server's /metrics after the comparisons
         metrics = (tmp_path / f"metrics_{name}.txt").read_text()
         assert "clef_requests_total" in metrics and "clef_gc_pause_seconds" in metrics
-
-
-def test_step_timeline_finds_when_each_step_launches_its_graph(tmp_path):
-    """bench/step_timeline.py on a small torch-profiler trace: per model step, the host time before its first
-    CUDA graph launch, the host ops and kernels before it, each launch's kernels (by CUDA correlation), and
-    when the GPU finished, driver-launched (Triton) kernels included; steps without tokens (vLLM's idle ``execute_context_0(0)``) are not steps."""
-    import gzip
-
-    def x(cat, name, ts, dur, corr=None):
-        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
-        if corr is not None:
-            e["args"] = {"correlation": corr}
-        return e
-
-    events = [
-        x("user_annotation", "execute_context_1(400)_generation_0(0)", 1000, 10000),
-        x("cpu_op", "aten::copy_", 1100, 300), x("cuda_runtime", "cudaMemcpyAsync", 1150, 20, corr=1),
-        x("gpu_memcpy", "Memcpy HtoD", 1200, 5, corr=1),
-        x("cpu_op", "aten::slice", 1500, 10), x("cpu_op", "aten::view", 1502, 2),     # nested: not top-level
-        x("cuda_runtime", "cudaGraphLaunch", 5000, 2000, corr=2),
-        *[x("kernel", f"k{i % 2}", 5200 + 100 * i, 80, corr=2) for i in range(10)],
-        x("cpu_op", "aten::addmm", 7400, 700), x("cuda_runtime", "cudaGraphLaunch", 7500, 500, corr=3),
-        {"ph": "X", "cat": "overhead", "name": "Lazy Function Loading", "ts": 8050, "dur": 40, "pid": -1, "tid": 0},
-        x("kernel", "head", 9000, 900, corr=3),
-        x("cuda_driver", "cuLaunchKernelEx", 8200, 10, corr=4),       # a Triton kernel, launched by the driver
-        x("kernel", "triton_k", 9950, 50, corr=4),
-        x("user_annotation", "execute_context_0(0)_generation_0(0)", 12000, 300),
-    ]
-    trace = tmp_path / "rank0.pt.trace.json.gz"
-    with gzip.open(trace, "wt") as fh:
-        json.dump({"traceEvents": events}, fh)
-    out = tmp_path / "timeline.json"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--json", str(out)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "first graph launch at 4.0 ms after 2 host ops" in proc.stdout      # the memcpy is inside copy_
-    assert "1 requests a step (mean)" in proc.stdout
-    (step,) = json.loads(out.read_text())["steps"]
-    assert step["requests"] == 1 and step["tokens"] == 400 and step["wall_ms"] == 10.0 and step["launch_ms"] == 4.0
-    assert step["ops_before"] == 2 and step["kernels_before"] == 1 and step["kernels_before_busy_ms"] == 0.005
-    assert step["graph_launches"] == [
-        {"host_ms": 2.0, "kernels": 10, "busy_ms": 0.8, "span_ms": 0.98, "first_kernel_after_ms": 0.2},
-        {"host_ms": 0.5, "kernels": 1, "busy_ms": 0.9, "span_ms": 0.9, "first_kernel_after_ms": 1.5}]
-    assert step["gpu_busy_ms"] == 1.755 and step["gpu_end_ms"] == 9.0
-    assert step["gpu_idle_ms"] == 7.045      # its kernels ran from 0.2 to 9.0 ms after the step began, 1.755 ms busy
-    # gaps: 3.995 ms from the copy to the graph's first kernel, 9 x 20 µs inside it (short), 2.82 ms to the head,
-    # 50 µs from the head to the Triton kernel (not short)
-    assert step["gpu_idle_split"] == {"short_gaps_ms": 0.18, "before_host_copies_ms": 0.0, "other_ms": 6.865}
-    assert step["start_ms"] == 0.0 and step["gpu_start_ms"] == 0.2
-    # over all steps: from the first step's first kernel (0.2 ms) to the last one's last (9.0 ms)
-    assert json.loads(out.read_text())["summary"]["window"] == {
-        "steps": 1, "requests": 1, "tokens": 400, "span_ms": 8.8, "busy_ms": 1.755, "idle_ms": 7.045,
-        "tokens_per_ms": 45.455}
-    assert "all 1 steps: 1 requests, 400 tokens in 8.8 ms from the first kernel to the last" in proc.stdout
-    timeline = bench_script("step_timeline")
-    # two steps 100 ms apart: the gap between them counts as idle, tokens per ms over the whole span
-    two = [{"requests": 3, "tokens": 1000, "start_ms": 0.0, "gpu_start_ms": 1.0, "gpu_end_ms": 41.0, "gpu_busy_ms": 38.0},
-           {"requests": 2, "tokens": 600, "start_ms": 100.0, "gpu_start_ms": 2.0, "gpu_end_ms": 31.0, "gpu_busy_ms": 27.0},
-           {"requests": 0, "tokens": 5, "start_ms": 200.0, "gpu_start_ms": None, "gpu_end_ms": None, "gpu_busy_ms": 0}]
-    assert timeline.window(two) == {"steps": 2, "requests": 5, "tokens": 1600, "span_ms": 130.0, "busy_ms": 65.0,
-                                    "idle_ms": 65.0, "tokens_per_ms": 12.308}
-    assert timeline.window(two[2:]) is None
-    kernels = [x("kernel", "a", 0, 100), x("kernel", "b", 120, 100), x("gpu_memcpy", "Memcpy HtoD (Pinned)", 400, 5),
-               x("kernel", "c", 390, 10), x("kernel", "d", 600, 10)]         # c overlaps the copy's start
-    assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.02, "before_host_copies_ms": 0.0, "other_ms": 0.365}
-    kernels[3] = x("kernel", "c", 410, 10)                                   # now the copy ends a 180 µs gap
-    assert timeline.idle_split(kernels) == {"short_gaps_ms": 0.025, "before_host_copies_ms": 0.18, "other_ms": 0.18}
-    assert step["kernels_by_name"] == [{"name": "head", "calls": 1, "ms": 0.9}, {"name": "k0", "calls": 5, "ms": 0.4},
-                                       {"name": "k1", "calls": 5, "ms": 0.4},
-                                       {"name": "triton_k", "calls": 1, "ms": 0.05},
-                                       {"name": "Memcpy HtoD", "calls": 1, "ms": 0.005}]
-    assert step["ops_before_by_window"] == [{"from_ms": 0.0, "ops": 1, "most": ["aten::copy_ x1"]},
-                                            {"from_ms": 0.5, "ops": 1, "most": ["aten::slice x1"]}]
-    # the longest gaps, longest first: when the next kernel's launch was called (ms into the gap; negative: queued
-    # before the gap began) and the host ops that call sat in
-    assert step["longest_gaps"] == [
-        {"ms": 3.995, "before": "Memcpy HtoD", "after": "k0", "launch_at_ms": 3.795, "host_ops": []},
-        {"ms": 2.82, "before": "k1", "after": "head", "launch_at_ms": 1.32, "host_ops": ["aten::addmm (0.70 ms)"]},
-        {"ms": 0.05, "before": "head", "after": "triton_k", "launch_at_ms": -1.7, "host_ops": []}]
-    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--gaps"],
-                          capture_output=True, text=True, timeout=60)
-    assert "1-request 400-token step, longest GPU idle gaps" in proc.stdout
-    assert "2.82  k1 -> head  at 1.32  in aten::addmm (0.70 ms)" in proc.stdout
-    # CUDA's lazy kernel load at 7.05 ms into the step, inside (ending) the addmm that held the host 0.7 ms
-    assert step["lazy_loads"] == [{"at_ms": 7.05, "op": "aten::addmm", "op_ms": 0.7, "host_ops": ["aten::addmm"]}]
-    assert "lazy kernel loads: 1\n    at 7.05 ms, ending aten::addmm (0.70 ms) in aten::addmm" in proc.stdout
-    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(trace), "--windows", "--kernels"],
-                          capture_output=True, text=True, timeout=60)
-    assert "1-request 400-token step, GPU time by kernel (12 largest):\n     0.900 ms     1  head" in proc.stdout
-    assert "400-token step, host ops before its first graph launch" in proc.stdout
-    assert "0.0 ms    1 ops  aten::copy_ x1\n     0.5 ms    1 ops  aten::slice x1" in proc.stdout
-    empty = tmp_path / "empty.json"
-    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
-    proc = subprocess.run([sys.executable, str(root / "bench/step_timeline.py"), str(empty)], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 1 and "no model step" in proc.stderr
 
 
 def test_the_stepped_engine_batches_like_vllm_steps():
@@ -1181,33 +1084,6 @@ def test_the_stepped_engine_holds_by_the_schedulers_batch_wait():
     assert held.requests_per_step == {4: 1, 2: 1} and held.batch_wait.held_steps >= 2
     plain = run(0)
     assert plain.requests_per_step == {4: 1, 1: 2} and plain.batch_wait.held_steps == 0
-
-
-def test_front_end_share_compares_the_server_with_the_engine_alone(tiny_release, tmp_path):
-    """bench/front_end_share.py: the real app over the stepped engine under clef-bench, then the same engine
-    driven directly, per concurrency: both req/s, their ratio and the server's stages."""
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "share.json"
-    proc = subprocess.run([sys.executable, str(root / "bench/front_end_share.py"), str(tiny_release), "--step-ms",
-                           "2", "--per-token-us", "5", "-c", "1", "4", "-n", "12", "--direct-submit-ms", "0.5",
-                           "-o", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert [p["concurrency"] for p in result["points"]] == [1, 4]
-    for point in result["points"]:
-        assert point["server_req_per_s"] > 0 and point["engine_only_req_per_s"] > 0
-        # the ratio of the unrounded rates; the rates are stored rounded
-        assert abs(point["ratio"] - point["server_req_per_s"] / point["engine_only_req_per_s"]) < 2e-3
-        assert point["server_steady_req_per_s"] > 0 and point["engine_only_steady_req_per_s"] > 0
-        assert point["steady_ratio"] == pytest.approx(point["server_steady_req_per_s"]
-                                                      / point["engine_only_steady_req_per_s"], abs=0.002)
-        assert {"parse", "encode", "engine", "total"} <= set(point["server_stages_p50_ms"])
-        assert point["server_requests_per_step"] >= 1 and point["engine_only_requests_per_step"] >= 1
-    assert result["points"][0]["engine_only_requests_per_step"] == 1.0          # c=1: one request a step
-    assert result["points"][0]["engine_only_p50_ms"] >= 0.5 + 2                 # its submission, then its step
-    assert "engine-only req/s" in proc.stdout and "steady ratio" in proc.stdout and result["settings"]["step_ms"] == 2.0
-    assert result["settings"]["direct_submit_ms"] == 0.5
 
 
 def test_front_end_ab_alternates_two_instant_servers_and_reports_b_over_a(tiny_release, tmp_path):
@@ -1279,281 +1155,6 @@ def test_the_raw_baseline_is_profiled_over_a_window_of_its_requests(tmp_path):
     assert run(f"{tmp_path},2,5", 3) == ["raw-0", "raw-1", "start", "raw-2", "stop", "shutdown"]   # left open
 
 
-def test_the_gemm_sweep_times_exactly_the_backbones_linear_weights(tiny_release):
-    """``bench/gemm_sizes.py`` derives the backbone's linear layers from a config: on the tiny release
-    checkpoint they hold as many weights as its projection tensors (the LM head and convolutions aside)."""
-    from safetensors import safe_open
-
-    sweep = bench_script("gemm_sizes")
-    shapes = sweep.linear_shapes(json.loads((tiny_release / "config.json").read_text()))
-    stored = 0
-    for path in tiny_release.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            stored += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()
-                          if ".language_model.layers." in k and "_proj" in k and k.endswith(".weight"))
-    assert sum(out * inp * layers for _, out, inp, layers in shapes) == stored
-    assert sweep.parse_tokens("256:320:32") == [256, 288, 320] and sweep.parse_tokens("400,448") == [400, 448]
-
-
-def test_the_launch_probe_cuts_a_graph_into_near_equal_runs_of_layers():
-    """``bench/graph_launch_probe.py`` compares one graph with the same layers cut into N consecutive graphs:
-    every layer in exactly one piece, in order, the pieces' sizes differing by at most one."""
-    probe = bench_script("graph_launch_probe")
-    assert probe.split_points(32, 1) == [(0, 32)]
-    for layers, pieces in ((32, 5), (24, 4), (32, 32), (7, 3)):
-        parts = probe.split_points(layers, pieces)
-        assert len(parts) == pieces and parts[0][0] == 0 and parts[-1][1] == layers
-        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
-        assert max(e - s for s, e in parts) - min(e - s for s, e in parts) <= 1
-    for bad in (0, 33):
-        with pytest.raises(ValueError, match="pieces must be between 1 and the layer count"):
-            probe.split_points(32, bad)
-
-
-def _traced_steps(n_steps: int) -> None:       # module-level, so the profiler's Python tracer names them
-    from torch.profiler import record_function
-
-    for i in range(n_steps):
-        with record_function(f"execute_context_1({400 + i})_generation_0(0)"):
-            execute_model(heavy=2000 * (i + 1))
-
-
-def execute_model(heavy: int) -> int:           # the root the script looks for (vLLM's runner method's name)
-    return _prepare(heavy) + _prepare(heavy // 10) + _launch()
-
-
-def _prepare(n: int) -> int:
-    return sum(i * i for i in range(n))
-
-
-def _launch() -> int:
-    return 1
-
-
-def test_py_calls_sums_a_steps_python_calls_by_path_from_the_runner(tmp_path):
-    """bench/py_calls.py on a real torch-profiler trace recorded with Python stacks: per step range, the calls
-    under ``execute_model`` as a tree of paths, with the median over steps of inclusive ms and calls."""
-    import gzip
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        _traced_steps(3)
-    plain = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(plain))
-    trace = tmp_path / "trace.json.gz"
-    trace.write_bytes(gzip.compress(plain.read_bytes()))
-    calls = bench_script("py_calls")
-    summary = calls.summarise(calls.load(str(trace)))
-    assert summary["steps"] == 3
-    paths = summary["paths"]
-    top = [p for p in paths if len(p) == 1]
-    assert len(top) == 1 and top[0][0].startswith("execute_model (test_bench.py:")
-    prepare = [p for p in paths if len(p) == 2 and p[1].startswith("_prepare (")]
-    launch = [p for p in paths if len(p) == 2 and p[1].startswith("_launch (")]
-    assert len(prepare) == 1 and len(launch) == 1
-    assert paths[prepare[0]]["calls"] == 2 and paths[launch[0]]["calls"] == 1
-    assert paths[top[0]]["ms"] >= paths[prepare[0]]["ms"] > paths[launch[0]]["ms"]
-    lines = calls.render(summary, depth=2, min_ms=0.0)
-    assert lines[0].startswith("3 steps;") and "execute_model" in lines[1] and lines[2].split("x  ")[1].startswith(
-        "  _prepare (")
-    out = tmp_path / "calls.json"
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"), str(trace),
-                           "--depth", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "_prepare (test_bench.py:" in proc.stdout and json.loads(out.read_text())["steps"] == 3
-    trees = calls.step_trees(calls.load(str(trace)))                     # --per-step: each step's own tree
-    assert len(trees) == 3 and all(tree[top[0]][1] == 1 and tree[prepare[0]][1] == 2 for tree in trees)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"), str(trace),
-                           "--depth", "2", "--per-step"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and [line for line in proc.stdout.splitlines() if line.startswith("step ")] == [
-        "step 1 of 3:", "step 2 of 3:", "step 3 of 3:"]
-    stackless = tmp_path / "stackless.json"
-    stackless.write_text(json.dumps({"traceEvents": [e for e in json.loads(plain.read_text())["traceEvents"]
-                                                     if e.get("cat") != "python_function"]}))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench/py_calls.py"),
-                           str(stackless)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "record with CLEF_VLLM_PROFILE=DIR,START,COUNT,stack" in proc.stderr
-
-
-def test_the_bucket_plan_keeps_each_lengths_cheapest_bucket_and_prints_a_valid_flag(tmp_path, capsys):
-    """bench/bucket_plan.py: a swept size is kept exactly when it is cheaper than every larger one (so each
-    length pads to its cheapest bucket at or above it); sizes outside the sweep keep the defaults; pruning
-    keeps the range's top; the printed value is what --prefill-graph-buckets accepts."""
-    from clef_vllm.backends.options import bucket_list
-    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
-
-    plan = bench_script("bucket_plan")
-    gemm = {256: 5.0, 272: 9.0, 288: 8.0, 304: 6.0, 320: 7.0}             # 304 beats 272, 288 and 320 minus padding
-    rows = [{"tokens": t, "backbone_gemm_ms": ms} for t, ms in gemm.items()]
-    costs = plan.step_costs(rows, scale=1.0, other_us=0.0)
-    planned = plan.plan(costs)
-    assert [b for b in planned if 256 <= b <= 320] == [256, 304, 320]
-    assert [b for b in planned if b < 256 or b > 320] == [b for b in DEFAULT_BUCKETS if b < 256 or b > 320]
-    assert plan.modelled(260, planned, costs) == (304, 6.0)                # padded past 272 and 288: cheaper
-    with_rows = plan.step_costs(rows, scale=1.0, other_us=100.0)          # 0.1 ms a padded token: padding costs,
-    assert [b for b in plan.plan(with_rows) if 256 <= b <= 320] == [256, 272, 304, 320]    # 272 beats 304 now
-    assert plan.prune(planned, costs, keep=1, lengths=range(257, 321)) == [b for b in planned if b not in (256, 304)]
-    sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps({"rows": rows}))
-    assert plan.main([str(sweep), "--profiled", "304:6.0:9.0"]) == 0
-    out = capsys.readouterr().out
-    flag = next(line for line in out.splitlines() if line.startswith("--prefill-graph-buckets "))
-    assert list(bucket_list(flag.split()[1])) == planned
-    assert "model: 1.000 x the sweep's GEMM ms + 9.9 us per padded token" in out
-    with pytest.raises(SystemExit):
-        plan.main([str(sweep), "--profiled", "300:6.0:9.0"])               # not a swept size
-    with pytest.raises(SystemExit):
-        plan.main([str(sweep)])                                             # a GEMM sweep needs the model
-
-
-def test_the_bucket_plan_says_whether_a_list_pads_some_length_unlike_the_default(capsys):
-    """``bench/bucket_plan.py --differs`` (the session script pairs a plan only when it changes something):
-    exit 0 and the differing ranges when some length of --lengths pads to another bucket than the server's
-    default for --linear does, 1 when all pad alike; --lengths is required."""
-    from clef_vllm.worker.fast.prefill_graphs import LINEAR_BUCKETS
-
-    plan = bench_script("bucket_plan")
-    fp8 = ",".join(str(b) for b in LINEAR_BUCKETS["fp8"])
-    assert plan.main(["--differs", fp8, "--linear", "fp8", "--lengths", "384:416"]) == 1
-    assert "384-416 tokens pad to the same buckets as the default" in capsys.readouterr().out
-    other = fp8.replace("320,480", "320,400,480")
-    assert other != fp8
-    assert plan.main(["--differs", other, "--linear", "fp8", "--lengths", "384:416"]) == 0
-    assert capsys.readouterr().out.splitlines() == ["384-400 tokens: the default pads to 480, this list to 400"]
-    assert plan.differs([400, 512], None, range(399, 402)) == [(401, 448, 512)]      # BF16's default has 400 too
-    with pytest.raises(SystemExit):
-        plan.main(["--differs", fp8])
-    with pytest.raises(SystemExit):                     # an empty plan (a failed sweep) is a usage error, not a crash
-        plan.main(["--differs", "", "--lengths", "384:416"])
-    assert "--differs: expected token counts separated by commas, got ''" in capsys.readouterr().err
-
-
-def test_the_bucket_plan_reads_a_measured_step_sweep_and_latency_py_builds_one(tmp_path, capsys):
-    """``bench/latency.py --sweep LO:HI:STEP`` gives the prefill graphs a bucket at every swept size (the generic
-    ones outside) and writes one p50 per size; ``bench/bucket_plan.py`` takes those p50s as the costs, with no
-    model, and refuses --profiled for them."""
-    from clef_vllm.backends.options import bucket_list
-    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
-
-    latency, plan = bench_script("latency"), bench_script("bucket_plan")
-    sizes = latency.sweep_sizes("256:320:16")
-    assert sizes == [256, 272, 288, 304, 320]
-    buckets = latency.sweep_buckets(sizes)
-    assert [b for b in buckets if 256 <= b <= 320] == sizes
-    assert [b for b in buckets if b < 256 or b > 320] == [b for b in DEFAULT_BUCKETS if b < 256 or b > 320]
-    for bad in ("256:320", "320:256:16", "250:300:16", "a:b:c"):
-        with pytest.raises(ValueError):
-            latency.sweep_sizes(bad)
-    measured = {"command": "bench/latency.py --modes step --sweep 256:320:16", "results": [
-        {"mode": "step", "sweep": [{"tokens": t, "p50_ms": ms} for t, ms in
-                                   ((256, 10.0), (272, 14.0), (288, 13.0), (304, 11.0), (320, 12.0))]}]}
-    assert plan.measured_costs(measured) == {256: 10.0, 272: 14.0, 288: 13.0, 304: 11.0, 320: 12.0}
-    assert plan.measured_costs({"rows": []}) is None
-    path = tmp_path / "latency_sweep.json"
-    path.write_text(json.dumps(measured))
-    assert plan.main([str(path)]) == 0
-    out = capsys.readouterr().out
-    flag = next(line for line in out.splitlines() if line.startswith("--prefill-graph-buckets "))
-    got = list(bucket_list(flag.split()[1]))
-    assert [b for b in got if 256 <= b <= 320] == [256, 304, 320]           # 272 and 288 cost more than 304
-    assert "measured: one request of each swept size" in out
-    with pytest.raises(SystemExit):
-        plan.main([str(path), "--profiled", "304:6.0:9.0"])
-    failed = tmp_path / "latency_failed.json"           # latency.py's file of a sweep that failed: said, not a model
-    failed.write_text(json.dumps({"command": "x", "results": [{"mode": "step", "error": 2}]}))
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        plan.main([str(failed)])
-    assert "latency.py's file without a sweep result (did its run fail? its results: [2])" in capsys.readouterr().err
-
-
-def test_cohorts_groups_a_servers_answers_into_steps_and_times_the_clients_return(tmp_path, capsys):
-    """bench/cohorts.py on access-log lines written by the server's own formatters (text and JSON): answers
-    within --gap-ms are one step's, the sequence gives each group's size and its distance from the one
-    before, and each arrival (answer less duration) is timed against the latest answer before it."""
-    import logging
-
-    from clef_vllm.server.logs import JsonFormatter, TextFormatter
-
-    cohorts = bench_script("cohorts")
-    t0 = 1_764_800_000.0
-    # a cohort of 3 answered at t0 (+0, +1, +2 ms), its clients back 2, 3, 4 ms after the last answer and answered
-    # at t0 + 100 ms with one request that had waited since before t0; those four back 2-5 ms after t0 + 101 ms
-    # and answered together at t0 + 200 ms
-    answers = [(t0, 50), (t0 + 0.001, 50), (t0 + 0.002, 50),
-               (t0 + 0.100, 96), (t0 + 0.100, 95), (t0 + 0.101, 95), (t0 + 0.101, 151),
-               (t0 + 0.200, 97), (t0 + 0.200, 96), (t0 + 0.201, 96), (t0 + 0.201, 95)]
-    for name, formatter in (("text", TextFormatter()), ("json", JsonFormatter())):
-        lines = []
-        for when, ms in answers:
-            record = logging.LogRecord("clef_vllm.access", logging.INFO, __file__, 1, "request", None, None)
-            record.created, record.msecs = when, round((when - int(when)) * 1000)
-            for key, value in {"method": "POST", "path": "/v1/systemone", "status": 200, "reason": "ok",
-                               "duration_ms": ms, "input_tokens": 400, "questions": 3}.items():
-                setattr(record, key, value)
-            lines.append(formatter.format(record))
-        lines.insert(2, "2026-12-04 05:57:48,414 INFO clef_vllm: SIGTERM: graceful shutdown")
-        log = tmp_path / f"server_{name}.log"
-        log.write_text("\n".join(lines) + "\n")
-        out = tmp_path / f"{name}.json"
-        assert cohorts.main([str(log), "--json", str(out)]) == 0
-        summary = json.loads(out.read_text())
-        assert summary["answers"] == 11 and summary["groups"] == 3, name
-        assert summary["sizes"] == [[3, 1], [4, 2]]
-        assert [n for n, _ in summary["sequence"]] == [3, 4, 4]
-        assert [ms for _, ms in summary["sequence"]][1:] == [100, 100]
-        assert summary["back_ms_p10_p50_p90"] == [2.0, 3.0, 4.4], name   # of 2, 3, 4 and 2, 3, 4, 5 ms (interpolated)
-    assert "11 answers in 3 groups" in capsys.readouterr().out
-
-
-def test_cohorts_lists_late_groups_with_the_servers_held_loop_lines_and_leaves_out_block_ends(tmp_path, capsys):
-    """A group of 6 answers whose clients came back only 230 ms later is a late group, printed with the server's
-    held-loop line 100 ms after it (and not with one 5 s away); given clef-bench's blocks, a group that a block's
-    start follows is a block's end instead. A group whose clients came back at once is not late."""
-    import logging
-
-    from clef_vllm.server.logs import JsonFormatter, TextFormatter
-
-    cohorts = bench_script("cohorts")
-    t0 = 1_764_800_000.0
-
-    def record(level, logger, msg, when, **fields):
-        rec = logging.LogRecord(logger, level, __file__, 1, msg, None, None)
-        rec.created, rec.msecs = when, round((when - int(when)) * 1000)
-        for key, value in fields.items():
-            setattr(rec, key, value)
-        return rec
-
-    def access(when, ms):
-        return record(logging.INFO, "clef_vllm.access", "request", when, method="POST", path="/v1/systemone",
-                      status=200, reason="ok", duration_ms=ms, input_tokens=400, questions=3)
-
-    # 6 answered at t0 (back within 3 ms: answered at t0 + 0.1), those 6 answered at t0 + 0.1 and back only at
-    # t0 + 0.33, answered at t0 + 0.5
-    answers = [access(t0 + 0.001 * i, 90) for i in range(6)]
-    answers += [access(t0 + 0.1 + 0.001 * i, 97 - i) for i in range(6)]
-    answers += [access(t0 + 0.5 + 0.001 * i, 170 - i) for i in range(6)]
-    held = [record(logging.WARNING, "clef_vllm", "event loop (http): a timer ran 220 ms late (held)", t0 + 0.2),
-            record(logging.WARNING, "clef_vllm", "garbage collector: a full collection stopped the event loop for "
-                   "60 ms", t0 + 5.0)]
-    for name, formatter in (("text", TextFormatter()), ("json", JsonFormatter())):
-        log = tmp_path / f"server_{name}.log"
-        log.write_text("\n".join(formatter.format(r) for r in answers + held) + "\n")
-        out = tmp_path / f"{name}.json"
-        assert cohorts.main([str(log), "--json", str(out)]) == 0
-        summary = json.loads(out.read_text())
-        assert [(g["size"], g["back"]) for g in summary["late_groups"]] == [(6, 0)], name
-        late = summary["late_groups"][0]
-        assert 225 <= late["next_after_ms"] <= 235 and summary["held_lines"] == 1, name   # the GC line is later
-        assert [ms for ms, _ in late["held_lines_near"]] == [95] and "220 ms late" in late["held_lines_near"][0][1]
-        bench = tmp_path / "bench.json"
-        bench.write_text(json.dumps({"variants": [{"blocks": [{"started_unix": t0 - 10}, {"started_unix": t0 + 0.3}]}]}))
-        assert cohorts.main([str(log), "--blocks", str(bench), "--json", str(out)]) == 0
-        assert json.loads(out.read_text())["late_groups"] == [], name
-    assert "late groups (fewer than half back within 50 ms): 1" in capsys.readouterr().out
-
-
 def test_clef_bench_measures_with_its_heap_frozen_and_gives_it_back():
     """A full garbage collection over the bench process's ~0.5 M start-up objects pauses every client for ~0.4 s
     (bench/results/cpu_gc_full_collections_*.json): clef-bench freezes them while it measures, and unfreezes them
@@ -1568,3 +1169,19 @@ def test_clef_bench_measures_with_its_heap_frozen_and_gives_it_back():
         made = [[] for _ in range(10)]                   # allocated after the freeze: not among the frozen
         assert gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0 and made
+
+
+def test_latency_py_sweeps_a_bucket_at_every_size_and_keeps_the_generic_ones_outside():
+    """``bench/latency.py --sweep LO:HI:STEP`` gives the prefill graphs a bucket at every swept size (the generic
+    ones outside the range), so one request of each size runs at its own size; a range it cannot sweep is refused."""
+    from clef_vllm.worker.fast.prefill_graphs import DEFAULT_BUCKETS
+
+    latency = bench_script("latency")
+    sizes = latency.sweep_sizes("256:320:16")
+    assert sizes == [256, 272, 288, 304, 320]
+    buckets = latency.sweep_buckets(sizes)
+    assert [b for b in buckets if 256 <= b <= 320] == sizes
+    assert [b for b in buckets if b < 256 or b > 320] == [b for b in DEFAULT_BUCKETS if b < 256 or b > 320]
+    for bad in ("256:320", "320:256:16", "250:300:16", "a:b:c"):
+        with pytest.raises(ValueError):
+            latency.sweep_sizes(bad)
