@@ -82,7 +82,7 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list
                     nvfp4_kernel: str = "vllm") -> dict:
     from clef_vllm.backends.vllm_backend import engine_kwargs
     from clef_vllm.bench.raw_vllm import raw_engine_kwargs
-    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+    from clef_vllm.contract import with_settings
     from clef_vllm.worker.dummy_loader import dummy_format_for
 
     load_format = dummy_format_for(json.loads((Path(ckpt) / "config.json").read_text()))
@@ -103,7 +103,7 @@ def engine_settings(mode: str, ckpt: Path, quantization: str | None, sweep: list
                            None if mode == "nographs" else "core", nvfp4_kernel=nvfp4_kernel, **cache, **buckets,
                            **common)
         if mode == "capsonly":          # vLLM's piecewise graphs up to the buckets, GDN layers eager
-            kw["additional_config"].pop(PREFILL_GRAPHS_KEY, None)
+            with_settings(kw, prefill_graphs=None)
         if quantization:
             kw["quantization"] = quantization
     kw.pop("disable_log_stats", None)

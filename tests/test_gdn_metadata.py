@@ -13,6 +13,8 @@ import torch
 
 from support import vllm_cpu
 
+from clef_vllm.contract import WorkerSettings
+
 pytest.importorskip("vllm")
 
 BLOCK = 32
@@ -239,7 +241,7 @@ def test_the_model_installs_it_before_vllm_makes_its_builders(tiny_release, monk
     calls = []
     monkeypatch.setattr(gdn_metadata, "install", lambda memo=True: calls.append(memo) or True)
     vllm_cpu.load_model(tiny_release)
-    vllm_cpu.load_model(tiny_release, additional_config={"clef_gdn_metadata_memo": False})    # the option off
+    vllm_cpu.load_model(tiny_release, settings=WorkerSettings(gdn_metadata_memo=False))    # the option off
     assert calls == [True, False]
     # the plugin's entry point alone (every vLLM process, raw baselines included) leaves the builder alone
     code = ("from clef_vllm import register; register(); "

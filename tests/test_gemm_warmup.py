@@ -11,6 +11,7 @@ answers, and that the options reach the worker.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import torch
 
@@ -122,14 +123,17 @@ def test_gemm_warmup_reaches_the_worker_unless_turned_off(tiny_release):
 
     from clef_vllm.backends.options import OptionError
     from clef_vllm.backends.vllm_backend import engine_kwargs
-    from clef_vllm.contract import GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY
+    from clef_vllm.contract import WorkerSettings
 
-    default = engine_kwargs(tiny_release)["additional_config"]
-    assert default[GEMM_WARMUP_KEY] is True and default[GEMM_ROW_GRID_KEY] is True
-    off = engine_kwargs(tiny_release, gemm_warmup=False).get("additional_config", {})
-    assert GEMM_WARMUP_KEY not in off and GEMM_ROW_GRID_KEY not in off
-    warm_only = engine_kwargs(tiny_release, gemm_row_grid=False)["additional_config"]
-    assert warm_only[GEMM_WARMUP_KEY] is True and GEMM_ROW_GRID_KEY not in warm_only
+    def settings(**options):
+        return WorkerSettings.of(SimpleNamespace(**engine_kwargs(tiny_release, **options)))
+
+    default = settings()
+    assert default.gemm_warmup is True and default.gemm_row_grid is True and default.gemm_warmup_rows is None
+    off = settings(gemm_warmup=False)
+    assert off.gemm_warmup is False and off.gemm_row_grid is False
+    warm_only = settings(gemm_row_grid=False)
+    assert warm_only.gemm_warmup is True and warm_only.gemm_row_grid is False
     with pytest.raises(OptionError, match="gemm_row_grid"):        # it would do nothing without the warm-up
         engine_kwargs(tiny_release, gemm_warmup=False, gemm_row_grid=False)
 

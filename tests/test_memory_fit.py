@@ -13,6 +13,7 @@ import torch
 
 from clef_vllm.backends.memory_fit import fit_options, options_for
 from clef_vllm.backends.options import backend_options, engine_args
+from clef_vllm.contract import PrefillGraphs, WorkerSettings
 from clef_vllm.plan.memory_plan import PlanDoesNotFit, PlanInputs
 
 GIB = 1 << 30
@@ -44,13 +45,10 @@ def test_a_16gb_card_gets_the_packed_nvfp4_kernel_and_leaner_features_said_in_th
     assert len(warned) == len(plan.changes)                     # one line per change, saying what and why
     # what the plan changed reaches the engine: the options are the engine's settings
     kwargs = engine_args(fitted)
-    cfg = kwargs["additional_config"]
-    if plan.inputs.head_graph_records:
-        assert cfg["clef_head_graphs"]["records"] == plan.inputs.head_graph_records
-    else:
-        assert "clef_head_graphs" not in cfg
+    cfg = WorkerSettings.of(SimpleNamespace(**kwargs))
+    assert cfg.head_graph_records == plan.inputs.head_graph_records
     if plan.inputs.gemm_warmup_rows:
-        assert cfg["clef_gemm_warmup"] == {"rows": plan.inputs.gemm_warmup_rows}
+        assert cfg.gemm_warmup and cfg.gemm_warmup_rows == plan.inputs.gemm_warmup_rows
     assert kwargs["gpu_memory_utilization"] == 0.9
 
 
@@ -82,7 +80,7 @@ def test_turning_a_switch_off_resets_its_sub_options():
     lean = options_for(opts, inputs)
     assert (lean.head_graphs, lean.state_cache, lean.prefill_graphs, lean.gemm_warmup) == (False, False, False, False)
     assert lean.head_graph_records == 16 and lean.state_cache_match == "unit"    # valid options again
-    assert "clef_head_graphs" not in engine_args(lean)["additional_config"]
+    assert not WorkerSettings.of(SimpleNamespace(**engine_args(lean))).head_graphs
     scoped = options_for(opts, PlanInputs.from_options(opts, 10 * GIB, nvfp4_kernel="vllm", step_graphs=False))
     assert scoped.prefill_graphs and scoped.prefill_graph_scope == "core"
 
@@ -102,10 +100,10 @@ def test_the_16gb_plan_reaches_the_engine_as_a_leaner_step_lean_prefill_buckets_
     fitted, plan = fit_options(hybrid_9b, backend_options("vllm", {}), device=(int(15.92 * GIB), HOPPER))
     assert plan.kv_bytes >= 3.05 * GIB
     kwargs = engine_args(fitted)
-    assert kwargs["max_num_batched_tokens"] == 4096 and "clef_head_graphs" not in kwargs["additional_config"]
-    assert kwargs["max_num_seqs"] == 32 and fitted.gemm_warmup_rows == 2048
-    assert max(kwargs["additional_config"]["clef_prefill_graphs"]["buckets"]) == 2048
-    assert kwargs["additional_config"]["clef_prefill_graphs"]["scope"] == "core"
+    settings = WorkerSettings.of(SimpleNamespace(**kwargs))
+    assert kwargs["max_num_batched_tokens"] == 4096 and not settings.head_graphs
+    assert kwargs["max_num_seqs"] == 32 and fitted.gemm_warmup_rows == 4096 == settings.gemm_warmup_rows
+    assert max(settings.prefill_graphs.buckets) == 2048 and settings.prefill_graphs.scope == "core"
 
 
 def test_the_vllm_backend_refuses_a_card_too_small_before_it_loads_anything(hybrid_9b, monkeypatch):
@@ -123,7 +121,7 @@ def test_the_vllm_backend_refuses_a_card_too_small_before_it_loads_anything(hybr
 
 
 def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consumed_gib: float, estimate_gib: float,
-            additional: dict):
+            settings: WorkerSettings):
     """A ClefWorker whose vLLM parts are stand-ins: vLLM's KV figure, the driver's count, what vLLM measured."""
     from types import SimpleNamespace
 
@@ -136,7 +134,7 @@ def _worker(monkeypatch, *, available_gib: float, used_gib: float | None, consum
     monkeypatch.setattr(budget.torch.cuda, "is_available", lambda: True)
     worker = budget.ClefWorker.__new__(budget.ClefWorker)
     text = SimpleNamespace(hidden_size=4096, intermediate_size=12288)
-    worker.vllm_config = SimpleNamespace(additional_config=additional, model_config=SimpleNamespace(
+    worker.vllm_config = SimpleNamespace(additional_config=settings.to_config(), model_config=SimpleNamespace(
         hf_text_config=text, max_model_len=16384), scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
     worker.total_consumed, worker.cudagraph_memory_estimate = int(consumed_gib * GIB), int(estimate_gib * GIB)
     worker.model_runner = SimpleNamespace(max_num_tokens=8192, max_num_reqs=128, get_model=budget.torch.nn.Module)
@@ -148,9 +146,8 @@ def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(
     from clef_vllm.worker import memory
 
     caplog.set_level(logging.INFO, logger="clef_vllm")
-    prefill = {"buckets": [64, 2048], "scope": "core"}
     worker = _worker(monkeypatch, available_gib=4.51, used_gib=10.0, consumed_gib=9.13, estimate_gib=0.75,
-                     additional={"clef_prefill_graphs": prefill})
+                     settings=WorkerSettings(prefill_graphs=PrefillGraphs((64, 2048), "core")))
     kv = worker.determine_available_memory()
     gdn = graph_reservation(hidden=4096, intermediate=12288, head_records=0,
                             prefill_buckets=[2048])["GDN graphs"]
@@ -170,14 +167,14 @@ def test_the_worker_takes_what_vllms_profile_does_not_count_out_of_the_kv_cache(
     assert abs(rows - kv * 32768 / (32768 + 2048)) < 1 << 20
     # without the driver's count for the process, the plan's figure for the context
     assert _worker(monkeypatch, available_gib=4.51, used_gib=None, consumed_gib=9.13, estimate_gib=0.75,
-                   additional={}).determine_available_memory() > 0
+                   settings=WorkerSettings()).determine_available_memory() > 0
 
 
 def test_the_worker_refuses_a_budget_the_plugin_leaves_nothing_of(monkeypatch):
     from clef_vllm.worker.budget import MemoryBudgetError
 
     worker = _worker(monkeypatch, available_gib=1.0, used_gib=10.0, consumed_gib=9.13, estimate_gib=0.75,
-                     additional={"clef_head_graphs": {"records": 16}})
+                     settings=WorkerSettings(head_graph_records=16))
     with pytest.raises(MemoryBudgetError, match=r"nothing is left.*--head-graphs off.*--gpu-memory-utilization"):
         worker.determine_available_memory()
 

@@ -39,6 +39,22 @@ def test_taking_counts_reserved_growth_per_kind_even_when_the_work_fails():
     assert ledger.taken[memory.HEAD_GRAPHS] == GIB and ledger.dirty
 
 
+def test_taking_never_counts_a_negative_figure_when_the_capped_allocator_releases_cached_blocks_meanwhile():
+    """A capture during which the allocator, at its cap, releases 3 GiB of cached blocks and obtains 1 GiB for the
+    graph's pool counts 0 (a lower bound), not -2 GiB; the next capture that grows the reservations counts its
+    growth."""
+    dev = FakeDevice(40)
+    ledger = dev.ledger()
+    with ledger.taking(memory.STEP_GRAPHS):
+        dev.reserved -= 3 * GIB                  # cached blocks released to make room
+        dev.reserved += GIB                      # the graph pool's new segment
+    with ledger.taking(memory.STEP_GRAPHS):
+        dev.reserved += GIB // 2
+    assert ledger.taken[memory.STEP_GRAPHS] == GIB // 2 and ledger.times[memory.STEP_GRAPHS] == 2
+    line = ledger.report()[1]
+    assert "step graphs 0.50 GiB (2x)" in line and "(reservations' growth, at least)" in line
+
+
 def test_report_within_and_beyond_the_budget():
     dev = FakeDevice(45)
     ledger = dev.ledger(0.5)                     # a 50 GiB budget

@@ -184,12 +184,13 @@ def test_nvfp4_kernel_by_memory(hybrid_9b):
 def test_fit_on_a_16gb_card(hybrid_9b):
     """Default flags on a 16 GB card: the packed NVFP4 kernel, features turned down until five 16k-token
     sequences fit (3.05 GiB: what the Hybrid leaves for the KV cache on such a card), one line per change, in
-    fit's order (the GEMM warm-up's row cap first)."""
+    fit's order (the step's token budget first; the GEMM warm-up's row cap among them)."""
     plan = plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16)
     assert plan.inputs.nvfp4_kernel == "vllm"
     assert plan.max_concurrency >= MP.MIN_SEQUENCES
     assert plan.kv_tokens >= 5 * 16384 and plan.kv_bytes >= 3.05 * GIB
-    assert plan.changes and plan.changes[0].startswith("GEMM warm-up capped at 4,096 rows")
+    assert plan.changes and plan.changes[0].startswith("--max-num-batched-tokens 16,384 -> 8,192")
+    assert any(line.startswith("GEMM warm-up capped at 4,096 rows") for line in plan.changes)
     assert all("GiB more for the KV cache" in line for line in plan.changes)
     before = MP.plan(plan.model, MP.PlanInputs.from_options(VllmOptions(), int(0.9 * CARD_16), nvfp4_kernel="vllm"))
     assert before.max_concurrency < MP.MIN_SEQUENCES < plan.max_concurrency

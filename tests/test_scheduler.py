@@ -75,7 +75,7 @@ def test_finished_requests_alone_make_no_step_and_ride_on_the_next_one(tiny_rele
     more only to hand the finished id to the workers); the next step that schedules work hands it over,
     beside the new request. ``--idle-cleanup-step on`` keeps vLLM's step. The finished request's KV
     blocks are back in the pool at once either way."""
-    from clef_vllm.contract import IDLE_CLEANUP_KEY
+    from clef_vllm.contract import WorkerSettings
 
     sched = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128)
     free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -92,7 +92,7 @@ def test_finished_requests_alone_make_no_step_and_ride_on_the_next_one(tiny_rele
             vllm_cpu.pooling_request(while_running, "d", ids(200, 3))]
     assert vllm_cpu.run_scheduler(while_running, reqs, max_steps=1) == {"c": [40], "d": [88, -1]}
     assert while_running.finished_req_ids == {"c"} and while_running.has_finished_requests()
-    vllms = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128, additional_config={IDLE_CLEANUP_KEY: True})
+    vllms = vllm_cpu.scheduler_for(tiny_release, cls, MAX_LEN, budget=128, settings=WorkerSettings(idle_cleanup_step=True))
     vllm_cpu.run_scheduler(vllms, [vllm_cpu.pooling_request(vllms, "a", ids(100))])
     assert vllms.finished_req_ids == {"a"} and vllms.has_requests()          # --idle-cleanup-step on
     assert vllms.schedule(False).finished_req_ids == {"a"} and not vllms.has_requests()
@@ -105,14 +105,14 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
     is never held, and without the option nothing is."""
     from vllm.v1.core.sched.interface import PauseState
 
-    from clef_vllm.contract import BATCH_WAIT_KEY
+    from clef_vllm.contract import WorkerSettings
     from clef_vllm.worker import scheduler as clef_scheduler
 
     clock = [100.0]
     monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
     with caplog.at_level(logging.INFO, logger="clef_vllm"):
         sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=MAX_LEN,
-                                       additional_config={BATCH_WAIT_KEY: 3})
+                                       settings=WorkerSettings(batch_wait_ms=3))
     assert "holds up to 3 ms for a batch" in caplog.text                     # said at start
 
     def finish(out):
@@ -170,12 +170,12 @@ def test_an_idle_engine_waits_briefly_for_a_batch_only_after_large_steps(tiny_re
 def test_a_busy_engine_holds_nothing_back(tiny_release, monkeypatch):
     """Rule 5 holds requests only while nothing runs: a prompt in chunks keeps running, and a request that
     arrives meanwhile joins its next step (the clock standing still, so an idle engine would hold it)."""
-    from clef_vllm.contract import BATCH_WAIT_KEY
+    from clef_vllm.contract import WorkerSettings
     from clef_vllm.worker import scheduler as clef_scheduler
 
     clock = [50.0]
     monkeypatch.setattr(clef_scheduler, "monotonic", lambda: clock[0])
-    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, additional_config={BATCH_WAIT_KEY: 10})
+    sched = vllm_cpu.scheduler_for(tiny_release, CLEF, MAX_LEN, budget=128, settings=WorkerSettings(batch_wait_ms=10))
     sched.batch_wait.steps.append((50.0, 16))                                          # a large step just ran
     sched.add_request(vllm_cpu.pooling_request(sched, "long", ids(150)))
     assert sched.schedule(False).num_scheduled_tokens == {}                 # new and alone: held

@@ -10,16 +10,17 @@ from types import SimpleNamespace
 import pytest
 
 from clef_vllm.backends.options import OptionError, backend_options, engine_args
+from clef_vllm.contract import WorkerSettings
 from clef_vllm.worker.fast import shared_gpu
 
 
 def test_engines_per_gpu_reach_the_engine_as_the_worker_class_and_each_engine_gets_its_share_of_memory():
     one = engine_args(backend_options("vllm", {}))
     assert one["gpu_memory_utilization"] == 0.9 and one["worker_cls"] == "clef_vllm.worker.budget.ClefWorker"
-    assert "clef_engines_per_gpu" not in one["additional_config"]
+    assert WorkerSettings.of(SimpleNamespace(**one)).engines_per_gpu == 1
     two = engine_args(backend_options("vllm", {"data_parallel_size": 4, "engines_per_gpu": 2}))
     assert two["worker_cls"] == "clef_vllm.worker.fast.shared_gpu.SharedGpuWorker"
-    assert two["additional_config"]["clef_engines_per_gpu"] == 2
+    assert WorkerSettings.of(SimpleNamespace(**two)).engines_per_gpu == 2
     assert two["gpu_memory_utilization"] == 0.425                # 0.9 split, less headroom for the second engine
     four = engine_args(backend_options("vllm", {"data_parallel_size": 4, "engines_per_gpu": 4}))
     assert four["gpu_memory_utilization"] == 0.1875
@@ -141,7 +142,7 @@ def test_the_worker_places_itself_and_holds_the_gpu_until_its_start_up_is_done(t
 
     monkeypatch.setattr(current_platform, "device_id_to_physical_device_id", lambda i: [4, 7][i], raising=False)
     worker = shared_gpu.SharedGpuWorker.__new__(shared_gpu.SharedGpuWorker)
-    worker.vllm_config = SimpleNamespace(additional_config={"clef_engines_per_gpu": 2})
+    worker.vllm_config = SimpleNamespace(additional_config=WorkerSettings(engines_per_gpu=2).to_config())
     worker.parallel_config = SimpleNamespace(data_parallel_rank_local=1, assigned_physical_gpu_ids=None)
     worker.init_device()
     assert seen == {"ids": [4, 4], "held_in_init": True}       # engine 1 shares engine 0's GPU (physical 4)

@@ -247,12 +247,12 @@ def test_each_kind_of_step_captures_its_own_graph_for_fa3s_longest_sequence(monk
 def test_scope_step_is_an_engine_option_with_a_longer_warm_up(tiny_release):
     from clef_vllm.backends.options import OptionError
     from clef_vllm.backends.vllm_backend import engine_kwargs, warmup_lengths
-    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+    from clef_vllm.contract import WorkerSettings
 
     kw = engine_kwargs(tiny_release, prefill_graph_scope="step", max_model_len=1000, max_num_batched_tokens=1000)
-    assert kw["additional_config"][PREFILL_GRAPHS_KEY]["scope"] == "step"
+    assert WorkerSettings.of(SimpleNamespace(**kw)).prefill_graphs.scope == "step"
     lengths = warmup_lengths(kw)
-    buckets = kw["additional_config"][PREFILL_GRAPHS_KEY]["buckets"]
+    buckets = WorkerSettings.of(SimpleNamespace(**kw)).prefill_graphs.buckets
     assert all(lengths.count(b) == 3 for b in buckets)      # GDN graphs, then the step graph, then a replay
     assert lengths == sorted(lengths)
     # vLLM pads a step to its next capture size: with step graphs those are the buckets above the smallest
@@ -299,10 +299,10 @@ def test_the_default_scope_is_step_wherever_step_graphs_can_run(tiny_release):
     backend, --enforce-eager): a default never turns into a refusal, an explicit ``step`` there does."""
     from clef_vllm.backends.options import VllmOptions
     from clef_vllm.backends.vllm_backend import engine_kwargs
-    from clef_vllm.contract import PREFILL_GRAPHS_KEY
+    from clef_vllm.contract import WorkerSettings
 
     def scope(**options):
-        return engine_kwargs(tiny_release, **options)["additional_config"][PREFILL_GRAPHS_KEY]["scope"]
+        return WorkerSettings.of(SimpleNamespace(**engine_kwargs(tiny_release, **options))).prefill_graphs.scope
 
     assert VllmOptions().prefill_graph_scope == "auto" and VllmOptions().resolved_prefill_graph_scope == "step"
     assert scope() == "step" and scope(prefill_graph_scope="auto") == "step"
@@ -460,14 +460,14 @@ def test_a_small_batch_replays_each_sequences_step_graph_in_turn(monkeypatch):
 def test_the_split_is_an_engine_option_for_whole_step_graphs(tiny_release):
     from clef_vllm.backends.options import OptionError
     from clef_vllm.backends.vllm_backend import engine_kwargs
-    from clef_vllm.contract import DEFAULT_STEP_GRAPH_SPLIT, PREFILL_GRAPHS_KEY
+    from clef_vllm.contract import DEFAULT_STEP_GRAPH_SPLIT, WorkerSettings
 
     def setting(**options):
-        return engine_kwargs(tiny_release, **options)["additional_config"][PREFILL_GRAPHS_KEY]
+        return WorkerSettings.of(SimpleNamespace(**engine_kwargs(tiny_release, **options))).prefill_graphs
 
-    assert setting()["split"] == DEFAULT_STEP_GRAPH_SPLIT == 4
-    assert setting(step_graph_split=0)["split"] == 0 and setting(step_graph_split=8)["split"] == 8
-    assert "split" not in setting(prefill_graph_scope="core")
+    assert setting().split == DEFAULT_STEP_GRAPH_SPLIT == 4
+    assert setting(step_graph_split=0).split == 0 and setting(step_graph_split=8).split == 8
+    assert setting(prefill_graph_scope="core").split == 0
     with pytest.raises(OptionError, match="no effect with prefill graph scope 'core'") as refused:
         engine_kwargs(tiny_release, prefill_graph_scope="core", step_graph_split=2)
     assert refused.value.option == "step_graph_split"

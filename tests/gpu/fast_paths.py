@@ -77,7 +77,7 @@ def run_engine(config: dict) -> dict:
 
     from clef_vllm import register
     from clef_vllm.backends.vllm_backend import engine_kwargs, pooling_params
-    from clef_vllm.contract import STATE_CACHE_KEY
+    from clef_vllm.contract import with_settings
     from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.worker.fast import state_cache
 
@@ -90,7 +90,7 @@ def run_engine(config: dict) -> dict:
                        **({"step_graph_split": config["step_graph_split"]} if "step_graph_split" in config else {}))
     kw.pop("disable_log_stats", None)
     if config.get("capacity_blocks"):
-        kw["additional_config"][STATE_CACHE_KEY]["capacity_blocks"] = config["capacity_blocks"]
+        with_settings(kw, state_cache_blocks=config["capacity_blocks"])
     if config.get("num_gpu_blocks"):
         kw["num_gpu_blocks_override"] = config["num_gpu_blocks"]
     llm = LLM(**kw)

@@ -95,9 +95,9 @@ def init_distributed(vllm_config) -> None:
 
 
 def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 512,
-                    additional_config: dict | None = None, **model_kwargs):
-    """A CPU ``VllmConfig`` serving ``checkpoint`` as ClefFlashForDecision (``additional_config``: the
-    engine's, as the backend's options set it)."""
+                    settings=None, **model_kwargs):
+    """A CPU ``VllmConfig`` serving ``checkpoint`` as ClefFlashForDecision (``settings``: the engine's
+    :class:`~clef_vllm.contract.WorkerSettings`, as the backend's options set them; none: the defaults)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
     from clef_vllm import ARCHITECTURE
@@ -106,7 +106,8 @@ def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 
     mc = ModelConfig(model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                      max_model_len=max_model_len, runner="pooling", **model_kwargs)
     return VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"),
-                      load_config=LoadConfig(load_format=load_format), additional_config=additional_config or {})
+                      load_config=LoadConfig(load_format=load_format),
+                      additional_config=settings.to_config() if settings is not None else {})
 
 
 def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
@@ -135,7 +136,7 @@ def load_model(checkpoint, load_format: str = "auto", **model_kwargs):
 
 def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: int, block: int = 32,
                   state_cache: bool = False, num_blocks: int = 256, unit: int | None = None,
-                  additional_config: dict | None = None):
+                  settings=None):
     """vLLM 0.28's real scheduler (class ``scheduler_cls``) for ``checkpoint`` on CPU, with a hybrid KV
     cache config of one attention and one GDN group (``align`` mode and prefix caching when
     ``state_cache``; ``unit``: vLLM's ``prefix_match_unit``, as ``--state-cache-match unit`` sets it).
@@ -153,7 +154,7 @@ def scheduler_for(checkpoint, scheduler_cls: str, max_model_len: int, budget: in
 
     clef_vllm.register()
     mode = "align" if state_cache else "none"
-    vc = vllm_config_for(checkpoint, max_model_len=max_model_len, additional_config=additional_config)
+    vc = vllm_config_for(checkpoint, max_model_len=max_model_len, settings=settings)
     vc.cache_config = CacheConfig(block_size=block, enable_prefix_caching=state_cache, mamba_cache_mode=mode,
                                   prefix_match_unit=unit)
     vc.cache_config.num_gpu_blocks = num_blocks

@@ -45,7 +45,8 @@ def option(default: Any, help: str, *, flags: tuple[str, ...] = (), engine: str 
 
     ``flags``: ``clef-systemone`` flags generated for it (none: the CLI maps it itself, or it has
     no flag). ``engine``: the ``AsyncEngineArgs`` keyword it sets (same value), or a function
-    ``(options, kwargs) -> None`` that edits the engine kwargs, or ``None``. ``kind``: the Python
+    ``(options, kwargs) -> None`` that edits the engine kwargs, or ``None`` (options of ours; those the
+    worker needs reach it through :func:`clef_vllm.backends.engine_settings.worker_settings`). ``kind``: the Python
     type(s) a value must have (``None`` is always allowed when the default is ``None``);
     ``choices`` / ``minimum`` / ``maximum`` restrict it further. ``action``: ``store_true`` or
     ``store_false`` for boolean flags; a boolean field without one takes ``on`` / ``off`` on the
@@ -245,7 +246,7 @@ class VllmOptions(_Validated):
     dtype: str = option("bfloat16", "dtype of the backbone: vLLM runs Clef in bfloat16; for a float32 head use "
                         "head_dtype (--head-dtype)", engine="dtype", kind=(str,), choices=("bfloat16",))
     head_dtype: str | None = option(None, "the joint head's dtype inside the worker (bfloat16 or float32)",
-                                    engine=E.head_dtype_config, kind=(str,), choices=("bfloat16", "float32"))
+                                    kind=(str,), choices=("bfloat16", "float32"))
     max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", engine="max_model_len", kind=int,
                                 minimum=1)
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",
@@ -311,7 +312,7 @@ class VllmOptions(_Validated):
                                "Marlin W4A16 before Blackwell, native W4A4 from it; the least memory) or 'bf16' "
                                "(weights dequantized to BF16 once at load, BF16 GEMMs: Marlin's W4A16 numerics without "
                                "its cost at prefill sizes, 3.6x the weights' memory; docs/latency.md)",
-                               flags=("--nvfp4-kernel",), engine=E.nvfp4_kernel, kind=str, choices=NVFP4_KERNELS)
+                               flags=("--nvfp4-kernel",), kind=str, choices=NVFP4_KERNELS)
     quantization: str | None = option(None, "online quantization of a BF16 checkpoint (e.g. fp8); quantized "
                                       "checkpoints need none", flags=("--quantization",), engine="quantization",
                                       kind=str)
@@ -345,16 +346,16 @@ class VllmOptions(_Validated):
     gdn_metadata_memo: bool = option(True, "answer a single-sequence prefill step of a length seen before with "
                                      "the GDN attention metadata built then (its state indices this step's; "
                                      "default on; docs/latency.md)", flags=("--gdn-metadata-memo",),
-                                     engine=E.gdn_memo, kind=bool)
+                                     kind=bool)
     gdn_tuning: bool = option(True, "at start-up, autotune the GDN prefill's Triton kernels for one short "
                               "sequence, one long one and a batch of sequences, and run each step with its "
                               "class's choice (vLLM tunes them once, at 64 tokens, for every step; default on: "
                               "~7 s with Triton's compile cache warm, about a minute on a fresh machine, mostly "
                               "compiling what vLLM's warm-up would compile; docs/latency.md)", flags=("--gdn-tuning",),
-                              engine=E.gdn_tuning, kind=bool)
+                              kind=bool)
     head_graphs: bool = option(True, "run the joint head of a step that finishes up to --head-graph-records "
                                "requests from a CUDA graph (default on; docs/latency.md)", flags=("--head-graphs",),
-                               engine=E.head_graphs, kind=bool)
+                               kind=bool)
     head_graph_records: int = option(16, "with the head graphs on, graph steps that finish up to this many requests "
                                      "(1, 2, 4, 8, 16, 32 or 64; default 16; docs/latency.md)",
                                      flags=("--head-graph-records",), kind=int, choices=HEAD_GRAPH_RECORDS)
@@ -362,7 +363,7 @@ class VllmOptions(_Validated):
                                "so CUDA loads their kernels then, not mid-step later, when a first-time kernel "
                                "waits for the GPU to drain (default on: about half a second once; "
                                "docs/latency.md)",
-                               flags=("--gemm-warmup",), engine=E.gemm_warmup, kind=bool)
+                               flags=("--gemm-warmup",), kind=bool)
     gemm_warmup_rows: int | None = option(None, "with the GEMM warm-up on, the most rows it runs the head's GEMMs at "
                                           "(default: a step's most, max(max_num_batched_tokens, max_model_len); the "
                                           "memory plan lowers it where the warm-up's transient memory would crowd the "
@@ -397,12 +398,12 @@ class VllmOptions(_Validated):
     idle_cleanup_step: bool = option(False, "when the last request finishes, step the engine once more only to "
                                      "drop it from the workers, as vLLM does (default off: the next step that "
                                      "schedules work drops it; docs/latency.md)", flags=("--idle-cleanup-step",),
-                                     engine=E.idle_cleanup, kind=bool)
+                                     kind=bool)
     batch_wait_ms: float | None = option(None, "while nothing runs and fewer requests wait than half the largest "
                                          "step of the last second, hold them up to this many milliseconds to "
                                          "batch them (default 2 with one engine in its own process, else 0: "
                                          "never; docs/latency.md)",
-                                         flags=("--batch-wait-ms",), engine=E.batch_wait, kind=float, minimum=0.0,
+                                         flags=("--batch-wait-ms",), kind=float, minimum=0.0,
                                          maximum=50.0, metavar="MS")
     warmup: bool = option(True, "skip the start-up warm-up (first requests will be slow)", flags=("--no-warmup",),
                           kind=bool, action="store_false")
@@ -533,7 +534,8 @@ def backend_options(backend: str, options: dict[str, Any]):
 
 
 def engine_args(opts: VllmOptions) -> dict[str, Any]:
-    """The ``AsyncEngineArgs`` keywords that :class:`VllmOptions` fields produce (see their ``engine``)."""
+    """The ``AsyncEngineArgs`` keywords that :class:`VllmOptions` fields produce (see their ``engine``), and the
+    workers' :class:`~clef_vllm.contract.WorkerSettings` in ``additional_config``."""
     kwargs: dict[str, Any] = {}
     for f in fields(opts):
         how = f.metadata.get("engine")
@@ -543,6 +545,8 @@ def engine_args(opts: VllmOptions) -> dict[str, Any]:
             how(opts, kwargs)
         elif getattr(opts, f.name) is not None:
             kwargs[how] = getattr(opts, f.name)
+    settings = E.worker_settings(opts, kwargs["max_num_batched_tokens"])
+    kwargs.setdefault("additional_config", {}).update(settings.to_config())
     return kwargs
 
 
@@ -550,7 +554,8 @@ def engine_args(opts: VllmOptions) -> dict[str, Any]:
 
 
 def add_flags(group, backend: str) -> None:
-    """Add the flags of ``backend``'s options that declare ``flags`` to an argparse group.
+    """Add the flags of ``backend``'s options that declare ``flags`` to an argparse group, or to the group
+    ``group(name)`` returns for option ``name`` when ``group`` is callable.
 
     Defaults are suppressed: a flag that was not given does not appear in the namespace, so
     :func:`given_options` can tell "given" from "default" (a flag given for the other backend is
@@ -559,6 +564,7 @@ def add_flags(group, backend: str) -> None:
         m = f.metadata
         if not m.get("flags"):
             continue
+        target = group(f.name) if callable(group) else group
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": m["help"]}
         if m.get("action"):
             kw["action"] = m["action"]
@@ -571,7 +577,7 @@ def add_flags(group, backend: str) -> None:
                 kw["choices"] = list(m["choices"])
             if m.get("metavar"):
                 kw["metavar"] = m["metavar"]
-        group.add_argument(*m["flags"], **kw)
+        target.add_argument(*m["flags"], **kw)
 
 
 def flag_of(name: str) -> str:

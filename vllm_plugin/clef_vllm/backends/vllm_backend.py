@@ -31,7 +31,7 @@ from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
-from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, PREFILL_GRAPHS_KEY
+from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, SETTINGS_KEY, WorkerSettings
 from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.model.features import HeadSpec
 from clef_vllm.model.layout import ARCHITECTURE
@@ -93,12 +93,13 @@ def warmup_lengths(kwargs: dict) -> list[int]:
     and are not multiples of 16 (Triton specialises on that), and one longer than a step's token
     budget (a chunked prefill). With step graphs (``--prefill-graph-scope step``) every bucket runs
     three times: its GDN graphs are captured, then its step graph, then the step graph replays."""
-    graphs = (kwargs.get("additional_config") or {}).get(PREFILL_GRAPHS_KEY) or {}
+    graphs = WorkerSettings.from_plain((kwargs.get("additional_config") or {}).get(SETTINGS_KEY) or {}).prefill_graphs
+    buckets = graphs.buckets if graphs is not None else ()
     budget = kwargs["max_num_batched_tokens"]
-    wanted = {17, 64, 300, 1024, 4096, budget + 17, *graphs.get("buckets", ())}
+    wanted = {17, 64, 300, 1024, 4096, budget + 17, *buckets}
     lengths = sorted({min(n, kwargs["max_model_len"]) for n in wanted})
-    if graphs.get("scope") == "step":      # a bucket's second prompt captures its step graph, the third replays it
-        lengths = sorted(lengths + 2 * [b for b in graphs.get("buckets", ()) if b <= kwargs["max_model_len"]])
+    if graphs is not None and graphs.scope == "step":   # a bucket's second prompt captures its step graph, the third replays it
+        lengths = sorted(lengths + 2 * [b for b in buckets if b <= kwargs["max_model_len"]])
     return lengths
 
 

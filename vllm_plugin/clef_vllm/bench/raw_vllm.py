@@ -49,7 +49,8 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
     with its fixes for pooling engines but no batch wait) without the plugin's own engine features (no
     prefill graphs, vLLM's default CUDA-graph sizes, no state cache: prefix caching off) and change only
     what makes it a bare backbone: ``convert="embed"`` with last-token pooling, no
-    head options, and the architecture. ``arch="auto"`` keeps a stock Qwen3.5 architecture and
+    head options, vLLM's own worker class (the plugin's keeps its own memory out of the KV cache), and the
+    architecture. ``arch="auto"`` keeps a stock Qwen3.5 architecture and
     otherwise (our ``ClefFlashForDecision``) uses ``Qwen3_5ForCausalLM``; ``"none"`` keeps whatever
     config.json declares. ``load_format="auto"`` becomes ``dummy`` (``clef-dummy`` for a quantized
     layout) for a repacked checkpoint (its embedding and lm_head live in ``clef_head/`` int8 tables that
@@ -75,6 +76,7 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
                            enforce_eager=enforce_eager, load_format=load_format, gdn_prefill_backend="triton",
                            linear_backend=linear_backend, prefill_graphs=False, state_cache=False, **limits)
     kwargs.pop("additional_config", None)   # the Clef head's options
+    kwargs.pop("worker_cls", None)          # vLLM's own worker: the plugin's memory budget is the server's
     kwargs.pop("hf_overrides", None)        # the server's ClefFlashForDecision
     kwargs["convert"] = "embed"
     kwargs["pooler_config"] = {"seq_pooling_type": "LAST"}

@@ -67,10 +67,12 @@ CUDA_CONTEXT_BYTES = int(0.87 * GIB)
 #: Memory outside PyTorch's allocator that comes after the KV cache is sized (CUDA graph executables, the
 #: workspaces of graph captures): the worker keeps this much free under its cap of the allocator.
 NON_TORCH_GROWTH_BYTES = int(0.3 * GIB)
-#: The head's GEMM warm-up: transient bytes per row of its largest row count (2.3-3.6 GiB measured at
-#: 16,384 rows on the 9B). Scales with hidden + head width. It runs inside vLLM's profiling and frees what
-#: it takes, so only the part above one step's activations raises the peak.
-GEMM_WARMUP_BYTES_PER_ROW = 230 << 10
+#: The head's GEMM warm-up: transient bytes per row of its largest row count. Scales with hidden + head width.
+#: It runs inside vLLM's profiling and frees what it takes, so only the part above the step's other transients
+#: raises the peak. Measured on the 9B Hybrid (24 GB row of bench/results/memory_budget.json): with the warm-up at
+#: 16,384 rows, vLLM's profiling peaked at 2.56 GiB, 0.88 GiB of it the GDN prefill probe's, so the warm-up
+#: held at most 1.68 GiB: 100 KiB a row is 1.56 GiB.
+GEMM_WARMUP_BYTES_PER_ROW = 100 << 10
 #: The row count :func:`fit` caps the GEMM warm-up at first.
 GEMM_WARMUP_CAP_ROWS = 4096
 #: What :func:`fit` lowers the step's token budget and the prefill graphs' largest token count to.

@@ -3,7 +3,9 @@ Decisions API (``POST /v1/decisions``).
 
 Without ``--model`` it serves the generated demo checkpoint (built on first use) on the backend
 ``auto`` picks: vLLM when a CUDA GPU and vLLM are usable, else the CPU/GPU reference backend.
-Engine flags follow vLLM's names.
+Engine flags follow vLLM's names. ``--help`` lists the flags most servers need, ``--help-all`` every flag
+(the tuning ones too: kernels, graphs, warm-ups, connection timeouts); ``--config FILE`` reads flags from a
+YAML or JSON file. Every flag: docs/serving.md.
 
 Operating it (limits, auth, metrics, errors, graceful shutdown): docs/operating.md.
 
@@ -31,6 +33,7 @@ from clef_vllm.backends.options import OptionError, add_flags, backend_options, 
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.connection import PROBE_CONNECTIONS
+from clef_vllm.server.flags import Sections, add_help_flags, mark_tuning, with_config
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                        DEFAULT_MAX_BULK_LINES,
@@ -42,28 +45,53 @@ API_KEY_ENV = "CLEF_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="clef-systemone", description=__doc__,
+    """Every flag, each in its section (:mod:`clef_vllm.server.flags`): ``--help`` lists the flags most servers
+    need, ``--help-all`` every one; ``--config FILE`` reads them from a file."""
+    p = argparse.ArgumentParser(prog="clef-systemone", description=__doc__, add_help=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_help_flags(p)
     p.add_argument("--version", action="version", version=f"clef-vllm {__version__}")
-    p.add_argument("--model", default="demo",
-                   help="checkpoint folder (release or repacked layout); 'demo' = generated tiny demo (default)")
-    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
-                   help="a name this server answers to (repeat for several): listed by /v1/models, and the model "
-                        "names the hosted route POST /client/v4/accounts/{account_id}/ai/run/{NAME} accepts "
-                        f"(default: {' and '.join(DEFAULT_SERVED_MODELS)})")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--dialect", choices=[d.value for d in SYSTEMONE_DIALECTS], default=Dialect.REFERENCE.value,
-                   help="acceptance rules, confidence formula and envelope of POST /v1/systemone "
-                        "(default: reference; POST /v1/decisions always speaks OpenAI's format)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="the model's dtype (default bfloat16). float32 runs the reference backend in float32 "
-                        "throughout, backbone and head, as the release's own loader; the vLLM backend runs bfloat16")
-    p.add_argument("--head-dtype", choices=["bfloat16", "float32"], default=None,
-                   help="the joint head's dtype when it should differ from --dtype (e.g. a float32 head on vLLM)")
+    s = Sections(p)
 
-    lim = p.add_argument_group("limits and admission control")
+    model = s["model"]
+    model.add_argument("--model", default="demo",
+                       help="checkpoint folder (release or repacked layout); 'demo' = generated tiny demo (default)")
+    model.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                       help="a name this server answers to (repeat for several): listed by /v1/models, and the model "
+                            "names the hosted route POST /client/v4/accounts/{account_id}/ai/run/{NAME} accepts "
+                            f"(default: {' and '.join(DEFAULT_SERVED_MODELS)})")
+    model.add_argument("--backend", choices=BACKENDS, default="auto",
+                       help="auto (default): vLLM when a CUDA GPU and vLLM are usable, else reference")
+    model.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                       help="the model's dtype (default bfloat16). float32 runs the reference backend in float32 "
+                            "throughout, backbone and head, as the release's own loader; the vLLM backend runs "
+                            "bfloat16")
+    model.add_argument("--head-dtype", choices=["bfloat16", "float32"], default=None,
+                       help="the joint head's dtype when it should differ from --dtype (e.g. a float32 head on vLLM)")
+
+    serving = s["serving"]
+    serving.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serving.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serving.add_argument("--dialect", choices=[d.value for d in SYSTEMONE_DIALECTS], default=Dialect.REFERENCE.value,
+                         help="acceptance rules, confidence formula and envelope of POST /v1/systemone "
+                              "(default: reference; POST /v1/decisions always speaks OpenAI's format)")
+    serving.add_argument("--cpu-workers", type=_positive_int, default=None,
+                         help="threads that decode, validate, encode and serialise requests off the event loop "
+                              "(default: one per core, at most 8)")
+    serving.add_argument("--cpu-inline-bytes", type=_non_negative_int, default=DEFAULT_CPU_INLINE_BYTES,
+                         help=f"a request whose body is at most this many bytes is decoded, encoded and serialised "
+                              f"on the event loop, sparing it four hops to a thread and back; 0: every request in "
+                              f"the pool (default {DEFAULT_CPU_INLINE_BYTES})")
+    serving.add_argument("--bulk-concurrency", type=_positive_int, default=8,
+                         help="records of one bulk stream in progress at once (default 8)")
+    serving.add_argument("--max-bulk-streams", type=_positive_int, default=4,
+                         help="bulk streams open at once; beyond it 429 (default 4)")
+    serving.add_argument("--max-bulk-lines", type=_non_negative_int, default=DEFAULT_MAX_BULK_LINES,
+                         help=f"lines in one bulk body, blank ones included; the line past it is answered 413 in "
+                              f"the stream, the stream ends and the rest of the body is not read; 0 = none "
+                              f"(default {DEFAULT_MAX_BULK_LINES})")
+
+    lim = s["limits"]
     lim.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_LENGTH,
                      help="token limit per request (prompt + state + schema; default 16384)")
     lim.add_argument("--over-length", choices=OVER_LENGTH_POLICIES, default="truncate",
@@ -87,23 +115,33 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                      help=f"on SIGTERM, seconds to finish accepted requests before exiting "
                           f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
-    lim.add_argument("--cpu-workers", type=_positive_int, default=None,
-                     help="threads that decode, validate, encode and serialise requests off the event loop "
-                          "(default: one per core, at most 8)")
-    lim.add_argument("--cpu-inline-bytes", type=_non_negative_int, default=DEFAULT_CPU_INLINE_BYTES,
-                     help=f"a request whose body is at most this many bytes is decoded, encoded and serialised on "
-                          f"the event loop, sparing it four hops to a thread and back; 0: every request in "
-                          f"the pool (default {DEFAULT_CPU_INLINE_BYTES})")
-    lim.add_argument("--bulk-concurrency", type=_positive_int, default=8,
-                     help="records of one bulk stream in progress at once (default 8)")
-    lim.add_argument("--max-bulk-streams", type=_positive_int, default=4,
-                     help="bulk streams open at once; beyond it 429 (default 4)")
-    lim.add_argument("--max-bulk-lines", type=_non_negative_int, default=DEFAULT_MAX_BULK_LINES,
-                     help=f"lines in one bulk body, blank ones included; the line past it is answered 413 in the "
-                          f"stream, the stream ends and the rest of the body is not read; 0 = none "
-                          f"(default {DEFAULT_MAX_BULK_LINES})")
 
-    net = p.add_argument_group("connections and slow clients")
+    sec = s["security"]
+    sec.add_argument("--api-key", action="append", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on /v1/* and the hosted route (repeat for several "
+                          f"keys). Prefer the {API_KEY_ENV} environment variable (comma-separated keys): flags show "
+                          "in ps")
+    sec.add_argument("--auth-health-metrics", action="store_true",
+                     help="with an API key, also require it on /health, /health/live, /metrics and the API "
+                          "documentation (/docs, /redoc, /openapi.json and their assets) (default: open)")
+    sec.add_argument("--cors-origins", action="append", default=None,
+                     help="allow browser calls from these origins (comma-separated or repeated; '*' = any). "
+                          "Default: CORS off")
+
+    obs = s["logs"]
+    obs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="default info")
+    obs.add_argument("--log-format", default="text", choices=["text", "json"],
+                     help="json = one object per line with request_id; request bodies are never logged")
+    obs.add_argument("--near-tie-margin", type=float, default=0.05,
+                     help="an answer whose top-2 probabilities differ by less counts as a near tie in /metrics "
+                          "(default 0.05)")
+    obs.add_argument("--gc-freeze", type=on_off, default=True, metavar="{on,off}",
+                     help="once loaded, freeze start-up's objects out of Python's full garbage collections, which "
+                          "otherwise walk ~0.5 M of them on the event loop (~0.4 s) every few seconds under load "
+                          "(default on; /metrics: clef_gc_pause_seconds; docs/operating.md)")
+
+    net = s["connections"]
     net.add_argument("--header-timeout", type=_non_negative_float, default=DEFAULT_HEADER_TIMEOUT_S,
                      help=f"seconds a connection has to send a complete request head (from opening, or from the first "
                           f"byte of a later request); then it is closed (408); 0 = none "
@@ -123,34 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                           f"/metrics (anything else on them gets 503), then one more gets 503 and is closed "
                           f"(default {DEFAULT_MAX_CONNECTIONS})")
 
-    sec = p.add_argument_group("auth and browsers")
-    sec.add_argument("--api-key", action="append", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on /v1/* and the hosted route (repeat for several "
-                          f"keys). Prefer the {API_KEY_ENV} environment variable (comma-separated keys): flags show "
-                          "in ps")
-    sec.add_argument("--auth-health-metrics", action="store_true",
-                     help="with an API key, also require it on /health, /health/live, /metrics and the API "
-                          "documentation (/docs, /redoc, /openapi.json and their assets) (default: open)")
-    sec.add_argument("--cors-origins", action="append", default=None,
-                     help="allow browser calls from these origins (comma-separated or repeated; '*' = any). "
-                          "Default: CORS off")
-
-    obs = p.add_argument_group("logs and metrics")
-    obs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    obs.add_argument("--log-format", default="text", choices=["text", "json"],
-                     help="json = one object per line with request_id; request bodies are never logged")
-    obs.add_argument("--near-tie-margin", type=float, default=0.05,
-                     help="an answer whose top-2 probabilities differ by less counts as a near tie in /metrics "
-                          "(default 0.05)")
-    obs.add_argument("--gc-freeze", type=on_off, default=True, metavar="{on,off}",
-                     help="once loaded, freeze start-up's objects out of Python's full garbage collections, which "
-                          "otherwise walk ~0.5 M of them on the event loop (~0.4 s) every few seconds under load "
-                          "(default on; /metrics: clef_gc_pause_seconds; docs/operating.md)")
-
     # Backend flags come from the typed options (clef_vllm.backends.options): a flag given for the
     # backend that does not run is an error (exit 2), never silently ignored.
-    add_flags(p.add_argument_group("reference backend"), "reference")
-    add_flags(p.add_argument_group("vLLM backend (names as in vLLM)"), "vllm")
+    add_flags(lambda name: s.for_option(name, "reference"), "reference")
+    add_flags(lambda name: s.for_option(name, "engine"), "vllm")
+    mark_tuning(p)
     return p
 
 
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
     more flags), ``load_with(args, model_dir, backend, options) -> Backend`` and ``wrap_app(app, args)``: the
     same server on another backend (``clef-serve-ray``: clef_vllm/server/serve_ray.py)."""
     parser = parser or build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_config(parser, sys.argv[1:] if argv is None else list(argv)))
     from clef_vllm.server.logs import setup_logging
     from clef_vllm.util.heap import bound_native_caches
 

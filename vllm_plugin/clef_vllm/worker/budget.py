@@ -34,7 +34,7 @@ import logging
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from clef_vllm.contract import HEAD_GRAPHS_KEY, PREFILL_GRAPHS_KEY, worker_setting
+from clef_vllm.contract import WorkerSettings
 from clef_vllm.plan.graph_costs import graph_reservation
 from clef_vllm.plan.memory_plan import (CUDA_CONTEXT_BYTES, NON_TORCH_GROWTH_BYTES, VLLM_GRAPH_UNDERCOUNT,
                                         served_step_excess)
@@ -74,14 +74,13 @@ def plugin_graph_bytes(vllm_config) -> dict[str, int]:
     settings the backend gave it; :func:`clef_vllm.plan.graph_costs.graph_reservation` holds the figures)."""
     if not torch.cuda.is_available():
         return {}
-    head = worker_setting(vllm_config, HEAD_GRAPHS_KEY)
-    prefill = worker_setting(vllm_config, PREFILL_GRAPHS_KEY)
+    settings = WorkerSettings.of(vllm_config)
     config = vllm_config.model_config.hf_text_config
     return graph_reservation(
         hidden=config.hidden_size, intermediate=config.intermediate_size,
-        head_records=int(head.get("records", 1)) if isinstance(head, dict) else (1 if head else 0),
-        prefill_buckets=list(prefill.get("buckets") or ()) if isinstance(prefill, dict) else [],
-        step_graphs=isinstance(prefill, dict) and prefill.get("scope") == "step")
+        head_records=settings.head_graph_records,
+        prefill_buckets=list(settings.prefill_graphs.buckets) if settings.prefill_graphs else [],
+        step_graphs=settings.step_graphs)
 
 
 def runtime_excess_bytes(vllm_config) -> int:

@@ -92,13 +92,17 @@ class Ledger:
 
     @contextlib.contextmanager
     def taking(self, what: str):
-        """Count the reserved memory's growth while the block runs as ``what``'s (kept on failure too:
-        a failed capture's pool stays reserved)."""
+        """Count the growth of the allocator's reservations while the block runs as ``what``'s (kept on failure
+        too: a failed capture's pool stays reserved). A block whose reservations did not grow counts 0: the
+        allocator, capped at the budget (:mod:`clef_vllm.worker.budget`), may release cached blocks meanwhile to
+        make room, so the count is a lower bound of what the captures hold, never a negative figure. (The
+        allocator's cumulative count of new segments is no better: at the cap it releases and obtains segments
+        over and over within one capture.)"""
         before = self._reserved()
         try:
             yield
         finally:
-            self.taken[what] += self._reserved() - before
+            self.taken[what] += max(self._reserved() - before, 0)
             self.times[what] += 1
             self.dirty = True
 
@@ -117,7 +121,7 @@ class Ledger:
             "the allocator holds "
         line = (f"clef memory: {process}{held / GIB:.2f} GiB ({self._allocated() / GIB:.2f} GiB in use) against "
                 f"vLLM's budget of {budget / GIB:.2f} GiB (--gpu-memory-utilization {self.budget_fraction:g} of "
-                f"{total / GIB:.1f} GiB); taken after vLLM sized its KV cache: "
+                f"{total / GIB:.1f} GiB); taken after vLLM sized its KV cache (reservations' growth, at least): "
                 + (", ".join(parts) if parts else "nothing")
                 + (f" (reserved for them: {self.reserved_for_graphs / GIB:.2f} GiB)"
                    if self.reserved_for_graphs is not None else ""))

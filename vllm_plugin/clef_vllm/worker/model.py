@@ -29,8 +29,7 @@ from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Mo
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.platforms import current_platform
 
-from clef_vllm.contract import (GDN_MEMO_KEY, GDN_TUNING_KEY, GEMM_ROW_GRID_KEY, GEMM_WARMUP_KEY, HEAD_DTYPE_KEY, HEAD_DTYPES, HEAD_GRAPHS_KEY,
-                                NVFP4_KERNEL_KEY, PREFILL_GRAPHS_KEY, STATE_CACHE_KEY, worker_setting)
+from clef_vllm.contract import WorkerSettings
 from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.model.features import PADDED_ROWS_FLOOR
 from clef_vllm.model.head import JointSchemaHead
@@ -53,13 +52,6 @@ log = logging.getLogger("clef_vllm")
 GRAPH_REPORT_EVERY = 2000
 # fp8 e4m3fn NaN encodings (S.1111.111); the format has no infinities.
 _FP8_NAN = (0x7F, 0xFF)
-
-
-def _head_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    name = worker_setting(vllm_config, HEAD_DTYPE_KEY, "bfloat16")
-    if name not in HEAD_DTYPES:
-        raise ValueError(f"additional_config[{HEAD_DTYPE_KEY!r}] must be one of {HEAD_DTYPES}, got {name!r}")
-    return getattr(torch, name)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -95,12 +87,13 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         config = model_config.hf_text_config
         if vllm_config.cache_config.mamba_cache_mode == "all":
             raise NotImplementedError("Clef-Flash (Qwen3.5) does not support mamba_cache_mode='all'")
-        memo = worker_setting(vllm_config, GDN_MEMO_KEY, True) is not False
+        settings = WorkerSettings.of(vllm_config)       # SettingsError naming a bad one stops the engine here
+        memo = settings.gdn_metadata_memo
         if gdn_metadata.install(memo):      # before vLLM makes its metadata builders (at KV-cache init)
             log.info("clef GDN metadata: built once per step and shared by the GDN KV-cache groups%s",
                      "; single-prefill steps of a length seen before reuse it" if memo else
                      " (--gdn-metadata-memo off: every step builds its own)")
-        nvfp4_bf16.install(worker_setting(vllm_config, NVFP4_KERNEL_KEY, "vllm"))   # before the layers exist
+        nvfp4_bf16.install(settings.nvfp4_kernel)   # before the layers exist
         self.config = config
         self.dummy = is_dummy(vllm_config.load_config.load_format)
         self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)
@@ -113,7 +106,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self.model.embed_tokens = Int8RowEmbedding(config.vocab_size, config.hidden_size, model_config.dtype)
             if self.dummy:                     # vLLM's dummy loaders fill parameters only
                 self.model.embed_tokens.fill_dummy()
-        self.head = JointSchemaHead(head_config).to(dtype=_head_dtype(vllm_config))
+        self.head = JointSchemaHead(head_config).to(dtype=getattr(torch, settings.head_dtype))
         vocab, hidden = config.vocab_size, config.hidden_size
         if self.files.layout == "repacked":
             self.lm_table = Int8RowTable(torch.zeros(vocab, hidden, dtype=torch.int8), torch.ones(vocab))
@@ -121,15 +114,15 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self.lm_table = DenseTable(torch.zeros(vocab, hidden, dtype=model_config.dtype))
         #: one token's KV-cache bytes: the state cache and the worker's budget size the head's memory rows by it
         self.kv_bytes_per_token = self._kv_bytes_per_token(config, vllm_config)
-        self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config),
-                                 self._head_graphs(vllm_config), self._gemm_warmup_rows(vllm_config),
-                                 bool(worker_setting(vllm_config, GEMM_ROW_GRID_KEY)),
+        self.pooler = ClefPooler(self.head, self.lm_table, self._state_cache_settings(vllm_config, settings),
+                                 self._head_graphs(vllm_config, settings), self._gemm_warmup_rows(vllm_config, settings),
+                                 settings.gemm_row_grid,
                                  max_decision_rows=max(vllm_config.model_config.max_model_len, PADDED_ROWS_FLOOR))
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self._global_scales: dict[str, torch.Tensor] = {}
-        self.prefill_graphs = self._install_prefill_graphs(vllm_config)
-        self.step_graphs = self._step_graphs(vllm_config)
-        self._gdn_tuning = self._install_gdn_tuning(vllm_config)
+        self.prefill_graphs = self._install_prefill_graphs(vllm_config, settings)
+        self.step_graphs = self._step_graphs(vllm_config, settings)
+        self._gdn_tuning = self._install_gdn_tuning(vllm_config, settings)
         self._steps = 0
         if current_platform.is_cuda():     # what the plugin's own GPU work holds is said against this budget
             memory.LEDGER.budget_fraction = float(vllm_config.cache_config.gpu_memory_utilization)
@@ -151,61 +144,53 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
         kv_dtype = vllm_config.model_config.dtype if vllm_config.cache_config.cache_dtype == "auto" else torch.uint8
         return layers * 2 * config.num_key_value_heads * head_dim * kv_dtype.itemsize
 
-    def _state_cache_settings(self, vllm_config: VllmConfig) -> StateCacheSettings | None:
+    def _state_cache_settings(self, vllm_config: VllmConfig, settings: WorkerSettings) -> StateCacheSettings | None:
         """The side cache's settings when the backend turned the state cache on (and vLLM's prefix caching)."""
-        setting = worker_setting(vllm_config, STATE_CACHE_KEY)
-        if not setting or not vllm_config.cache_config.enable_prefix_caching:
+        if not settings.state_cache or not vllm_config.cache_config.enable_prefix_caching:
             return None
-        capacity = setting.get("capacity_blocks") if isinstance(setting, dict) else None
         return StateCacheSettings(vllm_config.cache_config, self.kv_bytes_per_token,
-                                  vllm_config.cache_config.gpu_memory_utilization, capacity)
+                                  vllm_config.cache_config.gpu_memory_utilization, settings.state_cache_blocks)
 
     @staticmethod
-    def _gpu_setting(vllm_config: VllmConfig, key: str, label: str):
-        """The backend's setting for one of the plugin's GPU-only features (its graph runners, the GDN tuning;
-        ``label`` names it in the log): ``None`` when not asked for, or when there is no CUDA device."""
-        setting = worker_setting(vllm_config, key)
-        if not setting:
-            return None
-        if not current_platform.is_cuda():
+    def _on_gpu(wanted: bool, label: str) -> bool:
+        """Whether one of the plugin's GPU-only features (its graph runners, the GDN tuning; ``label`` names it in
+        the log) runs: asked for, and a CUDA device."""
+        if wanted and not current_platform.is_cuda():
             log.info("clef %s: off (no CUDA device)", label)
-            return None
-        return setting
+            return False
+        return wanted
 
     @staticmethod
-    def _gemm_warmup_rows(vllm_config: VllmConfig) -> int | None:
+    def _gemm_warmup_rows(vllm_config: VllmConfig, settings: WorkerSettings) -> int | None:
         """``--gemm-warmup``: the most rows a step gives the head's GEMMs (a step's tokens to the memory
         projection; the memory rows of the requests it finishes to the attentions), else ``None``."""
-        setting = worker_setting(vllm_config, GEMM_WARMUP_KEY)
-        if not setting:
+        if not settings.gemm_warmup:
             return None
         rows = max(vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.model_config.max_model_len)
-        if isinstance(setting, dict) and setting.get("rows"):
-            rows = min(rows, int(setting["rows"]))     # the memory plan's cap
+        if settings.gemm_warmup_rows:
+            rows = min(rows, settings.gemm_warmup_rows)     # the memory plan's cap
         log.info("clef GEMM warm-up: the first step (vLLM's memory profiling) runs the head's GEMM shapes at row "
                  "counts up to %d", rows)
         return rows
 
-    def _head_graphs(self, vllm_config: VllmConfig) -> HeadGraphRunner | None:
+    def _head_graphs(self, vllm_config: VllmConfig, settings: WorkerSettings) -> HeadGraphRunner | None:
         """The joint head's graph runner when the backend asked for it (CUDA only)."""
-        setting = self._gpu_setting(vllm_config, HEAD_GRAPHS_KEY, "head graphs")
-        if setting is None:
+        if not self._on_gpu(settings.head_graphs, "head graphs"):
             return None
-        records = setting.get("records", 1) if isinstance(setting, dict) else 1
-        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len, max_records=records)
+        runner = HeadGraphRunner(self.head, max_memory=vllm_config.model_config.max_model_len,
+                                 max_records=settings.head_graph_records)
         log.info("clef head graphs: a step finishing up to %d request(s) runs the joint head from a CUDA graph "
                  "(%d buckets; memory up to %d rows)", runner.record_buckets[-1], len(runner.buckets),
                  runner.memory_buckets[-1])
         return runner
 
-    def _install_prefill_graphs(self, vllm_config: VllmConfig) -> GdnGraphRunner | None:
+    def _install_prefill_graphs(self, vllm_config: VllmConfig, settings: WorkerSettings) -> GdnGraphRunner | None:
         """Wrap the GDN layers with :class:`GdnGraphRunner` when the backend asked for it (CUDA only)."""
-        setting = self._gpu_setting(vllm_config, PREFILL_GRAPHS_KEY, "prefill graphs")
-        if setting is None or not triton_gdn(self.model, "prefill graphs"):
+        graphs = settings.prefill_graphs
+        if not self._on_gpu(graphs is not None, "prefill graphs") or not triton_gdn(self.model, "prefill graphs"):
             return None
-        buckets = setting.get("buckets") if isinstance(setting, dict) else None
-        scope = setting.get("scope", "core") if isinstance(setting, dict) else "core"
-        runner = GdnGraphRunner(buckets or DEFAULT_BUCKETS, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        scope = graphs.scope
+        runner = GdnGraphRunner(list(graphs.buckets) or DEFAULT_BUCKETS, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                 scope="core" if scope == "step" else scope)   # step graphs run the core bodies
         count = runner.install(self.model)
         log.info("clef prefill graphs: %d GDN layers, single-sequence steps of up to %d tokens replay from CUDA "
@@ -213,24 +198,23 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                  list(runner.buckets), scope)
         return runner
 
-    def _step_graphs(self, vllm_config: VllmConfig) -> StepGraphRunner | None:
+    def _step_graphs(self, vllm_config: VllmConfig, settings: WorkerSettings) -> StepGraphRunner | None:
         """Whole-step graphs over the GDN runner (``--prefill-graph-scope step``: the default, through ``auto``)."""
-        setting = worker_setting(vllm_config, PREFILL_GRAPHS_KEY)
-        if self.prefill_graphs is None or not isinstance(setting, dict) or setting.get("scope") != "step":
+        if self.prefill_graphs is None or not settings.step_graphs:
             return None
         runner = StepGraphRunner(self.prefill_graphs, max_len=vllm_config.model_config.max_model_len,
-                                 split_seqs=int(setting.get("split") or 0))
+                                 split_seqs=settings.prefill_graphs.split)
         log.info("clef step graphs: single-sequence prefill steps padded to %s tokens replay the whole backbone "
                  "from one CUDA graph%s", list(runner.sizes),
                  f"; steps of 2-{runner.split_seqs} sequences ({SPLIT_TOKENS} tokens at most) replay each one's "
                  "graph in turn" if runner.split_seqs > 1 else "")
         return runner
 
-    def _install_gdn_tuning(self, vllm_config: VllmConfig) -> tuple[int, int, torch.dtype] | None:
+    def _install_gdn_tuning(self, vllm_config: VllmConfig, settings: WorkerSettings) -> tuple[int, int, torch.dtype] | None:
         """``--gdn-tuning``: the GDN kernels' per-class autotuner caches, installed now (before vLLM's warm-up
         of them); the first forward tunes them. Returns the step budget, request limit and activation dtype
         the tuning needs, or ``None`` (off, or no CUDA device)."""
-        if not self._gpu_setting(vllm_config, GDN_TUNING_KEY, "GDN tuning") or not triton_gdn(self.model, "GDN tuning"):
+        if not self._on_gpu(settings.gdn_tuning, "GDN tuning") or not triton_gdn(self.model, "GDN tuning"):
             return None
         gdn_tuning.install()
         log.info("clef GDN tuning: %d autotuned GDN kernels keep one tuning per shape class (%s); the first forward "

@@ -68,7 +68,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from clef_vllm.contract import BATCH_WAIT_KEY, IDLE_CLEANUP_KEY, PARAMS_KEY, worker_setting
+from clef_vllm.contract import PARAMS_KEY, WorkerSettings
 from clef_vllm.schema.state_keys import KEY_UNIT
 from clef_vllm.util import trace
 from clef_vllm.worker.fast import state_cache
@@ -200,8 +200,9 @@ class ClefScheduler(Scheduler):
         self._align_side_cache_tails()
         self._cache_blocks = coordinator.cache_blocks
         coordinator.cache_blocks = self._cache_up_to_boundary                 # rule 3
-        self._idle_cleanup = bool(worker_setting(self.vllm_config, IDLE_CLEANUP_KEY, False))
-        self.batch_wait = BatchWait(float(worker_setting(self.vllm_config, BATCH_WAIT_KEY, 0) or 0) / 1000.0)
+        settings = WorkerSettings.of(self.vllm_config)
+        self._idle_cleanup = settings.idle_cleanup_step
+        self.batch_wait = BatchWait(settings.batch_wait_ms / 1000.0)
         if self.batch_wait.on:
             log.info("clef scheduler: an idle engine holds up to %g ms for a batch while fewer requests wait than "
                      "half the largest step of the last second (--batch-wait-ms; 0 turns it off)",

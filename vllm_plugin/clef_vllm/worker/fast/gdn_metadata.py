@@ -29,7 +29,7 @@ as :func:`update_block_table` does, its query start locations this step's (the s
 Every tensor the kept metadata owns was made by its own build and is never written afterwards (vLLM's
 causal-conv op only reads the conv metadata when it is given). The tests compare such a hit with vLLM's
 own build, field by field, after builds of other lengths. ``--gdn-metadata-memo off`` (the engine's
-``additional_config`` key ``GDN_MEMO_KEY``) turns the memo off; the shared build stays.
+:attr:`clef_vllm.contract.WorkerSettings.gdn_metadata_memo` false) turns the memo off; the shared build stays.
 
 **State lines read, not gathered** (:func:`state_table`). With the state cache on, vLLM keeps one
 state line per block of a sequence (``mamba_cache_mode="align"``) and finds a step's lines with

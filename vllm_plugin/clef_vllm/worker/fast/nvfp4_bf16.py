@@ -19,7 +19,7 @@ with Marlin's at the BF16 noise floor, not bit for bit. The cost is memory: 2 by
 Hybrid's layers 17-31, taken from the KV cache.
 
 vLLM picks an NVFP4 kernel per layer from a list in priority order (``_POSSIBLE_NVFP4_KERNELS``): when
-the engine was started with the option (``additional_config`` key ``NVFP4_KERNEL_KEY``), :func:`install`,
+the engine was started with the option (:attr:`clef_vllm.contract.WorkerSettings.nvfp4_kernel`), :func:`install`,
 called from the model's constructor before its layers exist, puts the kernel (:func:`kernel_class`) first
 in this process's list for its platform. Weight-only NVFP4 checkpoints (W4A16, which vLLM always gives
 Marlin) and a ``--linear-backend`` (which filters the list) keep vLLM's choice; the options refuse ``bf16``

@@ -33,7 +33,7 @@ import os
 import tempfile
 import time
 
-from clef_vllm.contract import ENGINES_PER_GPU_KEY, worker_setting
+from clef_vllm.contract import WorkerSettings
 from clef_vllm.worker.budget import ClefWorker
 
 log = logging.getLogger("clef_vllm")
@@ -104,7 +104,7 @@ class SharedGpuWorker(ClefWorker):
     """The Clef worker (:mod:`clef_vllm.worker.budget`), placed ``--engines-per-gpu`` engines to a GPU and started one at a time per GPU."""
 
     def init_device(self):
-        per_gpu = int(worker_setting(self.vllm_config, ENGINES_PER_GPU_KEY, 1))
+        per_gpu = WorkerSettings.of(self.vllm_config).engines_per_gpu
         parallel = self.parallel_config
         rank = int(parallel.data_parallel_rank_local or 0)
         from vllm.platforms import current_platform
