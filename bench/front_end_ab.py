@@ -18,8 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from front_end_share import bench_point, save
-
+from clef_vllm.bench.runs import bench_point, save
 from clef_vllm.testing.server import LiveServer
 
 

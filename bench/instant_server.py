@@ -7,8 +7,7 @@ check that a load generator is not the bottleneck (CPU only, no model).
 
 With ``--step-ms F --per-token-us P`` the backend answers in *steps*, as vLLM's engine does: the
 requests waiting when a step begins (up to ``--step-tokens``) finish together after F ms + P µs per
-token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`;
-``bench/front_end_share.py`` drives the same engine without HTTP to compare). ``--batch-wait-ms MS`` has it
+token, and a request arriving meanwhile waits for the next step (:class:`SteppedEngine`). ``--batch-wait-ms MS`` has it
 hold new requests between steps by the scheduler's own rule 5 (``clef_vllm.worker.fast.batch_wait``), polling
 every millisecond as vLLM's idle engine core does. Like ``clef-systemone`` it freezes start-up's objects out of the
 garbage collector's full collections once loaded (``--no-freeze-heap``: not); ``--gc-log PATH`` records every full

@@ -30,10 +30,9 @@ process split costs from what the engine costs.
 
 ``--sweep LO:HI:STEP`` (modes ``graphs`` and ``step``) measures buckets instead: the prefill graphs get a
 bucket at every size from LO to HI (the generic buckets outside that range), and one request of exactly
-each size runs 10 times (p50 in ``sweep``: one row per size). ``bench/bucket_plan.py`` reads that sweep
-as measured step costs, for any checkpoint's kernels (the Hybrid's too), where ``bench/gemm_sizes.py``
-times only BF16 and vLLM's cutlass FP8 GEMMs. The checkpoint's weights are made up (``dummy``;
-``clef-dummy`` for a quantized checkpoint).
+each size runs 10 times (p50 in ``sweep``: one row per size): measured step costs per padded size, for any
+checkpoint's kernels (the Hybrid's too), from which a ``--prefill-graph-buckets`` list keeps each length's
+cheapest bucket. The checkpoint's weights are made up (``dummy``; ``clef-dummy`` for a quantized checkpoint).
 
     python3 bench/latency.py [--modes graphs,nographs] [--quantization fp8] [--engine-process] [--ckpt DIR] [--out FILE]
     python3 bench/latency.py --modes step --sweep 256:1024:16 --ckpt DIR --out FILE
@@ -261,7 +260,7 @@ def main() -> int:
     ap.add_argument("--engine-process", action="store_true",
                     help="the engine core in its own process, as in the server (timings only, no profile)")
     ap.add_argument("--sweep", default=None, metavar="LO:HI:STEP",
-                    help="modes graphs and step: a bucket at every size LO..HI, each timed alone (bench/bucket_plan.py)")
+                    help="modes graphs and step: a bucket at every size LO..HI, each timed alone")
     ap.add_argument("--nvfp4-kernel", default="vllm", choices=NVFP4_KERNELS,
                     help="a quantized checkpoint's NVFP4 layers: vLLM's kernel or BF16 GEMMs on weights dequantized "
                          "at load (the server's --nvfp4-kernel; raw mode keeps vLLM's)")

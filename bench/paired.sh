@@ -37,8 +37,8 @@ log() { echo "[paired $(date +%H:%M:%S)] $*" | tee -a "$OUT/paired.log" >&2; }
 # The GPU's memory: each engine holds its share and ~GPU_EXTRA more by the driver's count (a 9B engine at 0.28 of
 # an H200 held 48-49 GiB under load (three servers at 0.28), ~0.065 of the GPU beyond its budget: the plugin's
 # graphs and buffers, the CUDA context), and raw vLLM's engine (started last, inside clef-bench) needs its share
-# free when it starts. Plans that cannot fit are refused before any server starts (that session's three servers at
-# 0.28 left raw 12.9 GiB and it did not start). Skipped for servers without a GPU (--backend reference).
+# free when it starts. Plans that cannot fit are refused before any server starts (three 9B servers at 0.28 of an
+# H200 leave raw 12.9 GiB, too little to start). Skipped for servers without a GPU (--backend reference).
 GPU_EXTRA=${GPU_EXTRA:-0.07}
 if [[ " $SERVER_FLAGS " != *" --backend reference "* ]]; then
   raw=0

@@ -1,4 +1,4 @@
-# Sourced by the bench scripts (gpu_bench.sh, paired.sh, placement.sh): the repository root as the
+# Sourced by the bench scripts (gpu_bench.sh, paired.sh, memory_budget.py's GPU runs): the repository root as the
 # working folder (ROOT), the output folder ($OUT, default ./bench-out), the staged vLLM on the GPU
 # machine (tests/gpu/env.sh) or else this tree's plugin on PYTHONPATH, and the environment every
 # run wants; `healthy URL`, the one readiness check (/health answers 200), `wait_healthy` (a server's

@@ -82,3 +82,30 @@ def live_server(tiny_release, cache_dir):
     server = LiveServer(["--model", str(tiny_release), "--backend", "reference"]).wait_ready()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def workers_ai_server(tiny_release, cache_dir):
+    """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits)."""
+    args = ["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai"]
+    server = LiveServer(args).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_release):
+    """The request encoder of the tiny release checkpoint."""
+    from clef_vllm.schema.encoding import RequestEncoder
+
+    return RequestEncoder.from_pretrained(tiny_release)
+
+
+@pytest.fixture(scope="module")
+def tiny_short_tokens(tiny_encoder) -> int:
+    """A short-request target the tiny tokenizer can meet (its BPE spends more tokens on the template)."""
+    from clef_vllm.bench.workloads import RequestFactory, build_variants
+
+    factory = RequestFactory(tiny_encoder)
+    short = build_variants(["short"])[0]
+    return max(factory.min_total_tokens(short), 400) + 100

@@ -1,5 +1,5 @@
 """Rule 5's decision alone (``clef_vllm.worker.fast.batch_wait``; the scheduler's use of it: tests/test_scheduler.py,
-the stepped stand-in engine's: tests/test_bench.py)."""
+the stepped stand-in engine's: tests/test_bench_scripts.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Triton's kernels do not run on the CI machine, so the autotuner here is a stand-in with the interface the
 module uses (``arg_names``, ``cache``, ``run``; a key from its arguments without the token count, as the
 flash-linear-attention kernels' keys are) and the real option plumbing; the GPU run is
-``bench/gdn_configs.py`` and the server's own start-up (docs/latency.md, "GDN kernel tuning").
+``bench/results/h200_gdn_configs.json`` and the server's own start-up (docs/latency.md, "GDN kernel tuning").
 """
 
 from __future__ import annotations

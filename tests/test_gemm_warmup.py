@@ -1,8 +1,8 @@
 """``--gemm-warmup`` (clef_vllm/worker/fast/gemm_warmup.py): the head's GEMM shapes, and its matmul attentions, over a
 grid of row counts.
 
-Whether it removes CUDA's mid-step kernel loads is a GPU measurement (bench/step_timeline.py --gaps on a
-profiled step); here: the grid, that the shapes it runs are every GEMM shape the head's real work issues
+Whether it removes CUDA's mid-step kernel loads is a GPU measurement (the lazy loads in a
+profiled step's trace); here: the grid, that the shapes it runs are every GEMM shape the head's real work issues
 (the eager head and the per-token stage, recorded at the aten level), that it runs them all, that
 ``--gemm-row-grid`` (:class:`GridRows`) makes every GEMM of that work run at a grid row count with the same
 answers, and that the options reach the worker.

@@ -395,7 +395,7 @@ def test_head_work_per_step_does_not_grow_with_the_number_of_records():
     """Inside vLLM every tensor op is a kernel launch on the step's critical path: one step's
     accumulate + decide_records must issue the same ops for 4 records as for 32 (no per-record
     slicing, copies or uploads), with different lengths (padded memory) in both."""
-    from clef_vllm.bench.head_ops import count      # what bench/head_ops.py reports
+    from clef_vllm.bench.head_ops import count      # what python -m clef_vllm.bench.head_ops reports
 
     head = random_head(SMALL)
     table = DenseTable(torch.randn(VOCAB, SMALL.hidden_size))

@@ -1,6 +1,6 @@
 """Whole-step graphs (clef_vllm.worker.fast.step_graphs, ``--prefill-graph-scope step``): which steps may use
 one, the static inputs a replay reads and how each step refreshes them. The capture itself needs a GPU
-(bench/step_graph_probe.py compares replays with vLLM's path there)."""
+(replays compared with vLLM's path there: bench/results/h200_9b_step_graph_probe_fresh.json)."""
 
 from __future__ import annotations
 
@@ -292,37 +292,6 @@ def test_inline_bodies_write_the_state_line_from_the_static_source():
     out = torch.zeros(12, HV, DV)
     gdn_runner._replay(found, (("qkv", qkv), ("b", b), ("a", a)), out)
     assert view.ssm_state[1].abs().sum() > 0 and view.ssm_state[0].abs().sum() == 0
-
-
-def test_the_probes_fresh_flavour_gives_fa3_the_padded_size_as_longest_sequence():
-    """bench/step_graph_probe.py's flavours: ``static`` is the design (the model's longest sequence for FA3),
-    ``fresh`` the padded size (valid without context), ``direct`` the step's own metadata."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "step_graph_probe.py"
-    spec = importlib.util.spec_from_file_location("step_graph_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    classes = probe.graph_classes()
-    assert tuple(classes) == probe.FLAVOURS
-    ids, pos = torch.arange(12), torch.arange(12).expand(3, 12).clone()
-    longest, graphs = {}, {}
-    for flavour in ("static", "fresh"):
-        gdn_runner, _ = runner_with_bucket(16)
-        graphs[flavour] = classes[flavour](gdn_runner, 4096)
-        md_all, _ = graphs[flavour].statics(context(9), ids, pos)
-        longest[flavour] = md_all["layers.3.self_attn"].max_seq_len
-    assert longest == {"static": 4096, "fresh": 12}
-    # a step with context (its sequence longer than the padded size) does not fit a fresh graph
-    later = context(11)
-    later.attn_metadata["layers.3.self_attn"].max_seq_len = 700
-    graphs["static"].feed(later, ids, pos, 11)
-    with pytest.raises(ValueError, match="longer than the 12"):
-        graphs["fresh"].feed(later, ids, pos, 11)
-    ctx = context(9)
-    md_all, slots = classes["direct"](runner_with_bucket(16)[0], 4096).statics(ctx, ids, pos)
-    assert md_all is ctx.attn_metadata and slots is ctx.slot_mapping
 
 
 def test_the_default_scope_is_step_wherever_step_graphs_can_run(tiny_release):

@@ -1,7 +1,7 @@
 """Answers that come back together came from one engine step: split a run's answer times where they are
 further apart than :data:`GROUP_GAP_S`, and the groups show the steps' sizes as a client (or the server's
 access log) sees them, e.g. a closed loop of 16 clients running as steps of 14 and 2 instead of 16
-(``clef-bench --versus`` records them per time block; ``bench/cohorts.py`` reads them from a server log)."""
+(``clef-bench --versus`` records them per time block)."""
 
 from __future__ import annotations
 

@@ -3,12 +3,12 @@
 Inside vLLM every op of the head inputs + head is a kernel launch on the step's critical path.
 The op count (small head dims; it does not depend on the dims) for 1, 8 and 64 finishing records:
 
-    python bench/head_ops.py          # or: python -m clef_vllm.bench.head_ops
+    python -m clef_vllm.bench.head_ops
 
 The test suite checks the same count (tests/test_head.py). ``--time`` instead times one step's
 head work at the release's dims (bf16, a 248,320-row int8 lm_head table) for a few batch shapes:
 
-    python bench/head_ops.py --time --device cuda
+    python -m clef_vllm.bench.head_ops --time --device cuda
 """
 
 from __future__ import annotations

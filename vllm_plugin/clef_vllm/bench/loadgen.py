@@ -147,9 +147,9 @@ class HttpSender:
     """Posts :class:`BenchRequest` payloads to one ``/v1/systemone`` URL over a pooled aiohttp session.
 
     aiohttp, not httpx: with 64 open connections httpx's async pool cost ~7 ms of client CPU per
-    request, so the client saturated before the server did (121 req/s at c=64 against
-    ``bench/instant_server.py`` on 2 cores; aiohttp 810 req/s: bench/results/cpu_loadgen_*.json). ``client_cpu_s`` in the results
-    shows whether the client kept up.
+    request, so the client saturates before the server does (121 req/s at c=64 against
+    ``bench/instant_server.py`` on 2 cores; aiohttp 810 req/s: bench/results/cpu_loadgen_aiohttp_instant.json).
+    ``client_cpu_s`` in the results shows whether the client kept up.
     """
 
     def __init__(self, url: str, *, concurrency: int, timeout: float = 600.0, headers: dict | None = None):

@@ -2,7 +2,7 @@
 
 Why: on the shared GPU machines one short decision is host-bound, and the host's speed is a
 lottery. Each vCPU ran Python at ~37 or ~70 ns per loop step, and which ones were fast changed
-within seconds (``bench/host_speed.py``; ``docs/latency.md``, "The host's speed varies"). Two
+within seconds (``bench/results/h200_host_speed*.json``; ``docs/latency.md``, "The host's speed varies"). Two
 servers measured one after the other can land in different phases of that lottery, so their
 single-run p50s differed by 15-25 % with identical work (cache on vs off, FP8 vs BF16). Run side
 by side on one GPU and interleaved request by request (A B, B A, A B, ...), both sample the same
@@ -20,10 +20,11 @@ throughput over A's, the median over consecutive (A, B) block pairs, with each p
 A block's throughput over its wall time counts its edges: it starts from an engine the other server's
 block left idle (``c`` requests arrive at once), and it ends with a drain, from the last request started
 until the last answer (up to a whole request's latency, by where in the step cycle the block's end
-falls). At c=64 on the H200 the drain moved a 5-second block's wall time by 0.3-0.7 s (thirtieth
-session). So each block also gives its steady throughput by Little's law: with ``c`` requests always in
-flight, throughput is ``c`` over their mean latency (``steady_req_per_s``, over the requests started
-after :data:`STEADY_FROM` of the block); ``steady_ratio`` compares those per pair.
+falls). At c=64 on the H200 the drain moves a 5-second block's wall time by 0.3-0.7 s
+(``bench/results/clef_bench/h200_9b_paired_grid_vs_raw_c16-64.json``). So each block also gives its steady
+throughput by Little's law: with ``c`` requests always in flight, throughput is ``c`` over their mean latency
+(``steady_req_per_s``, over the requests started after :data:`STEADY_FROM` of the block); ``steady_ratio``
+compares those per pair.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ MIN_REUSE_TOKENS = 1024
 KEY_BYTES = 16
 _PERSON = b"clef-state-v1"
 #: Recent key lists, by one digest of the ids they key: follow-ups about one state skip ~1,000 chained
-#: digests per 16k tokens (measured on the dev machine: 1.1-1.7 ms -> ~0.3 ms; bench/block_hashing.py).
+#: digests per 16k tokens (measured on the dev machine: 1.1-1.7 ms -> ~0.3 ms; bench/results/cpu_block_hashing.txt).
 _MEMO_SIZE = 64
 _memo: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
 _memo_lock = threading.Lock()

@@ -21,7 +21,7 @@ log = logging.getLogger("clef_vllm")
 INTERVAL_S = 0.05
 #: A timer this late (s) or later is a stall, logged as a WARNING.
 STALL_S = 0.1
-#: How a stall's log line starts (then the loop's name): ``bench/cohorts.py`` finds these lines by it.
+#: How a stall's log line starts (then the loop's name): a log reader finds these lines by it.
 STALL_LINE = "event loop ("
 #: What a held loop stops, by its name.
 HELD = {"http": "no request was read and no answer sent meanwhile",

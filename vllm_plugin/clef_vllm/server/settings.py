@@ -21,7 +21,7 @@ DEFAULT_MAX_CONNECTIONS = 2048
 #: Lines of one bulk body (blank ones included); the line past it is answered 413 and the rest is not read.
 DEFAULT_MAX_BULK_LINES = 100_000
 #: A request whose body is at most this many bytes has its CPU work done on the event loop, not in the pool:
-#: each of a request's four hops to a pool thread and back costs 50-205 µs of CPU (bench/pool_hop.py, 2 cores),
+#: each of a request's four hops to a pool thread and back costs 50-205 µs of CPU (bench/results/cpu_pool_hop.txt, 2 cores),
 #: about as much as a short decision's own work, and the loop is held for about a millisecond at most.
 DEFAULT_CPU_INLINE_BYTES = 4096
 #: Request bodies held in memory at once, in multiples of --max-body-bytes (beyond: 429).

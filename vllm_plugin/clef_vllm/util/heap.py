@@ -81,7 +81,7 @@ def frozen_heap() -> Iterator[int]:
 
 
 #: A full collection at least this long (ms) is a long pause: the server logs each one once it is ready,
-#: in a line that starts with :data:`LONG_PAUSE_LINE` (``bench/cohorts.py`` finds these lines by it).
+#: in a line that starts with :data:`LONG_PAUSE_LINE` (a log reader finds these lines by it).
 LONG_PAUSE_MS = 50.0
 LONG_PAUSE_LINE = "garbage collector: a full collection stopped the event loop"
 

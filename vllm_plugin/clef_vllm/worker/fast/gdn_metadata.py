@@ -12,7 +12,7 @@ decoding or full CUDA graphs (a pooling model has neither): the update recompute
 fields that ``build`` derives from the block table (the non-speculative and prefill state indices,
 through vLLM's own ``mamba_get_block_table_tensor``) and shares the rest.
 
-Found in the step server's engine-core trace (``bench/step_timeline.py``): the backbone's graph was
+A step server's engine-core profile (a torch-profiler trace) shows why: without it the backbone's graph is
 launched 8-12 ms (profiled) into a short step, three ~1 ms stretches of it one repeated build.
 ``tests/test_gdn_metadata.py`` checks the update against vLLM's own build of the later group, field
 by field, on CPU.

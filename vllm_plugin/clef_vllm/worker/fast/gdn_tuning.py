@@ -7,7 +7,7 @@ keeps the fastest for every later call with the same *key*, and their keys leave
 sequence counts. vLLM's Qwen3.5 layers make that first call a warm-up of one 64-token sequence (at its
 memory profiling), so a step of 41 sequences and 16,000 tokens runs the configs that were fastest at 64
 tokens, where launch time hides the kernels' own. Timed config by config on an H200 at Qwen3.5-9B's GDN
-dimensions (``bench/gdn_configs.py``, ``bench/results/h200_gdn_configs.json``): the 64-token choice
+dimensions (``bench/results/h200_gdn_configs.json``): the 64-token choice
 costs a 41 x 391-token step 10.8 ms over its 24 GDN layers (1.56 against 1.11 ms a layer), a 16 x
 400-token step 4.1 ms, one 16,384-token sequence 5.7 ms, one 416-token decision 0.24 ms. Which config is
 fastest depends on the shape: one sequence wants the recurrence split finer (its work is serial along

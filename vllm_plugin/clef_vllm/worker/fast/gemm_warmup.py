@@ -16,8 +16,8 @@ step can give it, each count :data:`ROW_RATIO` times the last: cuBLAS meets its 
 loads its kernels, while the GPU has nothing else queued (the eager head pads a group of records
 to its longest, at most twice their real rows: :func:`clef_vllm.model.features.padding_groups`). Nothing of it reaches an answer (the
 inputs and weights are zeros of the head's dtype, the outputs are dropped). A row count between
-two grid points may still get a kernel of its own; ``bench/step_timeline.py --gaps`` counts the
-lazy loads a profiled step still has (at c=64: 1-3 a step with it, 4-6 without).
+two grid points may still get a kernel of its own: a profiled step still has lazy loads (at c=64: 1-3
+a step with it, 4-6 without; ``bench/results/h200_9b_bf16_c64_gemmwarm_timeline.txt``).
 
 The head's attentions over a long memory run as batched GEMMs too (:func:`clef_vllm.model.head.matmul_attention`,
 a few records' queries over 1,024 keys or more): the warm-up runs them at the memory grid's row counts from

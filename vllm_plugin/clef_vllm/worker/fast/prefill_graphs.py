@@ -57,7 +57,7 @@ log = logging.getLogger("clef_vllm")
 #: tokens (or several sequences) runs vLLM's own path.
 DEFAULT_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096)
 #: The buckets per linear-layer kernel where the backbone's GEMMs make a different size cheaper (the H200's
-#: GEMM sweeps, ``bench/results/h200_gemm_sizes_{bf16,fp8}.json``, planned by ``bench/bucket_plan.py`` and
+#: GEMM sweeps, ``bench/results/h200_gemm_sizes_{bf16,fp8}.json``, each length padded to its cheapest bucket, and
 #: paired against DEFAULT_BUCKETS at c=1: 0.969x and 0.975x the p50). Unquantized BF16 (cuBLAS: 9.2 ms of
 #: GEMMs at 400 rows, 10.5 at 448) adds 400. Online FP8 (vLLM's cutlass kernel) pads 321-480 tokens to 480:
 #: its whole step at 480 tokens took 15.7 ms, at 368-464 tokens 16.5-18.3 ms
@@ -371,7 +371,7 @@ class GdnGraphRunner:
         self._bodies: dict[tuple[str, int, str], SimpleNamespace] = {}   # key -> .replay() runs the body
         self._pool = None
         self.min_tokens = 4
-        #: For a graph that encloses whole steps (bench/step_graph_probe.py): run a captured bucket's
+        #: For a graph that encloses whole steps (step_graphs.py): run a captured bucket's
         #: body instead of replaying its graph, do not fall back while a stream is capturing, copy all
         #: the step's (padded) rows, and leave the bucket's length to the caller (``set_length`` before
         #: the enclosing capture and each replay). The state line and initial-state flag come from

@@ -34,8 +34,8 @@ Sequences of a prefill step never see each other (causal attention per sequence,
 other layer row-wise), so each gets what it would get alone in a step.
 
 Measured on an H200 (docs/latency.md): bit-identical to vLLM's path at the probed sizes
-(``bench/step_graph_probe.py``; the ``fresh`` kind also where the model's longest sequence changed
-FA3's split), the 240-request parity against the reference unchanged, and 8-19 % (BF16) / 18 % (FP8)
+(``bench/results/h200_9b_step_graph_probe_fresh.json``; the ``fresh`` kind also where the model's longest
+sequence changed FA3's split), the 240-request parity against the reference unchanged, and 8-19 % (BF16) / 18 % (FP8)
 faster for one short decision through the server, paired. The default scope (``auto``) wherever it
 can run.
 """
