@@ -19,6 +19,7 @@ def test_raw_vllm_engine_settings(tiny_release, tiny_repacked, tmp_path):
         assert kw["enable_prefix_caching"] is False and kw["gdn_prefill_backend"] == "triton"
         assert kw["pooler_config"] == {"seq_pooling_type": "LAST"}
         assert "additional_config" not in kw  # no head options, and so no batch wait (docs/bench.md)
+        assert "worker_cls" not in kw         # vLLM's own worker: the plugin's memory budget is the server's
         assert kw["scheduler_cls"] == "clef_vllm.worker.scheduler.ClefScheduler"   # the scheduler's fixes stay
     # The release declares Qwen3_5ForConditionalGeneration: stock class, text only, real weights.
     assert "hf_overrides" not in release and release["language_model_only"] is True
