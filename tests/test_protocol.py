@@ -3,7 +3,7 @@
 Each refusal is checked for its error kind, the dotted field it names and the gist of its
 message; each acceptance for what the parsed request keeps (question order, unknown fields).
 The structural limits (JSON values, nesting, questions, options, characters) are checked here too;
-how kinds become HTTP statuses is tests/test_server.py's business (server/errors.py).
+how kinds become HTTP statuses is tests/test_server_api.py's business (server/errors.py).
 """
 
 from __future__ import annotations

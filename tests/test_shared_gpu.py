@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -77,12 +79,16 @@ def test_engines_are_placed_in_order_per_gpu_through_the_visible_devices():
         shared_gpu.engine_gpu(1, 0)
 
 
-def _hold(path: str, seconds: float, times) -> None:
+def _hold(path: str, events: str, everyone) -> None:
+    """Start with the others (``everyone``: a barrier), then hold the lock a little, writing when it began and ended."""
+    everyone.wait(10)
     lock = shared_gpu.StartLock(path)
     lock.acquire("test engine")
-    start = time.monotonic()
-    time.sleep(seconds)
-    times.put((start, time.monotonic()))
+    with open(events, "a") as out:
+        out.write(f"start {os.getpid()}\n")
+        out.flush()
+        time.sleep(0.1)                                       # room for another to barge in, were it not locked
+        out.write(f"end {os.getpid()}\n")
     lock.release()
 
 
@@ -96,16 +102,19 @@ def _hold_and_die(path: str, ready) -> None:
 def test_engines_on_one_gpu_start_one_at_a_time_across_processes(tmp_path):
     ctx = mp.get_context("fork")
     path = shared_gpu.start_lock_path(0, str(tmp_path))
-    times = ctx.Queue()
-    procs = [ctx.Process(target=_hold, args=(path, 0.4, times)) for _ in range(3)]
+    events = tmp_path / "events"
+    everyone = ctx.Barrier(3)
+    procs = [ctx.Process(target=_hold, args=(path, str(events), everyone)) for _ in range(3)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(20)
         assert p.exitcode == 0
-    spans = sorted(times.get(timeout=5) for _ in procs)
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert start >= end, spans                              # never two at once
+    lines = events.read_text().split("\n")[:-1]
+    # never two at once: each start is followed by the same engine's end
+    assert len(lines) == 6 and all(a == f"start {b.split()[1]}" and b.startswith("end ")
+                                   for a, b in zip(lines[::2], lines[1::2])), lines
+    assert {line.split()[1] for line in lines} == {str(p.pid) for p in procs}
     # another GPU's lock is another file: no waiting
     assert shared_gpu.start_lock_path(1, str(tmp_path)) != path
 
@@ -117,9 +126,16 @@ def test_an_engine_that_dies_while_starting_does_not_block_the_next(tmp_path):
     dying = ctx.Process(target=_hold_and_die, args=(path, ready))
     dying.start()
     assert ready.wait(10)
+    probe = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):                  # held by the starting engine
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
     lock = shared_gpu.StartLock(path)
-    waited = lock.acquire("next engine")                        # waits for the death, not forever
-    assert lock.held and waited < 10
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lock.acquire, "next engine").result(timeout=60)   # waits for the death, not forever
+    assert lock.held
     dying.join(5)
     assert dying.exitcode == 3
     lock.release()

@@ -231,20 +231,6 @@ def test_the_hit_is_capped_by_the_rows_present_and_the_reusable_prefix(side_cach
 # --------------------------------------------------------------------------- the pooler
 
 
-@pytest.fixture(scope="module")
-def release_model(tiny_release):
-    pytest.importorskip("vllm")
-    vllm_cpu.setup()
-    return vllm_cpu.load_model(tiny_release)
-
-
-@pytest.fixture(scope="module")
-def encoder(tiny_release):
-    from clef_vllm.schema.encoding import RequestEncoder
-
-    return RequestEncoder.from_pretrained(tiny_release)
-
-
 def _request(state, questions):
     from clef_vllm.schema.dialects import parse_request
 

@@ -159,10 +159,12 @@ def test_a_client_leaving_while_its_request_is_in_the_engine_cancels_it(adv, ser
                                              (many_questions, "JSON values"), (many_options, "JSON values")])
 def test_d3_worst_case_bodies_are_refused_cheaply(adv, build, fragment):
     body = build(2 * 1024 * 1024)
-    t0 = time.monotonic()
+    encoded = metric(adv, "clef_stage_seconds_count", stage="encode")
     resp = post(adv, body)
     assert_clean_error(resp, 413, fragment, "2048 tokens")
-    assert time.monotonic() - t0 < 20
+    # refused by counting its JSON values: nothing of it was tokenized
+    assert "encode" not in resp.headers["server-timing"]
+    assert metric(adv, "clef_stage_seconds_count", stage="encode") == encoded
     assert httpx.get(adv.url + "/health/live", timeout=5).status_code == 200
 
 
@@ -516,7 +518,6 @@ def test_d5_sigterm_aborts_stalled_clients_answers_the_rest_and_exits_in_time(se
         progressing = pool.submit(post, term, held("p1"), AUTH)
         abandoned = pool.submit(post, term, held("p2"), AUTH)
         wait(lambda: metric(term, "clef_in_flight", headers=AUTH) == 2, 30, "two requests in the engine")
-        t0 = time.monotonic()
         term.proc.send_signal(signal.SIGTERM)
         status, _, text = read_response(stalled_upload, 10)   # stalled upload: 503 JSON at once
         assert status == 503 and b"shutting down" in text
@@ -527,9 +528,10 @@ def test_d5_sigterm_aborts_stalled_clients_answers_the_rest_and_exits_in_time(se
         late = abandoned.result(timeout=30)                               # never finishes: 503 at the timeout
         assert_clean_error(late, 503, "--shutdown-timeout")
         code = term.proc.wait(timeout=30)
-        elapsed = time.monotonic() - t0
-    assert code == 0 and 5 <= elapsed < 5 + 20, elapsed       # --shutdown-timeout 5 (+1 s target: long runner)
+    assert code == 0
     log = term.log()
+    # the drain waited its whole --shutdown-timeout 5 for the one request still open, then abandoned it
+    assert "shutdown timeout (5 s): 1 open request(s) are answered 503 and abandoned" in log
     assert "Traceback" not in log and "ASGI" not in log and " ERROR " not in log
 
 
@@ -545,17 +547,18 @@ def test_a_second_sigterm_answers_open_requests_and_exits_at_once_without_a_trac
         with ThreadPoolExecutor(1) as pool:
             stuck = pool.submit(post, server, held("twice"))
             wait(lambda: metric(server, "clef_in_flight") == 1, 30, "the request in the engine")
-            t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             wait(lambda: "graceful shutdown" in server.log(), 10, "the first signal")
             server.proc.send_signal(signal.SIGTERM)
             assert_clean_error(stuck.result(timeout=30), 503, "a second SIGTERM")
             code = server.proc.wait(timeout=30)
-        elapsed = time.monotonic() - t0
     finally:
         server.stop()
-    assert code == 0 and elapsed < 10, (code, elapsed)          # not the 60 s drain
+    assert code == 0
     log = server.log()
+    # abandoned by the second signal, not by the drain's 60 s timeout
+    assert "SIGTERM again: 1 open request(s) are answered 503 and abandoned" in log
+    assert "shutdown timeout" not in log
     assert "SIGTERM again: exiting now" in log
     assert "Traceback" not in log and "CancelledError" not in log and " ERROR " not in log, log[-3000:]
 

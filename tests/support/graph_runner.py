@@ -1,5 +1,5 @@
 """The head-graph runner on the CPU, for tests (tests/test_head_graphs.py, the pooler's in
-tests/test_vllm_plugin.py): every part of :class:`HeadGraphRunner` runs (buckets, capture-all,
+tests/test_worker_pooler.py): every part of :class:`HeadGraphRunner` runs (buckets, capture-all,
 self-checks, fill, replay, gather) except the CUDA graph itself, which a stand-in replaces."""
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ QWEN_PRETOKENIZER_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{
                            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 #: Places where that regex always ends one piece and starts the next, whatever follows, and that
 #: NFC never composes across (the character after the cut is ASCII and can never combine with what
-#: precedes it). Each of these is checked against the whole-text tokenization in tests/test_encoding.py:
+#: precedes it). Each of these is checked against the whole-text tokenization in tests/test_encoding_pieces.py:
 #:
 #: * before a space + ASCII letter that follows printable ASCII (the space opens the word's piece);
 #: * after a newline, before an ASCII letter (a run of newlines is a piece of its own);

@@ -32,7 +32,7 @@ _HANDED_OUT: set[int] = set()
 def free_port() -> int:
     """A TCP port that is free on loopback right now and that this process has not been handed before.
 
-    Servers started together (``tests/test_server.py`` starts a dozen at once) each ask for a port
+    Servers started together (``tests/test_server_lifecycle.py`` starts a dozen at once) each ask for a port
     before any of them binds one, so the system may offer two of them the same free port: they then
     shared a log file (``clef-server-PORT.log``) and one of them could not listen (a CI run lost nine
     tests to that). A port handed out once is never handed out again by this process."""

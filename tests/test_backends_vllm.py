@@ -1,0 +1,175 @@
+"""The vLLM backend's front-end side (clef_vllm/backends/vllm_backend.py) against stand-ins of vLLM's
+``AsyncLLM`` (no GPU here): a cancelled request aborted in the engine, a dead engine reported, the profiler
+window over client decisions, and the kernel report before the engine starts."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+
+import pytest
+import torch
+
+from conftest import REQUEST
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.usefixtures("cpu_shims")
+
+
+def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_release):
+    """The vLLM backend's request path against a stand-in AsyncLLM (no GPU here)."""
+    from support import vllm_cpu
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from clef_vllm.backends.base import BackendDeadError
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+
+    started, cancelled = threading.Event(), threading.Event()
+
+    class StandInEngine:
+        errored = False
+
+        def __init__(self, dead: bool):
+            self.dead = dead
+
+        async def encode(self, prompt, params, request_id):
+            started.set()
+            if self.dead:
+                raise EngineDeadError()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:    # AsyncLLM.encode aborts the request in the engine core here
+                cancelled.set()
+                raise
+            yield
+
+    encoded = RequestEncoder.from_pretrained(tiny_release).encode(parse_request(REQUEST))
+    with vllm_cpu.bare_vllm_backend(max_num_seqs=48, data_parallel_size=2) as backend:
+        backend.engine = StandInEngine(dead=False)
+
+        async def cancel_in_flight():
+            task = asyncio.ensure_future(backend.decide(encoded))
+            assert await asyncio.to_thread(started.wait, 60)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(cancelled.wait, 60)
+
+        asyncio.run(cancel_in_flight())
+        backend.engine = StandInEngine(dead=True)
+        with pytest.raises(BackendDeadError, match="engine core died"):
+            backend.decide_batch([encoded])
+        backend.check_health()
+        backend.engine.errored = True
+        with pytest.raises(BackendDeadError, match="AsyncLLM.errored"):
+            backend.check_health()
+        assert backend.suggested_max_in_flight() == 96
+
+
+def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):
+    """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and
+    stops after decision START+COUNT-1; warm-up prompts do not count; a bad value names the variable."""
+    from types import SimpleNamespace
+
+    from vllm.config import ProfilerConfig
+
+    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.model.features import synthetic_spec
+    from clef_vllm.util import trace
+
+    assert trace.ProfileWindow.from_env("") is None
+    window = trace.ProfileWindow.from_env(str(tmp_path))
+    assert (window.directory, window.start, window.count) == (str(tmp_path), 8, 10)
+    config = ProfilerConfig(**window.profiler_config())             # what the backend hands vLLM
+    assert config.profiler == "torch" and config.torch_profiler_dir == str(tmp_path) and config.ignore_frontend
+    assert not config.torch_profiler_with_stack
+    stacked = trace.ProfileWindow.from_env(f"{tmp_path},8,3,stack")
+    assert (stacked.start, stacked.count, stacked.stack) == (8, 3, True)
+    assert ProfilerConfig(**stacked.profiler_config()).torch_profiler_with_stack
+    for bad in ("d,x", "d,-1", "d,0,0", ",3", "d,8,3,stacks", "d,8,3,stack,1"):
+        with pytest.raises(ValueError, match="CLEF_VLLM_PROFILE"):
+            trace.ProfileWindow.from_env(bad)
+
+    calls = []
+
+    class StandIn:                                                   # AsyncLLM's encode and profiler switches
+        async def start_profile(self):
+            calls.append("start")
+
+        async def stop_profile(self):
+            calls.append("stop")
+
+        async def encode(self, prompt, params, request_id):
+            calls.append(request_id.split("-")[1])
+            n = len(prompt["prompt_token_ids"])
+            yield SimpleNamespace(num_cached_tokens=0, prompt_token_ids=list(range(n)), finished=True,
+                                  outputs=SimpleNamespace(data=torch.zeros(synthetic_spec(n).num_options)))
+
+    backend = VllmBackend.__new__(VllmBackend)
+    backend.state_cache, backend.engine, backend._ids = False, StandIn(), itertools.count()
+    backend._profile = trace.ProfileWindow.from_env(f"{tmp_path},1,2")
+
+    async def run():
+        ids = list(range(20))
+        await backend._encode(ids, synthetic_spec(20), warmup=True)       # request 0: the warm-up's
+        for _ in range(4):                                                # requests 1-4: client decisions 0-3
+            await backend._encode(ids, synthetic_spec(20))
+
+    with caplog.at_level(logging.INFO, logger="clef_vllm"):
+        asyncio.run(run())
+    assert calls == ["0", "1", "start", "2", "3", "stop", "4"]
+    assert "vLLM's profiler started (client decisions 1..2" in caplog.text and "profiler stopped" in caplog.text
+
+    async def broken():
+        raise RuntimeError("Profiler is not enabled")
+
+    backend.engine.start_profile = broken                             # a profiler that fails costs no decision
+    backend._profile = trace.ProfileWindow.from_env(f"{tmp_path},0,1")
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="clef_vllm"):
+        probs, cached = asyncio.run(backend._encode(list(range(20)), synthetic_spec(20)))
+    assert probs.numel() == synthetic_spec(20).num_options and calls == ["5"]          # nothing to stop
+    assert "CLEF_VLLM_PROFILE: could not start vLLM's profiler (RuntimeError: Profiler is not enabled)" in caplog.text
+
+    # a window longer than the traffic: the server's shutdown stops the profiler, so the files are still written
+    # (a c=16 profile asking for decisions 24..71 of 68 once came back empty)
+    engine = StandIn()
+    engine.shutdown = lambda: calls.append("shutdown")
+    backend.engine, backend._profile = engine, trace.ProfileWindow.from_env(f"{tmp_path},1,5")
+    backend._loop = asyncio.new_event_loop()
+    backend._thread = threading.Thread(target=backend._loop.run_forever, daemon=True)
+    backend._thread.start()
+    calls.clear()
+    for _ in range(3):                                                # client decisions 0-2 of a window 1..5
+        backend._submit(backend._encode(list(range(20)), synthetic_spec(20))).result(timeout=30)
+    assert calls == ["6", "start", "7", "8"] and backend._profile.running
+    with caplog.at_level(logging.WARNING, logger="clef_vllm"):
+        backend.close()
+    assert calls[-2:] == ["stop", "shutdown"] and not backend._profile.running
+    assert "the engine stops after 2 of the window's 5 requests" in caplog.text
+    assert not backend._thread.is_alive()
+    backend.close()                                                   # closing twice is harmless
+
+
+def test_nvfp4_kernel_bf16_on_a_checkpoint_without_nvfp4_layers_says_it_changes_nothing(tiny_release, caplog,
+                                                                                       monkeypatch):
+    """The front end's kernel report (before the engine starts) warns that ``--nvfp4-kernel bf16`` has nothing to
+    act on in a checkpoint without NVFP4 W4A4 layers, and stays quiet with the default."""
+    from clef_vllm.backends.options import backend_options
+    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.model.checkpoint import locate_checkpoint
+    from clef_vllm.quant import kernels
+
+    monkeypatch.setattr(kernels, "cuda_capability", lambda: (9, 0))      # as on an H200
+    for choice, warned in (("bf16", True), ("vllm", False)):
+        backend = object.__new__(VllmBackend)
+        backend.options = backend_options("vllm", {"nvfp4_kernel": choice})
+        backend.kwargs, backend.files = {}, locate_checkpoint(tiny_release)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="clef_vllm"):
+            backend._report_kernels()
+        assert ("--nvfp4-kernel bf16 changes nothing here" in caplog.text) is warned, choice
+        assert "kernels: unquantized" in caplog.text and backend.kernels["capability"] == (9, 0)
