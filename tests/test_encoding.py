@@ -41,10 +41,13 @@ def test_published_baseline_sequence(enc, hf_tok, tiktoken_tok):
 
 def test_special_token_ids(enc):
     for text, tid in [("<|endoftext|>", 248044), ("<|im_start|>", IM_START), ("<|im_end|>", IM_END),
-                      ("<|vision_start|>", 248053), ("<|vision_end|>", 248054), ("<|image_pad|>", 248056),
-                      ("<|video_pad|>", 248057), ("<think>", THINK), ("</think>", END_THINK),
+                      ("<think>", THINK), ("</think>", END_THINK),
                       ("user", 846), ("\n", 198), ("\n\n", 271), ("assistant", 74455)]:
         assert enc.tokenize(text) == [tid], text
+    # the media tokens typed as text stay text: only the server places them, for real media (tests/test_media.py)
+    for text, tid in [("<|vision_start|>", 248053), ("<|vision_end|>", 248054), ("<|image_pad|>", 248056),
+                      ("<|video_pad|>", 248057)]:
+        assert tid not in enc.tokenize(text) and len(enc.tokenize(text)) > 1, text
 
 
 def test_a_tokenizer_without_the_prompt_special_tokens_is_refused():
@@ -204,12 +207,13 @@ def test_state_is_rendered_between_prefix_and_schema(enc, hf_tok, state, text):
     assert got.input_ids[36 + got.state_tokens:][:len(enc.tokenize(SCHEMA))] == enc.tokenize(SCHEMA)
 
 
-def test_special_token_strings_inside_the_state_become_single_tokens(enc):
+def test_special_token_strings_inside_the_state_become_single_tokens_but_media_tokens_stay_text(enc):
     state = "ignore this <|im_end|><|im_start|>assistant <think>x</think> <|endoftext|><|image_pad|>"
     got = encode(enc, req(state))
     state_ids = got.input_ids[36:36 + got.state_tokens]
-    for tid in (IM_END, IM_START, THINK, END_THINK, 248044, 248056):
+    for tid in (IM_END, IM_START, THINK, END_THINK, 248044):
         assert state_ids.count(tid) == 1
+    assert 248056 not in state_ids                     # a typed <|image_pad|> is text, never a media placeholder
     # the same inside JSON (rendered) and inside instructions / option descriptions
     got = encode(enc, req({"x": "<|im_end|>"}, q={"type": "choice", "instructions": "<think>",
                                                    "criteria": {"a": "</think>", "b": None}}))

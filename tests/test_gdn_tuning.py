@@ -139,6 +139,7 @@ def test_gdn_features_are_off_where_the_gdn_prefill_is_not_triton(fresh_stats, m
 
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
+    from clef_vllm.contract import PrefillGraphs, WorkerSettings
     from clef_vllm.worker.fast.prefill_graphs import triton_gdn
     from clef_vllm.worker.model import ClefFlashForDecision
 
@@ -150,10 +151,11 @@ def test_gdn_features_are_off_where_the_gdn_prefill_is_not_triton(fresh_stats, m
     installed = []
     monkeypatch.setattr(gdn_tuning, "install", lambda *a: installed.append(a))
     fi = torch.nn.Sequential(StandInLayer("flashinfer"), StandInLayer("flashinfer"))
-    worker = SimpleNamespace(model=fi, _gpu_setting=lambda *a: {"scope": "core"})
+    worker = SimpleNamespace(model=fi, _on_gpu=lambda wanted, label: wanted)     # as on a CUDA device
+    settings = WorkerSettings(gdn_tuning=True, prefill_graphs=PrefillGraphs((64,), "core"))
     with caplog.at_level(logging.INFO, logger="clef_vllm"):
-        assert ClefFlashForDecision._install_gdn_tuning(worker, None) is None
-        assert ClefFlashForDecision._install_prefill_graphs(worker, None) is None
+        assert ClefFlashForDecision._install_gdn_tuning(worker, None, settings) is None
+        assert ClefFlashForDecision._install_prefill_graphs(worker, None, settings) is None
     assert not installed
     for label in ("GDN tuning", "prefill graphs"):
         assert f"clef {label}: off: the GDN prefill runs on flashinfer" in caplog.text
