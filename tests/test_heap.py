@@ -44,7 +44,7 @@ def test_the_server_logs_a_long_pause_only_once_serving(caplog):
     caplog.set_level(logging.INFO, logger="clef_vllm")
     for status, said in ((LOADING, False), (READY, True), (DRAINING, True)):
         caplog.clear()
-        DecisionService._long_gc_pause(SimpleNamespace(status=status), 78.4, 1234)
+        DecisionService._long_gc_pause(SimpleNamespace(status=status, frozen_objects=0), 78.4, 1234)
         lines = [r for r in caplog.records if "garbage collector" in r.getMessage()]
         assert bool(lines) is said
         if said:

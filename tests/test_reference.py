@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import random
+import sys
+import threading
 
 import pytest
 import torch
 
 from clef_vllm.backends import OptionError, make_backend, resolve_backend
-from clef_vllm.backends.reference import ReferenceBackend
+from clef_vllm.backends.base import MicroBatcher
+from clef_vllm.backends.reference import ReferenceBackend, cpu_threads
 from clef_vllm.model.checkpoint import load_head, locate_checkpoint
 from clef_vllm.model.tables import DenseTable, Int8RowTable
 from clef_vllm.schema.answers import build_response
@@ -239,6 +243,83 @@ def test_inapplicable_and_unknown_options_are_errors_naming_them(tiny_release):
         make_backend(tiny_release, "reference", max_batchsize=4)
     with pytest.raises(OptionError, match="'max_batch_size' must be int"):
         ReferenceBackend(tiny_release, max_batch_size=2.5)
+
+
+def thread_nice(tid: int) -> int:
+    """A thread's nice value, from /proc (field 19 of its stat line)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
+def test_compute_nice_runs_the_forward_passes_below_the_servers_other_threads(tiny_release, requests_, cache_dir):
+    """With compute_nice, the micro-batcher's thread lowers its own priority by that much before its first forward
+    pass; the thread that submits (the server's event loop) keeps its own. By default it stays level."""
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    backend = ReferenceBackend(tiny_release, device="cpu", max_batch_size=4, compute_nice=10)
+    seen: list[int] = []
+    forward = backend.decide_batch
+
+    def spy(batch):
+        seen.append(thread_nice(threading.get_native_id()))
+        return forward(batch)
+
+    backend.decide_batch = spy                    # the micro-batcher is built at the first decide, with this
+    try:
+        enc = encode_all(backend, requests_[:3])
+
+        async def run():
+            return await asyncio.gather(*(backend.decide(e) for e in enc))
+
+        asyncio.run(run())
+        assert seen and set(seen) == {min(19, here + 10)} and backend._batcher.nice == min(19, here + 10)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == here
+        assert backend.describe()["compute_nice"] == 10 and backend.describe()["cpu_threads"] == cpu_threads()
+    finally:
+        backend.close()
+    plain = ReferenceBackend(tiny_release, device="cpu")
+    try:
+        assert asyncio.run(plain.decide(enc[0])) is not None and plain._batcher.nice is None
+        assert plain.describe()["compute_nice"] == 0
+    finally:
+        plain.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
+def test_the_openmp_workers_of_the_compute_thread_inherit_its_priority():
+    """libgomp starts a thread's OpenMP workers at its first parallel op, from that thread: they run at its nice."""
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = set(os.listdir("/proc/self/task"))
+    threads = torch.get_num_threads()
+    started: list[set[str]] = []
+
+    def run(batch):
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).mul_(2.0).sum()        # large enough for ATen to split it over its threads
+        started.append(set(os.listdir("/proc/self/task")) - before)
+        return [torch.zeros(1) for _ in batch]
+
+    batcher = MicroBatcher(run, nice=5)
+    try:
+        from types import SimpleNamespace
+
+        asyncio.run(batcher.submit(SimpleNamespace(num_tokens=1)))
+        new = started[0]
+        assert len(new) >= 2 and {thread_nice(int(t)) for t in new} == {min(19, here + 5)}  # the worker and its team
+    finally:
+        batcher.close()
+        torch.set_num_threads(threads)
+
+
+def test_cpu_threads_leave_one_core_to_the_server(monkeypatch):
+    """Forward passes on a CPU use every usable core but one (at least one, at most torch's default), unless asked
+    otherwise or OMP_NUM_THREADS says how many."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    for cores, want in ((1, 1), (2, 1), (4, 3), (16, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert cpu_threads(environ={}) == want
+    assert cpu_threads(3, environ={}) == 3
+    assert cpu_threads(environ={"OMP_NUM_THREADS": "8"}) == 8          # torch's own count, read from it
 
 
 def test_the_state_cache_answers_later_requests_about_a_state_from_its_kept_pass(tiny_release, cache_dir):

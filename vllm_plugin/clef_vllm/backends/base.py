@@ -6,7 +6,9 @@ import asyncio
 import contextvars
 import ctypes
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -122,6 +124,22 @@ class Backend(ABC):
         """Release engines and threads."""
 
 
+def lower_thread_priority(by: int) -> int | None:
+    """Raise the calling thread's nice value by ``by`` (at most to 19): the scheduler then gives the process's other
+    threads the cores first. Linux only, where niceness is per thread and a thread inherits its creator's: libgomp's
+    OpenMP workers, which a thread starts at its first parallel torch op, run at its new value too. Returns that
+    value; ``None`` when nothing changed (``by`` 0, another platform, or the call refused)."""
+    if by <= 0 or not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError as exc:
+        log.warning("could not lower the compute thread's priority: %s", exc)
+        return None
+
+
 def _libc_malloc_trim():
     """glibc's ``malloc_trim`` (``None`` elsewhere)."""
     try:
@@ -144,11 +162,17 @@ class MicroBatcher:
     Python object or tensor was leaking). A batch that ran too soon after a trim for its own is trimmed
     after once the queue has stayed empty for ``trim_interval_s``, so an idle server holds no batch's
     free memory. ``None`` turns it off.
+
+    ``nice``: the worker thread first lowers its own OS priority by that much (:func:`lower_thread_priority`;
+    its OpenMP workers inherit it), so that on a CPU the event loop and the server's other threads, which wake
+    for a few milliseconds at a time, are not queued behind forward passes that would keep every core busy.
     """
 
     def __init__(self, run_batch, max_batch_size: int = 32, max_batch_tokens: int = 65536,
-                 trim_interval_s: float | None = 1.0):
+                 trim_interval_s: float | None = 1.0, nice: int = 0):
         self._run = run_batch
+        self._nice = nice
+        self.nice: int | None = None  # the worker thread's nice value once it lowered it
         self._max_size = max_batch_size
         self._max_tokens = max_batch_tokens
         self._queue: queue.Queue = queue.Queue()
@@ -202,6 +226,7 @@ class MicroBatcher:
         return batch
 
     def _loop(self) -> None:
+        self.nice = lower_thread_priority(self._nice)     # before its first torch op starts its OpenMP workers
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -134,6 +134,11 @@ class ReferenceOptions(_Validated):
                                  "go first; default 2048)", flags=("--reference-state-cache-mb",), kind=int, minimum=1)
     max_batch_tokens: int = option(32768, "padded tokens per micro-batch (at least max_model_len; default 32768)",
                                    flags=("--max-batch-tokens",), kind=int, minimum=1)
+    threads: int | None = option(None, "on a CPU, torch's threads for the forward passes (default: OMP_NUM_THREADS when "
+                                 "set, else every usable core but one)", flags=("--reference-threads",), kind=int, minimum=1)
+    compute_nice: int = option(0, "on a CPU, how many nice steps below the server's other threads the forward passes' "
+                               "thread and its OpenMP workers run (default 0: level with them)",
+                               flags=("--reference-compute-nice",), kind=int, minimum=0, maximum=19)
 
     NEEDS_SWITCH = {"state_cache_mb": "state_cache"}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -142,6 +143,7 @@ class ReferenceBackend(Backend):
         self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu":
             _quiet_kernel_fallback_warnings()
+            torch.set_num_threads(cpu_threads(opts.threads))
         self.dtype = parse_dtype(opts.dtype)
         self.head_dtype = parse_dtype(opts.resolved_head_dtype)
         self.max_model_len = opts.max_model_len
@@ -167,6 +169,8 @@ class ReferenceBackend(Backend):
                 "kernels": {"unquantized": sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())},
                 "transformers": _tf_version(), "max_model_len": self.max_model_len,
                 "max_batch_size": self.max_batch_size,
+                "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+                "compute_nice": self.options.compute_nice if self.device.type == "cpu" else 0,
                 "state_cache": None if self.states is None else self.states.describe()}
 
     def _batches(self, encoded: Sequence[EncodedRequest]) -> list[list[int]]:
@@ -245,13 +249,29 @@ class ReferenceBackend(Backend):
 
     async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
         if self._batcher is None:
-            self._batcher = MicroBatcher(self.decide_batch, self.max_batch_size, self.max_batch_tokens)
+            self._batcher = MicroBatcher(self.decide_batch, self.max_batch_size, self.max_batch_tokens,
+                                         nice=self.options.compute_nice if self.device.type == "cpu" else 0)
         return await self._batcher.submit(encoded)
 
     def close(self) -> None:
         if self._batcher is not None:
             self._batcher.close()
             self._batcher = None
+
+
+def cpu_threads(asked: int | None = None, environ=None) -> int:
+    """torch's threads for forward passes on a CPU: ``asked``; else ``OMP_NUM_THREADS`` (torch's own count, read
+    from it) when the environment sets it; else every core this process may use but one, at least one and at most
+    torch's default. The core left runs the event loop, the CPU pool and the tokenizer. An OpenMP team meets at each
+    parallel op and its waiting members spin: when one is preempted (by the server's own threads or anything else on
+    the machine) the others burn the cores it needs (docs/operating.md, "Forward passes on a CPU")."""
+    environ = os.environ if environ is None else environ
+    if asked:
+        return asked
+    if environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores - 1))
 
 
 def _load_encoder(files: CheckpointFiles, max_length: int) -> RequestEncoder:
