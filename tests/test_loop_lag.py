@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from clef_vllm.backends.base import Backend
+from clef_vllm.schema.protocol import RequestLimits
 from clef_vllm.server.loop_lag import INTERVAL_S, watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
 from clef_vllm.server.service import READY, DecisionService
@@ -138,7 +139,7 @@ def test_a_metrics_scrape_does_not_count_the_frozen_objects_again(monkeypatch):
 
     class Quick(Backend):
         name = "quick"
-        encoder = type("E", (), {"request_limits": lambda self: None})()
+        encoder = type("E", (), {"request_limits": lambda self: RequestLimits()})()
 
         def decide_batch(self, encoded):
             raise NotImplementedError
@@ -146,6 +147,7 @@ def test_a_metrics_scrape_does_not_count_the_frozen_objects_again(monkeypatch):
     async def main():
         task = asyncio.get_running_loop().create_task(service.run(Quick))
         while service.status != READY:
+            assert not task.done(), task.exception()          # a start-up that failed would leave this waiting
             await asyncio.sleep(0.01)
         for _ in range(3):
             generate_latest(metrics.registry)
