@@ -103,7 +103,8 @@ def test_bulk_lines_fail_alone(http, lines):
 
 
 @pytest.fixture(scope="module")
-def qwen_encoder(qwen_tokenizer_dir):
+def encoder_4096(qwen_tokenizer_dir):
+    """The request encoder on the real Qwen3.5 tokenizer, with a 4,096-token budget."""
     from clef_vllm.schema.encoding import RequestEncoder
 
     return RequestEncoder.from_pretrained(qwen_tokenizer_dir, max_length=4096)
@@ -111,5 +112,5 @@ def qwen_encoder(qwen_tokenizer_dir):
 
 @settings(CI, max_examples=300)
 @given(body=st.one_of(requests, valid_requests))
-def test_request_model_and_encoder_only_raise_request_errors(qwen_encoder, body):
-    check_encoding(qwen_encoder, body)
+def test_request_model_and_encoder_only_raise_request_errors(encoder_4096, body):
+    check_encoding(encoder_4096, body)

@@ -10,11 +10,12 @@ properties") carries the SystemOne request as the body; the answer is the envelo
 unwrapped by the SDK. So no generic request method is needed.
 
 Also: the SDK configured only by its environment variables (``CLOUDFLARE_BASE_URL``,
-``CLOUDFLARE_API_TOKEN``) and its async client.
+``CLOUDFLARE_API_TOKEN``) and its async client; the workers-ai dialect's envelopes on the native route
+(``POST /v1/systemone``); and the server's ``--gc-freeze off``.
 
 Servers:
 * ``hosted_server`` (this module): ``--dialect workers-ai``, an API key, two served names
-  (``@cf/cloudflare/clef-flash``, ``clef-flash-hybrid``), a 64 KiB body cap;
+  (``@cf/cloudflare/clef-flash``, ``clef-flash-hybrid``), a 64 KiB body cap, ``--gc-freeze off``;
 * ``live_server`` (conftest): ``--dialect reference``, no key, default names: its hosted route
   must still answer in the workers-ai dialect, exactly as ``hosted_server``'s native route does.
 """
@@ -30,6 +31,7 @@ import pytest
 from hypothesis import strategies as st
 
 from conftest import REQUEST, LiveServer
+from support.server_calls import metrics_of, post
 
 TOKEN = "cf-style-token-0123456789"
 ACCOUNT = "023e105f4ecef8ad9ca31a8372d0c353"
@@ -45,7 +47,7 @@ PNG_1X1 = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAA
 def hosted_server(tiny_release, cache_dir):
     server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai",
                          "--api-key", TOKEN, "--served-model-name", MODEL, "--served-model-name", HYBRID,
-                         "--max-body-bytes", "65536"]).wait_ready()
+                         "--max-body-bytes", "65536", "--gc-freeze", "off"]).wait_ready()
     yield server
     server.stop_clean()
 
@@ -291,3 +293,54 @@ def test_served_model_name_flag():
     assert ServerSettings(served_models=("a", "a", "b")).served_models == ("a", "b")
     with pytest.raises(ValueError):
         ServerSettings(served_models=())
+
+
+# --------------------------------------------------------------------------- the dialect on the native route
+
+
+def test_workers_ai_success_envelope_and_gini_confidence(hosted_server):
+    resp = post(hosted_server, REQUEST, headers=AUTH)
+    assert resp.status_code == 200
+    env = resp.json()
+    assert set(env) == {"result", "success", "errors", "messages"}
+    assert env["success"] is True and env["errors"] == [] and env["messages"] == []
+    team = env["result"]["answers"]["team"]
+    p = list(team["probabilities"].values())
+    assert team["confidence"] == round(min(1.0, max(0.0, (len(p) * sum(x * x for x in p) - 1) / (len(p) - 1))), 4)
+
+
+def test_gc_freeze_off_leaves_start_up_objects_in_the_collections(hosted_server):
+    """``--gc-freeze off`` (``hosted_server`` runs with it): nothing frozen, no freeze logged, the full
+    collections still timed on /metrics."""
+    m = metrics_of(hosted_server)
+    assert m[("clef_gc_frozen_objects", ())] == 0 and ("clef_gc_pause_seconds", ()) in m
+    assert "objects from start-up frozen" not in hosted_server.log()
+
+
+@pytest.mark.parametrize("raw, status, code, fragment", [
+    (json.dumps(REQUEST | {"id": "x"}).encode(), 422, 5012, "id: unknown field"),
+    (json.dumps(REQUEST | {"questions": {f"q{i}": {"type": "noul", "instructions": "x"} for i in range(65)}}).encode(),
+     422, 5012, "at most 64 questions"),
+    (json.dumps(REQUEST | {"questions": {"a b": {"type": "noul", "instructions": "x"}}}).encode(), 422, 5012,
+     "question id must match"),
+    (json.dumps(REQUEST | {"questions": {"q": {"type": "noul", "instructions": ""}}}).encode(), 422, 5012,
+     "instructions are required"),
+    (json.dumps(REQUEST | {"questions": {"q": {"type": "score", "instructions": "x", "criteria": list(range(11))}}}
+                ).encode(), 422, 5012, "2-10 levels"),
+    (b"{oops", 400, 6003, "body is not valid JSON"),
+    (json.dumps(REQUEST | {"images": [PNG_1X1]}).encode(), 400, 6003, "not supported"),
+])
+def test_workers_ai_error_envelope(hosted_server, raw, status, code, fragment):
+    resp = post(hosted_server, content=raw, headers=AUTH)
+    assert resp.status_code == status, resp.text
+    env = resp.json()
+    assert env["success"] is False and env["result"] is None and env["messages"] == []
+    assert len(env["errors"]) == 1 and env["errors"][0]["code"] == code
+    assert fragment in env["errors"][0]["message"]
+    assert post(hosted_server, REQUEST, headers=AUTH).status_code == 200
+
+
+def test_hosted_dialect_envelope_for_routing_errors(hosted_server):
+    resp = httpx.get(hosted_server.url + "/nope")
+    assert resp.status_code == 404 and resp.json()["errors"][0]["code"] == 7000
+    assert "x-request-id" in resp.headers and "server-timing" in resp.headers

@@ -147,6 +147,7 @@ def test_a_metrics_scrape_does_not_count_the_frozen_objects_again(monkeypatch):
     async def main():
         task = asyncio.get_running_loop().create_task(service.run(Quick))
         while service.status != READY:
+            assert not task.done(), task.exception()          # a start-up that failed would leave this waiting
             await asyncio.sleep(0.01)
         for _ in range(3):
             generate_latest(metrics.registry)

@@ -301,8 +301,8 @@ def test_a_head_whose_remote_rank_is_killed_answers_503_says_failed_and_exits_1(
             assert httpx.get(server.url + "/health/live", timeout=5).status_code == 503
             late = httpx.post(server.url + "/v1/systemone", json=REQUEST, timeout=60)
             assert late.status_code == 503 and "engine failed" in late.json()["error"]["message"]
-        except httpx.ConnectError:
-            pass
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            pass                                        # gone already, or going while it read the request
         assert server.proc.wait(timeout=60) == 1
         log = server.log()
         assert len(re.findall(r"rank watchdog: data-parallel rank \d \(on another node\) answered none", log)) == 1

@@ -188,9 +188,9 @@ def test_d3_a_huge_state_is_answered_from_the_part_that_fits(adv):
     resp = post(adv, state_text(4 * 1024 * 1024))
     assert resp.status_code == 200, resp.text
     usage = resp.json()["usage"]
+    # that only a prefix of the state is tokenized is counted in tests/test_encoding_pieces.py; here the request's
+    # timeout only stops a hang
     assert usage["input_tokens"] == 2048 and usage["truncated_state_tokens"] > 500_000
-    timing = dict(p.strip().split(";dur=") for p in resp.headers["server-timing"].split(","))
-    assert float(timing["encode"]) < 20_000                   # a 4 MiB state is not tokenized whole (a hang check)
 
 
 def test_d3_the_body_memory_budget_and_size_cap_still_apply(adv):
