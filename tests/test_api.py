@@ -115,9 +115,9 @@ def test_invalid_item_raises_naming_its_index_before_any_work(clef, monkeypatch)
         clef.systemone_batch([REQUEST, ["not", "a", "dict"]])
     with pytest.raises(RequestError, match=r"^questions.team.criteria: must be an object$"):
         clef.systemone(bad)                                    # a single request: no index
-    with pytest.raises(RequestError, match="images: not supported by this build") as info:
+    with pytest.raises(RequestError, match="videos: videos are not served") as info:
         png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
-        clef.systemone(REQUEST | {"images": [png]})             # a valid 1x1 PNG: validated, then text-only
+        clef.systemone(REQUEST | {"videos": [[png, png]]})     # a valid video of two frames: validated, then refused
     assert info.value.kind is Kind.UNSUPPORTED
     assert calls == []
 

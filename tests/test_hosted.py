@@ -152,9 +152,9 @@ def test_sdk_invalid_requests_raise_its_bad_request_errors_with_our_message(sdk)
                                                                     "got 65"}
     assert "at most 64 questions" in str(err.value)
 
-    with pytest.raises(cloudflare.BadRequestError) as err:                    # 400, hosted code 6003
-        sdk.ai.run(MODEL, account_id=ACCOUNT, extra_body=REQUEST | {"images": [PNG_1X1]})
-    assert err.value.body["errors"][0] == {"code": 6003, "message": "images: not supported by this build (text-only)"}
+    with pytest.raises(cloudflare.UnprocessableEntityError) as err:           # a 5th image: 422, 5012
+        sdk.ai.run(MODEL, account_id=ACCOUNT, extra_body=REQUEST | {"images": [PNG_1X1] * 5})
+    assert err.value.body["errors"][0] == {"code": 5012, "message": "images[4]: at most 4 images are allowed, got 5"}
 
     with pytest.raises(cloudflare.BadRequestError) as err:                    # unknown model: 400, "no route" 7000
         sdk.ai.run("@cf/cloudflare/clef", account_id=ACCOUNT, extra_body=REQUEST)
@@ -328,7 +328,7 @@ def test_gc_freeze_off_leaves_start_up_objects_in_the_collections(hosted_server)
     (json.dumps(REQUEST | {"questions": {"q": {"type": "score", "instructions": "x", "criteria": list(range(11))}}}
                 ).encode(), 422, 5012, "2-10 levels"),
     (b"{oops", 400, 6003, "body is not valid JSON"),
-    (json.dumps(REQUEST | {"images": [PNG_1X1]}).encode(), 400, 6003, "not supported"),
+    (json.dumps(REQUEST | {"images": [PNG_1X1] * 5}).encode(), 422, 5012, "images[4]: at most 4 images"),
 ])
 def test_workers_ai_error_envelope(hosted_server, raw, status, code, fragment):
     resp = post(hosted_server, content=raw, headers=AUTH)

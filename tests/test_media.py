@@ -62,16 +62,26 @@ def refused(images, dialect=REF, *, kind: Kind, field: str, message: str = "", k
 @pytest.mark.parametrize("fmt, mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp"),
                                        ("JPEG", "image/jpg")])
 @pytest.mark.parametrize("dialect", [REF, WAI])
-def test_valid_images_pass_validation_then_get_the_text_only_400(encoder, fmt, mime, dialect):
+def test_valid_images_pass_validation_and_are_encoded(encoder, fmt, mime, dialect, tmp_path):
     req = check(REQUEST | {"images": [data_uri(image_bytes(fmt), mime), data_uri(image_bytes("PNG", (1, 1)))]},
                 dialect)
     assert [(m.field, m.format, m.width, m.height) for m in req._media] == [("images[0]", fmt, 8, 8),
                                                                              ("images[1]", "PNG", 1, 1)]
     assert req.images is None                       # the base64 text is not kept
-    with pytest.raises(RequestError) as info:
+    from clef_vllm.model.processor_config import write_processor_configs
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.media_inputs import MediaProcessor
+
+    write_processor_configs(tmp_path)               # the release's processor, next to the Qwen3.5 tokenizer
+    images = RequestEncoder(encoder._tok, media=MediaProcessor.from_pretrained(tmp_path, encoder._tok))
+    enc = images.encode(req)                        # each scaled up to the processor's 65,536 pixels: 64 tokens
+    assert enc.media.token_counts == (64, 64) and enc.media_tokens == 2 * (64 + 2) + 1
+    media = enc.input_ids[len(images.prefix_ids):len(images.prefix_ids) + enc.media_tokens]
+    assert media == ([248053] + [248056] * 64 + [248054]) * 2 + [198]       # the release's ids (spec: "\n" = 198)
+    with pytest.raises(RequestError) as info:       # an encoder without an image processor refuses them by name
         encoder.encode(req)
     assert (info.value.kind, info.value.field, info.value.message) == (
-        Kind.UNSUPPORTED, "images", "not supported by this build (text-only)")
+        Kind.UNSUPPORTED, "images", "not served: the checkpoint has no image processor (preprocessor_config.json)")
     assert OUTCOMES[Kind.UNSUPPORTED].status == 400
 
 
@@ -289,16 +299,15 @@ def test_prompt_special_tokens_typed_in_text_are_unchanged(encoder):
 # --------------------------------------------------------------------------- offline API (clef_vllm.api.Clef)
 
 
-def test_offline_api_validates_pil_bytes_and_paths_then_raises_the_same_errors(tiny_release, cache_dir, tmp_path):
+def test_offline_api_takes_pil_bytes_and_paths_and_raises_the_same_errors(tiny_release, cache_dir, tmp_path):
     from clef_vllm import Clef
 
     path = tmp_path / "shot.jpg"
     path.write_bytes(image_bytes("JPEG"))
     with Clef(str(tiny_release), backend="reference") as clef:
         assert clef.systemone({**REQUEST, "images": []})["answers"]["urgent"]["noul"] >= 0       # no media: answered
-        with pytest.raises(RequestError) as info:                   # valid media: validated, then text-only
-            clef.systemone(REQUEST | {"images": [Image.new("RGB", (5, 5)), image_bytes("PNG"), path, str(path)]})
-        assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "images")
+        shown = clef.systemone(REQUEST | {"images": [Image.new("RGB", (5, 5)), image_bytes("PNG"), path, str(path)]})
+        assert shown["usage"]["input_tokens"] == clef.systemone(REQUEST)["usage"]["input_tokens"] + 4 * (64 + 2) + 1
         with pytest.raises(RequestError) as info:
             clef.systemone_batch([REQUEST, REQUEST | {"images": [image_bytes("PNG"), png_declaring(100_000, 100_000)]}])
         assert (info.value.kind, info.value.field) == (Kind.MEDIA_TOO_LARGE, "requests[1].images[1]")

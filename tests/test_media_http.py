@@ -1,5 +1,6 @@
-"""Media over HTTP on a real server (loopback): each bad image is its own 4xx in the route's envelope, naming the
-entry and with the dialect's code, never a 5xx or a stack trace; a valid one still ends in the text-only 400."""
+"""Media over HTTP on a real server (loopback): a valid image is answered on both routes (and through Cloudflare's
+SDK); each bad image is its own 4xx in the route's envelope, naming the entry and with the dialect's code, never a
+5xx or a stack trace; a video is refused by name."""
 
 from __future__ import annotations
 
@@ -41,11 +42,25 @@ def hosted(server: LiveServer, body: dict, status: int, hosted_code: int, messag
     return envelope
 
 
-def test_a_valid_image_passes_validation_then_gets_the_text_only_400(live_server):
-    for images in ([PNG], [data_uri(image_bytes("JPEG"), "image/jpeg"), data_uri(image_bytes("WEBP"), "image/webp")]):
-        reference(live_server, REQUEST | {"images": images}, 400, "images", "not supported by this build (text-only)")
-        hosted(live_server, REQUEST | {"images": images}, 400, 6003, "images: not supported by this build (text-only)")
-    reference(live_server, REQUEST | {"videos": [[PNG, PNG]]}, 400, "videos", "(text-only)")
+def answered(server: LiveServer, body: dict, route: str = "/v1/systemone") -> dict:
+    """The answer to a request that must succeed (200), on the reference route or the hosted one (unwrapped)."""
+    if route == HOSTED:
+        body = {k: v for k, v in body.items() if k != "model"}
+    code, text = server.call(route, body)
+    assert code == 200, text
+    return json.loads(text)["result"] if route == HOSTED else json.loads(text)
+
+
+def test_a_valid_image_is_answered_on_both_routes(live_server):
+    plain = answered(live_server, REQUEST)["usage"]["input_tokens"]
+    gif = data_uri(image_bytes("GIF"), "image/gif")
+    for images in ([PNG], [data_uri(image_bytes("JPEG"), "image/jpeg"), data_uri(noisy("WEBP"), "image/webp")]):
+        for route in ("/v1/systemone", HOSTED):
+            body = answered(live_server, REQUEST | {"images": images}, route)
+            assert body["usage"]["input_tokens"] == plain + len(images) * (64 + 2) + 1     # 64 tokens per small image
+            assert 0 <= body["answers"]["urgent"]["noul"] <= 1
+    assert answered(live_server, REQUEST | {"images": [gif]})["usage"]["input_tokens"] == plain + 67  # its 1st frame
+    reference(live_server, REQUEST | {"videos": [[PNG, PNG]]}, 400, "videos", "videos are not served")
 
 
 CASES = [
@@ -80,15 +95,15 @@ def test_bad_images_get_their_own_4xx_on_both_routes(live_server, images, status
 def test_workers_ai_limits_over_http(live_server):
     sixteen = data_uri(image_bytes("PNG", (4000, 4000), color="white"))
     over = data_uri(image_bytes("PNG", (4096, 4000), color="white"))
-    hosted(live_server, REQUEST | {"images": [sixteen]}, 400, 6003, "(text-only)")        # 16.00 MP: valid
+    # 16.00 MP: a valid image; two of them (2 x 15,625 tokens) pass the 16,384-token limit: 413 naming the media
+    hosted(live_server, REQUEST | {"images": [sixteen, sixteen]}, 413, 5021, "images: media (31255 tokens) and schema")
     hosted(live_server, REQUEST | {"images": [over]}, 413, 5021, "images[0]: is 4096x4000 = 16,384,000 pixels")
     hosted(live_server, REQUEST | {"images": [PNG] * 5}, 422, 5012, "images[4]: at most 4 images")
     hosted(live_server, REQUEST | {"images": [data_uri(image_bytes("GIF"), "image/gif")]}, 422, 5012,
            "image/gif is not accepted")
     hosted(live_server, REQUEST | {"videos": [[PNG]]}, 422, 5012, "videos: unknown field")
-    # the reference dialect takes both (processor's 16,777,216 px; GIF: its first frame)
-    reference(live_server, REQUEST | {"images": [over, data_uri(image_bytes("GIF"), "image/gif")]}, 400, "images",
-              "(text-only)")
+    # the reference dialect takes 16.38 MP (the processor's limit is 16,777,216 px): 16,000 tokens each
+    reference(live_server, REQUEST | {"images": [over, over]}, 413, "images", "media (32005 tokens) and schema")
 
 
 def test_pads_typed_in_text_never_become_media(live_server):
@@ -109,9 +124,10 @@ def test_the_sdk_sees_the_hosted_codes(live_server):
         with pytest.raises(cloudflare.UnprocessableEntityError) as err:
             sdk.ai.run("@cf/cloudflare/clef-flash", **run, extra_body=body | {"images": [PNG] * 5})
         assert err.value.body["errors"][0]["code"] == 5012
-        with pytest.raises(cloudflare.BadRequestError) as err:
-            sdk.ai.run("@cf/cloudflare/clef-flash", **run, extra_body=body | {"images": [PNG]})
-        assert err.value.body["errors"][0] == {"code": 6003, "message": "images: not supported by this build (text-only)"}
+        shown = sdk.ai.run("@cf/cloudflare/clef-flash", **run, extra_body=body | {"images": [PNG]})
+        assert shown["usage"]["input_tokens"] == sdk.ai.run("@cf/cloudflare/clef-flash", **run,
+                                                            extra_body=body)["usage"]["input_tokens"] + 67
+        assert set(shown["answers"]) == set(REQUEST["questions"])
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +141,7 @@ def strict_server(tiny_release, cache_dir):
 
 def test_the_reference_limits_are_flags(strict_server):
     small = data_uri(image_bytes("PNG", (10, 10)))
-    reference(strict_server, REQUEST | {"images": [small, small]}, 400, "images", "(text-only)")
+    assert answered(strict_server, REQUEST | {"images": [small, small]})["usage"]["input_tokens"] > 130
     reference(strict_server, REQUEST | {"images": [small] * 3}, 422, "images[2]", "at most 2 images")
     reference(strict_server, REQUEST | {"images": [data_uri(image_bytes("PNG", (11, 10)))]}, 413, "images[0]",
               "at most 100 (0.00 MP)")
@@ -133,8 +149,7 @@ def test_the_reference_limits_are_flags(strict_server):
               "per item are allowed")
     reference(strict_server, REQUEST | {"videos": [[small] * 3]}, 413, "videos[0]", "at most 2 are allowed")
     # the workers-ai dialect keeps the hosted limits whatever the flags say
-    hosted(strict_server, REQUEST | {"images": [data_uri(image_bytes("PNG", (11, 10)))] * 3}, 400, 6003,
-           "(text-only)")
+    assert answered(strict_server, REQUEST | {"images": [data_uri(image_bytes("PNG", (11, 10)))] * 3}, HOSTED)
 
 
 def test_media_flags_are_tuning_flags():

@@ -447,7 +447,7 @@ def test_errors_know_nothing_of_http_and_the_server_table_maps_every_kind():
     assert error_body(err) == error_body(err, REF) == {"error": {"message": "questions.team.criteria: must be an object",
                                                                  "type": "invalid_request_error",
                                                                  "param": "questions.team.criteria", "code": 422}}
-    media = RequestError("not supported by this build (text-only)", kind=Kind.UNSUPPORTED, field="images")
+    media = RequestError("not served: the server runs with --text-only", kind=Kind.UNSUPPORTED, field="images")
     assert error_body(media)["error"]["code"] == 400 and error_body(media)["error"]["param"] == "images"
     from clef_vllm.schema.errors import ServiceError
 

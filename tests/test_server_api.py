@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, REQUEST
 from support.server_calls import assert_error, metric, metrics_of, post, server_timing, wait_until
 
-#: A valid 1x1 PNG: media pass validation (tests/test_media*.py), then this build's text-only 400.
+#: A valid 1x1 PNG (tests/test_media*.py): served as an image; a video of it is refused (400).
 PNG_1X1 = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
 ORIGIN = "https://app.example"
@@ -133,8 +133,7 @@ BAD_REQUESTS = [
     (b'{"model":"m","state":-Infinity,"questions":{"q":{"type":"noul"}}}', 400, "is not valid JSON", None),
     (b'{"model":"m","state":1e400,"questions":{"q":{"type":"noul"}}}', 400, "out of range", None),
     (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply", None),
-    (json.dumps(REQUEST | {"images": [PNG_1X1]}).encode(), 400, "not supported by this build", "images"),
-    (json.dumps(REQUEST | {"videos": [[PNG_1X1, PNG_1X1]]}).encode(), 400, "not supported by this build", "videos"),
+    (json.dumps(REQUEST | {"videos": [[PNG_1X1, PNG_1X1]]}).encode(), 400, "videos are not served", "videos"),
     (b"[]", 422, "request body must be a JSON object", None),
     (json.dumps({"state": "x", "questions": REQUEST["questions"]}).encode(), 422, "is required", "model"),
     (json.dumps({"model": "m", "questions": REQUEST["questions"]}).encode(), 422, "is required", "state"),

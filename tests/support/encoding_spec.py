@@ -45,9 +45,10 @@ def spec_options(q: dict) -> list[tuple[str, object]]:
     return [(str(i), v) for i, v in enumerate(q["criteria"])]
 
 
-def spec_encode(T, data: dict, keep_state: int | None = None):
-    """The documented segment sequence, literally: (ids, [(question span, [option spans])], state length)."""
-    prefix, state = T(PREFIX), T(spec_render(data["state"]))
+def spec_encode(T, data: dict, keep_state: int | None = None, media: list[int] = ()):
+    """The documented segment sequence, literally: (ids, [(question span, [option spans])], state length);
+    ``media``: the processor's media ids, which go right after the prefix."""
+    prefix, state = T(PREFIX) + list(media), T(spec_render(data["state"]))
     if keep_state is not None:
         state = state[:keep_state]
     schema, spans = T(SCHEMA), []

@@ -5,11 +5,9 @@ or :class:`VllmOptions` with :func:`backend_options`: an unknown option, one tha
 other backend, or a value of the wrong type or range is an :class:`OptionError` naming it. Nothing
 is dropped silently.
 
-Each field is declared once, with :func:`option`: its default, its help text, its ``clef-systemone``
-flag(s) and, for the vLLM backend, how it reaches ``vllm.AsyncEngineArgs`` (``engine="name"`` for
-a keyword of the same meaning, a function for anything derived, ``None`` for options of ours).
-:func:`engine_args` and the server's flags are generated from these declarations, so a new engine
-option is one new field of :class:`VllmOptions`.
+Each field is declared once, with :func:`option`: its default, help, ``clef-systemone`` flag(s) and how it
+reaches ``vllm.AsyncEngineArgs`` (``engine=``); :func:`engine_args` and the server's flags are generated from
+these declarations, so a new engine option is one new field of :class:`VllmOptions`.
 """
 
 from __future__ import annotations
@@ -125,6 +123,7 @@ class ReferenceOptions(_Validated):
     head_dtype: str | None = option(None, "the joint head's dtype when it differs from dtype (e.g. a float32 head on "
                                     "a bf16 backbone)", kind=(str,), choices=("bfloat16", "float32"))
     max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", kind=int, minimum=1)
+    text_only: bool = option(False, "serve text only: no vision tower; images get 400", kind=bool)
     device: str | None = option(None, "cpu or cuda (default: cuda if available)", flags=("--device",), kind=str)
     max_batch_size: int = option(16, "requests per micro-batch (default 16)", flags=("--max-batch-size",), kind=int,
                                  minimum=1)
@@ -252,6 +251,7 @@ class VllmOptions(_Validated):
                         "head_dtype (--head-dtype)", engine="dtype", kind=(str,), choices=("bfloat16",))
     head_dtype: str | None = option(None, "the joint head's dtype inside the worker (bfloat16 or float32)",
                                     kind=(str,), choices=("bfloat16", "float32"))
+    text_only: bool = option(False, "serve text only: no vision tower; images get 400", kind=bool)
     max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", engine="max_model_len", kind=int,
                                 minimum=1)
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",

@@ -30,7 +30,7 @@ from clef_vllm.backends.options import ReferenceOptions, backend_options
 from clef_vllm.model.checkpoint import (CheckpointError, CheckpointFiles, iter_backbone_tensors, load_head,
                                   locate_checkpoint)
 from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, decide_records
-from clef_vllm.model.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES
+from clef_vllm.model.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES, VISION_PREFIXES
 from clef_vllm.model.tables import DenseTable, LexicalTable, load_int8_tables
 from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
 from clef_vllm.schema.state_keys import MIN_REUSE_TOKENS, prefix_digest
@@ -49,8 +49,10 @@ def text_config_from(files: CheckpointFiles):
     return Qwen3_5TextConfig.from_dict(cfg)
 
 
-def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch.bfloat16):
-    """``(Qwen3_5TextModel, lm_head table)`` loaded strictly from either checkpoint layout."""
+def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch.bfloat16,
+                       vision: dict | None = None):
+    """``(Qwen3_5TextModel, lm_head table)`` loaded strictly from either checkpoint layout. A dict given as
+    ``vision`` receives the vision tower's tensors (``model.visual.*``, names without that prefix)."""
     from transformers import Qwen3_5TextModel
 
     if files.quantization_config is not None:
@@ -66,6 +68,8 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
             lm_head = tensor
             continue
         if name.startswith(NOT_TEXT_PREFIXES):
+            if vision is not None and name.startswith(VISION_PREFIXES):
+                vision[name.split("visual.", 1)[1]] = tensor
             continue
         for prefix in BACKBONE_PREFIXES:
             if name.startswith(prefix):
@@ -99,6 +103,34 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
         raise CheckpointError(f"{files.root}: lm_head table is {lm_table.num_rows}x{lm_table.width}, "
                               f"expected {vocab}x{config.hidden_size}")
     return model.eval().requires_grad_(False), lm_table
+
+
+def load_multimodal_backbone(files: CheckpointFiles, text_model, vision_state: dict, device: torch.device,
+                             dtype=torch.bfloat16):
+    """transformers' ``Qwen3_5Model`` (the vision tower, the merger into the text model's embeddings, M-RoPE
+    positions from the image grids) around an already loaded text model: what the release runs for a batch
+    with media. The vision tower is loaded strictly from ``vision_state``."""
+    from transformers import Qwen3_5Config, Qwen3_5Model, Qwen3_5VisionModel
+
+    cfg = {k: v for k, v in files.config.items() if k != "quantization_config"}
+    config = Qwen3_5Config.from_dict(cfg)
+    config.vision_config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            vision = Qwen3_5VisionModel(config.vision_config)
+        with torch.device("meta"):
+            model = Qwen3_5Model(config)
+    finally:
+        torch.set_default_dtype(previous)
+    result = vision.load_state_dict(vision_state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(f"{files.root}: vision tensors (model.visual.*) do not match config.json's "
+                              f"vision_config: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    model.visual = vision.eval().requires_grad_(False)
+    model.language_model = text_model
+    return model.eval()
 
 
 def tensor_bytes(obj: Any, seen: set | None = None) -> int:
@@ -150,9 +182,15 @@ class ReferenceBackend(Backend):
         self.max_batch_size = opts.max_batch_size
         self.max_batch_tokens = max(opts.max_batch_tokens, self.max_model_len)
         self.head = load_head(self.files, dtype=self.head_dtype, device=self.device)
-        self.model, self.lm_table = load_text_backbone(self.files, self.device, self.dtype)
+        vision: dict | None = None if opts.text_only or "vision_config" not in self.files.config else {}
+        self.model, self.lm_table = load_text_backbone(self.files, self.device, self.dtype, vision=vision)
         self.lm_table.to(self.device)
-        self.encoder = encoder or _load_encoder(self.files, self.max_model_len)
+        self.multimodal = None               # Qwen3_5Model around self.model, for requests with images
+        if vision:
+            self.multimodal = load_multimodal_backbone(self.files, self.model, vision, self.device, self.dtype)
+        refusal = ("the server runs with --text-only" if opts.text_only else
+                   None if self.multimodal is not None else "the checkpoint has no vision tower")
+        self.encoder = encoder or _load_encoder(self.files, self.max_model_len, refusal)
         pad = self.model.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self._batcher: MicroBatcher | None = None
@@ -171,7 +209,8 @@ class ReferenceBackend(Backend):
                 "max_batch_size": self.max_batch_size,
                 "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
                 "compute_nice": self.options.compute_nice if self.device.type == "cpu" else 0,
-                "state_cache": None if self.states is None else self.states.describe()}
+                "state_cache": None if self.states is None else self.states.describe(),
+                "images": None if self.encoder.media is None else self.encoder.media.describe()}
 
     def _batches(self, encoded: Sequence[EncodedRequest]) -> list[list[int]]:
         order = sorted(range(len(encoded)), key=lambda i: encoded[i].num_tokens)
@@ -199,7 +238,20 @@ class ReferenceBackend(Backend):
         return out.last_hidden_state
 
     def _reuses(self, e: EncodedRequest) -> bool:
-        return self.states is not None and e.schema_offset >= MIN_REUSE_TOKENS
+        return self.states is not None and e.schema_offset >= MIN_REUSE_TOKENS and e.media is None
+
+    @torch.inference_mode()
+    def hidden_with_media(self, e: EncodedRequest) -> torch.Tensor:
+        """Final-norm hidden states ``[1, L, H]`` of one request with images: the release's multimodal forward
+        (the vision tower's features in place of the pad tokens, M-RoPE positions from the grids)."""
+        if self.multimodal is None:
+            raise text_only_error(self.encoder)
+        ids = torch.tensor([e.input_ids], dtype=torch.long, device=self.device)
+        types = (ids == self.multimodal.config.image_token_id).int()
+        out = self.multimodal(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                              pixel_values=e.media.pixel_values.to(self.device),
+                              image_grid_thw=e.media.image_grid_thw.to(self.device), mm_token_type_ids=types)
+        return out.last_hidden_state
 
     @torch.inference_mode()
     def hidden_reusing_state(self, e: EncodedRequest) -> tuple[torch.Tensor, int]:
@@ -225,7 +277,11 @@ class ReferenceBackend(Backend):
     def decide_batch(self, encoded: Sequence[EncodedRequest]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(encoded)
         reusing = [self._reuses(e) for e in encoded]
-        plain = [i for i, r in enumerate(reusing) if not r]
+        for i in (i for i, e in enumerate(encoded) if e.media is not None):     # one at a time: images differ
+            with measure_stage("backbone"):
+                hidden = self.hidden_with_media(encoded[i])
+            results[i] = self._decide_hidden(hidden, [encoded[i]])[0]
+        plain = [i for i, r in enumerate(reusing) if not r and encoded[i].media is None]
         for i in (i for i, r in enumerate(reusing) if r):                  # one at a time: prompts differ
             with measure_stage("backbone"):
                 hidden, encoded[i].cached_state_tokens = self.hidden_reusing_state(encoded[i])
@@ -274,13 +330,20 @@ def cpu_threads(asked: int | None = None, environ=None) -> int:
     return max(1, min(torch.get_num_threads(), cores - 1))
 
 
-def _load_encoder(files: CheckpointFiles, max_length: int) -> RequestEncoder:
-    """The checkpoint's tokenizer as a request encoder; a broken tokenizer names the files."""
+def _load_encoder(files: CheckpointFiles, max_length: int, images: str | None = None) -> RequestEncoder:
+    """The checkpoint's tokenizer (and image processor, unless ``images`` says why not) as a request encoder; a
+    broken tokenizer names the files."""
     try:
-        return RequestEncoder.from_pretrained(files.root, max_length=max_length)
+        return RequestEncoder.from_pretrained(files.root, max_length=max_length, images=images)
     except Exception as exc:  # noqa: BLE001 - transformers raises several types for missing or corrupt files
         raise CheckpointError(f"{files.root}: cannot load the tokenizer (tokenizer.json, tokenizer_config.json): "
                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+
+
+def text_only_error(encoder: RequestEncoder):
+    from clef_vllm.schema.errors import Kind, RequestError
+
+    return RequestError(f"not served: {encoder.text_only}", kind=Kind.UNSUPPORTED, field="images")
 
 
 def _quiet_kernel_fallback_warnings() -> None:

@@ -244,7 +244,10 @@ class VllmBackend(Backend):
         load_head_config(self.files)  # version marker, checked in the front-end too
         self.options, self.memory_plan = fit_options(self.files.root, self.options)   # PlanDoesNotFit: nothing loads
         self.max_model_len = self.options.max_model_len
-        self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len)
+        refusal = ("the server runs with --text-only" if self.options.text_only else
+                   "the vllm backend serves text only; --backend reference serves images")
+        self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len,
+                                                                 images=refusal)
         self.kwargs = engine_kwargs(self.files.root, self.options)
         self.warmup_enabled = self.options.warmup
         self.state_cache = bool(self.kwargs.get("enable_prefix_caching"))

@@ -32,7 +32,8 @@ VL_BACKBONE_PREFIX = "model.language_model."
 TEXT_BACKBONE_PREFIX = "model."
 BACKBONE_PREFIXES = (VL_BACKBONE_PREFIX, TEXT_BACKBONE_PREFIX)
 #: Tensors the text path never loads: the vision tower and the multi-token-prediction head.
-NOT_TEXT_PREFIXES = ("model.visual.", "visual.", "mtp.")
+VISION_PREFIXES = ("model.visual.", "visual.")
+NOT_TEXT_PREFIXES = VISION_PREFIXES + ("mtp.",)
 
 EMBED_KEYS = (VL_BACKBONE_PREFIX + "embed_tokens.weight", TEXT_BACKBONE_PREFIX + "embed_tokens.weight")
 LM_HEAD_KEYS = ("lm_head.weight", VL_BACKBONE_PREFIX + "lm_head.weight")

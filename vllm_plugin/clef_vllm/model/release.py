@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from clef_vllm.model.head import HeadConfig
+from clef_vllm.model.processor_config import write_processor_configs
 
 #: joint_head_config.json of the release.
 RELEASE_HEAD_CONFIG = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
@@ -68,6 +69,7 @@ def write_config_only_checkpoint(out: str | Path, tokenizer_dir: str | Path | No
         head_path = out / "joint_head_config.json"
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     head_path.write_text(json.dumps(head, indent=2) + "\n")
+    write_processor_configs(out)
     if tokenizer_dir is None:
         from clef_vllm.model.tiny import build_tokenizer
 

@@ -8,7 +8,8 @@ one with ``clef-make-tiny OUT`` (e.g. to try the scripts of docs/scripts.md).
 ``generation_config.json``, sharded ``model-0000N-of-0000M.safetensors`` + index (bf16,
 ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``, optionally ``mtp.*``),
 ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja`` (a 1,024-token
-byte-level BPE with the Qwen3.5 special tokens), ``joint_head.safetensors`` and
+byte-level BPE with the Qwen3.5 special tokens), the release's processor configs
+(``preprocessor_config.json``, ...), ``joint_head.safetensors`` and
 ``joint_head_config.json``. ``layout="repacked"`` then moves the head to ``clef_head/`` and the
 tables to int8 (:mod:`clef_vllm.model.repack`).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from clef_vllm.model.head import HeadConfig, JointSchemaHead
+from clef_vllm.model.processor_config import write_processor_configs
 from clef_vllm.schema.encoding import PREFIX_TEXT, SCHEMA_HEADER_TEXT, SUFFIX_TEXT
 from clef_vllm.util.atomic import atomic_dir
 
@@ -181,6 +183,7 @@ def _write_release(release: Path, *, seed: int, hidden: int, layers: int, mtp: b
 
     tok = build_tokenizer(release, seed=seed)
     (release / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    write_processor_configs(release)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab = (len(tok) + 63) // 64 * 64
     text = tiny_text_config(ids, vocab, hidden, layers)

@@ -19,12 +19,13 @@ from array import array
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
-from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from clef_vllm.schema.errors import Kind, RequestError
 from clef_vllm.schema.media import TypedMediaTokens, no_check, text_only
+from clef_vllm.schema.media_inputs import MediaInputs, MediaProcessor
+from clef_vllm.schema.state_text import StateText, render  # noqa: F401  (render: part of this module's API)
 from clef_vllm.schema.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
                                 SystemOneRequest)
 from clef_vllm.util.lru import SizedLRU
@@ -158,133 +159,6 @@ class PieceCache(SizedLRU):
         super().put(key, array("I", ids), len(ids))
 
 
-def render(value: Any) -> str:
-    """A string verbatim; anything else as compact JSON with sorted keys and non-ASCII kept.
-
-    Python's ``json`` prints floats with ``repr`` (``1250.0`` stays ``1250.0``), as the reference.
-    """
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-_STRING_CHUNK = 65536
-_INF = float("inf")
-
-
-def _scalar_text(node: Any) -> str | None:
-    """JSON text of a scalar exactly as ``json.dumps`` writes it (``None`` for containers)."""
-    if node is None:
-        return "null"
-    if node is True:
-        return "true"
-    if node is False:
-        return "false"
-    if isinstance(node, int):
-        return int.__repr__(node)
-    if isinstance(node, float):
-        if node != node:
-            return "NaN"
-        if node in (_INF, -_INF):
-            return "Infinity" if node > 0 else "-Infinity"
-        return float.__repr__(node)
-    return None
-
-
-class StateText:
-    """The state's rendered text (``render(state)``), produced only as far as it is read.
-
-    A string state is used as is. Any other state is written piece by piece with an explicit stack (no recursion),
-    exactly as ``json.dumps(state, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` would write it;
-    long strings are escaped a chunk at a time."""
-
-    def __init__(self, state: Any):
-        self._size = len(state) if isinstance(state, str) else 0
-        self._parts: list[str] = [state] if isinstance(state, str) else []
-        self._text: str | None = state if isinstance(state, str) else None
-        # frames: [closing text, items, next index, is_dict] or [None, string, next offset, False]
-        self._stack: list[list] = []
-        if not isinstance(state, str):
-            self._emit("", state)
-
-    @property
-    def complete(self) -> bool:
-        return not self._stack
-
-    def _emit(self, prefix: str, node: Any) -> None:
-        """Write ``prefix`` and the start of ``node``; push what is left of it."""
-        text = _scalar_text(node)
-        if text is None and isinstance(node, str):
-            if len(node) <= _STRING_CHUNK:
-                text = encode_basestring(node)
-            else:
-                text = '"'
-                self._stack.append([None, node, 0, False])
-        elif text is None and isinstance(node, (list, tuple)):
-            text = "[" if node else "[]"
-            if node:
-                self._stack.append(["]", node, 0, False])
-        elif text is None and isinstance(node, dict) and all(type(k) is str for k in node):
-            text = "{" if node else "{}"
-            if node:
-                self._stack.append(["}", sorted(node.items(), key=lambda kv: kv[0]), 0, True])
-        elif text is None:                          # other keys or types (offline API): json decides
-            text = json.dumps(node, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        self._add(prefix + text)
-
-    def _add(self, piece: str) -> None:
-        self._parts.append(piece)
-        self._size += len(piece)
-        self._text = None
-
-    def _step(self) -> None:
-        frame = self._stack[-1]
-        close, items, i, is_dict = frame
-        if close is None:                           # inside a long string
-            chunk = items[i:i + _STRING_CHUNK]
-            frame[2] = i + len(chunk)
-            self._add(encode_basestring(chunk)[1:-1])
-            if frame[2] >= len(items):
-                self._stack.pop()
-                self._add('"')
-            return
-        if i == len(items):
-            self._stack.pop()
-            self._add(close)
-            return
-        frame[2] = i + 1
-        sep = "," if i else ""
-        if is_dict:
-            key, item = items[i]
-            self._emit(sep + encode_basestring(key) + ":", item)
-        else:
-            self._emit(sep, items[i])
-
-    def upto(self, n: int) -> str:
-        """The first ``n`` characters or more (everything rendered so far), or all of it if shorter."""
-        while self._stack and self._size < n:
-            self._step()
-        if self._text is None:
-            self._text = "".join(self._parts)
-            self._parts = [self._text]
-        return self._text
-
-    def remaining_chars(self, after: int) -> int:
-        """How many characters follow position ``after``: what is rendered beyond it, plus the length
-        of what is not rendered yet (``json.dumps`` of each pending part, in C)."""
-        rest = max(0, self._size - after)
-        for close, items, i, is_dict in self._stack:
-            if close is None:
-                rest += len(encode_basestring(items[i:])) - 1          # the text left and its closing quote
-                continue
-            left = items[i:]
-            if left:
-                whole = render(dict(left) if is_dict else list(left))
-                rest += len(whole) - 2 + (1 if i else 0)               # its items, and a comma before the first
-            rest += 1                                                  # the closing bracket
-        return rest
-
-
 def question_options(question) -> list[tuple[str, Any]]:
     """The ``(option_id, description)`` pairs of a question, in ENCODED order."""
     if isinstance(question, NoulQuestion):
@@ -339,6 +213,9 @@ class EncodedRequest:
     #: and ``truncated_state_tokens`` is estimated from the characters left out.
     truncation_exact: bool = True
     cached_state_tokens: int = 0        # set by the backend: leading tokens read from the state cache
+    #: The request's images, processed (None: text only); their id block starts right after the prompt prefix.
+    media: MediaInputs | None = field(default=None, repr=False)
+    media_tokens: int = 0               # length of that block (start, pads and end per image, a newline)
     _lexical_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -359,7 +236,8 @@ class RequestEncoder:
 
     def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, max_state_tokens: int | None = None,
                  piece_cache: int = STATE_PIECE_CACHE, segment_cache: int = SCHEMA_SEGMENT_CACHE,
-                 state_list_cache: int = STATE_LIST_IDS):
+                 state_list_cache: int = STATE_LIST_IDS, media: MediaProcessor | None = None,
+                 text_only: str = "this server runs text-only"):
         # A transformers fast tokenizer or a bare ``tokenizers.Tokenizer``; we call the Rust tokenizer directly
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)     # (batched, stateless: thread-safe)
         self._typed = TypedMediaTokens(self._tok)         # media tokens typed in text stay text (schema/media.py)
@@ -379,6 +257,9 @@ class RequestEncoder:
         self.pieces = PieceCache(piece_cache)
         self.state_lists = SizedLRU(state_list_cache, STATE_LISTS)   # state text -> its ids (never changed)
         self.segments = PieceCache(segment_cache, max_pieces=segment_cache // 16)
+        #: The checkpoint's image processor (None: requests with media are refused, saying ``text_only``).
+        self.media = media
+        self.text_only = text_only
 
     def _check_tokenizer(self) -> None:
         """Refuse a tokenizer that cannot encode the prompt (e.g. an empty one, which recent
@@ -419,10 +300,13 @@ class RequestEncoder:
         return longest if self.split_state else 4 * longest
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "RequestEncoder":
+    def from_pretrained(cls, path: str | Path, *, images: str | None = None, **kwargs) -> "RequestEncoder":
         """Load the checkpoint's tokenizer (transformers AutoTokenizer, as the reference does). A local
         folder without ``tokenizer.json`` (nor ``vocab.json`` + ``merges.txt``) is refused by name: transformers
-        would build an empty tokenizer from it, which fails later for a less telling reason."""
+        would build an empty tokenizer from it, which fails later for a less telling reason.
+
+        ``images``: ``None`` to encode images with the checkpoint's image processor (a folder without
+        ``preprocessor_config.json`` has none), else why this encoder refuses them (e.g. ``"--text-only"``)."""
         from transformers import AutoTokenizer
 
         folder = Path(path)
@@ -430,7 +314,12 @@ class RequestEncoder:
                 (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
             raise ValueError(f"no tokenizer.json in {folder} (the release ships the Qwen3.5 tokenizer.json next to "
                              "config.json: copy it there)")
-        return cls(AutoTokenizer.from_pretrained(str(path)), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if images is None and folder.is_dir():
+            kwargs["media"] = MediaProcessor.from_pretrained(folder, tokenizer.backend_tokenizer)
+            if kwargs["media"] is None:
+                images = "the checkpoint has no image processor (preprocessor_config.json)"
+        return cls(tokenizer, text_only=images or "this server runs text-only", **kwargs)
 
     @property
     def prefix_ids(self) -> list[int]:
@@ -454,15 +343,19 @@ class RequestEncoder:
         Raises RequestError(SCHEMA_TOO_LONG) as soon as the schema alone cannot fit, and
         RequestError(TOO_COMPLEX) for a state that cannot be cut where the budget ends (see
         ``MAX_UNCUT_CHARS``). ``checkpoint`` is called between steps (it raises to stop the work)."""
-        if request._media:                # validated media (schema/media.py): this build's backends see no images
-            raise text_only(request._media)
         max_length = self.max_length if max_length is None else int(max_length)
         check = checkpoint or no_check
+        media_ids: list[int] = []
+        if request._media:                # validated media (schema/media.py); pixels are processed once they fit
+            if self.media is None:
+                raise text_only(request._media, self.text_only)
+            counts = self.media.token_counts(request._media)
+            media_ids = self.media.block(counts)
         questions = list(request.questions.items())
         options = [question_options(q) for _, q in questions]
 
         # The fixed part of the schema costs this much whatever the texts say.
-        base = len(self._prefix) + len(self._schema_header) + len(self._suffix)
+        base = len(self._prefix) + len(media_ids) + len(self._schema_header) + len(self._suffix)
         base += sum(len(self._options_header) + len(self._field_end) + len(self._option_end) * len(opts)
                     for opts in options)
         base += sum(len(self._option_label(j)) for opts in options for j in range(1, len(opts) + 1))
@@ -487,7 +380,7 @@ class RequestEncoder:
             fixed += sum(map(len, batch))
             start = end
             if fixed > max_length:
-                raise _schema_too_long(fixed, max_length, exact=start == len(texts))
+                raise _schema_too_long(fixed, max_length, exact=start == len(texts), media=len(media_ids))
         pieces = iter(tokenized)
 
         schema: list[int] = list(self._schema_header)
@@ -513,14 +406,15 @@ class RequestEncoder:
             keep = min(keep, self.max_state_tokens)
         state, truncated, exact = self.state_ids(request.state, keep, check)
 
-        offset = len(self._prefix) + len(state)
+        offset = len(self._prefix) + len(media_ids) + len(state)
+        media = self.media.inputs(request._media, counts, check) if media_ids else None
         fields = [
             EncodedField(qid, qtype, (offset + a, offset + b), oids, tuple((offset + c, offset + d) for c, d in spans))
             for qid, qtype, (a, b), oids, spans in layout
         ]
-        ids = self._prefix + state + schema + self._suffix
+        ids = self._prefix + media_ids + state + schema + self._suffix
         return EncodedRequest(ids, fields, state_tokens=len(state), truncated_state_tokens=truncated,
-                              schema_offset=offset, truncation_exact=exact)
+                              schema_offset=offset, truncation_exact=exact, media=media, media_tokens=len(media_ids))
 
     def state_ids(self, state: Any, keep: int,
                   checkpoint: Callable[[], None] | None = None) -> tuple[list[int], int, bool]:
@@ -591,8 +485,11 @@ class RequestEncoder:
         return found
 
 
-def _schema_too_long(tokens: int, max_length: int, exact: bool) -> RequestError:
+def _schema_too_long(tokens: int, max_length: int, exact: bool, media: int = 0) -> RequestError:
     need = f"{tokens}" if exact else f"at least {tokens}"
-    return RequestError(f"schema requires {need} tokens before state; maximum is {max_length}",
-                        kind=Kind.SCHEMA_TOO_LONG, field="questions")
+    if not media:
+        return RequestError(f"schema requires {need} tokens before state; maximum is {max_length}",
+                            kind=Kind.SCHEMA_TOO_LONG, field="questions")
+    return RequestError(f"media ({media} tokens) and schema require {need} tokens before state; maximum is "
+                        f"{max_length}", kind=Kind.SCHEMA_TOO_LONG, field="images")
 

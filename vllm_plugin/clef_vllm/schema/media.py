@@ -464,9 +464,9 @@ class TypedMediaTokens:
         return out
 
 
-def text_only(items: Sequence[MediaItem]) -> RequestError:
-    """The refusal of a request with validated media while the backends see no images (400, as before)."""
-    return RequestError("not supported by this build (text-only)", kind=Kind.UNSUPPORTED, field=media_key(items))
+def text_only(items: Sequence[MediaItem], why: str = "this server runs text-only") -> RequestError:
+    """The refusal of a request with validated media by a server that does not serve them (400), saying why."""
+    return RequestError(f"not served: {why}", kind=Kind.UNSUPPORTED, field=media_key(items))
 
 
 __all__ = ["DEFAULT_MEDIA_LIMITS", "WORKERS_AI_MEDIA_LIMITS", "MEDIA_KEYS", "MediaItem", "MediaLimits",

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model's dtype (default bfloat16). float32 runs the reference backend in float32 "
                             "throughout, backbone and head, as the release's own loader; the vLLM backend runs "
                             "bfloat16")
+    model.add_argument("--text-only", action="store_true", default=False,
+                       help="serve text only: the vision tower is not loaded (its memory stays free) and a request "
+                            "with images or videos gets 400")
     model.add_argument("--head-dtype", choices=["bfloat16", "float32"], default=None,
                        help="the joint head's dtype when it should differ from --dtype (e.g. a float32 head on vLLM)")
 

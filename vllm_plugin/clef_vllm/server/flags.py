@@ -34,7 +34,7 @@ SECTIONS = (
 
 #: Destinations of the flags ``--help`` lists (``--help-all`` lists every flag).
 BASIC = frozenset({
-    "model", "served_model_name", "backend", "dtype", "device",
+    "model", "served_model_name", "backend", "dtype", "device", "text_only",
     "host", "port", "dialect",
     "max_model_len", "over_length", "max_body_bytes", "max_in_flight", "max_queue", "request_timeout",
     "api_key", "cors_origins",

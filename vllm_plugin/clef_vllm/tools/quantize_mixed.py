@@ -249,7 +249,8 @@ def torch_dtype(name: str):
 
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-          "processor_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "README.md", "LICENSE")
+          "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+          "special_tokens_map.json", "vocab.json", "merges.txt", "README.md", "LICENSE")
 
 
 def copy_side_files(files, out: Path) -> None:

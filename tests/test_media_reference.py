@@ -1,0 +1,201 @@
+"""Images on the reference backend: the release's multimodal decisions on the tiny checkpoint.
+
+The oracle is written out here, not taken from clef_vllm: the placeholder text of the release's processor
+(``"<|vision_start|><|image_pad|><|vision_end|>"`` per image, then ``"\\n"``) tokenized and each pad expanded to
+``t * h * w / merge**2`` copies from the checkpoint's image processor's grid, inserted right after the prompt
+prefix (tests/support/encoding_spec.py builds the rest segment by segment); transformers' own
+``Qwen3_5ForConditionalGeneration.model`` (vision tower, merger, M-RoPE from the grids) loaded in float32 for the
+hidden states; the head's math written out literally (tests/support/release_math.py)."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from clef_vllm.backends import make_backend
+from clef_vllm.model.checkpoint import load_head, locate_checkpoint
+from clef_vllm.schema.dialects import parse_request
+from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.media import decode_media
+from clef_vllm.schema.media_inputs import IMAGE_PLACEHOLDER
+from clef_vllm.server.errors import OUTCOMES
+from support.encoding_spec import spec_encode
+from support.release_math import literal_logits
+from test_media import data_uri
+
+QUESTIONS = {"urgent": {"type": "noul", "instructions": "Does the picture show an outage?"},
+             "kind": {"type": "choice", "criteria": {"invoice": "A scanned invoice", "error": "An error screen",
+                                                     "photo": None}},
+             "severity": {"type": "score", "criteria": ["none", "low", "high"]}}
+
+
+def picture(size: tuple[int, int], seed: int, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A noisy picture (so that every patch differs) in ``fmt``."""
+    rng = random.Random(seed)
+    img = Image.effect_noise(size, 40 + seed % 30).convert(mode)
+    img.paste((rng.randrange(256), rng.randrange(256), rng.randrange(256))[:len(mode)] if mode != "L" else 128,
+              (0, 0, size[0] // 2, size[1] // 3))
+    out = io.BytesIO()
+    img.save(out, fmt)
+    return out.getvalue()
+
+
+#: Sizes and aspect ratios: below the processor's 65,536-pixel floor (scaled up), tall, wide, square, odd.
+SIZES = [(40, 40), (300, 120), (64, 512), (257, 255), (530, 530), (90, 700)]
+
+
+def image_requests(n: int, seed: int = 0) -> list[dict]:
+    """``n`` requests with 0 to 4 images each (PNG, JPEG, WebP, RGBA and grey PNGs), varied states."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        images = []
+        for j in range(i % 5):
+            fmt, mime, mode = rng.choice([("PNG", "image/png", "RGB"), ("JPEG", "image/jpeg", "RGB"),
+                                          ("WEBP", "image/webp", "RGB"), ("PNG", "image/png", "RGBA"),
+                                          ("PNG", "image/png", "L")])
+            images.append(data_uri(picture(rng.choice(SIZES), seed * 100 + i * 10 + j, fmt, mode), mime))
+        state = " ".join(rng.choice(["error", "checkout", "invoice", "429", "blank", "screen"]) for _ in range(5 + i))
+        out.append({"model": "clef-flash", "state": state, "questions": QUESTIONS, "images": images})
+    return out
+
+
+def parsed(body: dict):
+    req = parse_request(body)
+    decode_media(req._media)
+    return req
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_release, cache_dir):
+    b = make_backend(tiny_release, "reference", dtype="float32", device="cpu")
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def release_model(tiny_release):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny_release), dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+
+
+def release_oracle(tiny_release, body: dict, model) -> tuple[list[int], list, torch.Tensor]:
+    """``(ids, spans, probabilities)`` of one request as the release computes them, in float32."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_release))
+    T = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731 - the spec's T(s)
+    images = [m.frames_rgb()[0] for m in parsed(body)._media]
+    media, pixels = [], {}
+    if images:
+        processor = AutoImageProcessor.from_pretrained(str(tiny_release), backend="pil")  # no torchvision here
+        pixels = dict(processor(images=images, return_tensors="pt"))
+        pad = tok.convert_tokens_to_ids("<|image_pad|>")
+        counts = iter(int(g.prod()) // processor.merge_size ** 2 for g in pixels["image_grid_thw"])
+        for t in T(IMAGE_PLACEHOLDER * len(images) + "\n"):
+            media += [pad] * next(counts) if t == pad else [t]
+    ids, spans, _ = spec_encode(T, body, media=media)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        if images:
+            hidden = model.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False,
+                                 mm_token_type_ids=(x == model.config.image_token_id).int(), **pixels)
+        else:
+            hidden = model.model.language_model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+    head = load_head(locate_checkpoint(tiny_release), dtype=torch.float32)
+    types = {"noul": 0, "choice": 1, "score": 2}
+    fields = [(types[q["type"]], qs, os) for q, (qs, os) in zip(body["questions"].values(), spans)]
+    logits = literal_logits(head, hidden.last_hidden_state[0], ids, model.lm_head.weight.detach(), fields)
+    return ids, spans, torch.cat([torch.softmax(v, 0) for v in logits])
+
+
+def test_images_equal_the_release_math_in_float32(backend, tiny_release, release_model):
+    """Ids, spans and probabilities (to 1e-4) of requests with 0-4 images of varied sizes, formats and modes."""
+    bodies = image_requests(10, seed=3)
+    encoded = [backend.encoder.encode(parsed(b)) for b in bodies]
+    probs = backend.decide_batch(encoded)            # a batch mixing requests with and without images
+    for body, enc, got in zip(bodies, encoded, probs):
+        ids, spans, want = release_oracle(tiny_release, body, release_model)
+        assert enc.input_ids == ids
+        assert [(f.question_span, list(f.option_spans)) for f in enc.fields] == spans
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        n = len(body["images"])
+        assert (enc.media is None) == (n == 0)
+        if n:
+            assert enc.media.num_images == n and enc.media_tokens == enc.media.num_tokens + 2 * n + 1
+            assert enc.schema_offset == len(backend.encoder.prefix_ids) + enc.media_tokens + enc.state_tokens
+
+
+def test_the_image_changes_the_answer_and_its_tokens_follow_its_size(backend):
+    body = image_requests(1)[0] | {"images": [data_uri(picture((256, 256), 1))]}
+    other = body | {"images": [data_uri(picture((256, 256), 2))]}
+    wide = body | {"images": [data_uri(picture((1024, 256), 1))]}
+    a, b, c = (backend.encoder.encode(parsed(x)) for x in (body, other, wide))
+    assert a.input_ids == b.input_ids and a.media.digest != b.media.digest      # same ids, other picture
+    assert a.media.token_counts == (64,) and c.media.token_counts == (256,)    # 256x256 px: 8x8 tokens of 32 px
+    pa, pb = backend.decide_batch([a, b])
+    assert (pa - pb).abs().max() > 1e-4
+
+
+def test_media_and_schema_past_the_limit_are_413_naming_both_and_only_the_state_is_cut(backend):
+    body = image_requests(1)[0] | {"state": "word " * 400, "images": [data_uri(picture((512, 512), 4))]}
+    enc = backend.encoder.encode(parsed(body))
+    assert enc.media_tokens == 256 + 3
+    short = backend.encoder.encode(parsed(body), max_length=enc.num_tokens - 100)
+    assert short.media_tokens == enc.media_tokens and short.truncated_state_tokens == 100
+    assert short.input_ids[:len(backend.encoder.prefix_ids) + enc.media_tokens] == \
+        enc.input_ids[:len(backend.encoder.prefix_ids) + enc.media_tokens]
+    with pytest.raises(RequestError) as info:
+        backend.encoder.encode(parsed(body), max_length=enc.num_tokens - enc.state_tokens - 1)
+    err = info.value
+    assert (err.kind, err.field, OUTCOMES[err.kind].status) == (Kind.SCHEMA_TOO_LONG, "images", 413)
+    assert f"media ({enc.media_tokens} tokens) and schema require {enc.num_tokens - enc.state_tokens} tokens" \
+        in err.message
+
+
+def test_pads_typed_in_the_text_stay_text_next_to_real_images(backend):
+    body = image_requests(1)[0] | {"state": "look: <|vision_start|><|image_pad|><|vision_end|>",
+                                   "images": [data_uri(picture((256, 256), 5))]}
+    enc = backend.encoder.encode(parsed(body))
+    pad = backend.multimodal.config.image_token_id
+    assert enc.input_ids.count(pad) == enc.media.num_tokens == 64
+    assert backend.decide_batch([enc])[0].isfinite().all()
+
+
+def test_videos_are_refused_by_name(backend):
+    frames = [data_uri(picture((64, 64), k)) for k in range(2)]
+    with pytest.raises(RequestError) as info:
+        backend.encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames]}))
+    assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "videos")
+    assert "videos are not served" in info.value.message
+
+
+def test_text_only_loads_no_vision_tower_and_refuses_images_by_name(tiny_release, cache_dir):
+    b = make_backend(tiny_release, "reference", text_only=True, device="cpu")
+    try:
+        assert b.multimodal is None and b.encoder.media is None and b.describe()["images"] is None
+        with pytest.raises(RequestError) as info:
+            b.encoder.encode(parsed(image_requests(2)[1]))
+        assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "images")
+        assert info.value.message == "not served: the server runs with --text-only"
+        assert b.decide_batch([b.encoder.encode(parsed(image_requests(1)[0]))])[0].isfinite().all()
+    finally:
+        b.close()
+
+
+def test_text_requests_keep_their_ids_and_answers(backend, tiny_release, cache_dir):
+    """A request without media: the same ids and probabilities as a text-only server's, bit for bit."""
+    plain = make_backend(tiny_release, "reference", dtype="float32", device="cpu", text_only=True)
+    try:
+        for body in image_requests(5, seed=8)[::5]:
+            a, b = backend.encoder.encode(parsed(body)), plain.encoder.encode(parsed(body))
+            assert a.input_ids == b.input_ids and a.media is None
+            assert torch.equal(backend.decide_batch([a])[0], plain.decide_batch([b])[0])
+    finally:
+        plain.close()

@@ -1,0 +1,159 @@
+"""A request's images as the backbone sees them: the checkpoint's image processor, the media id block.
+
+The release runs its processor on ``"<|vision_start|><|image_pad|><|vision_end|>"`` once per image, then
+``"\\n"``, and inserts the result right after the prompt prefix (docs/encoding-and-head.md, "Media"). The
+processor resizes each image to a multiple of 32 px (patch 16 x merge 2) between its ``min_pixels`` and
+``max_pixels``, returns ``pixel_values`` (one row per 16 x 16 patch, two temporal copies) and
+``image_grid_thw``, and expands each ``<|image_pad|>`` to ``t * h * w / merge**2`` copies: one token per
+32 x 32 px. :class:`MediaProcessor` does exactly that with the checkpoint's own ``preprocessor_config.json``
+(transformers' ``Qwen2VLImageProcessor``: its torchvision backend where torchvision is installed, else its
+Pillow one, as transformers itself chooses), and keeps what a backend needs in :class:`MediaInputs`.
+
+Videos are validated on the wire (:mod:`clef_vllm.schema.media`) but not served: the release's video
+processor needs torchvision, and the backends take images only. A request with a video is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from clef_vllm.schema.errors import Kind, RequestError
+from clef_vllm.schema.media import MediaItem, no_check
+
+log = logging.getLogger("clef_vllm")
+
+#: The text the release's processor expands, per image, and after the last item.
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+MEDIA_END = "\n"
+
+
+@dataclass(frozen=True, eq=False)
+class MediaInputs:
+    """The images of one request, processed. ``images``: RGB ``PIL.Image`` objects in request order (what a
+    backend with its own processor, such as vLLM, takes); ``pixel_values`` / ``image_grid_thw``: the
+    processor's tensors (what a transformers backbone takes); ``token_counts``: the pad tokens of each image;
+    ``digest``: a hash of every image's content and the processor's settings, in order (two requests with the
+    same token ids but other pictures never share a digest)."""
+
+    images: tuple
+    pixel_values: Any
+    image_grid_thw: Any
+    token_counts: tuple[int, ...]
+    digest: bytes
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    @property
+    def num_tokens(self) -> int:
+        """Pad tokens of all images (the media block adds a start and an end token per image, and a newline)."""
+        return sum(self.token_counts)
+
+
+class MediaProcessor:
+    """The checkpoint's image processor and the media tokens' ids. Thread-safe (no state between calls)."""
+
+    def __init__(self, image_processor, token_ids: dict[str, int], newline_ids: Sequence[int]):
+        self.image_processor = image_processor
+        self.merge_size = int(getattr(image_processor, "merge_size", 2))
+        self.start_id = token_ids["<|vision_start|>"]
+        self.end_id = token_ids["<|vision_end|>"]
+        self.pad_id = token_ids["<|image_pad|>"]
+        self.newline_ids = list(newline_ids)
+        settings = {k: v for k, v in sorted(image_processor.to_dict().items()) if not k.startswith("_")}
+        self._settings = repr(settings).encode()
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, tokenizer) -> "MediaProcessor | None":
+        """The processor of a checkpoint folder, or ``None`` when it has no ``preprocessor_config.json`` (a
+        text-only checkpoint). ``tokenizer``: a ``tokenizers.Tokenizer`` holding the media tokens."""
+        folder = Path(folder)
+        if not (folder / "preprocessor_config.json").is_file():
+            return None
+        from transformers import AutoImageProcessor
+        from transformers.utils import logging as tf_logging
+
+        quiet = tf_logging.get_verbosity()
+        tf_logging.set_verbosity_error()       # "torchvision is not installed, falling back to Pillow": by design
+        try:
+            processor = AutoImageProcessor.from_pretrained(str(folder), backend=_processor_backend())
+        finally:
+            tf_logging.set_verbosity(quiet)
+        ids = {}
+        for token in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"):
+            tid = tokenizer.token_to_id(token)
+            if tid is None:
+                raise ValueError(f"{folder}: the tokenizer has no {token} token; the image processor needs it")
+            ids[token] = tid
+        newline = [e.ids for e in tokenizer.encode_batch([MEDIA_END], add_special_tokens=False)][0]
+        return cls(processor, ids, newline)
+
+    def describe(self) -> dict:
+        p = self.image_processor
+        return {"image_processor": type(p).__name__, "merge_size": self.merge_size,
+                "patch_size": getattr(p, "patch_size", None), "min_pixels": _pixels(p, "shortest_edge", "min_pixels"),
+                "max_pixels": _pixels(p, "longest_edge", "max_pixels")}
+
+    def token_counts(self, items: Sequence[MediaItem]) -> tuple[int, ...]:
+        """The pad tokens of each image, from the sizes its header declares (no pixel is decoded): the
+        processor's resize to a multiple of 32 px within its pixel bounds, one token per 32 x 32 px."""
+        videos = [m for m in items if m.kind == "video"]
+        if videos:
+            raise RequestError("videos are not served (images are): the release's video processor needs "
+                               "torchvision, which this server does not use", kind=Kind.UNSUPPORTED,
+                               field=videos[0].field.split("[", 1)[0])
+        count = self.image_processor.get_number_of_image_patches
+        return tuple(count(m.height, m.width) // self.merge_size ** 2 for m in items)
+
+    def block(self, counts: Sequence[int]) -> list[int]:
+        """The media id block: per image its start token, ``counts[i]`` pads and its end token; then a newline."""
+        ids: list[int] = []
+        for n in counts:
+            ids.append(self.start_id)
+            ids.extend([self.pad_id] * n)
+            ids.append(self.end_id)
+        return ids + self.newline_ids
+
+    def inputs(self, items: Sequence[MediaItem], counts: Sequence[int],
+               checkpoint: Callable[[], None] | None = None) -> MediaInputs:
+        """The images decoded and processed (what a backend needs); ``counts``: :meth:`token_counts`."""
+        check = checkpoint or no_check
+        images = []
+        for item in items:
+            check()
+            images.append(item.frames_rgb()[0])
+        check()
+        out = self.image_processor(images=images, return_tensors="pt")
+        grid = out["image_grid_thw"]
+        got = tuple(int(g.prod()) // self.merge_size ** 2 for g in grid)
+        if got != tuple(counts):                  # a header that lied about the size; parse_media decodes it
+            raise RequestError(f"the decoded images make {got} tokens, their headers {tuple(counts)}",
+                               kind=Kind.MEDIA_INVALID, field="images")
+        digest = hashlib.blake2b(self._settings, digest_size=16)
+        for item in items:
+            digest.update(item.digest.encode())
+        return MediaInputs(tuple(images), out["pixel_values"], grid, got, digest.digest())
+
+
+def _processor_backend() -> str | None:
+    """``"pil"`` unless a real torchvision imports (then transformers' default, its torchvision backend): an
+    import-only stand-in, as vLLM's CPU test harness installs, has no ``__file__``."""
+    try:
+        import torchvision
+    except Exception:  # noqa: BLE001 - a broken torchvision (CUDA build beside CPU torch) raises several types
+        return "pil"
+    return None if getattr(torchvision, "__file__", None) else "pil"
+
+
+def _pixels(processor, size_key: str, attr: str) -> int | None:
+    size = getattr(processor, "size", None) or {}
+    value = size.get(size_key) if isinstance(size, dict) else None
+    return value if value is not None else getattr(processor, attr, None)
+
+
+__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "MediaInputs", "MediaProcessor"]
