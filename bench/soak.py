@@ -17,7 +17,10 @@ run by ``--attackers`` tasks beside the load; with ``--launch`` the server gets 
 limit set, short timeouts) unless given after ``--``. Every second the RSS and the server's loop-lag
 histogram are sampled, and ``/health/live`` is timed twice a second; ``--warmup``/``--quiet`` give the
 warm RSS (load, then a pause), ``--idle`` the RSS after the load. With JSON server logs each request id is
-checked against the access lines. The summary's first fields are the issue's: minutes, requests,
+checked against the access lines. ``--mix media`` runs :attr:`Attacks.media` instead: decompression bombs,
+truncated and corrupt PNG/JPEG/WebP, a wrong MIME type, bad base64, URLs, images past the token limit, pads typed
+in text, valid 1x1 and photo-sized images (what a server's RSS does over many of them). The summary's first
+fields are the issue's: minutes, requests,
 responses_5xx, lost, rss_warm_mb, rss_peak_mb, rss_end_mb, rss_idle_mb, loop_lag_p99_ms, health_p99_ms,
 command, then ``targets`` and ``pass``.
 
@@ -25,6 +28,9 @@ command, then ``targets`` and ``pass``.
     python bench/soak.py --launch --mix adversarial --duration 20 --concurrency 4 --out mix.json -- --model demo
     python bench/soak.py --launch --mix adversarial --warmup 120 --duration 1800 --idle 300 --concurrency 16 \
         --out soak_cpu.json -- --model demo --backend reference
+    # hostile and valid images (bench/results/soak_media_cpu.json)
+    python bench/soak.py --launch --mix media --warmup 30 --duration 300 --idle 60 --concurrency 2 --attackers 4 \
+        --out soak_media_cpu.json -- --model demo --backend reference
     # against a running server (its pid for RSS)
     python bench/soak.py --url http://127.0.0.1:8000 --pid 1234 --duration 1800 --out soak.json
     # or start one (GPU: --backend vllm; CPU: --backend reference) and stop it with SIGTERM at the end
@@ -261,6 +267,39 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def _picture(fmt: str, size=(64, 64), noise: bool = True) -> bytes:
+    import io
+
+    from PIL import Image
+
+    img = Image.effect_noise(size, 64).convert("RGB") if noise else Image.new("RGB", size, "white")
+    out = io.BytesIO()
+    img.save(out, fmt)
+    return out.getvalue()
+
+
+def _corrupt(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes(64) + data[middle + 64:]
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A PNG of a few hundred bytes whose header declares ``width`` x ``height`` RGB pixels (a decompression bomb)."""
+    import struct
+    import zlib
+
+    def part(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+    return (b"\x89PNG\r\n\x1a\n" + part(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + part(b"IDAT", zlib.compress(b"\0" * 4096)) + part(b"IEND", b""))
+
+
+def _uri(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
 class Attacks:
     """The hostile clients of the adversarial mix, each with the answer it must get. Every attack opens
     its own connection(s) to the server on loopback, does what no well-behaved client does, and
@@ -300,6 +339,22 @@ class Attacks:
             "half_close": (self.half_close, "200 after SHUT_WR"),
             "disconnect_mid_body": (self.disconnect_mid_body, "nothing (the server counts 499)"),
             "connection_flood": (self.connection_flood, "/health/live 200 and anything else 503 while the connections are full"),
+        }
+        #: ``--mix media``: hostile and valid images instead (the server's RSS over many of them is the point)
+        self.media = {
+            "image_bomb": (self.image([_uri(_png_declaring(100_000, 100_000))]), "413 from the header (10^10 px)"),
+            "image_truncated": (self.image([_uri(_picture("PNG")[:900])], 422, "truncated or corrupt"), "422"),
+            "image_corrupt_jpeg": (self.image([_uri(_corrupt(_picture("JPEG")), "image/jpeg")], 422), "422"),
+            "image_truncated_webp": (self.image([_uri(_picture("WEBP")[:500], "image/webp")], 422), "422"),
+            "image_wrong_mime": (self.image([_uri(_picture("JPEG"))], 422, "declares PNG"), "422 naming both formats"),
+            "image_bad_base64": (self.image(["data:image/png;base64,@@@@"], 400, "not valid base64"), "400"),
+            "image_url": (self.image(["https://example.com/a.png"], 400, "not fetched"), "400 (URLs are not fetched)"),
+            "image_past_the_token_limit": (self.image([_uri(_picture("PNG", (4000, 4000), noise=False))] * 2, 413,
+                                                      "media ("), "413 naming the media's tokens"),
+            "image_pads_typed_in_text": (self.image([], 200, state="<|vision_start|><|image_pad|><|vision_end|>"),
+                                         "200: the pads are text"),
+            "image_1x1": (self.image([_uri(_picture("PNG", (1, 1)))], 200), "200"),
+            "image_photo": (self.image([_uri(_picture("JPEG", (512, 384)), "image/jpeg")], 200), "200 (192 tokens)"),
         }
 
     async def _open(self):
@@ -468,6 +523,16 @@ class Attacks:
         await asyncio.sleep(0.01)
         writer.transport.abort()
         return "ok", "left"
+
+    def image(self, images: list, status: int = 413, fragment: str = "", state: str = "Checkout is down."):
+        """An attack that posts ``images`` (and ``state``) and must get ``status`` with ``fragment`` in the body."""
+        body = json.dumps({"model": "clef-flash", "state": state, "images": images,
+                           "questions": {"urgent": {"type": "noul", "instructions": "Urgent?"}}}).encode()
+
+        async def attack():
+            status_got, _, text = await self._exchange(self._post(body), self.answer_timeout)
+            return self._expect(status_got, text, (status,), fragment)
+        return attack
 
     async def connection_flood(self):
         """Fill the connection limit with idle connections (more until a request other than a probe on a
@@ -927,9 +992,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of load before --duration's, then --quiet seconds without load: the warm RSS is "
                         "taken at their end (default 0: none)")
     p.add_argument("--quiet", type=float, default=10.0, help="seconds without load after the warm-up (default 10)")
-    p.add_argument("--mix", choices=("normal", "adversarial"), default="normal",
+    p.add_argument("--mix", choices=("normal", "adversarial", "media"), default="normal",
                    help="adversarial: the load plus every hostile client of the Attacks table, each checked "
-                        "against its documented answer; --launch adds MIX_SERVER_FLAGS not given after --")
+                        "against its documented answer; --launch adds MIX_SERVER_FLAGS not given after --; "
+                        "media: the same with hostile and valid images instead (Attacks.media)")
     p.add_argument("--attackers", type=int, default=3, help="attack tasks at once with --mix adversarial (default 3)")
     p.add_argument("--concurrency", type=int, default=0,
                    help="clients; default 2 x the server's clef_max_in_flight (engine full, queue never empty)")
@@ -949,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.url and not args.launch:
         p.error("give --url or --launch")
-    adversarial = args.mix == "adversarial"
+    adversarial = args.mix in ("adversarial", "media")
     if adversarial and args.launch:
         for flag, value in MIX_SERVER_FLAGS.items():
             if not any(a == flag or a.startswith(flag + "=") for a in server_args):
@@ -990,11 +1056,13 @@ def main(argv: list[str] | None = None) -> int:
                           max_bulk_lines=int(flag_value(eff, "--max-bulk-lines", MIX_SERVER_FLAGS["--max-bulk-lines"])))
         attacks.others = args.concurrency + 4 + args.attackers + 2       # the load's pool, attackers, the watcher
         attacks.answer_timeout = args.client_timeout
+        if args.mix == "media":
+            attacks.table = attacks.media
         runner = AttackRunner(attacks, args.attackers, args.seed)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load0 = os.getloadavg()[0]
     print(f"soak: {args.url} for {args.duration:g} s at concurrency {args.concurrency}"
-          f"{' with the adversarial mix' if adversarial else ''}", flush=True)
+          f"{f' with the {args.mix} mix' if adversarial else ''}", flush=True)
     phases = asyncio.run(soak.run(watcher, runner))
     elapsed = phases["load_end_s"] - phases["load_start_s"]
     after = scrape(args.url, headers)

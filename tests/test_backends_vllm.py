@@ -69,6 +69,32 @@ def test_vllm_backend_cancels_in_the_engine_and_reports_a_dead_engine(tiny_relea
         assert backend.suggested_max_in_flight() == 96
 
 
+def test_the_vllm_backend_never_runs_image_pads_as_text(tiny_release):
+    """Its encoder refuses images; an encoded request with images from any other encoder is refused too, before
+    the engine sees it (the pads alone would be answered as text)."""
+    from support import vllm_cpu
+    from test_media import data_uri, image_bytes
+
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.errors import Kind, RequestError
+    from clef_vllm.schema.media import decode_media
+
+    request = parse_request(REQUEST | {"images": [data_uri(image_bytes("PNG"))]})
+    decode_media(request._media)
+    why = "the vllm backend serves text only; --backend reference serves images"
+    with pytest.raises(RequestError, match="images: not served: the vllm backend serves text only"):
+        RequestEncoder.from_pretrained(tiny_release, images=why).encode(request)
+    encoded = RequestEncoder.from_pretrained(tiny_release).encode(request)
+    assert encoded.media is not None
+    with vllm_cpu.bare_vllm_backend() as backend:
+        backend.encoder = RequestEncoder.from_pretrained(tiny_release, images=why)
+        backend.engine = None                              # never reached
+        with pytest.raises(RequestError) as info:
+            backend.decide_batch([encoded])
+        assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "images")
+
+
 def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):
     """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and
     stops after decision START+COUNT-1; warm-up prompts do not count; a bad value names the variable."""

@@ -21,7 +21,7 @@ from clef_vllm.model.checkpoint import load_head, locate_checkpoint
 from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import Kind, RequestError
 from clef_vllm.schema.media import decode_media
-from clef_vllm.schema.media_inputs import IMAGE_PLACEHOLDER
+from clef_vllm.schema.media_inputs import IMAGE_PLACEHOLDER, processor_backend
 from clef_vllm.server.errors import OUTCOMES
 from support.encoding_spec import spec_encode
 from support.release_math import literal_logits
@@ -94,7 +94,8 @@ def release_oracle(tiny_release, body: dict, model) -> tuple[list[int], list, to
     images = [m.frames_rgb()[0] for m in parsed(body)._media]
     media, pixels = [], {}
     if images:
-        processor = AutoImageProcessor.from_pretrained(str(tiny_release), backend="pil")  # no torchvision here
+        # transformers' default backend (torchvision where a real one is installed, else Pillow), as the release
+        processor = AutoImageProcessor.from_pretrained(str(tiny_release), backend=processor_backend())
         pixels = dict(processor(images=images, return_tensors="pt"))
         pad = tok.convert_tokens_to_ids("<|image_pad|>")
         counts = iter(int(g.prod()) // processor.merge_size ** 2 for g in pixels["image_grid_thw"])

@@ -26,6 +26,7 @@ from conftest import LiveServer
 KEY = "decisions-test-key-0123456789"
 MAX_LEN = 1024
 STATE = "Checkout has been failing for every customer for the last hour."
+PNG_1X1 = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 
 #: One question of each type; the choice has a boolean value and the score an unnamed question.
 QUESTIONS = [
@@ -116,6 +117,19 @@ def test_sdk_answers_the_systemone_decision(client, systemone):
     assert json.loads(raw.text)["answers"][2]["name"] is None
 
 
+def test_sdk_images_in_the_input_are_the_systemone_images(client, server):
+    """An ``input_image`` part is the next SystemOne image and ``[image N]`` in the state: the same answer."""
+    content = [{"type": "input_text", "text": STATE}, {"type": "input_image", "image_url": PNG_1X1, "detail": "auto"}]
+    decision = client.decisions.create(model="clef-flash", questions=QUESTIONS,
+                                       input=[{"role": "user", "content": content}])
+    resp = httpx.post(server.url + "/v1/systemone", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json=SYSTEMONE | {"state": STATE + "\n[image 1]", "images": [PNG_1X1]})
+    assert resp.status_code == 200, resp.text
+    assert_same_decision(decision.model_dump(mode="json"), resp.json())
+    plain = client.decisions.create(model="clef-flash", questions=QUESTIONS, input=STATE + "\n[image 1]")
+    assert decision.usage.input_tokens == plain.usage.input_tokens + 64 + 3     # the image's block
+
+
 def test_async_sdk_and_user_messages(server, systemone):
     """The async client; the caching and safety fields are accepted and change nothing."""
     async def ask():
@@ -153,7 +167,11 @@ def test_sdk_errors_are_typed(client, server):
         ({"questions": [{**QUESTIONS[2], "levels": [{"label": "only"}]}]}, "questions[0].levels", "invalid_value"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "see"},
                                                  {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
-         "input[0].content[1]", "unsupported_value"),
+         "input[0].content[1]", "invalid_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
+         "input[0].content[0]", "invalid_image"),                     # URLs are never fetched
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": PNG_1X1, "detail": "high"}]}]},
+         "input[0].content[0].detail", "unsupported_value"),
         ({"input": "word " * (2 * MAX_LEN)}, "input", "context_length_exceeded"),
         ({"extra_body": {"instuctions": "typo"}}, "instuctions", "invalid_value"),
     ]

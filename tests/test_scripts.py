@@ -195,7 +195,8 @@ def test_recipe_yaml_documents_the_config(hybrid_pipeline):
         {g: v["targets"] for g, v in config["config_groups"].items()}
     assert modifier["ignore"] == ["lm_head", "re:.*visual.*"]
     assert all("language_model" not in t for g in config["config_groups"].values() for t in g["targets"])
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "video_preprocessor_config.json", "processor_config.json"):    # the vision tower stays BF16 too
         assert (hybrid_pipeline.checkpoint / name).read_bytes() == (hybrid_pipeline.source / name).read_bytes()
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import REQUEST
 from support.server_calls import NDJSON, RawHttp, post
+from test_server_api import PNG_1X1
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +24,16 @@ def test_bulk_answers_each_line_like_the_single_endpoint(live):
              json.dumps({"model": "line-3", "state": "x", "questions": {}}),
              json.dumps(REQUEST | {"model": "line-4", "state": {"deep": [1, {"ü": None}]}}), "   ",
              json.dumps(REQUEST | {"images": ["data:image/png;base64,AAAA"]}),
-             json.dumps(REQUEST | {"model": "odd\u2028line\u0085breaks"}, ensure_ascii=False)]
+             json.dumps(REQUEST | {"model": "odd\u2028line\u0085breaks"}, ensure_ascii=False),
+             json.dumps(REQUEST | {"model": "line-8", "images": [PNG_1X1]})]          # an image: answered
     resp = httpx.post(live.url + "/v1/systemone/bulk", content=("\n".join(lines) + "\n").encode(), timeout=60,
                       headers={"X-Request-Id": "bulk-job-1", **NDJSON})
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
     assert resp.headers["x-request-id"] == "bulk-job-1"
     out = [json.loads(line) for line in resp.text.splitlines()]   # U+2028/U+0085 stay escaped: one line each
-    assert out[-1] == {"summary": {"records": 6, "ok": 3, "failed": 3, "aborted": None}}
+    assert out[-1] == {"summary": {"records": 7, "ok": 4, "failed": 3, "aborted": None}}
     records = {o["index"]: o for o in out[:-1]}
-    assert sorted(records) == [0, 1, 3, 4, 6, 7]                   # blank lines skipped, still counted
+    assert sorted(records) == [0, 1, 3, 4, 6, 7, 8]                # blank lines skipped, still counted
     assert records[7]["body"]["model"] == "odd\u2028line\u0085breaks"
     for index, line in enumerate(lines):
         if index not in records:

@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 from clef_vllm.schema.errors import Kind, RequestError
 from clef_vllm.schema.media import TypedMediaTokens, no_check, text_only
 from clef_vllm.schema.media_inputs import MediaInputs, MediaProcessor
-from clef_vllm.schema.state_text import StateText, render  # noqa: F401  (render: part of this module's API)
 from clef_vllm.schema.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
                                 SystemOneRequest)
+from clef_vllm.schema.state_text import StateText, render  # noqa: F401  (render: part of this module's API)
 from clef_vllm.util.lru import SizedLRU
 
 SYSTEM_PROMPT = (

@@ -81,7 +81,7 @@ class MediaProcessor:
         quiet = tf_logging.get_verbosity()
         tf_logging.set_verbosity_error()       # "torchvision is not installed, falling back to Pillow": by design
         try:
-            processor = AutoImageProcessor.from_pretrained(str(folder), backend=_processor_backend())
+            processor = AutoImageProcessor.from_pretrained(str(folder), backend=processor_backend())
         finally:
             tf_logging.set_verbosity(quiet)
         ids = {}
@@ -140,7 +140,12 @@ class MediaProcessor:
         return MediaInputs(tuple(images), out["pixel_values"], grid, got, digest.digest())
 
 
-def _processor_backend() -> str | None:
+def images_refused(why: str) -> RequestError:
+    """The 400 for images a backend does not serve (an encoded request that carries them reached it anyway)."""
+    return RequestError(f"not served: {why}", kind=Kind.UNSUPPORTED, field="images")
+
+
+def processor_backend() -> str | None:
     """``"pil"`` unless a real torchvision imports (then transformers' default, its torchvision backend): an
     import-only stand-in, as vLLM's CPU test harness installs, has no ``__file__``."""
     try:
@@ -156,4 +161,4 @@ def _pixels(processor, size_key: str, attr: str) -> int | None:
     return value if value is not None else getattr(processor, attr, None)
 
 
-__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "MediaInputs", "MediaProcessor"]
+__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "MediaInputs", "MediaProcessor", "images_refused", "processor_backend"]

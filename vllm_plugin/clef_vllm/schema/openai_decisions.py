@@ -23,8 +23,11 @@ Request mapping (docs/operating.md, "The OpenAI Decisions route"):
   are both distinct values in OpenAI's schema but one id in Clef's, so they are refused);
   ``score`` -> ``score`` with one criterion per level: ``label``, or ``"label: description"``.
 * ``instructions`` as parts: texts joined with a newline; one ``input_json`` part alone is its value.
-* ``input_image`` (in ``input`` or ``instructions``): refused with 400 naming the part (this build
-  is text-only). ``prompt_cache_key``, ``prompt_cache_options``, ``safety_identifier`` and
+* ``input_image`` in ``input`` (a user message or a tool call's output): its ``image_url`` (a ``data:`` URI; URLs are
+  not fetched) becomes the next SystemOne ``images`` entry and the part the text ``[image N]`` (1-based) in the
+  state, so the model reads where each image was; ``detail`` may be ``auto`` (or left out). Clef puts the images
+  before the state; an ``input_image`` in a question's ``instructions`` has no such place and is refused with 400
+  naming the part. Media errors name the part too (``input[0].content[1]``). ``prompt_cache_key``, ``prompt_cache_options``, ``safety_identifier`` and
   ``prompt_cache_breakpoint`` are accepted (type-checked) and have no effect.
 
 Response mapping: ``predicate`` -> ``probability`` (the SystemOne ``noul``); ``choice`` ->
@@ -120,15 +123,25 @@ def _required(obj: dict, key: str, path: str | None) -> Any:
     return obj[key]
 
 
-def _part_value(part: Any, path: str, allowed: tuple[str, ...]) -> Any:
+def _part_value(part: Any, path: str, allowed: tuple[str, ...], images: list | None = None) -> Any:
     """An input part's value in the state: ``input_text``/``output_text`` -> its text, ``input_json``
-    -> its data, ``refusal`` -> ``{"type": "refusal", "refusal": ...}``."""
+    -> its data, ``refusal`` -> ``{"type": "refusal", "refusal": ...}``, ``input_image`` -> ``[image N]``
+    (its ``(image_url, path)`` appended to ``images``; ``None``: where images have no place)."""
     part = _obj(part, path)
     kind = part.get("type")
     if kind not in allowed:
         raise _err(f"type must be one of {', '.join(allowed)}", f"{path}.type")
-    if kind == "input_image":         # the model's images are not wired in this build
-        raise _err("input_image is not supported by this build (text-only)", path, Kind.UNSUPPORTED)
+    if kind == "input_image":
+        if images is None:
+            raise _err("input_image has no place in a question's instructions: the model sees images next to the "
+                       "input only; put it in the input", path, Kind.UNSUPPORTED)
+        _known(part, {"type", "image_url", "detail", "prompt_cache_breakpoint"}, path)
+        _cache_breakpoint(part, path)
+        if part.get("detail") not in (None, "auto"):
+            raise _err("only detail 'auto' is served (the checkpoint's processor sizes every image)",
+                       f"{path}.detail", Kind.UNSUPPORTED)
+        images.append((_text(_required(part, "image_url", path), f"{path}.image_url", empty=False), path))
+        return f"[image {len(images)}]"
     if kind in ("input_text", "output_text"):
         _known(part, {"type", "text", "prompt_cache_breakpoint", "annotations", "logprobs"}, path)
         _cache_breakpoint(part, path)
@@ -159,20 +172,20 @@ def _join(values: list[Any]) -> Any:
     return values
 
 
-def _content(content: Any, path: str, allowed: tuple[str, ...]) -> Any:
+def _content(content: Any, path: str, allowed: tuple[str, ...], images: list) -> Any:
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
         raise _err("must be a string or a non-empty array of parts", path)
-    return _join([_part_value(p, f"{path}[{i}]", allowed) for i, p in enumerate(content)])
+    return _join([_part_value(p, f"{path}[{i}]", allowed, images) for i, p in enumerate(content)])
 
 
 _PARTS = {"user": ("input_text", "input_image", "input_json"), "system": ("input_text",),
           "developer": ("input_text",), "assistant": ("output_text", "refusal")}
 
 
-def _render_input(value: Any) -> Any:
-    """The state of a Decisions ``input`` (see the module's docstring)."""
+def _render_input(value: Any, images: list) -> Any:
+    """The state of a Decisions ``input`` (see the module's docstring); its images are appended to ``images``."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
@@ -187,7 +200,7 @@ def _render_input(value: Any) -> Any:
             if role not in _ROLES:
                 raise _err(f"role must be one of {', '.join(_ROLES)}", f"{path}.role")
             _known(item, {"type", "role", "content", "phase", "id", "status"}, path)
-            content = _content(_required(item, "content", path), f"{path}.content", _PARTS[role])
+            content = _content(_required(item, "content", path), f"{path}.content", _PARTS[role], images)
             user_only &= role == "user"
             rendered.append({"role": role, "content": content})
         elif kind in _CALLS:
@@ -206,7 +219,8 @@ def _render_input(value: Any) -> Any:
             call_id = _text(_required(item, "call_id", path), f"{path}.call_id")
             if (_OUTPUTS[kind], call_id) not in calls:
                 raise _err(f"no earlier {_OUTPUTS[kind]} has call_id {call_id!r}", f"{path}.call_id")
-            output = _content(_required(item, "output", path), f"{path}.output", ("input_text", "input_image"))
+            output = _content(_required(item, "output", path), f"{path}.output", ("input_text", "input_image"),
+                              images)
             user_only = False
             rendered.append({"type": kind, "call_id": call_id, "output": output})
         else:
@@ -298,7 +312,8 @@ def parse_decision_request(body: Any, limits: RequestLimits | None = DEFAULT_LIM
     options = body.get("prompt_cache_options")
     if options is not None:
         _known(_obj(options, "prompt_cache_options"), {"mode", "ttl"}, "prompt_cache_options")
-    state = _render_input(_required(body, "input", None))
+    images: list[tuple[str, str]] = []           # (image_url, the part's path)
+    state = _render_input(_required(body, "input", None), images)
     raw = _required(body, "questions", None)
     if not isinstance(raw, list):
         raise _err("must be an array", "questions")
@@ -335,10 +350,12 @@ def parse_decision_request(body: Any, limits: RequestLimits | None = DEFAULT_LIM
         systemone[qid] = entry
         questions.append(question)
 
+    mapped = {"model": model, "state": state, "questions": systemone} | ({"images": [u for u, _ in images]} if images
+                                                                        else {})
     try:
-        request = parse_systemone({"model": model, "state": state, "questions": systemone}, Dialect.REFERENCE, limits)
+        request = parse_systemone(mapped, Dialect.REFERENCE, limits)
     except RequestError as exc:
-        raise RequestError(exc.message, kind=exc.kind, field=_field_path(exc.field, questions)) from None
+        raise RequestError(exc.message, kind=exc.kind, field=_field_path(exc.field, questions, images)) from None
     return DecisionPlan(request, questions)
 
 
@@ -350,11 +367,14 @@ def _synthetic_id(i: int, names: dict[str, int]) -> str:
     return qid
 
 
-def _field_path(path: str | None, questions: list[_Question]) -> str | None:
+def _field_path(path: str | None, questions: list[_Question], images: list = ()) -> str | None:
     """A SystemOne field path as the Decisions request's JSON path (``state`` -> ``input``,
-    ``questions.team.criteria`` -> ``questions[1].choices``)."""
+    ``questions.team.criteria`` -> ``questions[1].choices``, ``images[1]`` -> its part, ``input[0].content[3]``)."""
     if path is None:
         return None
+    if path.startswith("images"):
+        index = path[len("images["):].split("]", 1)[0]
+        return images[int(index)][1] if index.isdigit() and int(index) < len(images) else "input"
     if path == "state" or path.startswith("state."):
         return "input" + path[5:]
     if not path.startswith("questions"):

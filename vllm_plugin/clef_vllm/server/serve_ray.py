@@ -221,7 +221,8 @@ def load_replicas(args: argparse.Namespace, model_dir, backend: str, options: di
         handle = serve.run(replica_deployment(args, backend, str(model_dir), dict(options)), name=args.app_name,
                            route_prefix=None)
     info = handle.info.remote().result()
-    encoder = RequestEncoder.from_pretrained(model_dir, max_length=info.max_model_len)
+    encoder = RequestEncoder.from_pretrained(model_dir, max_length=info.max_model_len,
+                                             images="clef-serve-ray's replicas serve text only")
     return ReplicaSet(handle, info, encoder, args.replicas, app_name=args.app_name, own_cluster=not args.ray_address)
 
 
