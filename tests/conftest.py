@@ -45,12 +45,23 @@ except ImportError:  # pragma: no cover
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
+    """One cache for the whole run: with pytest-xdist the workers share it (their base folders' parent), so what
+    is built there (the Qwen3.5 tokenizer, the demo checkpoint) is built once, under :func:`cache_lock`."""
     path = os.environ.get("CLEF_VLLM_CACHE")
     if path:
         return Path(path)
-    path = tmp_path_factory.mktemp("clef-cache")
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "clef-cache"
+    path.mkdir(exist_ok=True)
     os.environ["CLEF_VLLM_CACHE"] = str(path)
     return path
+
+
+def cache_lock(cache: Path, name: str):
+    """A lock across the test workers for building ``name`` in the shared cache."""
+    from filelock import FileLock
+
+    return FileLock(str(cache / f".{name}.lock"))
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +85,8 @@ def qwen_tokenizer_dir(cache_dir) -> Path:
     """The real Qwen3.5 tokenizer (248,077 tokens)."""
     from clef_vllm.testing.qwen_tokenizer import cached_qwen35_tokenizer
 
-    return cached_qwen35_tokenizer(cache_dir)
+    with cache_lock(cache_dir, "qwen3.5-tokenizer"):
+        return cached_qwen35_tokenizer(cache_dir)
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,12 @@ def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     path = Path(cache_dir or cache_root()) / f"demo-tiny-{__version__}"
     if not (path / "joint_head.safetensors").is_file():
         if path.exists():
-            shutil.rmtree(path)
-        build_tiny_checkpoint(path)
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            build_tiny_checkpoint(path)
+        except OSError:            # another process built it meanwhile (servers started at once): take theirs
+            if not (path / "joint_head.safetensors").is_file():
+                raise
     return path
 
 
