@@ -149,3 +149,16 @@ def test_readme_sample_response_has_the_real_shape(keyed_server):
         return type(value).__name__ if not isinstance(value, (int, float)) or isinstance(value, bool) else "number"
 
     assert shape(sample) == shape(real)
+
+
+def test_a_demo_folder_from_an_earlier_release_is_rebuilt(tmp_path):
+    """A cached demo checkpoint without a file the current builder writes (a release before images) is rebuilt,
+    so ``--model demo`` serves images after an upgrade; a complete one is kept as it is."""
+    from clef_vllm.model.demo import DEMO_FILES, demo_checkpoint
+
+    path = demo_checkpoint(tmp_path)
+    assert all((path / name).is_file() for name in DEMO_FILES)
+    built = (path / "config.json").stat().st_mtime_ns
+    assert demo_checkpoint(tmp_path) == path and (path / "config.json").stat().st_mtime_ns == built
+    (path / "preprocessor_config.json").unlink()                 # as the demo folders of earlier releases
+    assert demo_checkpoint(tmp_path) == path and (path / "preprocessor_config.json").is_file()

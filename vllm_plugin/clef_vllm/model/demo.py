@@ -22,18 +22,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("CLEF_VLLM_CACHE") or Path.home() / ".cache" / "clef-vllm")
 
 
+#: Files of the demo folder the current builder writes (one missing: the folder is rebuilt).
+DEMO_FILES = ("joint_head.safetensors", "preprocessor_config.json")
+
+
 def demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """The demo checkpoint's folder, built (a few seconds) when it is not there yet."""
     from clef_vllm.model.tiny import build_tiny_checkpoint
 
     path = Path(cache_dir or cache_root()) / f"demo-tiny-{__version__}"
-    if not (path / "joint_head.safetensors").is_file():
+    if not all((path / name).is_file() for name in DEMO_FILES):    # absent, or built by a release without them
         if path.exists():
             shutil.rmtree(path, ignore_errors=True)
         try:
             build_tiny_checkpoint(path)
         except OSError:            # another process built it meanwhile (servers started at once): take theirs
-            if not (path / "joint_head.safetensors").is_file():
+            if not all((path / name).is_file() for name in DEMO_FILES):
                 raise
     return path
 
