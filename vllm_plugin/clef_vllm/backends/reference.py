@@ -88,22 +88,31 @@ def load_text_backbone(files: CheckpointFiles, device: torch.device, dtype=torch
             raise CheckpointError(f"{files.root}: lm_head.weight not found in the backbone files and no "
                                   "clef_head/tables_int8.safetensors; the head reads lm_head rows")
         lm_table = DenseTable(lm_head)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3_5TextModel(config)
-    finally:
-        torch.set_default_dtype(previous)
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise CheckpointError(f"{files.root}: backbone tensors do not match config.json: "
-                              f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    model = _construct(lambda: Qwen3_5TextModel(config), device, dtype)
+    _load_strictly(model, state, files, "backbone tensors")
     vocab = config.vocab_size
     if lm_table.num_rows != vocab or lm_table.width != config.hidden_size:
         raise CheckpointError(f"{files.root}: lm_head table is {lm_table.num_rows}x{lm_table.width}, "
                               f"expected {vocab}x{config.hidden_size}")
     return model.eval().requires_grad_(False), lm_table
+
+
+def _construct(make, device, dtype):
+    """``make()`` with its parameters created on ``device`` in ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return make()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _load_strictly(module, state: dict, files: CheckpointFiles, what: str) -> None:
+    result = module.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(f"{files.root}: {what} do not match config.json: "
+                              f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
 
 
 def load_multimodal_backbone(files: CheckpointFiles, text_model, vision_state: dict, device: torch.device,
@@ -116,19 +125,9 @@ def load_multimodal_backbone(files: CheckpointFiles, text_model, vision_state: d
     cfg = {k: v for k, v in files.config.items() if k != "quantization_config"}
     config = Qwen3_5Config.from_dict(cfg)
     config.vision_config._attn_implementation = "sdpa"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            vision = Qwen3_5VisionModel(config.vision_config)
-        with torch.device("meta"):
-            model = Qwen3_5Model(config)
-    finally:
-        torch.set_default_dtype(previous)
-    result = vision.load_state_dict(vision_state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise CheckpointError(f"{files.root}: vision tensors (model.visual.*) do not match config.json's "
-                              f"vision_config: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    vision = _construct(lambda: Qwen3_5VisionModel(config.vision_config), device, dtype)
+    model = _construct(lambda: Qwen3_5Model(config), "meta", dtype)      # its parts are replaced below
+    _load_strictly(vision, vision_state, files, "vision tensors (model.visual.*)")
     model.visual = vision.eval().requires_grad_(False)
     model.language_model = text_model
     return model.eval()
