@@ -58,6 +58,7 @@ import httpx
 
 from clef_vllm.bench.loadgen import distribution_ms
 from clef_vllm.testing.bodies import nested_level, state_array
+from clef_vllm.testing.images import data_uri, image_bytes, noisy, png_declaring
 from clef_vllm.testing.server import LiveServer
 
 WORDS = ("checkout payment refund invoice outage login error customer urgent billing shipping delivery account "
@@ -267,34 +268,6 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def _picture(fmt: str, size=(64, 64), noise: bool = True) -> bytes:
-    import io
-
-    from PIL import Image
-
-    img = Image.effect_noise(size, 64).convert("RGB") if noise else Image.new("RGB", size, "white")
-    out = io.BytesIO()
-    img.save(out, fmt)
-    return out.getvalue()
-
-
-def _png_declaring(width: int, height: int) -> bytes:
-    """A PNG of a few hundred bytes whose header declares ``width`` x ``height`` RGB pixels (a decompression bomb)."""
-    import struct
-    import zlib
-
-    def part(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-    return (b"\x89PNG\r\n\x1a\n" + part(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + part(b"IDAT", zlib.compress(b"\0" * 4096)) + part(b"IEND", b""))
-
-
-def _uri(data: bytes, mime: str = "image/png") -> str:
-    import base64
-
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
 class Attacks:
     """The hostile clients of the adversarial mix, each with the answer it must get. Every attack opens
     its own connection(s) to the server on loopback, does what no well-behaved client does, and
@@ -337,19 +310,19 @@ class Attacks:
         }
         #: ``--mix media``: hostile and valid images instead (the server's RSS over many of them is the point)
         self.media = {
-            "image_bomb": (self.image([_uri(_png_declaring(100_000, 100_000))]), "413 from the header (10^10 px)"),
-            "image_truncated": (self.image([_uri(_picture("PNG")[:900])], 422, "truncated or corrupt"), "422"),
-            "image_truncated_jpeg": (self.image([_uri(_picture("JPEG")[:700], "image/jpeg")], 422), "422"),
-            "image_truncated_webp": (self.image([_uri(_picture("WEBP")[:500], "image/webp")], 422), "422"),
-            "image_wrong_mime": (self.image([_uri(_picture("JPEG"))], 422, "declares PNG"), "422 naming both formats"),
+            "image_bomb": (self.image([data_uri(png_declaring(100_000, 100_000))]), "413 from the header (10^10 px)"),
+            "image_truncated": (self.image([data_uri(noisy("PNG")[:900])], 422, "truncated or corrupt"), "422"),
+            "image_truncated_jpeg": (self.image([data_uri(noisy("JPEG")[:700], "image/jpeg")], 422), "422"),
+            "image_truncated_webp": (self.image([data_uri(noisy("WEBP")[:500], "image/webp")], 422), "422"),
+            "image_wrong_mime": (self.image([data_uri(noisy("JPEG"))], 422, "declares PNG"), "422 naming both formats"),
             "image_bad_base64": (self.image(["data:image/png;base64,@@@@"], 400, "not valid base64"), "400"),
             "image_url": (self.image(["https://example.com/a.png"], 400, "not fetched"), "400 (URLs are not fetched)"),
-            "image_past_the_token_limit": (self.image([_uri(_picture("PNG", (4000, 4000), noise=False))] * 2, 413,
+            "image_past_the_token_limit": (self.image([data_uri(image_bytes("PNG", (4000, 4000), color="white"))] * 2, 413,
                                                       "media ("), "413 naming the media's tokens"),
             "image_pads_typed_in_text": (self.image([], 200, state="<|vision_start|><|image_pad|><|vision_end|>"),
                                          "200: the pads are text"),
-            "image_1x1": (self.image([_uri(_picture("PNG", (1, 1)))], 200), "200"),
-            "image_photo": (self.image([_uri(_picture("JPEG", (512, 384)), "image/jpeg")], 200), "200 (192 tokens)"),
+            "image_1x1": (self.image([data_uri(noisy("PNG", (1, 1)))], 200), "200"),
+            "image_photo": (self.image([data_uri(noisy("JPEG", (512, 384)), "image/jpeg")], 200), "200 (192 tokens)"),
         }
 
     async def _open(self):

@@ -73,7 +73,7 @@ def test_the_vllm_backend_never_runs_image_pads_as_text(tiny_release):
     """Its encoder refuses images; an encoded request with images from any other encoder is refused too, before
     the engine sees it (the pads alone would be answered as text)."""
     from support import vllm_cpu
-    from test_media import data_uri, image_bytes
+    from clef_vllm.testing.images import data_uri, image_bytes
 
     from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.encoding import RequestEncoder

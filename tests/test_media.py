@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
-import zlib
 
 import pytest
 from PIL import Image
@@ -15,28 +13,11 @@ from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import Kind, RequestError
 from clef_vllm.schema.media import MEDIA_TOKENS, decode_media
 from clef_vllm.server.errors import OUTCOMES
+from clef_vllm.testing.images import data_uri, image_bytes, noisy, png_declaring
 
 REF, WAI = "reference", "workers-ai"
 REQUEST = {"model": "clef-flash", "state": "Checkout is down.",
            "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}}
-
-
-def image_bytes(fmt: str = "PNG", size=(8, 8), color="red", **save) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, fmt, **save)
-    return out.getvalue()
-
-
-def data_uri(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A valid-looking PNG of a few hundred bytes whose header declares width x height RGB pixels."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * 4096)) + chunk(b"IEND", b""))
 
 
 def check(body: dict, dialect: str = REF):
@@ -312,14 +293,8 @@ def test_offline_api_takes_pil_bytes_and_paths_and_raises_the_same_errors(tiny_r
             clef.systemone_batch([REQUEST, REQUEST | {"images": [image_bytes("PNG"), png_declaring(100_000, 100_000)]}])
         assert (info.value.kind, info.value.field) == (Kind.MEDIA_TOO_LARGE, "requests[1].images[1]")
         with pytest.raises(RequestError) as info:
-            clef.systemone(REQUEST | {"images": [noisy_truncated()]})
+            clef.systemone(REQUEST | {"images": [noisy("PNG")[:900]]})
         assert (info.value.kind, info.value.field) == (Kind.MEDIA_INVALID, "images[0]")
         with pytest.raises(RequestError) as info:
             clef.systemone(REQUEST | {"images": ["https://example.com/x.png"]})
         assert (info.value.kind, info.value.field) == (Kind.MEDIA_MALFORMED, "images[0]")
-
-
-def noisy_truncated() -> bytes:
-    out = io.BytesIO()
-    Image.effect_noise((64, 64), 64).convert("RGB").save(out, "PNG")
-    return out.getvalue()[:900]

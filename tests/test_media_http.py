@@ -7,21 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from PIL import Image
 
 from conftest import REQUEST, LiveServer
-from test_media import data_uri, image_bytes, png_declaring
+from clef_vllm.testing.images import data_uri, image_bytes, noisy, png_declaring
 
 HOSTED = "/client/v4/accounts/023e105f4ecef8ad9ca31a8372d0c353/ai/run/@cf/cloudflare/clef-flash"
 PNG = data_uri(image_bytes("PNG"))
-
-
-def noisy(fmt: str, size=(64, 64)) -> bytes:
-    import io
-
-    out = io.BytesIO()
-    Image.effect_noise(size, 64).convert("RGB").save(out, fmt)
-    return out.getvalue()
 
 
 def reference(server: LiveServer, body: dict | bytes, status: int, field: str, message: str) -> dict:

@@ -25,7 +25,7 @@ from clef_vllm.schema.media_inputs import IMAGE_PLACEHOLDER, processor_backend
 from clef_vllm.server.errors import OUTCOMES
 from support.encoding_spec import spec_encode
 from support.release_math import literal_logits
-from test_media import data_uri
+from clef_vllm.testing.images import data_uri
 
 QUESTIONS = {"urgent": {"type": "noul", "instructions": "Does the picture show an outage?"},
              "kind": {"type": "choice", "criteria": {"invoice": "A scanned invoice", "error": "An error screen",

@@ -33,7 +33,7 @@ from clef_vllm.model.features import HeadSpec, RecordAccumulator, accumulate, de
 from clef_vllm.model.layout import BACKBONE_PREFIXES, LM_HEAD_KEYS, NOT_TEXT_PREFIXES, VISION_PREFIXES
 from clef_vllm.model.tables import DenseTable, LexicalTable, load_int8_tables
 from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
-from clef_vllm.schema.media_inputs import images_refused
+from clef_vllm.schema.media import media_refused
 from clef_vllm.schema.state_keys import MIN_REUSE_TOKENS, prefix_digest
 from clef_vllm.util.lru import SizedLRU
 
@@ -245,7 +245,7 @@ class ReferenceBackend(Backend):
         """Final-norm hidden states ``[1, L, H]`` of one request with images: the release's multimodal forward
         (the vision tower's features in place of the pad tokens, M-RoPE positions from the grids)."""
         if self.multimodal is None:
-            raise images_refused(self.encoder.text_only)
+            raise media_refused(self.encoder.text_only)
         ids = torch.tensor([e.input_ids], dtype=torch.long, device=self.device)
         types = (ids == self.multimodal.config.image_token_id).int()
         out = self.multimodal(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,

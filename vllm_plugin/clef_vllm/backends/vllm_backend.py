@@ -36,7 +36,7 @@ from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.model.features import HeadSpec
 from clef_vllm.model.layout import ARCHITECTURE
 from clef_vllm.schema.encoding import EncodedRequest, RequestEncoder
-from clef_vllm.schema.media_inputs import images_refused
+from clef_vllm.schema.media import media_refused
 from clef_vllm.schema.state_keys import KEY_UNIT, MIN_REUSE_TOKENS
 from clef_vllm.util import trace
 from clef_vllm.util.stacks import dump_descendant_stacks
@@ -465,7 +465,7 @@ class VllmBackend(Backend):
 
     async def _decide(self, encoded: EncodedRequest) -> torch.Tensor:
         if encoded.media is not None:     # an encoder with an image processor (not ours): never run pads as text
-            raise images_refused(self.encoder.text_only)
+            raise media_refused(self.encoder.text_only)
         keyed = self.state_cache and encoded.schema_offset >= MIN_REUSE_TOKENS
         spec = HeadSpec.from_encoded(encoded, state_keys=keyed)
         state_key = spec.state_keys[encoded.schema_offset // KEY_UNIT - 1] if keyed and spec.state_keys else None

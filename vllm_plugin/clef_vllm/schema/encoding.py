@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from clef_vllm.schema.errors import Kind, RequestError
-from clef_vllm.schema.media import TypedMediaTokens, no_check, text_only
+from clef_vllm.schema.media import TEXT_ONLY, TypedMediaTokens, no_check, text_only
 from clef_vllm.schema.media_inputs import MediaInputs, MediaProcessor
 from clef_vllm.schema.protocol import (DEFAULT_MAX_TOKENS, TYPE_IDS, ChoiceQuestion, NoulQuestion, RequestLimits,
                                 SystemOneRequest)
@@ -237,7 +237,7 @@ class RequestEncoder:
     def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, max_state_tokens: int | None = None,
                  piece_cache: int = STATE_PIECE_CACHE, segment_cache: int = SCHEMA_SEGMENT_CACHE,
                  state_list_cache: int = STATE_LIST_IDS, media: MediaProcessor | None = None,
-                 text_only: str = "this server runs text-only"):
+                 text_only: str = TEXT_ONLY):
         # A transformers fast tokenizer or a bare ``tokenizers.Tokenizer``; we call the Rust tokenizer directly
         self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)     # (batched, stateless: thread-safe)
         self._typed = TypedMediaTokens(self._tok)         # media tokens typed in text stay text (schema/media.py)
@@ -319,7 +319,7 @@ class RequestEncoder:
             kwargs["media"] = MediaProcessor.from_pretrained(folder, tokenizer.backend_tokenizer)
             if kwargs["media"] is None:
                 images = "the checkpoint has no image processor (preprocessor_config.json)"
-        return cls(tokenizer, text_only=images or "this server runs text-only", **kwargs)
+        return cls(tokenizer, text_only=images or TEXT_ONLY, **kwargs)
 
     @property
     def prefix_ids(self) -> list[int]:

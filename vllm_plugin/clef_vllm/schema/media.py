@@ -415,7 +415,7 @@ def media_key(items: Sequence[MediaItem]) -> str:
 # and BPE model, as if it were not an added token). Every other id is unchanged; the prompt's own special tokens
 # (``<|im_start|>`` ...) are untouched.
 
-#: The media tokens of Qwen3.5's vocabulary and their ids (docs: clef-spec §3.7).
+#: The media tokens of Qwen3.5's vocabulary and their ids (docs/encoding-and-head.md, "Media").
 MEDIA_TOKENS = {"<|vision_start|>": 248053, "<|vision_end|>": 248054, "<|image_pad|>": 248056, "<|video_pad|>": 248057}
 
 
@@ -464,11 +464,20 @@ class TypedMediaTokens:
         return out
 
 
-def text_only(items: Sequence[MediaItem], why: str = "this server runs text-only") -> RequestError:
+#: Why a server without an image processor refuses media, unless it says more.
+TEXT_ONLY = "this server runs text-only"
+
+
+def text_only(items: Sequence[MediaItem], why: str = TEXT_ONLY) -> RequestError:
     """The refusal of a request with validated media by a server that does not serve them (400), saying why."""
-    return RequestError(f"not served: {why}", kind=Kind.UNSUPPORTED, field=media_key(items))
+    return media_refused(why, media_key(items))
+
+
+def media_refused(why: str, field: str = "images") -> RequestError:
+    """The 400 for media a server does not serve (also a backend's, for an encoded request carrying images)."""
+    return RequestError(f"not served: {why}", kind=Kind.UNSUPPORTED, field=field)
 
 
 __all__ = ["DEFAULT_MEDIA_LIMITS", "WORKERS_AI_MEDIA_LIMITS", "MEDIA_KEYS", "MediaItem", "MediaLimits",
-           "MEDIA_TOKENS", "TypedMediaTokens", "decode_media", "media_key", "no_check", "parse_media",
-           "text_only"]
+           "MEDIA_TOKENS", "TEXT_ONLY", "TypedMediaTokens", "decode_media", "media_key", "media_refused", "no_check",
+           "parse_media", "text_only"]

@@ -140,11 +140,6 @@ class MediaProcessor:
         return MediaInputs(tuple(images), out["pixel_values"], grid, got, digest.digest())
 
 
-def images_refused(why: str) -> RequestError:
-    """The 400 for images a backend does not serve (an encoded request that carries them reached it anyway)."""
-    return RequestError(f"not served: {why}", kind=Kind.UNSUPPORTED, field="images")
-
-
 def processor_backend() -> str | None:
     """``"pil"`` unless a real torchvision imports (then transformers' default, its torchvision backend): an
     import-only stand-in, as vLLM's CPU test harness installs, has no ``__file__``."""
@@ -161,4 +156,4 @@ def _pixels(processor, size_key: str, attr: str) -> int | None:
     return value if value is not None else getattr(processor, attr, None)
 
 
-__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "MediaInputs", "MediaProcessor", "images_refused", "processor_backend"]
+__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "MediaInputs", "MediaProcessor", "processor_backend"]
