@@ -82,8 +82,8 @@ def test_the_vllm_backend_never_runs_image_pads_as_text(tiny_release):
 
     request = parse_request(REQUEST | {"images": [data_uri(image_bytes("PNG"))]})
     decode_media(request._media)
-    why = "the vllm backend serves text only; --backend reference serves images"
-    with pytest.raises(RequestError, match="images: not served: the vllm backend serves text only"):
+    why = "the server runs with --text-only"
+    with pytest.raises(RequestError, match="images: not served: the server runs with --text-only"):
         RequestEncoder.from_pretrained(tiny_release, images=why).encode(request)
     encoded = RequestEncoder.from_pretrained(tiny_release).encode(request)
     assert encoded.media is not None
@@ -95,6 +95,77 @@ def test_the_vllm_backend_never_runs_image_pads_as_text(tiny_release):
         assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "images")
 
 
+def test_an_image_request_reaches_the_engine_as_one_pad_per_image_with_its_images(tiny_release, tmp_path):
+    """vLLM's prompt of a request with images: the encoder's ids with each image's pads collapsed to one and the
+    decoded images (vLLM's processor expands them again; the ids the engine ends up with must be the encoder's);
+    the engine's media settings follow the checkpoint and --text-only; state keys differ with the picture."""
+    import shutil
+    from types import SimpleNamespace
+
+    from support import vllm_cpu
+
+    from clef_vllm.backends.options import VllmOptions
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.backends.vllm_media import ENGINE_MAX_IMAGES, media_prompt
+    from clef_vllm.model.features import HeadSpec
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.media import decode_media
+    from clef_vllm.testing.images import data_uri, picture
+
+    pictures = {s: data_uri(picture((300, 120), s)) for s in (1, 2, 3)}   # (Pillow's noise differs per call)
+
+    def encoded(*seeds):
+        request = parse_request(REQUEST | {"images": [pictures[s] for s in seeds]})
+        decode_media(request._media)
+        return encoder.encode(request)
+
+    encoder = RequestEncoder.from_pretrained(tiny_release, pixels=False)
+    pad = encoder.media.pad_id
+    two = encoded(1, 2)
+    assert two.media.pixel_values is None and len(two.media.images) == 2
+    prompt = media_prompt(two, pad)
+    ids = prompt["prompt_token_ids"]
+    assert ids.count(pad) == 2 and prompt["multi_modal_data"]["image"] == list(two.media.images)
+    counts, expanded = iter(two.media.token_counts), []
+    for t in ids:
+        expanded += [t] * (next(counts) if t == pad else 1)
+    assert expanded == two.input_ids
+    # the same ids with another picture: other state keys (the prefix cache and the state cache never mix them)
+    other = encoded(1, 3)
+    assert other.input_ids == two.input_ids and other.media.digest != two.media.digest
+    keys = [HeadSpec.from_encoded(e, state_keys=True).state_keys for e in (two, other, encoded(1, 2))]
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+    class StandInEngine:                    # AsyncLLM: vLLM's processor expands the pads
+        errored = False
+        prompts = []
+
+        async def encode(self, prompt, params, request_id):
+            self.prompts.append(prompt)
+            spec = params.extra_kwargs["clef"]
+            assert spec
+            yield SimpleNamespace(prompt_token_ids=two.input_ids, num_cached_tokens=0, finished=True,
+                                  outputs=SimpleNamespace(data=torch.full((HeadSpec.from_encoded(two).num_options,), .5)))
+
+    with vllm_cpu.bare_vllm_backend(max_num_seqs=8, data_parallel_size=1) as backend:
+        backend.encoder, backend._pad_id, backend.engine = encoder, pad, StandInEngine()
+        backend.options = VllmOptions()
+        assert backend.decide_batch([two])[0].tolist() == [.5] * HeadSpec.from_encoded(two).num_options
+        assert backend.engine.prompts[0]["prompt_token_ids"] == ids
+
+    # engine settings: images through the tower, or every limit 0 (--text-only, or a checkpoint that cannot see)
+    seeing = engine_kwargs(tiny_release, VllmOptions())
+    assert seeing["limit_mm_per_prompt"] == {"image": {"count": ENGINE_MAX_IMAGES}, "video": 0}
+    assert seeing["skip_tokenizer_init"] is False
+    blind = {"image": 0, "video": 0}
+    assert engine_kwargs(tiny_release, VllmOptions(text_only=True))["limit_mm_per_prompt"] == blind
+    assert engine_kwargs(tiny_release, VllmOptions(text_only=True))["skip_tokenizer_init"] is True
+    no_processor = shutil.copytree(tiny_release, tmp_path / "no-processor")
+    (no_processor / "preprocessor_config.json").unlink()
+    assert engine_kwargs(no_processor, VllmOptions())["limit_mm_per_prompt"] == blind
+
+
 def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):
     """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and
     stops after decision START+COUNT-1; warm-up prompts do not count; a bad value names the variable."""
@@ -102,7 +173,7 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
 
     from vllm.config import ProfilerConfig
 
-    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.backends.vllm_backend import VllmBackend, engine_input
     from clef_vllm.model.features import synthetic_spec
     from clef_vllm.util import trace
 
@@ -140,9 +211,10 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
 
     async def run():
         ids = list(range(20))
-        await backend._encode(ids, synthetic_spec(20), warmup=True)       # request 0: the warm-up's
-        for _ in range(4):                                                # requests 1-4: client decisions 0-3
-            await backend._encode(ids, synthetic_spec(20))
+        prompt = engine_input(ids)
+        await backend._encode(prompt, ids, synthetic_spec(20), warmup=True)     # request 0: the warm-up's
+        for _ in range(4):                                                      # requests 1-4: client decisions 0-3
+            await backend._encode(prompt, ids, synthetic_spec(20))
 
     with caplog.at_level(logging.INFO, logger="clef_vllm"):
         asyncio.run(run())
@@ -156,7 +228,7 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
     backend._profile = trace.ProfileWindow.from_env(f"{tmp_path},0,1")
     calls.clear()
     with caplog.at_level(logging.WARNING, logger="clef_vllm"):
-        probs, cached = asyncio.run(backend._encode(list(range(20)), synthetic_spec(20)))
+        probs, cached = asyncio.run(backend._encode(engine_input(list(range(20))), list(range(20)), synthetic_spec(20)))
     assert probs.numel() == synthetic_spec(20).num_options and calls == ["5"]          # nothing to stop
     assert "CLEF_VLLM_PROFILE: could not start vLLM's profiler (RuntimeError: Profiler is not enabled)" in caplog.text
 
@@ -170,7 +242,7 @@ def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path,
     backend._thread.start()
     calls.clear()
     for _ in range(3):                                                # client decisions 0-2 of a window 1..5
-        backend._submit(backend._encode(list(range(20)), synthetic_spec(20))).result(timeout=30)
+        backend._submit(backend._encode(engine_input(list(range(20))), list(range(20)), synthetic_spec(20))).result(timeout=30)
     assert calls == ["6", "start", "7", "8"] and backend._profile.running
     with caplog.at_level(logging.WARNING, logger="clef_vllm"):
         backend.close()

@@ -9,12 +9,9 @@ hidden states; the head's math written out literally (tests/support/release_math
 
 from __future__ import annotations
 
-import io
-import random
 
 import pytest
 import torch
-from PIL import Image
 
 from clef_vllm.backends import make_backend
 from clef_vllm.model.checkpoint import load_head, locate_checkpoint
@@ -25,44 +22,7 @@ from clef_vllm.schema.media_inputs import IMAGE_PLACEHOLDER, processor_backend
 from clef_vllm.server.errors import OUTCOMES
 from support.encoding_spec import spec_encode
 from support.release_math import literal_logits
-from clef_vllm.testing.images import data_uri
-
-QUESTIONS = {"urgent": {"type": "noul", "instructions": "Does the picture show an outage?"},
-             "kind": {"type": "choice", "criteria": {"invoice": "A scanned invoice", "error": "An error screen",
-                                                     "photo": None}},
-             "severity": {"type": "score", "criteria": ["none", "low", "high"]}}
-
-
-def picture(size: tuple[int, int], seed: int, fmt: str = "PNG", mode: str = "RGB") -> bytes:
-    """A noisy picture (so that every patch differs) in ``fmt``."""
-    rng = random.Random(seed)
-    img = Image.effect_noise(size, 40 + seed % 30).convert(mode)
-    img.paste((rng.randrange(256), rng.randrange(256), rng.randrange(256))[:len(mode)] if mode != "L" else 128,
-              (0, 0, size[0] // 2, size[1] // 3))
-    out = io.BytesIO()
-    img.save(out, fmt)
-    return out.getvalue()
-
-
-#: Sizes and aspect ratios: below the processor's 65,536-pixel floor (scaled up), tall, wide, square, odd.
-SIZES = [(40, 40), (300, 120), (64, 512), (257, 255), (530, 530), (90, 700)]
-
-
-def image_requests(n: int, seed: int = 0) -> list[dict]:
-    """``n`` requests with 0 to 4 images each (PNG, JPEG, WebP, RGBA and grey PNGs), varied states."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        images = []
-        for j in range(i % 5):
-            fmt, mime, mode = rng.choice([("PNG", "image/png", "RGB"), ("JPEG", "image/jpeg", "RGB"),
-                                          ("WEBP", "image/webp", "RGB"), ("PNG", "image/png", "RGBA"),
-                                          ("PNG", "image/png", "L")])
-            images.append(data_uri(picture(rng.choice(SIZES), seed * 100 + i * 10 + j, fmt, mode), mime))
-        state = " ".join(rng.choice(["error", "checkout", "invoice", "429", "blank", "screen"]) for _ in range(5 + i))
-        out.append({"model": "clef-flash", "state": state, "questions": QUESTIONS, "images": images})
-    return out
-
+from clef_vllm.testing.images import data_uri, image_requests, picture
 
 def parsed(body: dict):
     req = parse_request(body)

@@ -97,13 +97,31 @@ def test_the_worker_reserves_what_the_plugin_graphs_hold():
 
 
 def test_the_16gb_plan_reaches_the_engine_as_a_leaner_step_lean_prefill_buckets_and_no_head_graphs(hybrid_9b):
-    fitted, plan = fit_options(hybrid_9b, backend_options("vllm", {}), device=(int(15.92 * GIB), HOPPER))
+    """Text only (--text-only), the 16 GB card keeps its 3.05 GiB of KV cache with prefill graphs up to 2,048 tokens
+    and the state cache; seeing, the vision tower (0.85 GiB) and its encoder take them and images above 4 MP (413),
+    and the KV cache still holds five 16k-token sequences."""
+    from dataclasses import replace
+
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+
+    fitted, plan = fit_options(hybrid_9b, backend_options("vllm", {"text_only": True}),
+                               device=(int(15.92 * GIB), HOPPER))
     assert plan.kv_bytes >= 3.05 * GIB
     kwargs = engine_args(fitted)
     settings = WorkerSettings.of(SimpleNamespace(**kwargs))
     assert kwargs["max_num_batched_tokens"] == 4096 and not settings.head_graphs
     assert kwargs["max_num_seqs"] == 32 and fitted.gemm_warmup_rows == 4096 == settings.gemm_warmup_rows
     assert max(settings.prefill_graphs.buckets) == 2048 and settings.prefill_graphs.scope == "core"
+    assert fitted.state_cache and fitted.largest_image_pixels is None
+
+    seeing, plan = fit_options(hybrid_9b, backend_options("vllm", {}), device=(int(15.92 * GIB), HOPPER))
+    assert plan.kv_bytes >= 3.05 * GIB
+    parts = {p.name: p.bytes for p in plan.parts}
+    assert parts["vision tower"] == 2 * 456_010_480
+    assert seeing.largest_image_pixels == 4_194_304 and not seeing.prefill_graphs and not seeing.state_cache
+    assert any("--max-image-pixels 16,777,216 -> 4,194,304" in line for line in plan.changes)
+    image = engine_kwargs(hybrid_9b, replace(seeing, load_format="clef-dummy"))["limit_mm_per_prompt"]["image"]
+    assert image["width"] == image["height"] == 2048         # vLLM profiles its encoder on the largest image
 
 
 def test_the_vllm_backend_refuses_a_card_too_small_before_it_loads_anything(hybrid_9b, monkeypatch):

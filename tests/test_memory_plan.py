@@ -76,20 +76,26 @@ def test_weights_per_part_on_the_9b_hybrid(hybrid_9b):
     assert bf16["BF16 linears"] == 2 * 24 * (2 * 32 * h)
     assert bf16["BF16 leftovers"] == leftovers
     assert bf16["embedding"] == bf16["lm_head table"] == vocab * h + 4 * vocab
-    assert bf16["vision tower"] == 0
+    assert bf16["vision tower"] == 2 * 456_010_480       # BF16 in every layout (counted against vLLM's: test_worker_model)
     assert bf16["joint head (bfloat16)"] == 2 * 121_762_820
-    plan = MP.plan(model, MP.PlanInputs(budget_bytes=80 * GIB))
-    assert "not loaded (text-only)" in "\n".join(plan.describe())
+    assert "vision encoder" in bf16
+    text = MP.plan(model, MP.PlanInputs(budget_bytes=80 * GIB, vision=False))
+    assert parts(text)["vision tower"] == 0 and "vision encoder" not in parts(text)
+    assert "not loaded (--text-only)" in "\n".join(text.describe())
+    fixed = lambda p: sum(x.bytes for x in p.parts if x.group != "plugin")    # noqa: E731 - shares of the KV room aside
+    assert fixed(MP.plan(model, MP.PlanInputs(budget_bytes=80 * GIB))) - fixed(text) \
+        == bf16["vision tower"] + bf16["vision encoder"]
 
 
 def test_weights_against_vllm_model_loading(hybrid_9b, bf16_9b):
     """vLLM's "Model loading took" (BF16 embedding, the worker before its int8 embedding): 16.08 GiB for the
     BF16 9B, 12.85 GiB for the Hybrid with NVFP4 dequantized to BF16 (printed to 2 decimals). The Hybrid's
     figure holds 0.19 GiB more than its parameters: one FP8 block scale per 16 NVFP4 weights, which the
-    BF16 kernel no longer reads. The int8 embedding saves 0.95 GiB."""
+    BF16 kernel no longer reads. The int8 embedding saves 0.95 GiB. (Those engines were text only: no vision
+    tower.)"""
     def weights(ckpt, **kw):
-        return MP.plan(MP.model_shape_for_checkpoint(ckpt), MP.PlanInputs(budget_bytes=80 * GIB, **kw)).bytes_of(
-            "weights") / GIB
+        return MP.plan(MP.model_shape_for_checkpoint(ckpt), MP.PlanInputs(budget_bytes=80 * GIB, vision=False,
+                                                                           **kw)).bytes_of("weights") / GIB
 
     hybrid = MP.model_shape_for_checkpoint(hybrid_9b)
     assert weights(bf16_9b, int8_embedding=False) == pytest.approx(16.08, abs=0.005)
@@ -196,9 +202,15 @@ def test_fit_on_a_16gb_card(hybrid_9b):
     assert before.max_concurrency < MP.MIN_SEQUENCES < plan.max_concurrency
     assert plan.kv_bytes - before.kv_bytes > 0
     assert len(plan.describe()) == len(plan.parts) + 5 + len(plan.changes)
+    # seeing, the largest image is lowered to 4 MP (the encoder vLLM profiles on it); text only, the vision tower
+    # and its encoder leave room for the prefill graphs and the state cache
+    assert any(line.startswith("--max-image-pixels 16,777,216 -> 4,194,304") for line in plan.changes)
+    text = plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, vision=False)
+    assert text.inputs.prefill_graphs and text.inputs.state_cache and not plan.inputs.prefill_graphs
+    assert text.kv_bytes >= 3.05 * GIB and not any("image" in line for line in text.changes)
     # a stricter target turns more off; a large card changes nothing
-    strict = plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, min_sequences=6)
-    assert len(strict.changes) > len(plan.changes) and strict.kv_bytes > plan.kv_bytes
+    strict = plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, min_sequences=6, vision=False)
+    assert len(strict.changes) > len(text.changes) and strict.kv_bytes > text.kv_bytes
     assert plan_for_checkpoint(hybrid_9b, device_total_bytes=80 * GIB).changes == ()
 
 
@@ -221,8 +233,10 @@ def test_does_not_fit_names_consumers_and_flags(hybrid_9b):
     for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--state-cache off",
                  "--gpu-memory-utilization"):
         assert flag in message
-    with pytest.raises(MP.PlanDoesNotFit, match=r"--nvfp4-kernel vllm \(4\.14 GiB less\)"):
-        plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, nvfp4_kernel="bf16")
+    assert "--text-only (the vision tower and its encoder: 0.88 GiB less)" in message
+    with pytest.raises(MP.PlanDoesNotFit, match=r"--nvfp4-kernel vllm \(4\.14 GiB less\)") as caught:
+        plan_for_checkpoint(hybrid_9b, device_total_bytes=CARD_16, nvfp4_kernel="bf16", vision=False)
+    assert "--text-only" not in str(caught.value)
 
 
 @pytest.mark.parametrize("text,size", [("16GiB", 16 * GIB), ("15.92GiB", int(15.92 * GIB)), ("24GB", 24 * 10**9),
@@ -250,7 +264,7 @@ def test_clef_load_prints_the_plan(hybrid_9b, tmp_path):
     proc = clef_load(hybrid_9b, "--gpu-memory", "15.92GiB", "--json", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in ("GPU memory plan: budget 14.33 GiB", "FP8 W8A8 linears", "NVFP4 W4A4 linears (vllm)",
-                 "not loaded (text-only)", "KV cache", "16,384-token sequences", "fit: GEMM warm-up", "PASS"):
+                 "vision tower", "BF16, 456,010,480 parameters", "vision encoder", "KV cache", "16,384-token sequences", "fit: GEMM warm-up", "PASS"):
         assert text in proc.stdout
     report = json.loads(out.read_text())
     assert report["ok"] and report["plan"]["kv_tokens"] >= 2 * 16384 and report["plan"]["block_size"] == 528

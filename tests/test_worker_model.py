@@ -61,14 +61,23 @@ def test_the_plugins_graphs_need_the_backends_setting_and_a_cuda_device(monkeypa
 
 
 def _reference_state(checkpoint):
-    """The checkpoint's text backbone tensors, by vLLM name, unfused."""
+    """The checkpoint's text backbone and vision tower tensors, by vLLM name, unfused."""
     from clef_vllm.model.checkpoint import iter_backbone_tensors, locate_checkpoint
 
     out = {}
     for name, t in iter_backbone_tensors(locate_checkpoint(checkpoint)):
-        if name.startswith("model.language_model."):
-            out["model." + name[len("model.language_model."):]] = t
+        for hf, ours in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(hf):
+                out[ours + name[len(hf):]] = t
     return out
+
+
+def _vision_loaded(model, ref) -> None:
+    """Every vision tower parameter of vLLM's Qwen3.5 tower came from the checkpoint, BF16, bit for bit."""
+    visual = {n: p for n, p in model.named_parameters() if n.startswith("visual.")}
+    want = {n: t for n, t in ref.items() if n.startswith("visual.")}
+    assert visual and set(visual) == set(want)
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, want[n]) for n, p in visual.items())
 
 
 def test_release_layout_loads_every_tensor(release_model, tiny_release):
@@ -94,7 +103,26 @@ def test_release_layout_loads_every_tensor(release_model, tiny_release):
     assert torch.equal(m.lm_table.weight, lm)
     head = load_file(str(tiny_release / "joint_head.safetensors"))
     assert all(torch.equal(m.head.state_dict()[k], v) for k, v in head.items())
-    assert not any(n.startswith(("mtp", "visual", "model.visual")) for n in params)
+    assert not any(n.startswith(("mtp", "model.visual")) for n in params)
+    _vision_loaded(m, ref)
+
+
+def test_an_engine_without_media_builds_no_vision_tower(tiny_release, tiny_repacked):
+    """Media limits of 0 (what ``--text-only`` and a checkpoint without an image processor give the engine): no
+    tower, its tensors skipped, nothing else changed; the repacked layout's tower loads like the release's."""
+    text = vllm_cpu.load_model(tiny_release, limit_mm_per_prompt={"image": 0, "video": 0})
+    assert text.visual is None and not any("visual" in n for n, _ in text.named_parameters())
+    assert not text.takes_media
+    seeing = vllm_cpu.load_model(tiny_repacked)
+    _vision_loaded(seeing, _reference_state(tiny_repacked))
+    assert seeing.takes_media
+    # the memory plan's count of the tower's parameters is vLLM's
+    import json
+
+    from clef_vllm.plan.shapes import vision_parameters
+
+    config = json.loads((tiny_repacked / "config.json").read_text())
+    assert vision_parameters(config["vision_config"]) == sum(p.numel() for p in seeing.visual.parameters())
 
 
 def test_repacked_layout_keeps_both_tables_int8(repacked_model, release_model, tiny_repacked):

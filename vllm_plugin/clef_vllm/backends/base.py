@@ -105,6 +105,10 @@ class Backend(ABC):
         """What runs where, for startup logs and ``/v1/models``."""
         return {"backend": self.name}
 
+    def media_limits(self, limits):
+        """The server's media limits (``MediaLimits``) as this backend can serve them: as given by default."""
+        return limits
+
     def event_loops(self) -> dict[str, asyncio.AbstractEventLoop]:
         """The event loops of the backend's own threads, by name (the server watches how late their timers run,
         as it does its own: :mod:`clef_vllm.server.loop_lag`). None by default."""

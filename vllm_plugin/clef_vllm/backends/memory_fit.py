@@ -88,6 +88,8 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
         changes.update(gemm_warmup_rows=inputs.gemm_warmup_rows)
     if given.state_cache and not inputs.state_cache:
         changes.update(state_cache=False)
+    if inputs.image_pixels < given.image_pixels:
+        changes.update(largest_image_pixels=inputs.image_pixels)
     # a sub-option goes back to its default with its switch turned off (the options refuse it alone)
     defaults = {f.name: f.default for f in dataclasses.fields(VllmOptions)}
     for sub, switch in VllmOptions.NEEDS_SWITCH.items():

@@ -1,9 +1,8 @@
 """Typed options of each backend, validated before any backend is built.
 
-:func:`clef_vllm.backends.make_backend` turns its keyword arguments into :class:`ReferenceOptions`
-or :class:`VllmOptions` with :func:`backend_options`: an unknown option, one that belongs to the
-other backend, or a value of the wrong type or range is an :class:`OptionError` naming it. Nothing
-is dropped silently.
+:func:`clef_vllm.backends.make_backend` turns its keyword arguments into :class:`ReferenceOptions` or
+:class:`VllmOptions` with :func:`backend_options`: an unknown option, one that belongs to the other backend, or a
+value of the wrong type or range is an :class:`OptionError` naming it. Nothing is dropped silently.
 
 Each field is declared once, with :func:`option`: its default, help, ``clef-systemone`` flag(s) and how it
 reaches ``vllm.AsyncEngineArgs`` (``engine=``); :func:`engine_args` and the server's flags are generated from
@@ -92,9 +91,7 @@ class _Validated:
     given while its switch is off (:attr:`NEEDS_SWITCH`)."""
 
     backend: str = "?"
-    #: Options that only mean something while a switch is on: a value other than the default with the
-    #: switch off is an error, not silently ignored.
-    NEEDS_SWITCH: dict[str, str] = {}
+    #: Options that mean something only while a switch is on: another value with the switch off is an error.    NEEDS_SWITCH: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -252,6 +249,9 @@ class VllmOptions(_Validated):
     head_dtype: str | None = option(None, "the joint head's dtype inside the worker (bfloat16 or float32)",
                                     kind=(str,), choices=("bfloat16", "float32"))
     text_only: bool = option(False, "serve text only: no vision tower; images get 400", kind=bool)
+    largest_image_pixels: int | None = option(None, "largest image (width x height) the engine takes, 413 beyond "
+                                              "(--max-image-pixels; default the processor's, or the memory plan's)",
+                                              kind=int, minimum=1024)
     max_model_len: int = option(DEFAULT_MAX_LENGTH, "token limit per request", engine="max_model_len", kind=int,
                                 minimum=1)
     data_parallel_size: int = option(1, "engines, one per GPU, behind this one port (internal load balancing)",

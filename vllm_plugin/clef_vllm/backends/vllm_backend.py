@@ -31,6 +31,7 @@ from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
+from clef_vllm.backends.vllm_media import engine_media_limits, media_prompt, media_settings, sees
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, SETTINGS_KEY, WorkerSettings
 from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.model.features import HeadSpec
@@ -216,6 +217,7 @@ def engine_kwargs(model_dir: str | Path, options: VllmOptions | None = None, **k
     out = dict(FIXED_ENGINE_SETTINGS)
     out["model"] = str(files.root)
     out.update(engine_args(opts))
+    out.update(media_settings(files, opts))
     if ARCHITECTURE not in architectures:
         # The Cloudflare release says Qwen3_5ForConditionalGeneration: serve it as our class.
         out["hf_overrides"] = {"architectures": [ARCHITECTURE]}
@@ -231,6 +233,8 @@ class VllmBackend(Backend):
     #: the remote ranks' liveness probes (``--rank-watchdog-s``), and why they declared a rank dead
     _watchdog: RankWatchdog | None = None
     _rank_failure: str | None = None
+    #: the image pad's id where the engine takes images (None: text only)
+    _pad_id: int | None = None
 
     def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
                  encoder: RequestEncoder | None = None, **kwargs: Any):
@@ -245,10 +249,11 @@ class VllmBackend(Backend):
         load_head_config(self.files)  # version marker, checked in the front-end too
         self.options, self.memory_plan = fit_options(self.files.root, self.options)   # PlanDoesNotFit: nothing loads
         self.max_model_len = self.options.max_model_len
-        refusal = ("the server runs with --text-only" if self.options.text_only else
-                   "the vllm backend serves text only; --backend reference serves images")
+        refusal = (None if sees(self.files, self.options) else "the server runs with --text-only"
+                   if self.options.text_only else "the checkpoint has no vision tower and image processor")
         self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len,
-                                                                 images=refusal)
+                                                                 images=refusal, pixels=False)
+        self._pad_id = self.encoder.media.pad_id if self.encoder.media is not None else None
         self.kwargs = engine_kwargs(self.files.root, self.options)
         self.warmup_enabled = self.options.warmup
         self.state_cache = bool(self.kwargs.get("enable_prefix_caching"))
@@ -390,14 +395,15 @@ class VllmBackend(Backend):
         spec = synthetic_spec(len(ids))
         if reuse:
             spec = spec.with_reuse(ids, reuse)
-        return (await self._encode(ids, spec, warmup=True))[0]
+        return (await self._encode(engine_input(ids), ids, spec, warmup=True))[0]
 
     # ------------------------------------------------------------------ requests
 
-    async def _encode(self, ids: list[int], spec: HeadSpec, rank: int | None = None,
+    async def _encode(self, prompt: dict, ids: list[int], spec: HeadSpec, rank: int | None = None,
                       use_cache: bool = True, warmup: bool = False) -> tuple[torch.Tensor, int]:
-        """Per-option probabilities of one prompt, and how many of its tokens came from the state cache
-        (``warmup``: a warm-up prompt, so marked in the trace)."""
+        """Per-option probabilities of one prompt (vLLM's form of it, and the ``ids`` the engine must end up with),
+        and how many of its tokens came from the state cache (``warmup``: a warm-up prompt, so marked in the
+        trace)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from clef_vllm.backends.inproc import EngineThreadError
@@ -416,7 +422,7 @@ class VllmBackend(Backend):
         profiled = contextlib.nullcontext() if warmup or self._profile is None else self._profile.around(engine)
         async with profiled:
             try:
-                final = await self._final_output(engine, engine_input(ids), params, request_id, rank)
+                final = await self._final_output(engine, prompt, params, request_id, rank)
             except (EngineDeadError, EngineThreadError) as exc:     # its process, or its thread (--engine-core)
                 raise BackendDeadError(f"vLLM engine core died: {exc}") from exc
         if final is None:
@@ -433,7 +439,7 @@ class VllmBackend(Backend):
             if cached and reads:
                 log.warning("request %s: no answer from the %d cached tokens (state cache rows missing); "
                             "recomputing it without the cache", request_id, cached)
-                return await self._encode(ids, spec, rank, use_cache=False)
+                return await self._encode(prompt, ids, spec, rank, use_cache=False)
             if data.numel() != spec.num_options:
                 raise EngineError(f"engine returned {data.numel()} values for {spec.num_options} options")
             raise EngineError(f"engine returned non-finite values for {int((~torch.isfinite(data)).sum())} of "
@@ -463,24 +469,37 @@ class VllmBackend(Backend):
             queue.close()
         return final
 
-    async def _decide(self, encoded: EncodedRequest) -> torch.Tensor:
-        if encoded.media is not None:     # an encoder with an image processor (not ours): never run pads as text
+    def _prompt(self, encoded: EncodedRequest) -> dict:
+        """vLLM's prompt of an encoded request: its ids, or with images their collapsed pads and the images."""
+        if encoded.media is None:
+            return engine_input(encoded.input_ids)
+        if self._pad_id is None:     # an encoder with an image processor, an engine without: never run pads as text
             raise media_refused(self.encoder.text_only)
-        keyed = self.state_cache and encoded.schema_offset >= MIN_REUSE_TOKENS
+        return media_prompt(encoded, self._pad_id, self.options.largest_image_pixels)
+
+    def media_limits(self, limits):
+        return engine_media_limits(limits, self.options)
+
+    async def _decide(self, encoded: EncodedRequest) -> torch.Tensor:
+        prompt = self._prompt(encoded)
+        # A state with images is kept however short (and from its first request): the vision encoder's work and
+        # the image tokens' prefill are what a second question about the same picture would otherwise redo.
+        media = encoded.media is not None
+        keyed = self.state_cache and encoded.schema_offset >= (KEY_UNIT if media else MIN_REUSE_TOKENS)
         spec = HeadSpec.from_encoded(encoded, state_keys=keyed)
         state_key = spec.state_keys[encoded.schema_offset // KEY_UNIT - 1] if keyed and spec.state_keys else None
-        if state_key is not None and self.admit_on_repeat and self._first_sighting(state_key):
+        if state_key is not None and self.admit_on_repeat and not media and self._first_sighting(state_key):
             # Caching a state costs its request one more step (split at the reuse boundary); a state
             # seen once may never come back, so its first request runs whole and only a repeat keeps it.
             spec, state_key = replace(spec, reuse_limit=0, state_keys=()), None
         if state_key is None:
-            probs, cached = await self._encode(encoded.input_ids, spec)
+            probs, cached = await self._encode(prompt, encoded.input_ids, spec)
         else:
-            probs, cached = await self._decide_keyed(encoded, spec, state_key)
+            probs, cached = await self._decide_keyed(prompt, encoded, spec, state_key)
         encoded.cached_state_tokens = cached
         return probs
 
-    async def _decide_keyed(self, encoded: EncodedRequest, spec: HeadSpec, state_key: bytes):
+    async def _decide_keyed(self, prompt: dict, encoded: EncodedRequest, spec: HeadSpec, state_key: bytes):
         """A request whose state may be cached goes to the data-parallel engine that holds that state.
         The first request of a state not seen lately leads: others arriving meanwhile wait for it (up
         to :data:`FOLLOWER_WAIT_S`) and then read the state from the cache instead of computing it
@@ -497,7 +516,7 @@ class VllmBackend(Backend):
             mine = True
         rank = self.affinity.pick(state_key)
         try:
-            result = await self._encode(encoded.input_ids, spec, rank)
+            result = await self._encode(prompt, encoded.input_ids, spec, rank)
         finally:
             self.affinity.release(rank)
             if mine:

@@ -62,6 +62,12 @@ class CheckpointFiles:
     def quantization_config(self) -> dict | None:
         return self.config.get("quantization_config")
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether the checkpoint can see: a vision tower in its config and the release's image processor
+        (``preprocessor_config.json``) beside it."""
+        return isinstance(self.config.get("vision_config"), dict) and (self.root / "preprocessor_config.json").is_file()
+
 
 def locate_checkpoint(path: str | Path, require_weights: bool = True) -> CheckpointFiles:
     """Find every part of the checkpoint at ``path``; raise CheckpointError naming what is missing.

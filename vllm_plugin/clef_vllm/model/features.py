@@ -50,11 +50,14 @@ class HeadSpec:
             options_per_field=tuple(len(x.option_spans) for x in f),
             lexical_ids=tuple(encoded.lexical_ids),
         )
-        return spec.with_reuse(encoded.input_ids, spec.first_span_start) if state_keys else spec
+        if not state_keys:
+            return spec
+        return spec.with_reuse(encoded.input_ids, spec.first_span_start, media=encoded.media_digest)
 
-    def with_reuse(self, token_ids, limit: int) -> "HeadSpec":
-        """This spec with its first ``limit`` tokens (``token_ids[:limit]``) keyed as a reusable state."""
-        return replace(self, reuse_limit=limit, state_keys=tuple(prefix_keys(token_ids, limit)))
+    def with_reuse(self, token_ids, limit: int, media: bytes = b"") -> "HeadSpec":
+        """This spec with its first ``limit`` tokens (``token_ids[:limit]``) keyed as a reusable state (``media``:
+        the digest of the prompt's images, part of every key)."""
+        return replace(self, reuse_limit=limit, state_keys=tuple(prefix_keys(token_ids, limit, media=media)))
 
     @property
     def first_span_start(self) -> int:

@@ -10,9 +10,9 @@ The budget is ``--gpu-memory-utilization`` of the device's memory. The plan coun
   ``in_proj_a`` / ``in_proj_b``), the BF16 leftovers (norms, GDN ``conv1d`` / ``A_log`` / ``dt_bias``,
   the rotary cache), the token tables (int8 + a float32 scale per row in a repacked checkpoint, 16-bit
   in a release-layout one), the joint head (its parameters in the head's dtype) and the vision tower
-  (never loaded: text-only);
-* **vLLM's runtime**: one step's activations, vLLM's CUDA graphs, memory held outside PyTorch's
-  allocator, the CUDA context;
+  (BF16 in every layout; none with ``--text-only``);
+* **vLLM's runtime**: one step's activations, the vision encoder on the largest image (vLLM profiles it), vLLM's
+  CUDA graphs, memory held outside PyTorch's allocator, the CUDA context;
 * **the plugin's features**: the prefill (GDN) graphs, the whole-step graphs, the head graphs, the head's
   GEMM warm-up (a transient peak: only what exceeds one step's activations counts) and the state cache's
   memory rows;
@@ -91,6 +91,17 @@ def served_step_excess(hidden: int, intermediate: int, batched_tokens: int) -> i
     return int(RUNTIME_EXCESS_BYTES_PER_TOKEN * width * batched_tokens)
 
 
+#: The vision encoder's transient per patch of the image it runs on, at the 9B's tower (hidden 1152, MLP 4304;
+#: scales with their sum): vLLM's profiling runs the encoder on the largest image one step may hold.
+VISION_BYTES_PER_PATCH = 30 << 10
+#: The largest image the release's processor makes: its ``max_pixels`` (16 MP); one token per 32 x 32 px after the
+#: 2 x 2 merge, one patch per 16 x 16 px.
+VISION_MAX_PIXELS = 16_777_216
+VISION_PIXELS_PER_TOKEN = 1024
+VISION_REF_WIDTH = 1152 + 4304
+#: What :func:`fit` lowers the largest image to (``--max-image-pixels``; larger images get 413): 4 MP, 4,096 tokens.
+LEAN_IMAGE_PIXELS = 4_194_304
+
 #: The head's transient when it decides one record, in memory rows' bytes per row (the normalised memory, its keys
 #: and values, the padded copy): the worker's profiling decides one ``max_model_len`` record.
 HEAD_DECISION_ROW_FACTOR = 6
@@ -149,6 +160,8 @@ class PlanInputs:
     state_cache_bytes: int | None = None
     int8_embedding: bool = True
     head_dtype: str = "bfloat16"
+    vision: bool = True                   # the vision tower loaded (a checkpoint that has one, without --text-only)
+    image_pixels: int = VISION_MAX_PIXELS  # the largest image the engine takes (vLLM profiles its encoder on it)
 
     @classmethod
     def from_options(cls, options, budget_bytes: int, **overrides) -> "PlanInputs":
@@ -164,7 +177,9 @@ class PlanInputs:
             prefill_graphs=prefill, prefill_max_bucket=max(options.prefill_graph_buckets or (DEFAULT_MAX_BUCKET,)),
             step_graphs=prefill and options.resolved_prefill_graph_scope == "step",
             gemm_warmup=bool(options.gemm_warmup), gemm_warmup_rows=options.gemm_warmup_rows,
-            state_cache_bytes=None if options.state_cache else 0, head_dtype=options.head_dtype or options.dtype)
+            state_cache_bytes=None if options.state_cache else 0, head_dtype=options.head_dtype or options.dtype,
+            vision=not options.text_only, image_pixels=min(options.largest_image_pixels or VISION_MAX_PIXELS,
+                                                           VISION_MAX_PIXELS))
         values.update(overrides)
         return cls(**values)
 
@@ -267,7 +282,7 @@ def _ratio(*pairs: tuple[float, float]) -> float:
 
 def weight_parts(model: ModelShape, inputs: PlanInputs) -> list[Part]:
     """The weights by part, in bytes (see the module docstring for each part's layout)."""
-    m = model
+    m, i = model, inputs
     if inputs.nvfp4_kernel not in NVFP4_KERNELS:
         raise ValueError(f"nvfp4_kernel {inputs.nvfp4_kernel!r}: one of {NVFP4_KERNELS} (resolve 'auto' with "
                          "choose_nvfp4_kernel)")
@@ -292,7 +307,9 @@ def weight_parts(model: ModelShape, inputs: PlanInputs) -> list[Part]:
              "int8 + a float32 scale per row" if embed_int8 else "16-bit"),
         Part("lm_head table", int8 if m.int8_tables else 2 * table,
              "int8 + a float32 scale per row" if m.int8_tables else "16-bit (release layout)"),
-        Part("vision tower", 0, "not loaded (text-only)" if m.vision else "none"),
+        Part("vision tower", 2 * m.vision_params if m.vision and i.vision else 0,
+             (f"BF16, {m.vision_params:,} parameters" if i.vision else "not loaded (--text-only)") if m.vision
+             else "none"),
         Part(f"joint head ({inputs.head_dtype})", head_bytes * m.head_params, f"{m.head_params:,} parameters"),
     ]
     return [p for p in parts if p.bytes or p.name == "vision tower"]
@@ -330,6 +347,16 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
                           f"its core in {sequences} sequences (run in vLLM's profiling): {gib(step)} GiB transient, "
                           "above activations only", "vllm"))
         peak = max(peak, step)
+    if m.vision and i.vision and m.vision_widths:
+        vh, vi, out = m.vision_widths
+        tokens = i.image_pixels // VISION_PIXELS_PER_TOKEN
+        encoder = int(VISION_BYTES_PER_PATCH * (vh + vi) / VISION_REF_WIDTH * 4 * tokens)
+        outputs = 2 * out * tokens          # its features stay in the encoder cache for the step
+        parts.append(Part("vision encoder", max(encoder - peak, 0) + outputs,
+                          f"the largest image ({i.image_pixels / 1e6:.1f} MP, {tokens:,} tokens; run in vLLM's "
+                          f"profiling): {gib(encoder)} GiB transient, above the step's peak; its features "
+                          f"{gib(outputs)} GiB", "vllm"))
+        peak = max(peak, encoder)
     parts.append(Part("beyond the profile", served_step_excess(m.hidden, m.intermediate, i.max_num_batched_tokens),
                       "what a served step holds beyond vLLM's profiling step", "vllm"))
     parts += [
@@ -411,6 +438,9 @@ def _steps(inputs: PlanInputs):
         yield _warmup_cap(i, GEMM_WARMUP_CAP_ROWS)
     if i.max_num_batched_tokens > LEAN_BATCHED_TOKENS:
         yield _batched(i, LEAN_BATCHED_TOKENS)
+    if i.vision and i.image_pixels > LEAN_IMAGE_PIXELS:
+        yield replace(i, image_pixels=LEAN_IMAGE_PIXELS), \
+            f"--max-image-pixels {i.image_pixels:,} -> {LEAN_IMAGE_PIXELS:,} (larger images get 413)"
     if i.max_num_seqs > LEAN_SEQUENCES:
         yield replace(i, max_num_seqs=LEAN_SEQUENCES), \
             f"--max-num-seqs {i.max_num_seqs} -> {LEAN_SEQUENCES} (a step prefills at most {LEAN_SEQUENCES} requests)"
@@ -434,7 +464,8 @@ def _steps(inputs: PlanInputs):
 
 
 def _leanest(inputs: PlanInputs) -> PlanInputs:
-    return replace(inputs, head_graph_records=0, prefill_graphs=False, step_graphs=False, gemm_warmup=False,
+    return replace(inputs, head_graph_records=0, image_pixels=min(inputs.image_pixels, LEAN_IMAGE_PIXELS),
+                    prefill_graphs=False, step_graphs=False, gemm_warmup=False,
                    gemm_warmup_rows=None, state_cache_bytes=0,
                    max_num_batched_tokens=min(inputs.max_num_batched_tokens, LEAN_BATCHED_TOKENS),
                    max_num_seqs=min(inputs.max_num_seqs, LEAN_SEQUENCES))
@@ -473,6 +504,9 @@ def does_not_fit_message(leanest: MemoryPlan) -> str:
         flags.append(f"--nvfp4-kernel vllm ({gib(packed.kv_bytes - leanest.kv_bytes)} GiB less)")
     per_1k = int(ACTIVATION_BYTES_PER_TOKEN * _ratio((leanest.model.hidden + leanest.model.intermediate,
                                                       REF_HIDDEN + REF_INTERMEDIATE)) * 1024)
+    if i.vision and leanest.model.vision_params:
+        blind = plan(leanest.model, replace(i, vision=False))
+        flags.append(f"--text-only (the vision tower and its encoder: {gib(blind.kv_bytes - leanest.kv_bytes)} GiB less)")
     flags += [f"a smaller --max-model-len ({i.max_model_len:,} now)",
               f"--max-num-batched-tokens ({i.max_num_batched_tokens:,} now; activations {gib(per_1k)} GiB per "
               "1,024 tokens)", f"--max-num-seqs ({i.max_num_seqs} now)", "--state-cache off",

@@ -139,12 +139,15 @@ class ModelShape:
     intermediate: int
     num_layers: int
     int8_tables: bool              # repacked checkpoint: int8 tables + row scales
-    vision: bool                   # the config has a vision tower (never loaded)
+    vision: bool                   # the config has a vision tower
     head_params: int
     head_width: int
     kv: KvLayout
     #: The GDN layers' (key heads, value heads, key dim, value dim, recurrent-state bytes); ``()`` without them.
     gdn: tuple[int, ...] = ()
+    #: The vision tower's parameters (BF16 in every layout) and its (hidden, intermediate, output) widths.
+    vision_params: int = 0
+    vision_widths: tuple[int, ...] = ()
 
     @classmethod
     def from_configs(cls, config: Mapping, head_config, *, int8_tables: bool = True) -> "ModelShape":
@@ -183,7 +186,31 @@ class ModelShape:
                    num_layers=int(text["num_hidden_layers"]), int8_tables=int8_tables,
                    vision=isinstance(config.get("vision_config"), Mapping),
                    head_params=count_parameters(head_config), head_width=head_config.width,
-                   kv=KvLayout.from_text_config(text), gdn=_gdn_dims(text))
+                   kv=KvLayout.from_text_config(text), gdn=_gdn_dims(text), **_vision(config.get("vision_config")))
+
+
+def vision_parameters(vision: Mapping) -> int:
+    """Parameters of vLLM's Qwen3.5 vision tower for a ``vision_config``: the patch embedding (a 3-D convolution
+    over ``temporal_patch_size x patch_size^2`` pixels of each channel, with a bias), the learned position table,
+    ``depth`` blocks (two LayerNorms, the fused qkv and output projections, a two-layer MLP, all with biases), and
+    the patch merger (a LayerNorm, then two linears over ``merge^2`` neighbouring patches), one more merger per
+    deepstack level."""
+    h, inner, out = int(vision["hidden_size"]), int(vision["intermediate_size"]), int(vision["out_hidden_size"])
+    patch = int(vision.get("in_channels", 3)) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
+    merged = h * int(vision["spatial_merge_size"]) ** 2
+    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (inner * h + inner) + (h * inner + h)
+    linears = (merged * merged + merged) + (out * merged + out)
+    deepstack = len(vision.get("deepstack_visual_indexes") or ())     # their norms span the merged width
+    return (patch * h + h + int(vision["num_position_embeddings"]) * h + int(vision["depth"]) * block
+            + 2 * h + linears + deepstack * (2 * merged + linears))
+
+
+def _vision(vision: Mapping | None) -> dict:
+    if not isinstance(vision, Mapping):
+        return {}
+    return {"vision_params": vision_parameters(vision),
+            "vision_widths": (int(vision["hidden_size"]), int(vision["intermediate_size"]),
+                              int(vision["out_hidden_size"]))}
 
 
 def _gdn_dims(text: Mapping) -> tuple[int, ...]:

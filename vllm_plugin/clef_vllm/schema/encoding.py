@@ -223,6 +223,11 @@ class EncodedRequest:
         return len(self.input_ids)
 
     @property
+    def media_digest(self) -> bytes:
+        """The digest of the request's images (empty for text): part of every key of its state."""
+        return self.media.digest if self.media is not None else b""
+
+    @property
     def lexical_ids(self) -> list[int]:
         """Token ids inside the option spans, in encoded option order (the lm_head rows the head reads)."""
         if self._lexical_ids is None:
@@ -300,13 +305,16 @@ class RequestEncoder:
         return longest if self.split_state else 4 * longest
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, images: str | None = None, **kwargs) -> "RequestEncoder":
+    def from_pretrained(cls, path: str | Path, *, images: str | None = None, pixels: bool = True,
+                        **kwargs) -> "RequestEncoder":
         """Load the checkpoint's tokenizer (transformers AutoTokenizer, as the reference does). A local
         folder without ``tokenizer.json`` (nor ``vocab.json`` + ``merges.txt``) is refused by name: transformers
         would build an empty tokenizer from it, which fails later for a less telling reason.
 
         ``images``: ``None`` to encode images with the checkpoint's image processor (a folder without
-        ``preprocessor_config.json`` has none), else why this encoder refuses them (e.g. ``"--text-only"``)."""
+        ``preprocessor_config.json`` has none), else why this encoder refuses them (e.g. ``"--text-only"``);
+        ``pixels``: False where the backend runs the image processor itself (the encoder then decodes and checks
+        the images, and keeps no pixel tensors)."""
         from transformers import AutoTokenizer
 
         folder = Path(path)
@@ -316,7 +324,7 @@ class RequestEncoder:
                              "config.json: copy it there)")
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         if images is None and folder.is_dir():
-            kwargs["media"] = MediaProcessor.from_pretrained(folder, tokenizer.backend_tokenizer)
+            kwargs["media"] = MediaProcessor.from_pretrained(folder, tokenizer.backend_tokenizer, pixels=pixels)
             if kwargs["media"] is None:
                 images = "the checkpoint has no image processor (preprocessor_config.json)"
         return cls(tokenizer, text_only=images or TEXT_ONLY, **kwargs)

@@ -40,7 +40,7 @@ class MediaInputs:
     same token ids but other pictures never share a digest)."""
 
     images: tuple
-    pixel_values: Any
+    pixel_values: Any                    # None where the backend processes the images itself (vLLM)
     image_grid_thw: Any
     token_counts: tuple[int, ...]
     digest: bytes
@@ -58,8 +58,10 @@ class MediaInputs:
 class MediaProcessor:
     """The checkpoint's image processor and the media tokens' ids. Thread-safe (no state between calls)."""
 
-    def __init__(self, image_processor, token_ids: dict[str, int], newline_ids: Sequence[int]):
+    def __init__(self, image_processor, token_ids: dict[str, int], newline_ids: Sequence[int], pixels: bool = True):
         self.image_processor = image_processor
+        #: whether :meth:`inputs` runs the processor (False: a backend that runs it itself gets decoded images)
+        self.pixels = pixels
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
         self.start_id = token_ids["<|vision_start|>"]
         self.end_id = token_ids["<|vision_end|>"]
@@ -69,9 +71,10 @@ class MediaProcessor:
         self._settings = repr(settings).encode()
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, tokenizer) -> "MediaProcessor | None":
+    def from_pretrained(cls, folder: str | Path, tokenizer, pixels: bool = True) -> "MediaProcessor | None":
         """The processor of a checkpoint folder, or ``None`` when it has no ``preprocessor_config.json`` (a
-        text-only checkpoint). ``tokenizer``: a ``tokenizers.Tokenizer`` holding the media tokens."""
+        text-only checkpoint). ``tokenizer``: a ``tokenizers.Tokenizer`` holding the media tokens; ``pixels``:
+        see :attr:`pixels`."""
         folder = Path(folder)
         if not (folder / "preprocessor_config.json").is_file():
             return None
@@ -91,7 +94,7 @@ class MediaProcessor:
                 raise ValueError(f"{folder}: the tokenizer has no {token} token; the image processor needs it")
             ids[token] = tid
         newline = [e.ids for e in tokenizer.encode_batch([MEDIA_END], add_special_tokens=False)][0]
-        return cls(processor, ids, newline)
+        return cls(processor, ids, newline, pixels=pixels)
 
     def describe(self) -> dict:
         p = self.image_processor
@@ -128,16 +131,21 @@ class MediaProcessor:
             check()
             images.append(item.frames_rgb()[0])
         check()
-        out = self.image_processor(images=images, return_tensors="pt")
-        grid = out["image_grid_thw"]
-        got = tuple(int(g.prod()) // self.merge_size ** 2 for g in grid)
+        if self.pixels:
+            out = self.image_processor(images=images, return_tensors="pt")
+            pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+            got = tuple(int(g.prod()) // self.merge_size ** 2 for g in grid)
+        else:
+            count = self.image_processor.get_number_of_image_patches
+            pixel_values = grid = None
+            got = tuple(count(im.height, im.width) // self.merge_size ** 2 for im in images)
         if got != tuple(counts):                  # a header that lied about the size; parse_media decodes it
             raise RequestError(f"the decoded images make {got} tokens, their headers {tuple(counts)}",
                                kind=Kind.MEDIA_INVALID, field="images")
         digest = hashlib.blake2b(self._settings, digest_size=16)
         for item in items:
             digest.update(item.digest.encode())
-        return MediaInputs(tuple(images), out["pixel_values"], grid, got, digest.digest())
+        return MediaInputs(tuple(images), pixel_values, grid, got, digest.digest())
 
 
 def processor_backend() -> str | None:

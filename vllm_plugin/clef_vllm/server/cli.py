@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
                      "--body-timeout 0 turns both off; give --body-timeout > 0 or leave --min-body-rate out")
     options = given_options(args)
     backend = resolve_backend(args.backend)
+    if backend == "vllm" and args.max_image_pixels < DEFAULT_MEDIA_LIMITS.max_pixels:
+        options["largest_image_pixels"] = args.max_image_pixels      # the engine profiles its vision encoder at that size
     try:
         backend_options(backend, options)
     except OptionError as exc:

@@ -117,7 +117,7 @@ class ReplicaSet(Backend):
 
     def routed(self, encoded: EncodedRequest):
         """The handle that routes ``encoded`` by its state: ``session_id`` = the hex state key."""
-        return self.handle.options(session_id=state_key(encoded.input_ids, encoded.schema_offset).hex())
+        return self.handle.options(session_id=state_key(encoded.input_ids, encoded.schema_offset, encoded.media_digest).hex())
 
     async def decide(self, encoded: EncodedRequest) -> torch.Tensor:
         handle = self.routed(encoded)

@@ -213,7 +213,7 @@ class DecisionService:
         in_flight = self.settings.max_in_flight or max(1, int(backend.suggested_max_in_flight()))
         queue = self.settings.max_queue if self.settings.max_queue is not None else 2 * in_flight
         self.admission = Admission(in_flight, queue)
-        self.limits = dataclasses.replace(backend.encoder.request_limits(), media=self.settings.media)
+        self.limits = dataclasses.replace(backend.encoder.request_limits(), media=backend.media_limits(self.settings.media))
         if self.settings.freeze_heap:
             frozen, took_ms = freeze_heap()
             self.frozen_objects = frozen

@@ -1,10 +1,12 @@
-"""Image entries built for the media tests and ``bench/soak.py``'s media mix: pictures in any Pillow format,
-``data:`` URIs, and a PNG whose header declares more pixels than it holds (a decompression bomb)."""
+"""Image entries built for the media tests, the GPU parity run and ``bench/soak.py``'s media mix: pictures in any
+Pillow format, ``data:`` URIs, a PNG whose header declares more pixels than it holds (a decompression bomb), and
+requests with 0-4 images of varied sizes, formats and modes."""
 
 from __future__ import annotations
 
 import base64
 import io
+import random
 import struct
 import zlib
 
@@ -39,4 +41,43 @@ def png_declaring(width: int, height: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\0" * 4096)) + chunk(b"IEND", b""))
 
 
-__all__ = ["data_uri", "image_bytes", "noisy", "png_declaring"]
+QUESTIONS = {"urgent": {"type": "noul", "instructions": "Does the picture show an outage?"},
+             "kind": {"type": "choice", "criteria": {"invoice": "A scanned invoice", "error": "An error screen",
+                                                     "photo": None}},
+             "severity": {"type": "score", "criteria": ["none", "low", "high"]}}
+
+
+def picture(size: tuple[int, int], seed: int, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A noisy picture (so that every patch differs) in ``fmt``."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.effect_noise(size, 40 + seed % 30).convert(mode)
+    img.paste((rng.randrange(256), rng.randrange(256), rng.randrange(256))[:len(mode)] if mode != "L" else 128,
+              (0, 0, size[0] // 2, size[1] // 3))
+    out = io.BytesIO()
+    img.save(out, fmt)
+    return out.getvalue()
+
+
+#: Sizes and aspect ratios: below the processor's 65,536-pixel floor (scaled up), tall, wide, square, odd.
+SIZES = [(40, 40), (300, 120), (64, 512), (257, 255), (530, 530), (90, 700)]
+
+
+def image_requests(n: int, seed: int = 0) -> list[dict]:
+    """``n`` requests with 0 to 4 images each (PNG, JPEG, WebP, RGBA and grey PNGs), varied states."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        images = []
+        for j in range(i % 5):
+            fmt, mime, mode = rng.choice([("PNG", "image/png", "RGB"), ("JPEG", "image/jpeg", "RGB"),
+                                          ("WEBP", "image/webp", "RGB"), ("PNG", "image/png", "RGBA"),
+                                          ("PNG", "image/png", "L")])
+            images.append(data_uri(picture(rng.choice(SIZES), seed * 100 + i * 10 + j, fmt, mode), mime))
+        state = " ".join(rng.choice(["error", "checkout", "invoice", "429", "blank", "screen"]) for _ in range(5 + i))
+        out.append({"model": "clef-flash", "state": state, "questions": QUESTIONS, "images": images})
+    return out
+
+
+__all__ = ["QUESTIONS", "SIZES", "data_uri", "image_bytes", "image_requests", "noisy", "picture", "png_declaring"]

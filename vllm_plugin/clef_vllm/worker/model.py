@@ -24,22 +24,24 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
-from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE, SupportsMultiModal
+from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model, Qwen3_5ProcessingInfo
+from vllm.model_executor.models.qwen3_vl import Qwen3VLDummyInputsBuilder, Qwen3VLMultiModalProcessor
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.platforms import current_platform
 
 from clef_vllm.contract import WorkerSettings
 from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
 from clef_vllm.model.features import PADDED_ROWS_FLOOR
 from clef_vllm.model.head import JointSchemaHead
-from clef_vllm.model.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX
+from clef_vllm.model.layout import LM_HEAD_KEYS, NOT_TEXT_PREFIXES, TEXT_BACKBONE_PREFIX, VISION_PREFIXES
 from clef_vllm.model.tables import DenseTable, Int8RowTable, load_int8_tables
 from clef_vllm.quant.fused_scales import fused_global_scales
 from clef_vllm.quant.kernels import kernel_report
 from clef_vllm.quant.schemes import FUSED_MODULES, PLUGIN_NAME_MAP
 from clef_vllm.util import trace
-from clef_vllm.worker import memory
+from clef_vllm.worker import memory, vision
 from clef_vllm.worker.dummy_loader import is_dummy
 from clef_vllm.worker.embedding import Int8RowEmbedding
 from clef_vllm.worker.fast.registry import (DEFAULT_BUCKETS, SPLIT_TOKENS, GdnGraphRunner, HeadGraphRunner,
@@ -64,15 +66,24 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 
-
-
-class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
-    """Qwen3.5 text backbone + joint schema head, served through the ``plugin`` pooling task."""
+# vLLM's Qwen3.5 image processing (the checkpoint's processor expands each image's pad to its grid's tokens).
+@MULTIMODAL_REGISTRY.register_processor(Qwen3VLMultiModalProcessor, info=Qwen3_5ProcessingInfo,
+                                        dummy_inputs=Qwen3VLDummyInputsBuilder)
+class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, SupportsMultiModal):
+    """Qwen3.5 backbone (+ its BF16 vision tower unless the engine serves text only) + joint schema head, served
+    through the ``plugin`` pooling task."""
 
     is_pooling_model = True
     # Both from clef_vllm.quant.schemes, which resolves quantization schemes with the same names.
     packed_modules_mapping = {fused: list(shards) for fused, shards in FUSED_MODULES.items()}
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=dict(PLUGIN_NAME_MAP))
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=dict(PLUGIN_NAME_MAP) | dict(vision.NAME_MAP))
+    # With images on, vLLM hands every step's embeddings; the ids too, so that a step without image tokens
+    # still runs the step graphs (captured on ids).
+    requires_raw_input_tokens = True
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        return vision.placeholder(modality)
 
     # vLLM's Qwen3.5 mamba-state hooks, reused as they are.
     get_mamba_state_dtype_from_config = classmethod(
@@ -95,6 +106,7 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                      " (--gdn-metadata-memo off: every step builds its own)")
         nvfp4_bf16.install(settings.nvfp4_kernel)   # before the layers exist
         self.config = config
+        self.config_full = model_config.hf_config
         self.dummy = is_dummy(vllm_config.load_config.load_format)
         self.files = locate_checkpoint(model_config.model, require_weights=not self.dummy)
         head_config = load_head_config(self.files)          # checks requires_clef_vllm in every worker
@@ -102,6 +114,9 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             raise CheckpointError(f"{self.files.head_config_file}: hidden_size {head_config.hidden_size} "
                                   f"!= backbone hidden_size {config.hidden_size}")
         self.model = Qwen3_5Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        #: the BF16 vision tower, or None (text only: every media limit 0, or no vision config)
+        self.visual = vision.build_tower(vllm_config)
+        self._step_media = False          # this step's embeddings hold image features (embed_input_ids says)
         if self.files.layout == "repacked":    # the int8 table stays int8: vLLM's 16-bit embedding goes
             self.model.embed_tokens = Int8RowEmbedding(config.vocab_size, config.hidden_size, model_config.dtype)
             if self.dummy:                     # vLLM's dummy loaders fill parameters only
@@ -130,6 +145,11 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             trace.REPORTERS.update((name, runner.describe) for name, runner in self.graph_runners().items())
             trace.instrument_runner()
             trace.instrument_output("engine")
+
+    @property
+    def takes_media(self) -> bool:
+        """Whether this engine sees images (its vision tower is built)."""
+        return self.visual is not None
 
     def graph_runners(self) -> dict:
         """The graph runners that are on (prefill, step, head), by name (their counters: ``describe()``)."""
@@ -244,8 +264,17 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     # ------------------------------------------------------------------ vLLM model interface
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        embeds = self.model.embed_input_ids(input_ids)
+        self._step_media = bool(multimodal_embeddings is not None and len(multimodal_embeddings))
+        if not self._step_media:
+            return embeds
+        return vision.merge(embeds, multimodal_embeddings, is_multimodal)
+
+    def embed_multimodal(self, **kwargs: object):
+        """Each image's features, in prompt order (the vision tower; never called when serving text only)."""
+        return vision.embed_images(self.visual, kwargs)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
@@ -263,16 +292,20 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
             self._tune_gdn(positions.device)
         if memory.LEDGER.dirty or self._steps % memory.CHECK_EVERY_STEPS == 0:
             memory.LEDGER.settle()         # after plugin work (a capture, the GEMM warm-up), and now and then
-        if self.step_graphs is not None and intermediate_tensors is None and inputs_embeds is None:
+        media, self._step_media = self._step_media, False
+        if self.step_graphs is not None and intermediate_tensors is None and input_ids is not None and not media:
+            # (embeddings without image features are the ids' own: the graphs start from the ids)
             out = self.step_graphs.run(self._backbone, input_ids, positions)
             if out is not None:
                 return out
+        if inputs_embeds is not None:
+            input_ids = None
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[object]):
-        """Text only: the three M-RoPE sections coincide with plain positions."""
-        positions = torch.arange(len(input_tokens), dtype=torch.long)
-        return positions.unsqueeze(0).expand(3, -1), 0
+        """Plain positions in all three M-RoPE sections for text; the images' grids after an image's start
+        (vLLM's Qwen3-VL rule, as the release's processor and model place them)."""
+        return vision.mrope_positions(self.config_full, input_tokens, mm_features)
 
     # ------------------------------------------------------------------ weights
 
@@ -285,6 +318,9 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                                           "checkpoint keeps lm_head in clef_head/tables_int8.safetensors")
                 self.lm_table.weight.copy_(tensor)
                 self._loaded_lm_head = True
+                continue
+            if name.startswith(VISION_PREFIXES) and self.visual is not None:
+                yield name, tensor
                 continue
             if name.startswith(NOT_TEXT_PREFIXES):
                 continue

@@ -1,0 +1,186 @@
+"""Requests with an image through the vLLM backend next to raw vLLM multimodal pooling of the same inputs.
+
+One GPU, one process, the engines one after another at the same ``--gpu-memory-utilization``:
+
+* **clef**: the vLLM backend (the server's engine, head in the worker) on ``--ckpt``; every request one
+  ``--image-px`` square picture (a different one each) and a ~300-token state, three questions;
+* **raw**: vLLM's own ``Qwen3_5ForConditionalGeneration`` with ``embed`` pooling (last token, no head) on the
+  same checkpoint, the same collapsed prompt ids and the same pictures;
+* **text-only** (``--text-only-too``): the vLLM backend with ``--text-only``, for the memory the tower takes.
+
+Measured per engine: c=1 latency (p50 over ``--c1`` requests), c=16 throughput (``--n`` requests), and for clef the
+same picture and state asked twice with other questions (the second answer's latency over the first). The engines'
+memory lines (vLLM's "Model loading took", "Available KV cache memory", the plugin's budget line) go to the log.
+
+    source bench/setup.sh && python3 bench/make_ckpt.py 9b /root/ckpt/h --hybrid 17
+    python3 bench/media_speed.py --ckpt /root/ckpt/h --out $OUT/media_speed.json 2>&1 | tee $OUT/media_speed.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+QUESTIONS = [{"urgent": {"type": "noul", "instructions": "Does the screenshot show an outage?"},
+              "kind": {"type": "choice", "criteria": {"invoice": "A scanned invoice", "error": "An error screen",
+                                                      "photo": "A photo"}},
+              "severity": {"type": "score", "criteria": ["none", "low", "high"]}},
+             {"blocked": {"type": "noul", "instructions": "Is the user blocked from paying?"},
+              "product": {"type": "choice", "criteria": {"workers": "Workers", "r2": "R2", "dns": "DNS"}}}]
+
+
+def bodies(n: int, px: int, seed: int, questions: int = 0) -> list[dict]:
+    from clef_vllm.testing.images import data_uri, picture
+
+    words = "the checkout page shows an error after the card is entered and the spinner never stops".split()
+    out = []
+    for i in range(n):
+        state = " ".join(words[(i + k) % len(words)] for k in range(220))
+        out.append({"model": "clef-flash", "state": f"ticket {seed}-{i}: {state}", "questions": QUESTIONS[questions],
+                    "images": [data_uri(picture((px, px), seed * 10_000 + i, "JPEG"), "image/jpeg")]})
+    return out
+
+
+def encode_all(encoder, items: list[dict]):
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.media import decode_media
+
+    out = []
+    for body in items:
+        request = parse_request(body)
+        decode_media(request._media)
+        out.append(encoder.encode(request))
+    return out
+
+
+async def closed_loop(send, items, concurrency: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+
+    async def one(item):
+        async with sem:
+            t = time.perf_counter()
+            await send(item)
+            latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(x) for x in items])
+    wall = time.perf_counter() - t0
+    latencies.sort()
+    return {"requests": len(items), "concurrency": concurrency, "req_per_s": round(len(items) / wall, 2),
+            "p50_ms": round(1000 * statistics.median(latencies), 2),
+            "p90_ms": round(1000 * latencies[int(0.9 * (len(latencies) - 1))], 2)}
+
+
+def clef_run(args, text_only: bool = False) -> dict:
+    from clef_vllm.backends import make_backend
+    from clef_vllm.worker.dummy_loader import dummy_format_for
+
+    config = json.loads((Path(args.ckpt) / "config.json").read_text())
+    backend = make_backend(args.ckpt, "vllm", load_format=dummy_format_for(config), text_only=text_only,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        if text_only:
+            return {"engine": "clef --text-only", "plan": backend.memory_plan.to_dict() if backend.memory_plan else None}
+        warm, c1, many = (encode_all(backend.encoder, bodies(k, args.image_px, seed))
+                          for k, seed in ((8, 1), (args.c1, 2), (args.n, 3)))
+        asked = bodies(args.repeats, args.image_px, 4)
+        first = encode_all(backend.encoder, asked)
+        second = encode_all(backend.encoder, [b | {"questions": QUESTIONS[1]} for b in asked])   # the same pictures
+        run = backend._submit
+        run(closed_loop(backend._decide, warm, 4)).result()
+        out = {"engine": "clef", "tokens_per_request": round(statistics.mean(e.num_tokens for e in many), 1),
+               "media_tokens": many[0].media_tokens, "c1": run(closed_loop(backend._decide, c1, 1)).result(),
+               "c16": run(closed_loop(backend._decide, many, 16)).result()}
+        pairs = []
+        for a, b in zip(first, second):
+            t0 = time.perf_counter()
+            run(backend._decide(a)).result()
+            t1 = time.perf_counter()
+            run(backend._decide(b)).result()
+            pairs.append((t1 - t0, time.perf_counter() - t1, b.cached_state_tokens))
+        out["repeat"] = {"pairs": len(pairs), "first_p50_ms": round(1000 * statistics.median(p[0] for p in pairs), 2),
+                         "second_p50_ms": round(1000 * statistics.median(p[1] for p in pairs), 2),
+                         "cached_tokens_second": [p[2] for p in pairs]}
+        out["repeat"]["speedup"] = round(out["repeat"]["first_p50_ms"] / out["repeat"]["second_p50_ms"], 2)
+        out["plan"] = backend.memory_plan.to_dict() if backend.memory_plan else None
+        return out
+    finally:
+        backend.close()
+
+
+def raw_run(args, encoded_like) -> dict:
+    from vllm import AsyncEngineArgs, PoolingParams
+    from vllm.config import PoolerConfig
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from clef_vllm.backends.vllm_media import media_prompt
+    from clef_vllm.bench.raw_vllm import raw_engine_kwargs
+
+    kwargs = raw_engine_kwargs(args.ckpt, arch="Qwen3_5ForConditionalGeneration",
+                               gpu_memory_utilization=args.gpu_memory_utilization)
+    kwargs.pop("language_model_only", None)
+    kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
+    params = PoolingParams(task="embed")
+    pad, warm, c1, many = encoded_like
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        ids = iter(range(10 ** 9))
+
+        async def send(e):
+            async for _ in engine.encode(media_prompt(e, pad), params, request_id=f"raw-{next(ids)}"):
+                pass
+        try:
+            await closed_loop(send, warm, 4)
+            return {"engine": "raw vLLM Qwen3_5ForConditionalGeneration embed",
+                    "c1": await closed_loop(send, c1, 1), "c16": await closed_loop(send, many, 16)}
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--image-px", type=int, default=512)
+    ap.add_argument("--c1", type=int, default=24)
+    ap.add_argument("--n", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--skip-raw", action="store_true")
+    ap.add_argument("--text-only-too", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    from clef_vllm.schema.encoding import RequestEncoder
+
+    report = {"gpu": torch.cuda.get_device_name(0), "ckpt": args.ckpt, "image_px": args.image_px,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "runs": []}
+    report["runs"].append(clef_run(args))
+    args.out.write_text(json.dumps(report, indent=2))
+    if not args.skip_raw:
+        encoder = RequestEncoder.from_pretrained(args.ckpt, pixels=False)
+        encoded = (encoder.media.pad_id, *(encode_all(encoder, bodies(k, args.image_px, seed))
+                                           for k, seed in ((8, 1), (args.c1, 2), (args.n, 3))))
+        raw = raw_run(args, encoded)
+        ours = report["runs"][0]
+        raw["clef_over_raw"] = {"c1_p50": round(raw["c1"]["p50_ms"] / ours["c1"]["p50_ms"], 3),
+                                "c16_req_per_s": round(ours["c16"]["req_per_s"] / raw["c16"]["req_per_s"], 3)}
+        report["runs"].append(raw)
+        args.out.write_text(json.dumps(report, indent=2))
+    if args.text_only_too:
+        report["runs"].append(clef_run(args, text_only=True))
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
