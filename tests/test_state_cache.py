@@ -342,7 +342,7 @@ def _front_end(admit_on_repeat: bool = True):
     backend._leaders, backend._recent_states, backend._sightings = {}, OrderedDict(), OrderedDict()
     sent = []
 
-    async def encode(ids, spec, rank=None, use_cache=True):
+    async def encode(prompt, ids, spec, rank=None, use_cache=True):
         entry = {"keyed": bool(spec.state_keys), "start": len(sent)}
         sent.append(entry)
         await asyncio.sleep(0.02)
@@ -400,7 +400,7 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
         backend.files = SimpleNamespace(text_config={"vocab_size": 500})
         calls = []
 
-        async def encode(ids, spec, rank=None, use_cache=True, warmup=False):
+        async def encode(prompt, ids, spec, rank=None, use_cache=True, warmup=False):
             assert warmup                                        # marked as such in the trace
             calls.append((ids, spec))
             return torch.zeros(spec.num_options), 0
