@@ -282,3 +282,49 @@ def test_prefill_graph_wrappers_fit_vllms_gdn_layer(tiny_release):
         layers[0]._forward_core(torch.zeros(4, 8), torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(4, 1, 1))
     assert calls == ["packed", "core"]
     assert runner.describe()["fallbacks"] == {"no_metadata": 1} and runner.stats.replays == 0
+
+
+def test_the_vision_tower_and_image_positions_equal_transformers(tiny_release):
+    """vLLM's Qwen3.5 vision tower inside the Clef class (``embed_multimodal``: one feature row per image token, per
+    image) against transformers' own on the tiny checkpoint, both BF16 on CPU; and the M-RoPE positions of a
+    prompt with two images (``get_mrope_input_positions`` from vLLM's feature specs) against transformers'
+    ``get_rope_index``, exactly."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, Qwen3_5ForConditionalGeneration
+    from vllm.config import set_current_vllm_config
+
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.media_inputs import processor_backend
+
+    model = vllm_cpu.load_model(tiny_release)
+    processor = AutoImageProcessor.from_pretrained(str(tiny_release), backend=processor_backend())
+    images = [Image.effect_noise((300, 120), 50).convert("RGB"), Image.effect_noise((64, 512), 50).convert("RGB")]
+    pixels = processor(images=images, return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    with set_current_vllm_config(vllm_cpu.vllm_config_for(tiny_release)), torch.inference_mode():
+        ours = model.embed_multimodal(pixel_values=pixels["pixel_values"], image_grid_thw=grid)
+    release = Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny_release), dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        want = release.model.get_image_features(pixels["pixel_values"].to(torch.bfloat16), grid).pooler_output
+    counts = [int(g.prod()) // 4 for g in grid]
+    assert [tuple(f.shape) for f in ours] == [(n, release.config.text_config.hidden_size) for n in counts]
+    for got, ref in zip(ours, want):
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-3, rtol=0.02)
+
+    # positions: prefix, two images' blocks, text (the encoder's layout), as vLLM's feature specs describe them
+    media = RequestEncoder.from_pretrained(tiny_release).media
+    prefix, tail = [11, 12, 13], [21, 22, 23, 24, 25]
+    ids = prefix + media.block(counts) + tail
+    pad = media.pad_id
+    offsets = [i for i, t in enumerate(ids) if t == pad and ids[i - 1] != pad]
+    features = [SimpleNamespace(modality="image", mm_position=SimpleNamespace(offset=o),
+                                data={"image_grid_thw": SimpleNamespace(data=g)}) for o, g in zip(offsets, grid)]
+    positions, delta = model.get_mrope_input_positions(ids, features)
+    x = torch.tensor([ids])
+    want, want_delta = release.model.get_rope_index(x, (x == pad).int(), image_grid_thw=grid,
+                                                    attention_mask=torch.ones_like(x))
+    assert torch.equal(positions, want[:, 0]) and delta == int(want_delta)
+    text_positions, text_delta = model.get_mrope_input_positions(prefix + tail, [])
+    assert torch.equal(text_positions, torch.arange(8).expand(3, -1)) and text_delta == 0
