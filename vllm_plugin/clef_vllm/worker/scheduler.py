@@ -124,9 +124,10 @@ def block_hasher(hash_block_size: int, caching_hash_fn, vllm_hasher_factory):
     equal to a 32-byte vLLM hash), and the blocks after the keyed prefix chain vLLM's hashing from
     the last key. The front-end already paid for the keys; a 16k-token state is ~1,000 units, which
     vLLM's hasher otherwise recomputes in the engine core on every request's arrival. The keys are
-    computed by the plugin's own front-end from the very ids it sends (``HeadSpec.with_reuse``); no
-    client supplies them. Clef requests carry no LoRA, multimodal or salt data (vLLM's extra keys), so
-    the fingerprints cover the same content.
+    computed by the plugin's own front-end from the very ids the engine ends up with (``HeadSpec.with_reuse``);
+    no client supplies them. Clef requests carry no LoRA or salt data (vLLM's extra keys); a request with images
+    (vLLM's multimodal extra keys) has keys that start from a digest of the images, so the fingerprints cover the
+    same content.
 
     A Clef request with nothing to reuse (no keys: a state's first sighting under ``--state-cache-admit
     repeat``, or a state too short to key) gets no hashes at all: it never reads the prefix cache (its
