@@ -145,6 +145,8 @@ def test_pipeline_checkpoint_passes_clef_load(hybrid_pipeline):
     assert "fused NVFP4 groups: 4, all sharing one weight global scale" in out["quantize_mixed"]
     assert "relative error" in out["shrink_tables"] and "requires_clef_vllm" in out["shrink_tables"]
     assert "PASS" in out["clef_load"] and "runs as BF16 GEMMs on weights dequantized at load" in out["clef_load"]
+    vision = [f["message"] for f in report["findings"] if f["section"] == "vision"]    # the quantized build keeps it BF16
+    assert len(vision) == 1 and vision[0].startswith("vision tower: 21 tensors, 92,864 parameters")
     # the prediction for clef-systemone --nvfp4-kernel vllm: Marlin W4A16 on Hopper, FP8 unchanged
     marlin = run_script("clef_load.py", hybrid_pipeline.checkpoint, "--capability", "9.0", "--config-only",
                         "--nvfp4-kernel", "vllm").stdout

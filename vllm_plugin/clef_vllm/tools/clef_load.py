@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -162,7 +163,7 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
     from safetensors import safe_open
 
     from clef_vllm.model.checkpoint import CheckpointError, load_head_config, load_head_state, locate_checkpoint
-    from clef_vllm.model.layout import NOT_TEXT_PREFIXES
+    from clef_vllm.model.layout import NOT_TEXT_PREFIXES, VISION_PREFIXES
     from clef_vllm.model.tables import TableError, load_int8_tables
     from clef_vllm.quant.fused_scales import fused_global_scales
 
@@ -212,7 +213,8 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
     # tensors: missing / unexpected / shapes / non-finite
     if table:
         expected = expected_tensor_shapes(files.config, table, files.tables_file is not None, files.backbone_prefix)
-        seen, unexpected, bad_shape, non_finite, skipped = set(), [], [], [], {"visual": 0, "mtp": 0}
+        seen, unexpected, bad_shape, non_finite, mtp = set(), [], [], [], 0
+        vision = {"tensors": 0, "parameters": 0, "not_16_bit": []}
         import torch
 
         for wf in files.weight_files:
@@ -220,8 +222,14 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
                 for key in f.keys():
                     sl = f.get_slice(key)
                     dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
-                    if key.startswith(NOT_TEXT_PREFIXES):
-                        skipped["mtp" if key.startswith("mtp.") else "visual"] += 1
+                    if key.startswith(VISION_PREFIXES):
+                        vision["tensors"] += 1
+                        vision["parameters"] += math.prod(shape)
+                        if dtype not in ("BF16", "F16", "F32"):
+                            vision["not_16_bit"].append(f"{key}: {dtype}")
+                        want = None
+                    elif key.startswith(NOT_TEXT_PREFIXES):
+                        mtp += 1
                         want = None
                     elif key in expected:
                         seen.add(key)
@@ -241,11 +249,17 @@ def check_checkpoint(path: str | Path, capability=None, check_values: bool = Tru
             if items:
                 report.add("tensors", ERROR, f"{len(items)} {label}: " + "; ".join(items[:6])
                                              + (" ..." if len(items) > 6 else ""))
-        extras = ", ".join(f"{v} {k}" for k, v in skipped.items() if v)
         if not (missing or unexpected or bad_shape or non_finite):
             report.add("tensors", OK, f"all {len(expected)} expected text-backbone tensors present with the right dtype "
                                       f"and shape" + (", all finite" if check_values else " (values not read)")
-                                      + (f"; skipped {extras} (not loaded by the plugin)" if extras else ""))
+                                      + (f"; skipped {mtp} mtp (not loaded by the plugin)" if mtp else ""))
+        if vision["not_16_bit"]:
+            report.add("vision", ERROR, f"{len(vision['not_16_bit'])} vision tower tensor(s) not 16-bit (both backends "
+                                        "run the tower unquantized): " + "; ".join(vision["not_16_bit"][:4]))
+        elif vision["tensors"]:
+            report.add("vision", OK, f"vision tower: {vision['tensors']} tensors, {vision['parameters']:,} parameters "
+                                     f"({2 * vision['parameters'] / 2 ** 30:.2f} GiB in BF16); both backends load it "
+                                     "unless --text-only")
 
     # fused NVFP4 global scales
     try:
