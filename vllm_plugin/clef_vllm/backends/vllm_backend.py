@@ -31,7 +31,7 @@ from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
-from clef_vllm.backends.vllm_media import engine_media_limits, media_prompt, media_settings, sees
+from clef_vllm.backends.vllm_media import engine_media_limits, image_warmup, media_prompt, media_settings, sees
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, SETTINGS_KEY, WorkerSettings
 from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.model.features import HeadSpec
@@ -378,6 +378,9 @@ class VllmBackend(Backend):
         for batch in batches:
             await bounded_warmup_step(f"a batch of {len(batch)} prompts ({sorted(set(batch))} tokens)",
                                       asyncio.gather(*[self._run_ids(ids(n)) for n in batch]))
+        if self._pad_id is not None:                 # the vision tower's kernels, vLLM's image processor
+            prompt, with_image = image_warmup(self.encoder.media, ids(200))
+            await bounded_warmup_step("a prompt with an image", self._run_ids(with_image, prompt=prompt))
         round_ = warmup_state_cache(self.kwargs)
         if round_ is not None:
             state, tail = round_
@@ -388,14 +391,15 @@ class VllmBackend(Backend):
         log.info("warm-up done in %.1f s (lengths %s, then batches of %s prompts%s)", time.perf_counter() - t0,
                  lengths, [len(b) for b in batches], ", then a state cached and hit" if round_ else "")
 
-    async def _run_ids(self, ids: list[int], reuse: int = 0) -> torch.Tensor:
-        """A warm-up prompt with a synthetic spec; ``reuse``: its first tokens are a state to key (state cache)."""
+    async def _run_ids(self, ids: list[int], reuse: int = 0, prompt: dict | None = None) -> torch.Tensor:
+        """A warm-up prompt with a synthetic spec; ``reuse``: its first tokens are a state to key (state cache);
+        ``prompt``: vLLM's form of it, when not its ids (one with an image)."""
         from clef_vllm.model.features import synthetic_spec
 
         spec = synthetic_spec(len(ids))
         if reuse:
             spec = spec.with_reuse(ids, reuse)
-        return (await self._encode(engine_input(ids), ids, spec, warmup=True))[0]
+        return (await self._encode(prompt or engine_input(ids), ids, spec, warmup=True))[0]
 
     # ------------------------------------------------------------------ requests
 

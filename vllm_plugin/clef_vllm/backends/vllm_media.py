@@ -69,6 +69,17 @@ def media_prompt(encoded: EncodedRequest, pad_id: int, largest: int | None = Non
     return {"prompt_token_ids": out, "multi_modal_data": {"image": list(encoded.media.images)}}
 
 
+def image_warmup(media, text: list[int], side: int = 256) -> tuple[dict, list[int]]:
+    """vLLM's prompt of a warm-up request with one ``side`` x ``side`` image after ``text[:8]``, and the ids the
+    engine makes of it (``media``: the encoder's ``MediaProcessor``)."""
+    from PIL import Image
+
+    count = media.image_processor.get_number_of_image_patches(side, side) // media.merge_size ** 2
+    prompt = {"prompt_token_ids": text[:8] + media.block([1]) + text[8:],
+              "multi_modal_data": {"image": [Image.new("RGB", (side, side), (200, 30, 30))]}}
+    return prompt, text[:8] + media.block([count]) + text[8:]
+
+
 def engine_media_limits(limits, opts: VllmOptions):
     """The server's media limits (``MediaLimits``), no larger than the engine's largest image, so that a larger one
     is refused from its header, before any pixel is decoded."""
@@ -78,5 +89,5 @@ def engine_media_limits(limits, opts: VllmOptions):
     return limits
 
 
-__all__ = ["ENGINE_MAX_IMAGES", "MM_PROCESSOR_CACHE_GB", "engine_media_limits", "media_prompt", "media_settings",
-           "sees"]
+__all__ = ["ENGINE_MAX_IMAGES", "MM_PROCESSOR_CACHE_GB", "engine_media_limits", "image_warmup", "media_prompt",
+           "media_settings", "sees"]

@@ -260,6 +260,8 @@ class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, Su
             time.perf_counter() - t0, gdn_tuning.describe())
 
     def _backbone(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.visual is not None:     # vLLM compiled the backbone on embeddings (its multimodal path): feed those
+            return self.model(None, positions, None, self.model.embed_input_ids(input_ids))
         return self.model(input_ids, positions, None, None)
 
     # ------------------------------------------------------------------ vLLM model interface
