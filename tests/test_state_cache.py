@@ -384,7 +384,7 @@ def test_a_state_is_kept_from_its_second_request_and_a_burst_has_one_leader(enco
     assert [s["keyed"] for s in sent] == [True]
 
 
-def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
+def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on(tiny_release):
     """The first follow-up a client sends must not compile vLLM's GDN-state copy kernel (seen on the GPU:
     ``batch_memcpy_kernel`` JIT-compiled after /health said ready): with the cache on the warm-up ends
     with a keyed state computed, then hit, both running past a block boundary."""
@@ -392,17 +392,23 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
 
     from clef_vllm.backends.options import VllmOptions, engine_args
     from clef_vllm.backends.vllm_backend import WARMUP_STATE, WARMUP_TAIL, VllmBackend, warmup_state_cache
+    from clef_vllm.schema.encoding import RequestEncoder
 
-    def warm(state_cache: bool, max_model_len: int = 16384) -> list:
+    prompts = []
+
+    def warm(state_cache: bool, max_model_len: int = 16384, encoder=None) -> list:
         backend = VllmBackend.__new__(VllmBackend)
         backend.kwargs = {**engine_args(VllmOptions(state_cache=state_cache, max_model_len=max_model_len)),
                           "max_model_len": max_model_len}
         backend.files = SimpleNamespace(text_config={"vocab_size": 500})
+        if encoder is not None:                                  # an engine that takes images
+            backend.encoder, backend._pad_id = encoder, encoder.media.pad_id
         calls = []
 
         async def encode(prompt, ids, spec, rank=None, use_cache=True, warmup=False):
             assert warmup                                        # marked as such in the trace
             calls.append((ids, spec))
+            prompts.append(prompt)
             return torch.zeros(spec.num_options), 0
 
         backend._encode = encode
@@ -418,6 +424,15 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on():
     assert spec_a.reuse_limit == WARMUP_STATE and spec_a.state_keys == spec_b.state_keys
     spec_a.validate()
     assert not any(spec.state_keys for _, spec in warm(False))     # cache off: nothing keyed
+    assert not any("multi_modal_data" in p for p in prompts)
+    # an engine that takes images warms its vision tower and vLLM's processor with one 256 x 256 picture
+    prompts.clear()
+    seeing = warm(True, encoder=RequestEncoder.from_pretrained(tiny_release, pixels=False))
+    with_image = [i for i, p in enumerate(prompts) if "multi_modal_data" in p]
+    assert len(with_image) == 1 and len(seeing) == len(calls) + 1
+    ids, prompt = seeing[with_image[0]][0], prompts[with_image[0]]
+    pad = RequestEncoder.from_pretrained(tiny_release).media.pad_id
+    assert prompt["prompt_token_ids"].count(pad) == 1 and ids.count(pad) == 64        # 256 x 256 px: 8 x 8 tokens
     assert warmup_state_cache({"enable_prefix_caching": True, "max_model_len": 1024}) is None
 
 
