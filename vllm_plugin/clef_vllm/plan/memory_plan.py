@@ -92,8 +92,11 @@ def served_step_excess(hidden: int, intermediate: int, batched_tokens: int) -> i
 
 
 #: The vision encoder's transient per patch of the image it runs on, at the 9B's tower (hidden 1152, MLP 4304;
-#: scales with their sum): vLLM's profiling runs the encoder on the largest image one step may hold.
-VISION_BYTES_PER_PATCH = 30 << 10
+#: scales with their sum): vLLM's profiling runs the encoder on the largest image one step may hold. An upper
+#: bound: with 16 MP images (65,536 patches) the seeing 9B Hybrid's profile peaked at 2.62 GiB at 16,384 batched
+#: tokens, where the text-only engine's step alone peaks at 2.56 (H100, bench/results/h100_9b_media_speed.json),
+#: so the encoder holds at most ~42 KB a patch; 40 KB is 2.5 GiB at 16 MP, 0.63 GiB at 4 MP.
+VISION_BYTES_PER_PATCH = 40 << 10
 #: The largest image the release's processor makes: its ``max_pixels`` (16 MP); one token per 32 x 32 px after the
 #: 2 x 2 merge, one patch per 16 x 16 px.
 VISION_MAX_PIXELS = 16_777_216
