@@ -268,6 +268,8 @@ def test_clef_load_prints_the_plan(hybrid_9b, tmp_path):
         assert text in proc.stdout
     report = json.loads(out.read_text())
     assert report["ok"] and report["plan"]["kv_tokens"] >= 2 * 16384 and report["plan"]["block_size"] == 528
+    blind = clef_load(hybrid_9b, "--gpu-memory", "15.92GiB", "--text-only").stdout      # the server's --text-only
+    assert "not loaded (--text-only)" in blind and "vision encoder" not in blind and "--max-image-pixels" not in blind
 
 
 def test_clef_load_exits_1_when_nothing_fits(hybrid_9b):

@@ -11,7 +11,7 @@ mis-compute. With ``--gpu-memory``, it prints the checkpoint's GPU memory plan f
 instead (:mod:`clef_vllm.plan.memory_plan`; no GPU needed) and exits 1 when the plan does not fit.
 
     clef-load CKPT
-    clef-load CKPT --gpu-memory 16GiB [--gpu-memory-utilization 0.9 --max-model-len 16384]
+    clef-load CKPT --gpu-memory 16GiB [--gpu-memory-utilization 0.9 --max-model-len 16384 --text-only]
     clef-load CKPT --capability 9.0 --json report.json
     clef-load CKPT --fix-fused-scales --out FIXED     # re-export shards at one fused global scale
 """
@@ -350,7 +350,8 @@ def print_memory_plan(a) -> int:
     try:
         given = dict(max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
-        options = VllmOptions(nvfp4_kernel=a.nvfp4_kernel, **{k: v for k, v in given.items() if v is not None})
+        options = VllmOptions(nvfp4_kernel=a.nvfp4_kernel, text_only=a.text_only,
+                              **{k: v for k, v in given.items() if v is not None})
         plan = plan_for_checkpoint(a.checkpoint, device_total_bytes=a.gpu_memory, options=options,
                                       capability=a.capability)
     except (MP.PlanDoesNotFit, CheckpointError, ValueError) as exc:
@@ -414,6 +415,8 @@ def main(argv=None) -> int:
     for flag in ("--gpu-memory-utilization", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
         ap.add_argument(flag, type=float if flag == "--gpu-memory-utilization" else int,
                         help=f"with --gpu-memory: the server's {flag} (default: the server's)")
+    ap.add_argument("--text-only", action="store_true", help="with --gpu-memory: the server's --text-only (no vision "
+                                                              "tower)")
     ap.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
     ap.add_argument("--fix-fused-scales", action="store_true",
                     help="first re-export NVFP4 shards of vLLM-fused modules at their group's shared (min) weight "
