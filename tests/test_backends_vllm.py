@@ -136,6 +136,15 @@ def test_an_image_request_reaches_the_engine_as_one_pad_per_image_with_its_image
     assert other.input_ids == two.input_ids and other.media.digest != two.media.digest
     keys = [HeadSpec.from_encoded(e, state_keys=True).state_keys for e in (two, other, encoded(1, 2))]
     assert keys[0] != keys[1] and keys[0] == keys[2]
+    # kept up to the state's end (where the first request's prefill stops): other questions about the same
+    # pictures have the same reusable prefix and keys, so they resume from it
+    request = parse_request(REQUEST | {"images": [pictures[1], pictures[2]],
+                                       "questions": {"blocked": {"type": "noul", "instructions": "Blocked?"}}})
+    decode_media(request._media)
+    asked_again = encoder.encode(request)
+    a, b = (HeadSpec.from_encoded(e, state_keys=True, upto=e.schema_offset) for e in (two, asked_again))
+    assert a.reuse_limit == b.reuse_limit == two.schema_offset and a.state_keys == b.state_keys
+    assert HeadSpec.from_encoded(two, state_keys=True).reuse_limit > two.schema_offset      # text: the first span
 
     class StandInEngine:                    # AsyncLLM: vLLM's processor expands the pads
         errored = False

@@ -486,11 +486,12 @@ class VllmBackend(Backend):
 
     async def _decide(self, encoded: EncodedRequest) -> torch.Tensor:
         prompt = self._prompt(encoded)
-        # A state with images is kept however short (and from its first request): the vision encoder's work and
-        # the image tokens' prefill are what a second question about the same picture would otherwise redo.
+        # A state with images is kept however short, from its first request, and up to the state's end (its
+        # prefill stops there, so any other questions resume from it): the vision encoder's work and the image
+        # tokens' prefill are what a second question about the same picture would otherwise redo.
         media = encoded.media is not None
         keyed = self.state_cache and encoded.schema_offset >= (KEY_UNIT if media else MIN_REUSE_TOKENS)
-        spec = HeadSpec.from_encoded(encoded, state_keys=keyed)
+        spec = HeadSpec.from_encoded(encoded, state_keys=keyed, upto=encoded.schema_offset if media else None)
         state_key = spec.state_keys[encoded.schema_offset // KEY_UNIT - 1] if keyed and spec.state_keys else None
         if state_key is not None and self.admit_on_repeat and not media and self._first_sighting(state_key):
             # Caching a state costs its request one more step (split at the reuse boundary); a state

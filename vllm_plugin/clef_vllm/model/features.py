@@ -39,8 +39,9 @@ class HeadSpec:
     state_keys: tuple[bytes, ...] = ()
 
     @classmethod
-    def from_encoded(cls, encoded, state_keys: bool = False) -> "HeadSpec":
-        """The spec of an encoded request; ``state_keys``: also key its reusable prefix (state cache)."""
+    def from_encoded(cls, encoded, state_keys: bool = False, upto: int | None = None) -> "HeadSpec":
+        """The spec of an encoded request; ``state_keys``: also key its reusable prefix (state cache): the tokens
+        before its first span, or its first ``upto`` tokens (where its prefill stops and its state is kept)."""
         f = encoded.fields
         spec = cls(
             num_tokens=encoded.num_tokens,
@@ -52,7 +53,8 @@ class HeadSpec:
         )
         if not state_keys:
             return spec
-        return spec.with_reuse(encoded.input_ids, spec.first_span_start, media=encoded.media_digest)
+        limit = spec.first_span_start if upto is None else min(upto, spec.first_span_start)
+        return spec.with_reuse(encoded.input_ids, limit, media=encoded.media_digest)
 
     def with_reuse(self, token_ids, limit: int, media: bytes = b"") -> "HeadSpec":
         """This spec with its first ``limit`` tokens (``token_ids[:limit]``) keyed as a reusable state (``media``:
