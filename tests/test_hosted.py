@@ -203,6 +203,11 @@ def test_raw_http_errors_carry_the_hosted_envelope_on_both_spellings(live_server
         assert_hosted_error(run(server, path + "?queueRequest=true", REQUEST, headers=headers), 400, 6003,
                             "queueRequest", "POST /v1/systemone/bulk")
         assert_hosted_error(httpx.get(server.url + path, headers=headers), 405, 7000, "method not allowed")
+        # the hosted service's 13 MiB body cap, below --max-body-bytes (16 MiB by default), from Content-Length
+        big = b'{"state": "' + b"x" * (13 * 2 ** 20) + b'"}'
+        cap = "body exceeds 65536 bytes (--max-body-bytes)" if server is hosted_server else \
+            "body exceeds 13631488 bytes (the hosted API's 13 MiB)"
+        assert_hosted_error(run(server, path, content=big, headers=headers), 413, 5021, cap)
         # text/plain (what a cross-site form can forge JSON with) or no type at all: 415, as on /v1/systemone
         for content_type in ("text/plain", ""):
             assert_hosted_error(run(server, path, REQUEST, headers={**headers, "Content-Type": content_type}),

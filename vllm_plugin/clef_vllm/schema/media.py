@@ -59,6 +59,8 @@ class MediaLimits:
 
 #: The reference dialect's defaults (each a server flag: --max-images ...).
 DEFAULT_MEDIA_LIMITS = MediaLimits()
+#: The hosted service's body cap (its documented 13 MiB): the workers-ai dialect's, below ``--max-body-bytes``.
+HOSTED_MAX_BODY_BYTES = 13 * MIB
 #: The hosted Workers AI service, exactly: PNG/JPEG/WebP, <= 4 images of <= 16 MP (16.00 MP is accepted,
 #: 16.38 MP refused) and <= 4 MiB each, 8 MiB in all, bare base64 accepted, no videos.
 WORKERS_AI_MEDIA_LIMITS = MediaLimits(max_images=4, max_videos=0, max_item_bytes=4 * MIB, max_total_bytes=8 * MIB,
@@ -478,6 +480,6 @@ def media_refused(why: str, field: str = "images") -> RequestError:
     return RequestError(f"not served: {why}", kind=Kind.UNSUPPORTED, field=field)
 
 
-__all__ = ["DEFAULT_MEDIA_LIMITS", "WORKERS_AI_MEDIA_LIMITS", "MEDIA_KEYS", "MediaItem", "MediaLimits",
+__all__ = ["DEFAULT_MEDIA_LIMITS", "HOSTED_MAX_BODY_BYTES", "WORKERS_AI_MEDIA_LIMITS", "MEDIA_KEYS", "MediaItem", "MediaLimits",
            "MEDIA_TOKENS", "TEXT_ONLY", "TypedMediaTokens", "decode_media", "media_key", "media_refused", "no_check",
            "parse_media", "text_only"]

@@ -63,17 +63,17 @@ def check_content_encoding(content_encoding: str | None) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def body_too_large(limit: int, what: str = "body") -> RequestError:
-    return RequestError(f"{what} exceeds {limit} bytes (--max-body-bytes)", kind=Kind.BODY_TOO_LARGE)
+def body_too_large(limit: int, what: str = "body", source: str = "--max-body-bytes") -> RequestError:
+    return RequestError(f"{what} exceeds {limit} bytes ({source})", kind=Kind.BODY_TOO_LARGE)
 
 
-def declared_length(declared: str | None, limit: int) -> int | None:
+def declared_length(declared: str | None, limit: int, source: str = "--max-body-bytes") -> int | None:
     """The body's declared ``Content-Length`` (``None`` when absent or not a number), refused (413)
-    when it is over ``limit``: before a byte of the body is read or accounted."""
+    when it is over ``limit`` (``source``: what sets it): before a byte of the body is read or accounted."""
     if declared is None or not declared.isdigit():
         return None
     if int(declared) > limit:
-        raise body_too_large(limit)
+        raise body_too_large(limit, source=source)
     return int(declared)
 
 
@@ -200,10 +200,12 @@ class BodyReader:
         return RequestError(f"request body too slow: at most {self.body_timeout:g} s without data (--body-timeout)"
                             f"{rate}", kind=Kind.SLOW_CLIENT)
 
-    async def read_all(self, limit: int, declared: str | None = None, limits: RequestLimits | None = None) -> bytes:
-        """The whole body, refused (413) as soon as it passes ``limit`` bytes (declared or streamed) or,
-        with ``limits``, as soon as it holds more JSON values than they allow (the rest is not read)."""
-        declared_length(declared, limit)
+    async def read_all(self, limit: int, declared: str | None = None, limits: RequestLimits | None = None,
+                       source: str = "--max-body-bytes") -> bytes:
+        """The whole body, refused (413) as soon as it passes ``limit`` bytes (declared or streamed; ``source``:
+        what sets it) or, with ``limits``, as soon as it holds more JSON values than they allow (the rest is not
+        read)."""
+        declared_length(declared, limit, source)
         max_values = limits.max_values if limits is not None else None
         counter, counted = None, 0
         chunks = []
@@ -211,7 +213,7 @@ class BodyReader:
             while not self.done:
                 chunk = (await self.message()).get("body", b"")
                 if self.received > limit:
-                    raise body_too_large(limit)
+                    raise body_too_large(limit, source=source)
                 if chunk:
                     chunks.append(chunk)
                 # no body of at most max_values bytes can hold more values: count only past that

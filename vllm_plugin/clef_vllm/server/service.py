@@ -27,7 +27,7 @@ from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, Re
 from clef_vllm.schema.answers import build_response, hosted_envelope
 from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.schema.media import decode_media
+from clef_vllm.schema.media import HOSTED_MAX_BODY_BYTES, decode_media
 from clef_vllm.schema.openai_decisions import check_fits
 from clef_vllm.schema.protocol import Dialect, RequestLimits, SystemOneRequest
 from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
@@ -390,12 +390,14 @@ class DecisionService:
     async def read_body(self, receive: Callable[[], Awaitable[dict]], ctx: RequestContext,
                         declared: str | None) -> bytes:
         """The whole body under the size cap, the slow-client rules and the memory budget."""
-        limit = self.settings.max_body_bytes
-        length = declared_length(declared, limit)
+        limit, source = self.settings.max_body_bytes, "--max-body-bytes"
+        if (ctx.dialect or self.dialect) is Dialect.WORKERS_AI and HOSTED_MAX_BODY_BYTES < limit:
+            limit, source = HOSTED_MAX_BODY_BYTES, "the hosted API's 13 MiB"
+        length = declared_length(declared, limit, source)
         if length is not None:
             self.take_body_bytes(ctx, length)
         reader = self.body_reader(receive)
-        raw = await reader.read_all(limit, declared, self.limits)      # too many JSON values: 413 early
+        raw = await reader.read_all(limit, declared, self.limits, source)      # too many JSON values: 413 early
         ctx.values_counted = True
         if ctx.body_bytes < len(raw):
             self.take_body_bytes(ctx, len(raw) - ctx.body_bytes)
