@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"frames of one video, 413 beyond (default {m.max_video_frames})")
     lim.add_argument("--max-image-pixels", type=_positive_int, default=m.max_pixels,
                      help=f"width x height of one image or video frame, read from its header before any pixel is "
-                          f"decoded; 413 beyond (default {m.max_pixels:,}, the processor's max_pixels)")
+                          f"decoded; 413 beyond (default {m.max_pixels:,}, the processor's max_pixels; the vLLM "
+                          f"backend's engine profiles its vision encoder on it, and its memory plan may lower it)")
     lim.add_argument("--max-image-bytes", type=_positive_int, default=m.max_item_bytes,
                      help=f"decoded (not base64) bytes of one image or video, 413 beyond (default {m.max_item_bytes})")
     lim.add_argument("--max-media-bytes", type=_positive_int, default=m.max_total_bytes,
