@@ -121,9 +121,10 @@ def live_server(tiny_release, cache_dir):
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workers_ai_server(tiny_release, cache_dir):
-    """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits)."""
+    """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits);
+    started once per worker, for every module that compares against it."""
     args = ["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai"]
     server = LiveServer(args).wait_ready()
     yield server
