@@ -32,15 +32,19 @@ REQUEST = {
     },
 }
 
-# vLLM picks its platform at first import: on a machine without a GPU, make that the CPU platform
-# (and stub torchvision) before any test imports vLLM.
-try:
-    import torch as _torch
 
-    if not _torch.cuda.is_available():
+def pytest_configure(config):
+    """vLLM picks its platform at first import: on a machine without a GPU, make that the CPU platform (and stub
+    torchvision) before any test module imports vLLM. Not in pytest-xdist's controller, which runs no test: its
+    workers start sooner when it does not import torch first."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return
+    if not torch.cuda.is_available():
         vllm_cpu.setup_env()
-except ImportError:  # pragma: no cover
-    pass
 
 
 @pytest.fixture(scope="session")
