@@ -53,10 +53,15 @@ fi
 
 declare -A URL=()
 PGIDS=()
-cleanup() {
-  local g
+cleanup() {  # SIGTERM to each server's process group, up to 5 s to drain and exit, then SIGKILL
+  local g i alive
   for g in "${PGIDS[@]}"; do kill -TERM -- "-$g" 2>/dev/null; done
-  sleep 5
+  for i in {1..50}; do
+    alive=0
+    for g in "${PGIDS[@]}"; do kill -0 -- "-$g" 2>/dev/null && alive=1; done
+    (( alive )) || break
+    sleep 0.1
+  done
   for g in "${PGIDS[@]}"; do kill -KILL -- "-$g" 2>/dev/null; done
 }
 trap cleanup EXIT

@@ -32,15 +32,19 @@ REQUEST = {
     },
 }
 
-# vLLM picks its platform at first import: on a machine without a GPU, make that the CPU platform
-# (and stub torchvision) before any test imports vLLM.
-try:
-    import torch as _torch
 
-    if not _torch.cuda.is_available():
+def pytest_configure(config):
+    """vLLM picks its platform at first import: on a machine without a GPU, make that the CPU platform (and stub
+    torchvision) before any test module imports vLLM. Not in pytest-xdist's controller, which runs no test: its
+    workers start sooner when it does not import torch first."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return
+    if not torch.cuda.is_available():
         vllm_cpu.setup_env()
-except ImportError:  # pragma: no cover
-    pass
 
 
 @pytest.fixture(scope="session")
@@ -121,9 +125,10 @@ def live_server(tiny_release, cache_dir):
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workers_ai_server(tiny_release, cache_dir):
-    """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits)."""
+    """A second server: same checkpoint, Workers-AI dialect (hosted envelope, Gini confidence, strict limits);
+    started once per worker, for every module that compares against it."""
     args = ["--model", str(tiny_release), "--backend", "reference", "--dialect", "workers-ai"]
     server = LiveServer(args).wait_ready()
     yield server

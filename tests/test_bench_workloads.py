@@ -20,10 +20,10 @@ def test_state_writer_hits_exact_token_counts(tiny_encoder, n):
     assert len(tiny_encoder.tokenize(text)) == n
 
 
-def test_qwen_tokenizer_workloads_have_exact_totals(qwen_tokenizer_dir):
+def test_qwen_tokenizer_workloads_have_exact_totals(hf_tok):
     from clef_vllm.schema.encoding import RequestEncoder
 
-    factory = RequestFactory(RequestEncoder.from_pretrained(qwen_tokenizer_dir), seed=3)
+    factory = RequestFactory(RequestEncoder(hf_tok), seed=3)
     short, long4k, long16k = build_variants(["short", "long"])
     assert factory.min_total_tokens(short) < short.total_tokens  # default short target leaves room for a state
     assert {r.expected_tokens for r in factory.requests(short, 12)} == {short.total_tokens}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from clef_vllm.server.cli import build_parser
+from clef_vllm.server.cli import build_parser, main
 from clef_vllm.server.flags import BASIC, SECTIONS, config_args, with_config
 from clef_vllm.testing.server import LiveServer
 
@@ -21,6 +21,22 @@ MOST_FLAGS = 30
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "clef_vllm.server.cli", *args], capture_output=True, text=True,
                           timeout=120)
+
+
+def refused(monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """``clef-systemone ARGS`` run in this process, for flags it refuses before it starts anything (no interpreter
+    and torch start-up a call), reported as :func:`run_cli` reports it. Flags it accepts stop the test where the
+    server would begin to start."""
+    def accepted():
+        raise AssertionError(f"clef-systemone {' '.join(args)}: accepted")
+
+    monkeypatch.setattr("clef_vllm.util.heap.bound_native_caches", accepted)   # main's first step after its flags
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["clef-systemone", *args], code, out.out, out.err)
 
 
 def listed_flags(text: str) -> list[str]:
@@ -101,24 +117,24 @@ def test_config_file_json(tmp_path):
     ("port: [\n", "is not valid YAML"),
     ("help-all: true\n", "unknown key 'help-all'"),
 ])
-def test_config_file_errors_exit_2_naming_the_key(tmp_path, text, message):
+def test_config_file_errors_exit_2_naming_the_key(tmp_path, monkeypatch, capsys, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    done = run_cli("--config", str(path))
+    done = refused(monkeypatch, capsys, "--config", str(path))
     assert done.returncode == 2
     assert "--config: " in done.stderr and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_config_file_missing_exits_2(tmp_path):
-    done = run_cli("--config", str(tmp_path / "nope.yaml"))
+def test_config_file_missing_exits_2(tmp_path, monkeypatch, capsys):
+    done = refused(monkeypatch, capsys, "--config", str(tmp_path / "nope.yaml"))
     assert done.returncode == 2 and "cannot read" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_config_value_of_the_wrong_type_is_refused_by_its_flag(tmp_path):
+def test_config_value_of_the_wrong_type_is_refused_by_its_flag(tmp_path, monkeypatch, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("max-queue: many\n")
-    done = run_cli("--config", str(path))
+    done = refused(monkeypatch, capsys, "--config", str(path))
     assert done.returncode == 2 and "--max-queue: invalid _non_negative_int value: 'many'" in done.stderr
 
 

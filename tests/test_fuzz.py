@@ -103,11 +103,11 @@ def test_bulk_lines_fail_alone(http, lines):
 
 
 @pytest.fixture(scope="module")
-def encoder_4096(qwen_tokenizer_dir):
-    """The request encoder on the real Qwen3.5 tokenizer, with a 4,096-token budget."""
+def encoder_4096(hf_tok):
+    """The request encoder on the real Qwen3.5 tokenizer (the session's), with a 4,096-token budget."""
     from clef_vllm.schema.encoding import RequestEncoder
 
-    return RequestEncoder.from_pretrained(qwen_tokenizer_dir, max_length=4096)
+    return RequestEncoder(hf_tok, max_length=4096)
 
 
 @settings(CI, max_examples=300)

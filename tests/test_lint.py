@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
 
@@ -45,8 +48,9 @@ def test_the_decision_core_imports_no_layer_above_it():
         assert not bad, f"clef_vllm/{name}.py imports {bad}: the core must not depend on backends, server or vLLM"
 
 
-def _defined_names(path) -> set[str]:
-    """Names bound at the top level of a module (definitions, assignments, imports)."""
+@functools.lru_cache(maxsize=None)
+def _defined_names(path) -> frozenset[str]:
+    """Names bound at the top level of a module (definitions, assignments, imports); each module parsed once."""
     import ast
 
     names = set()
@@ -62,7 +66,7 @@ def _defined_names(path) -> set[str]:
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, (ast.If, ast.Try)):
             names.update(_defined_names_in(node))
-    return names
+    return frozenset(names)
 
 
 def _defined_names_in(node) -> set[str]:
@@ -85,8 +89,10 @@ def test_every_clef_vllm_import_in_the_repository_resolves():
     import ast
 
     package = REPO / "vllm_plugin"
-    files = [p for p in REPO.rglob("*.py")
-             if not any(part.startswith(".") or part in ("build", "node_modules") for part in p.relative_to(REPO).parts)]
+    files = []
+    for folder, dirs, names in os.walk(REPO):      # hidden folders (.git, .venv-quant) and build outputs not walked
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("build", "node_modules")]
+        files += [Path(folder, n) for n in names if n.endswith(".py") and not n.startswith(".")]
     broken = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -254,14 +253,18 @@ def test_parse_size_refuses(text):
 # --------------------------------------------------------------------------- clef-load --gpu-memory
 
 
-def clef_load(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clef_vllm.tools.clef_load", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+def clef_load(capsys, *args) -> subprocess.CompletedProcess:
+    """``clef-load ARGS`` (its console script's ``main``) in this process, reported as the finished command."""
+    from clef_vllm.tools.clef_load import main
+
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["clef-load", *args], code, out.out, out.err)
 
 
-def test_clef_load_prints_the_plan(hybrid_9b, tmp_path):
+def test_clef_load_prints_the_plan(hybrid_9b, tmp_path, capsys):
     out = tmp_path / "plan.json"
-    proc = clef_load(hybrid_9b, "--gpu-memory", "15.92GiB", "--json", out)
+    proc = clef_load(capsys, hybrid_9b, "--gpu-memory", "15.92GiB", "--json", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for text in ("GPU memory plan: budget 14.33 GiB", "FP8 W8A8 linears", "NVFP4 W4A4 linears (vllm)",
                  "vision tower", "BF16, 456,010,480 parameters", "vision encoder", "KV cache", "16,384-token sequences", "fit: GEMM warm-up", "PASS"):
@@ -272,8 +275,8 @@ def test_clef_load_prints_the_plan(hybrid_9b, tmp_path):
     assert "not loaded (--text-only)" in blind and "vision encoder" not in blind and "--max-image-pixels" not in blind
 
 
-def test_clef_load_exits_1_when_nothing_fits(hybrid_9b):
-    proc = clef_load(hybrid_9b, "--gpu-memory", "4GiB", "--max-model-len", "32768")
+def test_clef_load_exits_1_when_nothing_fits(hybrid_9b, capsys):
+    proc = clef_load(capsys, hybrid_9b, "--gpu-memory", "4GiB", "--max-model-len", "32768")
     assert proc.returncode == 1
     assert "DOES NOT FIT: Clef-Flash does not fit" in proc.stdout and "32,768-token sequence" in proc.stdout
     assert "Traceback" not in proc.stderr

