@@ -271,7 +271,7 @@ def test_clef_load_prints_the_plan(hybrid_9b, tmp_path, capsys):
         assert text in proc.stdout
     report = json.loads(out.read_text())
     assert report["ok"] and report["plan"]["kv_tokens"] >= 2 * 16384 and report["plan"]["block_size"] == 528
-    blind = clef_load(hybrid_9b, "--gpu-memory", "15.92GiB", "--text-only").stdout      # the server's --text-only
+    blind = clef_load(capsys, hybrid_9b, "--gpu-memory", "15.92GiB", "--text-only").stdout     # the server's --text-only
     assert "not loaded (--text-only)" in blind and "vision encoder" not in blind and "--max-image-pixels" not in blind
 
 
