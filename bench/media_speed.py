@@ -124,6 +124,7 @@ def raw_run(args, encoded_like) -> dict:
     kwargs = raw_engine_kwargs(args.ckpt, arch="Qwen3_5ForConditionalGeneration",
                                gpu_memory_utilization=args.gpu_memory_utilization)
     kwargs.pop("language_model_only", None)
+    kwargs["skip_tokenizer_init"] = False          # vLLM's image processor needs the tokenizer
     kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
     params = PoolingParams(task="embed")
     pad, warm, c1, many = encoded_like

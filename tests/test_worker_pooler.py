@@ -114,7 +114,7 @@ def test_the_pooler_marks_each_step_in_the_request_trace(release_model, encoder,
     from clef_vllm.worker.model import ClefFlashForDecision
 
     seen = []
-    stand_in = SimpleNamespace(_steps=0, step_graphs=None, graph_runners=dict, _gdn_tuning=None,
+    stand_in = SimpleNamespace(_steps=0, _step_media=False, step_graphs=None, graph_runners=dict, _gdn_tuning=None,
                                model=lambda *a: seen.append(path.read_text().count("step_forward")) or "hidden")
     assert ClefFlashForDecision.forward(stand_in, torch.zeros(4, dtype=torch.long), torch.arange(4)) == "hidden"
     assert seen == [1]

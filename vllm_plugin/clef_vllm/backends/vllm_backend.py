@@ -52,7 +52,6 @@ FIXED_ENGINE_SETTINGS = dict(
     tensor_parallel_size=1,
     enable_chunked_prefill=True,      # the pooler is chunk-aware
     mamba_ssm_cache_dtype="float32",  # GDN state across chunks in fp32 (the release config's mamba_ssm_dtype)
-    skip_tokenizer_init=True,         # prompts arrive as token ids; spans are absolute positions
     # The worker runs inside its engine-core process, with data parallelism too (vLLM would start a
     # separate worker process per DP engine): the scheduler must see the worker's state-cache pool.
     distributed_executor_backend="uni",

@@ -31,10 +31,10 @@ def sees(files, opts: VllmOptions) -> bool:
 
 def media_settings(files, opts: VllmOptions) -> dict:
     """The engine's media settings: images (no videos) through the vision tower, or none at all (its limits 0:
-    vLLM then builds no tower, takes no multimodal path and skips the tokenizer, which only its image processor
-    needs)."""
+    vLLM then builds no tower and takes no multimodal path). Prompts arrive as token ids, so vLLM needs its
+    tokenizer only for its image processor: skipped without images."""
     if not sees(files, opts):
-        return {"limit_mm_per_prompt": {"image": 0, "video": 0}}
+        return {"limit_mm_per_prompt": {"image": 0, "video": 0}, "skip_tokenizer_init": True}
     image: dict = {"count": ENGINE_MAX_IMAGES}
     if opts.largest_image_pixels:          # vLLM profiles its encoder on a square of that many pixels
         image["width"] = image["height"] = math.isqrt(opts.largest_image_pixels)

@@ -84,6 +84,8 @@ def raw_engine_kwargs(model_dir: str | Path, *, arch: str = "auto", load_format:
         kwargs["hf_overrides"] = {"architectures": [arch]}
     if effective.endswith("ForConditionalGeneration"):
         kwargs["language_model_only"] = True      # text only: no vision tower, no image profiling
+    if kwargs.get("language_model_only") or not effective.endswith("ForConditionalGeneration"):
+        kwargs["skip_tokenizer_init"] = True      # token ids only: no image processor needs the tokenizer
     if quantization:
         kwargs["quantization"] = quantization
     kwargs.update(extra or {})
