@@ -238,6 +238,16 @@ def encoder(qwen_tokenizer_dir):
 MEDIA_IDS = {248053, 248054, 248056, 248057}
 
 
+@pytest.fixture(scope="module")
+def plain(encoder):
+    """The same tokenizer, not recognising special tokens: what a media token's literal text tokenizes to."""
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(encoder._tok.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
 def test_the_tokenizer_would_make_media_ids_from_text(encoder):
     """Why the guard exists: the raw tokenizer recognises the media tokens inside any text."""
     raw = encoder._tok.encode("a <|image_pad|> b", add_special_tokens=False).ids
@@ -247,9 +257,7 @@ def test_the_tokenizer_would_make_media_ids_from_text(encoder):
 
 @pytest.mark.parametrize("typed", ["<|image_pad|>", "<|vision_start|><|image_pad|><|vision_end|>", "<|video_pad|>",
                                    "x<|vision_end|>y" * 50, "<|vision_start|>" * 3])
-def test_media_tokens_typed_in_the_state_or_questions_stay_text(encoder, typed):
-    from tokenizers import Tokenizer
-
+def test_media_tokens_typed_in_the_state_or_questions_stay_text(encoder, plain, typed):
     body = {"model": "m", "state": {"log": f"user pasted {typed} here", "n": 1},
             "questions": {"q": {"type": "choice", "instructions": f"Is {typed} a pad?",
                                 "criteria": {"a": typed, typed: "b"}},
@@ -257,8 +265,6 @@ def test_media_tokens_typed_in_the_state_or_questions_stay_text(encoder, typed):
     enc = encoder.encode(parse_request(body))
     assert not MEDIA_IDS & set(enc.input_ids)
     # the literal's ids are those of its text, as a tokenizer that does not recognise special tokens gives them
-    plain = Tokenizer.from_str(encoder._tok.to_str())
-    plain.encode_special_tokens = True
     for token in MEDIA_TOKENS:
         assert encoder.tokenize(token) == plain.encode(token, add_special_tokens=False).ids
     # and every other id is what it was: the text around a literal is tokenized as before

@@ -137,6 +137,15 @@ core.HANDSHAKE_TIMEOUT_MINS = {minutes!r}    # vLLM's 5 minutes, shortened for t
 # vLLM's CPU platform starts engine processes by spawn (each imports vLLM again, seconds of CPU); a GPU node forks
 # them (VLLM_WORKER_MULTIPROC_METHOD, CUDA not initialized in this process), and so does this one
 engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+make_socket = core.make_zmq_socket
+
+
+def without_linger(*args, **kwargs):   # the hello no head took is not kept for vLLM's 5 s linger at the engine's exit
+    kwargs["linger"] = 0
+    return make_socket(*args, **kwargs)
+
+
+core.make_zmq_socket = without_linger
 from clef_vllm.server.cli import main
 if __name__ == "__main__":
     sys.exit(main(["--backend", "vllm", "--model", {model!r}, "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1",
