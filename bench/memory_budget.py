@@ -46,7 +46,8 @@ A row (one JSON object; ``run`` appends it to ``--out``, a JSON list):
   ``embed`` pooling of the same token ids at the same budget, c=16, ~30 s; null without ``--raw``);
   ``raw_note``: why raw vLLM has no figure; ``errors``: answers other than 200 over the load;
   ``state_cache_hits``: answers that read cached state tokens; ``long_ok``: every long request answered
-  200 (null when none was sent); ``load_seconds``: the load's wall time.
+  200 (null when none was sent); ``load_seconds``: the load's wall time; ``image_p50_ms`` / ``images_ok``
+  (``--image-px``): the images phase's p50 at c=4 and whether every image request answered 200 (null without it).
 - ``log_lines``: vLLM's "Model loading took…", "Available KV cache memory…", "GPU KV cache size…"
   lines and the plugin's ``clef memory…`` lines, verbatim (colour codes removed); a server that did not
   start adds its log's last lines.
@@ -102,7 +103,8 @@ VLLM_DEFAULT_SHARE = 0.9
 ROW_KEYS = ("card_gib", "budget_gib", "flags", "started", "oom", "kv_cache_gib", "kv_tokens", "max_concurrency_16k",
             "peak_process_gib", "plan_kv_cache_gib", "short_p50_ms", "short_c16_req_per_s",
             "raw_short_c16_req_per_s", "gpu", "command", "log_lines",
-            "raw_note", "errors", "state_cache_hits", "long_ok", "device_total_gib", "load_seconds", "died")
+            "raw_note", "errors", "state_cache_hits", "long_ok", "device_total_gib", "load_seconds", "died",
+            "image_p50_ms", "images_ok")
 RESULTS_NAME = "memory_budget.json"
 READY_TIMEOUT_S = 360.0
 SAMPLE_PERIOD_S = 0.25
@@ -564,12 +566,15 @@ class Pools:
     shared: list
     shared_warm: list
     settings: dict
+    images: list = field(default_factory=list)
 
 
 def build_pools(ckpt: str, *, seed: int = 0, short_tokens: int = 360, long_tokens: int = 16384,
                 shared_tokens: int = 15872, max_model_len: int = 16384, n_short: int = 256, n_long: int = 48,
-                n_shared: int = 96, keep_ids: bool = False) -> Pools:
-    """clef-bench's ``short``, ``long`` and ``shared-state`` variants on the checkpoint's tokenizer."""
+                n_shared: int = 96, keep_ids: bool = False, image_px: int = 0, n_images: int = 12) -> Pools:
+    """clef-bench's ``short``, ``long`` and ``shared-state`` variants on the checkpoint's tokenizer; with
+    ``image_px``, ``n_images`` short requests that each carry one picture of ``image_px`` squared (a different one each:
+    the engine's encoder at the largest image a 16 GB card takes, 2,048 squared)."""
     from clef_vllm.bench.workloads import WARM_START, RequestFactory, build_variants
     from clef_vllm.schema.encoding import RequestEncoder
 
@@ -578,15 +583,33 @@ def build_pools(ckpt: str, *, seed: int = 0, short_tokens: int = 360, long_token
     variants = build_variants(["short", "long", "shared-state"], short_tokens=short_tokens, long_tokens=[long_tokens],
                               shared_states=[(shared_tokens, n_shared)])
     short, long, shared = variants
-    return Pools(short=factory.requests(short, n_short), long=factory.requests(long, n_long),
+    short_pool = factory.requests(short, n_short)
+    return Pools(short=short_pool, long=factory.requests(long, n_long),
                  shared=factory.requests(shared, n_shared), shared_warm=factory.requests(shared, 2, start=WARM_START),
                  settings={"seed": seed, "short_tokens": short_tokens, "long_tokens": long_tokens,
-                           "shared_state_tokens": shared_tokens, "variants": [v.name for v in variants]})
+                           "shared_state_tokens": shared_tokens, "variants": [v.name for v in variants],
+                           "image_px": image_px, "image_requests": n_images if image_px else 0},
+                 images=image_requests(short_pool, image_px, n_images, seed) if image_px else [])
+
+
+def image_requests(short: list, px: int, n: int, seed: int) -> list:
+    """``n`` of the short requests, each with one JPEG picture of ``px`` x ``px`` (expected tokens unknown)."""
+    from clef_vllm.bench.workloads import BenchRequest
+    from clef_vllm.testing.images import data_uri, picture
+
+    out = []
+    for i in range(n):
+        base = short[i % len(short)]
+        body = {**base.body, "images": [data_uri(picture((px, px), seed * 1000 + i, "JPEG"), "image/jpeg")]}
+        out.append(BenchRequest("images", body, json.dumps(body, separators=(",", ":")).encode(), base.questions,
+                                None, label=f"images#{i}"))
+    return out
 
 
 #: (key, pool, concurrency, share of --load-seconds); the last phase runs until the load reaches it.
+#: The images phase runs only when the pools have image requests.
 PHASES = (("short1", "short", 1, 0.15), ("short16", "short", 16, 0.25), ("long", "long", 4, 0.30),
-          ("shared", "shared", 8, 0.30))
+          ("images", "images", 4, 0.10), ("shared", "shared", 8, 0.30))
 
 
 def _cycle(pool: list, n: int) -> list:
@@ -624,7 +647,8 @@ async def run_load(url: str, pools: Pools, load_seconds: float, alive: Callable[
     points: list[dict] = []
     result: dict[str, Any] = {"short_p50_ms": None, "short_c16_req_per_s": None, "long_ok": None,
                               "errors": sum(1 for o in warm_out if o is not None and not o.ok),
-                              "state_cache_hits": 0, "points": points, "load_error": None}
+                              "state_cache_hits": 0, "points": points, "load_error": None,
+                              "image_p50_ms": None, "images_ok": None}
     t0 = time.monotonic()
     for k, (key, pool_name, c, share) in enumerate(PHASES):
         if not alive():
@@ -632,6 +656,8 @@ async def run_load(url: str, pools: Pools, load_seconds: float, alive: Callable[
         c = (concurrency or {}).get(key, c)
         name = f"{'shared-state' if pool_name == 'shared' else pool_name} c={c}"
         pool = getattr(pools, pool_name)
+        if not pool:
+            continue
         seconds = share * load_seconds
         if k == len(PHASES) - 1:
             seconds = max(seconds, load_seconds - (time.monotonic() - t0))
@@ -660,6 +686,8 @@ async def run_load(url: str, pools: Pools, load_seconds: float, alive: Callable[
             result["short_c16_req_per_s"] = point["req_per_s"]
         if pool_name == "long" and done:
             result["long_ok"] = bad == 0
+        if pool_name == "images" and done:
+            result["images_ok"], result["image_p50_ms"] = bad == 0, lat["p50"] if lat else None
     result["load_seconds"] = round(time.monotonic() - t0, 1)
     return result
 
@@ -844,7 +872,8 @@ def run_row(cfg: RowConfig, pools: Pools, gpu: Gpu | None = None) -> dict:
                     detail["points"] = load.pop("points")
                     detail["load_error"] = load.pop("load_error")
                     row.update({k: load[k] for k in ("short_p50_ms", "short_c16_req_per_s", "long_ok", "errors",
-                                                     "state_cache_hits", "load_seconds")})
+                                                     "state_cache_hits", "load_seconds", "image_p50_ms",
+                                                     "images_ok")})
             else:
                 why = f"exited with {server.returncode}" if server.poll() is not None else \
                     f"not ready after {cfg.ready_timeout:.0f}s"
@@ -1015,7 +1044,7 @@ def _row_config(a: argparse.Namespace, card: Card, raw: bool, log_dir: Path) -> 
 def _pools(a: argparse.Namespace) -> Pools:
     t0 = time.monotonic()
     pools = build_pools(str(a.ckpt), seed=a.seed, short_tokens=a.short_tokens, long_tokens=a.long_tokens,
-                        shared_tokens=a.shared_tokens, max_model_len=a.max_model_len)
+                        shared_tokens=a.shared_tokens, max_model_len=a.max_model_len, image_px=a.image_px)
     say(f"requests: {len(pools.short)} short ({pools.short[0].expected_tokens} tokens), {len(pools.long)} long "
         f"({pools.long[0].expected_tokens}), {len(pools.shared)} shared-state ({pools.shared[0].expected_tokens}) "
         f"in {time.monotonic() - t0:.1f}s")
@@ -1124,6 +1153,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-tokens", type=int, default=15872, help="the shared state's tokens (default 15872)")
     p.add_argument("--max-model-len", type=int, default=16384, help="the server's (only read, for the figures)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image-px", type=int, default=0,
+                   help="an images phase: short requests with one PICTURE-px square JPEG each (2048: the 16 GB card's "
+                        "largest; default 0 = none; a --text-only server answers them 400)")
     p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     p.add_argument("--device-index", type=int, default=None, help="NVML index (default: CUDA_VISIBLE_DEVICES' first, else 0)")
     p.add_argument("--label", default="", help="a tag in the log names (default: from the flags)")

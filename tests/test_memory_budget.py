@@ -166,10 +166,10 @@ def test_a_row_end_to_end_on_the_reference_backend(tiny_release, tmp_path, cache
     """A real server: started, loaded with the mix (the state cache hits), stopped with its process group;
     then a server that cannot start gives started false and its log's last lines."""
     pools = mb.build_pools(str(tiny_release), short_tokens=360, long_tokens=600, shared_tokens=1030, n_short=4,
-                           n_long=2, n_shared=4)
+                           n_long=2, n_shared=4, image_px=96, n_images=2)
     cfg = mb.RowConfig(card=mb.parse_card("full"), ckpt=str(tiny_release), load_format=None, gpu=False,
                        flags=["--backend", "reference", "--state-cache", "on"], load_seconds=1.0, log_dir=tmp_path,
-                       concurrency={"short16": 1, "long": 1, "shared": 1}, warm_short=0, warm_shared=1)
+                       concurrency={"short16": 1, "long": 1, "images": 1, "shared": 1}, warm_short=0, warm_shared=1)
     bad = mb.RowConfig(card=mb.parse_card("full"), ckpt=str(tiny_release), load_format=None, gpu=False,
                        flags=["--backend", "reference", "--dialect", "nonsense"], log_dir=tmp_path, label="bad")
     with ThreadPoolExecutor(2) as pool:                    # the server that cannot start, meanwhile
@@ -180,10 +180,12 @@ def test_a_row_end_to_end_on_the_reference_backend(tiny_release, tmp_path, cache
     assert row["started"] and not row["died"] and not row["oom"], row["log_lines"]
     assert row["errors"] == 0 and row["long_ok"] is True and row["state_cache_hits"] > 0
     assert row["short_p50_ms"] > 0 and row["short_c16_req_per_s"] > 0 and row["load_seconds"] >= 1.0
+    assert row["images_ok"] is True and row["image_p50_ms"] > 0        # one 96x96 picture each, through the tower
     assert row["command"] == f"clef-systemone --model {tiny_release} --backend reference --state-cache on"
     assert row["flags"] == "--backend reference --state-cache on" and row["peak_process_gib"] is None
     detail = json.loads((tmp_path / f"{cfg.stem}_load.json").read_text())
-    assert [p["variant"] for p in detail["points"]] == ["short c=1", "short c=1", "long c=1", "shared-state c=1"]
+    assert [p["variant"] for p in detail["points"]] == ["short c=1", "short c=1", "long c=1", "images c=1",
+                                                        "shared-state c=1"]
     assert not mb._group_alive(detail["server_pid"])
     assert (tmp_path / f"{cfg.stem}_server.log.gz").exists() and not (tmp_path / f"{cfg.stem}_server.log").exists()
     json.dumps(row)
