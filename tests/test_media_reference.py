@@ -9,6 +9,7 @@ hidden states; the head's math written out literally (tests/support/release_math
 
 from __future__ import annotations
 
+import io
 
 import pytest
 import torch
@@ -129,12 +130,95 @@ def test_pads_typed_in_the_text_stay_text_next_to_real_images(backend):
     assert backend.decide_batch([enc])[0].isfinite().all()
 
 
-def test_videos_are_refused_by_name(backend):
-    frames = [data_uri(picture((64, 64), k)) for k in range(2)]
+needs_torchvision = pytest.mark.skipif(processor_backend() is not None,
+                                       reason="transformers' video processor needs torchvision (the GPU machine has it)")
+
+
+def frames_of(size, n: int, seed: int, fmt: str = "PNG") -> list[str]:
+    return [data_uri(picture(size, seed * 100 + k, fmt), f"image/{fmt.lower()}") for k in range(n)]
+
+
+def animated_gif(size, n: int, seed: int) -> str:
+    from PIL import Image
+
+    frames = [Image.open(io.BytesIO(picture(size, seed * 100 + k))).convert("RGB") for k in range(n)]
+    out = io.BytesIO()
+    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return data_uri(out.getvalue(), "image/gif")
+
+
+def video_oracle(tiny_release, body: dict, model) -> tuple[list[int], list, torch.Tensor]:
+    """The release's math with videos: its whole processor (``Qwen3VLProcessor``) on the placeholder text, each
+    video's frames at the processor's 2 fps, the multimodal model in float32, the head written out."""
+    import numpy as np
+    from transformers import AutoProcessor, AutoTokenizer
+    from transformers.video_utils import VideoMetadata
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_release))
+    T = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731 - the spec's T(s)
+    media = parsed(body)._media
+    images = [m.frames_rgb()[0] for m in media if m.kind == "image"]
+    videos = [np.stack([np.asarray(f) for f in m.frames_rgb()]) for m in media if m.kind == "video"]
+    meta = [VideoMetadata(total_num_frames=len(v), fps=2.0, width=v.shape[2], height=v.shape[1],
+                          duration=len(v) / 2, frames_indices=list(range(len(v)))) for v in videos]
+    processor = AutoProcessor.from_pretrained(str(tiny_release))
+    text = "<|vision_start|><|image_pad|><|vision_end|>" * len(images) + \
+        "<|vision_start|><|video_pad|><|vision_end|>" * len(videos) + "\n"
+    out = processor(text=[text], images=images or None, videos=videos, video_metadata=meta, return_tensors="pt")
+    ids, spans, _ = spec_encode(T, body, media=out["input_ids"][0].tolist())
+    x = torch.tensor([ids])
+    types = (x == model.config.image_token_id).int() + 2 * (x == model.config.video_token_id).int()
+    pixels = {k: out[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+              if k in out}
+    with torch.inference_mode():
+        hidden = model.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, mm_token_type_ids=types,
+                             **pixels)
+    head = load_head(locate_checkpoint(tiny_release), dtype=torch.float32)
+    types = {"noul": 0, "choice": 1, "score": 2}
+    fields = [(types[q["type"]], qs, os) for q, (qs, os) in zip(body["questions"].values(), spans)]
+    logits = literal_logits(head, hidden.last_hidden_state[0], ids, model.lm_head.weight.detach(), fields)
+    return ids, spans, torch.cat([torch.softmax(v, 0) for v in logits])
+
+
+@needs_torchvision
+def test_videos_equal_the_release_math_in_float32(backend, tiny_release, release_model):
+    """Short videos (4 and 3 frames, an animated GIF of 5), alone and after an image: ids, spans, probabilities to
+    1e-4 against the release's processor and model."""
+    base = image_requests(3, seed=11)
+    bodies = [base[0] | {"images": [], "videos": [frames_of((64, 96), 4, 1)]},
+              base[1] | {"images": [data_uri(picture((128, 128), 7))], "videos": [frames_of((96, 64), 3, 2, "JPEG")]},
+              base[2] | {"images": [], "videos": [animated_gif((80, 80), 5, 3)]}]
+    encoded = [backend.encoder.encode(parsed(b)) for b in bodies]
+    probs = backend.decide_batch(encoded)
+    vid = release_model.config.video_token_id
+    for body, enc, got in zip(bodies, encoded, probs):
+        ids, spans, want = video_oracle(tiny_release, body, release_model)
+        assert enc.input_ids == ids
+        assert [(f.question_span, list(f.option_spans)) for f in enc.fields] == spans
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert enc.media.token_counts[-1] == enc.input_ids.count(vid) > 0
+        assert enc.schema_offset == len(backend.encoder.prefix_ids) + enc.media_tokens + enc.state_tokens
+    other = bodies[0] | {"videos": [frames_of((64, 96), 4, 9)]}                 # other frames, same ids
+    again = backend.encoder.encode(parsed(other))
+    assert again.input_ids == encoded[0].input_ids and again.media.digest != encoded[0].media.digest
+
+
+@pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
+def test_videos_without_torchvision_are_refused_by_name(backend):
     with pytest.raises(RequestError) as info:
-        backend.encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames]}))
+        backend.encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 2, 1)]}))
     assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "videos")
-    assert "videos are not served" in info.value.message
+    assert "needs torchvision" in info.value.message
+
+
+def test_an_encoder_for_the_vllm_backend_refuses_videos_by_name(tiny_release):
+    from clef_vllm.schema.encoding import RequestEncoder
+
+    encoder = RequestEncoder.from_pretrained(str(tiny_release), pixels=False)
+    with pytest.raises(RequestError) as info:
+        encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 2, 1)]}))
+    assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "videos")
+    assert "served by the reference backend" in info.value.message
 
 
 def test_text_only_loads_no_vision_tower_and_refuses_images_by_name(tiny_release, cache_dir):

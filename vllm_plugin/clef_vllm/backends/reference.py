@@ -242,15 +242,20 @@ class ReferenceBackend(Backend):
 
     @torch.inference_mode()
     def hidden_with_media(self, e: EncodedRequest) -> torch.Tensor:
-        """Final-norm hidden states ``[1, L, H]`` of one request with images: the release's multimodal forward
-        (the vision tower's features in place of the pad tokens, M-RoPE positions from the grids)."""
+        """Final-norm hidden states ``[1, L, H]`` of one request with images or videos: the release's multimodal
+        forward (the vision tower's features in place of the pad tokens, M-RoPE positions from the grids)."""
         if self.multimodal is None:
             raise media_refused(self.encoder.text_only)
         ids = torch.tensor([e.input_ids], dtype=torch.long, device=self.device)
-        types = (ids == self.multimodal.config.image_token_id).int()
+        config = self.multimodal.config
+        types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+        tensors = {}
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+            value = getattr(e.media, key)
+            if value is not None:
+                tensors[key] = value.to(self.device)
         out = self.multimodal(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                              pixel_values=e.media.pixel_values.to(self.device),
-                              image_grid_thw=e.media.image_grid_thw.to(self.device), mm_token_type_ids=types)
+                              mm_token_type_ids=types, **tensors)
         return out.last_hidden_state
 
     @torch.inference_mode()

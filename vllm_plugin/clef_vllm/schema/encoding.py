@@ -357,7 +357,7 @@ class RequestEncoder:
         if request._media:                # validated media (schema/media.py); pixels are processed once they fit
             if self.media is None:
                 raise text_only(request._media, self.text_only)
-            counts = self.media.token_counts(request._media)
+            counts = self.media.token_counts(request._media, check)
             media_ids = self.media.block(counts)
         questions = list(request.questions.items())
         options = [question_options(q) for _, q in questions]

@@ -1,4 +1,4 @@
-"""A request's images as the backbone sees them: the checkpoint's image processor, the media id block.
+"""A request's images and videos as the backbone sees them: the checkpoint's processors, the media id block.
 
 The release runs its processor on ``"<|vision_start|><|image_pad|><|vision_end|>"`` once per image, then
 ``"\\n"``, and inserts the result right after the prompt prefix (docs/encoding-and-head.md, "Media"). The
@@ -9,8 +9,14 @@ processor resizes each image to a multiple of 32 px (patch 16 x merge 2) between
 (transformers' ``Qwen2VLImageProcessor``: its torchvision backend where torchvision is installed, else its
 Pillow one, as transformers itself chooses), and keeps what a backend needs in :class:`MediaInputs`.
 
-Videos are validated on the wire (:mod:`clef_vllm.schema.media`) but not served: the release's video
-processor needs torchvision, and the backends take images only. A request with a video is refused by name.
+Videos go through the checkpoint's own ``Qwen3VLProcessor`` (transformers' video processor, which needs
+torchvision): one call per video on ``"<|vision_start|><|video_pad|><|vision_end|>"`` gives its ids (one
+``"<t seconds>"`` text and one ``<|vision_start|>`` pad run ``<|vision_end|>`` group per temporal patch of two
+frames) and its ``pixel_values_videos`` / ``video_grid_thw``. A video's frames are taken at the processor's own
+rate (``fps`` 2: frame ``i`` at ``i / 2`` seconds), so it keeps every frame. The media block is the images' blocks,
+then the videos', then ``"\n"``: what the processor makes of the release's whole placeholder text, since special
+tokens split the text it tokenizes. Only the reference backend takes videos (``pixels`` on) and only where
+torchvision is installed; elsewhere a video is refused by name.
 """
 
 from __future__ import annotations
@@ -26,9 +32,23 @@ from clef_vllm.schema.media import MediaItem, no_check
 
 log = logging.getLogger("clef_vllm")
 
-#: The text the release's processor expands, per image, and after the last item.
+#: The text the release's processor expands, per image, per video, and after the last item.
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 MEDIA_END = "\n"
+#: The rate a video's frames are taken at: the release's video processor's ``fps`` (every frame kept).
+VIDEO_FPS = 2.0
+
+
+@dataclass(frozen=True, eq=False)
+class VideoBlock:
+    """One video as the checkpoint's processor makes it: its ids (timestamps, starts, pads, ends), its pad
+    tokens, and its tensors."""
+
+    ids: tuple[int, ...]
+    pads: int
+    pixel_values: Any
+    grid_thw: Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,8 +62,10 @@ class MediaInputs:
     images: tuple
     pixel_values: Any                    # None where the backend processes the images itself (vLLM)
     image_grid_thw: Any
-    token_counts: tuple[int, ...]
+    token_counts: tuple[int, ...]        # images' pads, then each video's
     digest: bytes
+    pixel_values_videos: Any = None      # the videos' tensors (the reference backend only)
+    video_grid_thw: Any = None
 
     @property
     def num_images(self) -> int:
@@ -58,8 +80,12 @@ class MediaInputs:
 class MediaProcessor:
     """The checkpoint's image processor and the media tokens' ids. Thread-safe (no state between calls)."""
 
-    def __init__(self, image_processor, token_ids: dict[str, int], newline_ids: Sequence[int], pixels: bool = True):
+    def __init__(self, image_processor, token_ids: dict[str, int], newline_ids: Sequence[int], pixels: bool = True,
+                 video_processor=None, no_videos: str = "this checkpoint has no video processor"):
         self.image_processor = image_processor
+        #: the checkpoint's whole ``Qwen3VLProcessor`` (videos), or None; then ``no_videos`` says why
+        self.video_processor = video_processor
+        self.no_videos = no_videos
         #: whether :meth:`inputs` runs the processor (False: a backend that runs it itself gets decoded images)
         self.pixels = pixels
         self.merge_size = int(getattr(image_processor, "merge_size", 2))
@@ -68,6 +94,9 @@ class MediaProcessor:
         self.pad_id = token_ids["<|image_pad|>"]
         self.newline_ids = list(newline_ids)
         settings = {k: v for k, v in sorted(image_processor.to_dict().items()) if not k.startswith("_")}
+        if video_processor is not None:
+            settings["video"] = {k: v for k, v in sorted(video_processor.video_processor.to_dict().items())
+                                 if not k.startswith("_")}
         self._settings = repr(settings).encode()
 
     @classmethod
@@ -94,7 +123,9 @@ class MediaProcessor:
                 raise ValueError(f"{folder}: the tokenizer has no {token} token; the image processor needs it")
             ids[token] = tid
         newline = [e.ids for e in tokenizer.encode_batch([MEDIA_END], add_special_tokens=False)][0]
-        return cls(processor, ids, newline, pixels=pixels)
+        videos, why = _video_processor(folder) if pixels else (None, "this backend takes images; videos are "
+                                                                     "served by the reference backend")
+        return cls(processor, ids, newline, pixels=pixels, video_processor=videos, no_videos=why)
 
     def describe(self) -> dict:
         p = self.image_processor
@@ -102,36 +133,73 @@ class MediaProcessor:
                 "patch_size": getattr(p, "patch_size", None), "min_pixels": _pixels(p, "shortest_edge", "min_pixels"),
                 "max_pixels": _pixels(p, "longest_edge", "max_pixels")}
 
-    def token_counts(self, items: Sequence[MediaItem]) -> tuple[int, ...]:
-        """The pad tokens of each image, from the sizes its header declares (no pixel is decoded): the
-        processor's resize to a multiple of 32 px within its pixel bounds, one token per 32 x 32 px."""
+    def token_counts(self, items: Sequence[MediaItem],
+                     checkpoint: Callable[[], None] | None = None) -> tuple[int | VideoBlock, ...]:
+        """Per image its pad tokens, from the sizes its header declares (no pixel is decoded): the processor's
+        resize to a multiple of 32 px within its pixel bounds, one token per 32 x 32 px. Per video (images come
+        first on the wire) its :class:`VideoBlock`: the processor runs on its frames here, since its ids depend on
+        them."""
         videos = [m for m in items if m.kind == "video"]
-        if videos:
-            raise RequestError("videos are not served (images are): the release's video processor needs "
-                               "torchvision, which this server does not use", kind=Kind.UNSUPPORTED,
+        if videos and self.video_processor is None:
+            raise RequestError(f"videos are not served here: {self.no_videos}", kind=Kind.UNSUPPORTED,
                                field=videos[0].field.split("[", 1)[0])
         count = self.image_processor.get_number_of_image_patches
-        return tuple(count(m.height, m.width) // self.merge_size ** 2 for m in items)
+        return tuple(count(m.height, m.width) // self.merge_size ** 2 if m.kind == "image" else
+                     self.video_block(m, checkpoint) for m in items)
 
-    def block(self, counts: Sequence[int]) -> list[int]:
-        """The media id block: per image its start token, ``counts[i]`` pads and its end token; then a newline."""
+    def video_block(self, item: MediaItem, checkpoint: Callable[[], None] | None = None) -> VideoBlock:
+        """One video through the checkpoint's processor (its frames at :data:`VIDEO_FPS`)."""
+        import numpy as np
+        from transformers.video_utils import VideoMetadata
+
+        frames = []
+        for frame in item.frames_rgb():
+            (checkpoint or no_check)()
+            frames.append(np.asarray(frame))
+        n = len(frames)
+        metadata = VideoMetadata(total_num_frames=n, fps=VIDEO_FPS, width=item.width, height=item.height,
+                                 duration=n / VIDEO_FPS, frames_indices=list(range(n)))
+        out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[np.stack(frames)], video_metadata=[metadata],
+                                   return_tensors="pt")
+        ids = tuple(int(i) for i in out["input_ids"][0])
+        pads = sum(1 for i in ids if i == self.video_pad_id)
+        return VideoBlock(ids, pads, out["pixel_values_videos"], out["video_grid_thw"])
+
+    @property
+    def video_pad_id(self) -> int:
+        return int(self.video_processor.video_token_id)
+
+    def block(self, counts: Sequence[int | VideoBlock]) -> list[int]:
+        """The media id block: per image its start token, ``counts[i]`` pads and its end token; per video its
+        :class:`VideoBlock`'s ids; then a newline."""
         ids: list[int] = []
         for n in counts:
+            if isinstance(n, VideoBlock):
+                ids.extend(n.ids)
+                continue
             ids.append(self.start_id)
             ids.extend([self.pad_id] * n)
             ids.append(self.end_id)
         return ids + self.newline_ids
 
-    def inputs(self, items: Sequence[MediaItem], counts: Sequence[int],
+    def inputs(self, items: Sequence[MediaItem], counts: Sequence[int | VideoBlock],
                checkpoint: Callable[[], None] | None = None) -> MediaInputs:
-        """The images decoded and processed (what a backend needs); ``counts``: :meth:`token_counts`."""
+        """The images decoded and processed, the videos' tensors (what a backend needs); ``counts``:
+        :meth:`token_counts`."""
         check = checkpoint or no_check
+        videos = [n for n in counts if isinstance(n, VideoBlock)]
+        counts = [n for n in counts if not isinstance(n, VideoBlock)]
         images = []
         for item in items:
+            if item.kind != "image":
+                continue
             check()
             images.append(item.frames_rgb()[0])
         check()
-        if self.pixels:
+        if not images:
+            pixel_values = grid = None
+            got = ()
+        elif self.pixels:
             out = self.image_processor(images=images, return_tensors="pt")
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
             got = tuple(int(g.prod()) // self.merge_size ** 2 for g in grid)
@@ -145,7 +213,30 @@ class MediaProcessor:
         digest = hashlib.blake2b(self._settings, digest_size=16)
         for item in items:
             digest.update(item.digest.encode())
-        return MediaInputs(tuple(images), pixel_values, grid, got, digest.digest())
+        if not videos:
+            return MediaInputs(tuple(images), pixel_values, grid, got, digest.digest())
+        import torch
+
+        return MediaInputs(tuple(images), pixel_values, grid, got + tuple(v.pads for v in videos), digest.digest(),
+                           torch.cat([v.pixel_values for v in videos]), torch.cat([v.grid_thw for v in videos]))
+
+
+def _video_processor(folder: Path):
+    """``(the checkpoint's Qwen3VLProcessor, "")`` for its videos, or ``(None, why not)``."""
+    if not (folder / "video_preprocessor_config.json").is_file():
+        return None, "this checkpoint has no video processor"
+    if processor_backend() is not None:
+        return None, ("the release's video processor needs torchvision, which is not installed here (vLLM 0.28 "
+                      "pins torchvision==0.28.0)")
+    from transformers import AutoProcessor
+    from transformers.utils import logging as tf_logging
+
+    quiet = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        return AutoProcessor.from_pretrained(str(folder)), ""
+    finally:
+        tf_logging.set_verbosity(quiet)
 
 
 def processor_backend() -> str | None:
@@ -164,4 +255,5 @@ def _pixels(processor, size_key: str, attr: str) -> int | None:
     return value if value is not None else getattr(processor, attr, None)
 
 
-__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "MediaInputs", "MediaProcessor", "processor_backend"]
+__all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "VIDEO_FPS", "VIDEO_PLACEHOLDER", "MediaInputs", "MediaProcessor",
+           "VideoBlock", "processor_backend"]
