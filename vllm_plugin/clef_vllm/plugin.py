@@ -18,10 +18,12 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from clef_vllm.server.logs import inherit_logging
     from clef_vllm.util.stacks import enable_stack_dumps
     from clef_vllm.worker.dummy_loader import register_loader as register_dummy_loader
     from clef_vllm.worker.scheduler import install_block_hasher
 
+    inherit_logging()      # a spawned engine core logs the plugin's lines as the server does
     enable_stack_dumps()   # kill -USR1 <engine core pid> prints where it is (vLLM loads this in every process)
     install_block_hasher()  # a Clef request's state keys are its prefix-cache block hashes
     register_dummy_loader()  # --load-format clef-dummy (benchmarks of quantized layouts without weights)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
 import time
+
+#: ``LEVEL:FORMAT`` of the server's logging, for the engine processes it starts (:func:`inherit_logging`).
+LOG_ENV = "CLEF_VLLM_LOG"
 
 LOG_CONTEXT: contextvars.ContextVar[dict] = contextvars.ContextVar("clef_log_context", default={})  # noqa: B039 - never mutated, only set
 
@@ -61,11 +65,36 @@ class TextFormatter(logging.Formatter):
         return super().format(record)
 
 
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
-    """One stderr handler on the root logger (uvicorn's loggers propagate to it)."""
+def _handler(fmt: str) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(ContextFilter())
+    return handler
+
+
+def inherit_logging() -> bool:
+    """In a process the server started without forking it (vLLM spawns its engine core once the front end holds
+    a CUDA context, e.g. with a vision tower's processor), the server's handler for the ``clef_vllm`` loggers:
+    a forked process inherits the root handler, a spawned one starts with none and would drop every line below
+    WARNING (the memory budget's among them). Returns whether it set one up."""
+    setting = os.environ.get(LOG_ENV)
+    if not setting or logging.getLogger().handlers:
+        return False
+    logger = logging.getLogger("clef_vllm")
+    if logger.handlers:
+        return False
+    level, _, fmt = setting.partition(":")
+    logger.addHandler(_handler(fmt or "text"))
+    logger.setLevel(level.upper() or "INFO")
+    logger.propagate = False
+    return True
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    """One stderr handler on the root logger (uvicorn's loggers propagate to it); the engine processes the
+    server starts log the plugin's lines the same way (:func:`inherit_logging`)."""
+    os.environ[LOG_ENV] = f"{level}:{fmt}"
+    handler = _handler(fmt)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
