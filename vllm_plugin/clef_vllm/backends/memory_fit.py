@@ -1,8 +1,8 @@
 """The memory plan at the vLLM backend's start: settings that fit the GPU, or a clear refusal.
 
 Before the engine starts, :func:`fit_options` computes the checkpoint's memory plan
-(:mod:`clef_vllm.plan.memory_plan`) for the first visible GPU's memory (read with NVML: the front end
-makes no CUDA context) and the budget ``--gpu-memory-utilization`` gives each engine, then:
+(:mod:`clef_vllm.plan.memory_plan`) for the first visible GPU's memory (read with NVML: the plan
+itself makes no CUDA context) and the budget ``--gpu-memory-utilization`` gives each engine, then:
 
 * resolves ``--nvfp4-kernel auto`` by memory as well as speed (BF16 dequantized weights only where
   the KV cache keeps room for a few ``--max-model-len`` sequences; the packed kernel otherwise);
