@@ -4,6 +4,7 @@ a refusal before anything loads, and the worker's reservation of the plugin's gr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from clef_vllm.backends.memory_fit import fit_options, options_for
-from clef_vllm.backends.options import backend_options, engine_args
+from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.contract import PrefillGraphs, WorkerSettings
 from clef_vllm.plan.memory_plan import PlanDoesNotFit, PlanInputs
 
@@ -122,6 +123,32 @@ def test_the_16gb_plan_reaches_the_engine_as_a_leaner_step_lean_prefill_buckets_
     assert any("--max-image-pixels 16,777,216 -> 4,194,304" in line for line in plan.changes)
     image = engine_kwargs(hybrid_9b, replace(seeing, load_format="clef-dummy"))["limit_mm_per_prompt"]["image"]
     assert image["width"] == image["height"] == 2048         # vLLM profiles its encoder on the largest image
+
+
+def test_what_the_operator_gave_is_kept_and_the_rest_turned_down(hybrid_9b, caplog, monkeypatch):
+    """On a 16 GB card the seeing plan turns the state cache off; given (``--state-cache on``), it stays on, the
+    plan turns down only the rest and says the KV cache holds fewer than five sequences because of it. The vLLM
+    backend passes the options it was given (make_backend's keywords, the server's flags) as given."""
+    card = (int(15.92 * GIB), HOPPER)
+    caplog.set_level(logging.WARNING, logger="clef_vllm")
+    opts = backend_options("vllm", {"state_cache": True})
+    fitted, plan = fit_options(hybrid_9b, opts, device=card, given=frozenset({"state_cache"}))
+    assert fitted.state_cache and not any("--state-cache off" in line for line in plan.changes)
+    assert not fitted.prefill_graphs and not fitted.head_graphs       # the others are turned down as before
+    assert 1 <= plan.max_concurrency < 5
+    assert any("kept as given: --state-cache" in r.message for r in caplog.records)
+    both, _ = fit_options(hybrid_9b, backend_options("vllm", {"max_num_batched_tokens": 8192}), device=card,
+                          given=frozenset({"max_num_batched_tokens"}))
+    assert both.max_num_batched_tokens == 8192 and not both.state_cache
+
+    from clef_vllm.backends import make_backend, memory_fit
+    from clef_vllm.backends.vllm_backend import VllmBackend
+
+    seen = []
+    monkeypatch.setattr(VllmBackend, "__init__", lambda self, model_dir, opts, given=frozenset(): seen.append(given))
+    make_backend(hybrid_9b, "vllm", state_cache=True, max_num_seqs=None)
+    assert seen == [frozenset({"state_cache"})]
+    assert memory_fit.PLAN_FIELDS.keys() <= {f.name for f in dataclasses.fields(VllmOptions)}
 
 
 def test_the_vllm_backend_refuses_a_card_too_small_before_it_loads_anything(hybrid_9b, monkeypatch):

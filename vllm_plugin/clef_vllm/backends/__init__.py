@@ -51,7 +51,7 @@ def make_backend(model_dir, backend: str = "auto", **options) -> Backend:
         return ReferenceBackend(model_dir, opts)
     from clef_vllm.backends.vllm_backend import VllmBackend
 
-    return VllmBackend(model_dir, opts)
+    return VllmBackend(model_dir, opts, given=frozenset(k for k, v in options.items() if v is not None))
 
 
 __all__ = ["BACKENDS", "Backend", "OptionError", "ReferenceOptions", "VllmOptions", "backend_options", "make_backend",

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from clef_vllm.backends.options import VllmOptions
+from clef_vllm.backends.options import VllmOptions, flag_of
 from clef_vllm.plan.memory_plan import (MIN_BF16_SEQUENCES, MIN_SEQUENCES, MemoryPlan, PlanInputs, choose_nvfp4_kernel,
                                         fit, gib, model_shape_for_checkpoint)
 from clef_vllm.quant.kernels import resolve_nvfp4_kernel
@@ -98,10 +98,20 @@ def options_for(opts: VllmOptions, inputs: PlanInputs) -> VllmOptions:
     return dataclasses.replace(opts, **changes) if changes else opts
 
 
-def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]] | None = None
-                ) -> tuple[VllmOptions, MemoryPlan | None]:
+#: The plan's inputs each option decides: an option the operator gave is kept as given by :func:`fit_options`.
+PLAN_FIELDS = {"head_graphs": ("head_graph_records",), "head_graph_records": ("head_graph_records",),
+               "max_num_batched_tokens": ("max_num_batched_tokens",), "max_num_seqs": ("max_num_seqs",),
+               "prefill_graphs": ("prefill_graphs",), "prefill_graph_buckets": ("prefill_max_bucket",),
+               "prefill_graph_scope": ("step_graphs",), "gemm_warmup": ("gemm_warmup", "gemm_warmup_rows"),
+               "gemm_warmup_rows": ("gemm_warmup_rows",), "state_cache": ("state_cache_bytes",),
+               "largest_image_pixels": ("image_pixels",)}
+
+
+def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]] | None = None,
+                given: frozenset[str] = frozenset()) -> tuple[VllmOptions, MemoryPlan | None]:
     """The options the engine starts with and the plan behind them (``None``: no GPU known, the options as
-    given). Raises :class:`~clef_vllm.plan.memory_plan.PlanDoesNotFit`."""
+    given). ``given``: the options the operator set (flags given, keywords passed); the plan keeps them and
+    turns only the others down. Raises :class:`~clef_vllm.plan.memory_plan.PlanDoesNotFit`."""
     device = device if device is not None else device_memory()
     if device is None:
         return opts, None
@@ -111,9 +121,14 @@ def fit_options(model_dir, opts: VllmOptions, device: tuple[int, tuple[int, int]
     if inputs.nvfp4_kernel == "auto":
         kernel = "vllm" if opts.linear_backend_chosen else choose_nvfp4_kernel(model, inputs, capability)
         inputs = dataclasses.replace(inputs, nvfp4_kernel=kernel)
-    plan = fit(model, inputs)
+    keep = frozenset(name for option in given for name in PLAN_FIELDS.get(option, ()))
+    plan = fit(model, inputs, keep=keep)
     for line in plan.changes:
         log.warning("clef memory plan: %s", line)
+    if keep and plan.max_concurrency < MIN_SEQUENCES:
+        flags = ", ".join(sorted({flag_of(option) for option in given if option in PLAN_FIELDS}))
+        log.warning("clef memory plan: kept as given: %s (the KV cache holds %.2f sequences of %s tokens; %g "
+                    "wanted)", flags, plan.max_concurrency, f"{plan.inputs.max_model_len:,}", MIN_SEQUENCES)
     head, *rest = plan.describe()
     log.info("clef memory plan: %s", head)
     for line in rest:

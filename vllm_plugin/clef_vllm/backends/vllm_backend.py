@@ -236,8 +236,10 @@ class VllmBackend(Backend):
     _pad_id: int | None = None
 
     def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
-                 encoder: RequestEncoder | None = None, **kwargs: Any):
-        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.VllmOptions`."""
+                 encoder: RequestEncoder | None = None, given: frozenset[str] = frozenset(), **kwargs: Any):
+        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.VllmOptions`;
+        ``given``: the options the operator set, which the memory plan keeps (keyword arguments count as given)."""
+        given = given | frozenset(k for k, v in kwargs.items() if v is not None)
         self.options = options if options is not None else backend_options("vllm", kwargs)
         import_vllm()   # fail early, naming the extra to install
 
@@ -246,7 +248,7 @@ class VllmBackend(Backend):
         register()
         self.files = locate_checkpoint(model_dir, require_weights=not is_dummy(self.options.load_format))
         load_head_config(self.files)  # version marker, checked in the front-end too
-        self.options, self.memory_plan = fit_options(self.files.root, self.options)   # PlanDoesNotFit: nothing loads
+        self.options, self.memory_plan = fit_options(self.files.root, self.options, given=given)  # PlanDoesNotFit
         self.max_model_len = self.options.max_model_len
         refusal = (None if sees(self.files, self.options) else "the server runs with --text-only"
                    if self.options.text_only else "the checkpoint has no vision tower and image processor")

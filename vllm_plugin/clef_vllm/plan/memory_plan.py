@@ -474,15 +474,19 @@ def _leanest(inputs: PlanInputs) -> PlanInputs:
                    max_num_seqs=min(inputs.max_num_seqs, LEAN_SEQUENCES))
 
 
-def fit(model: ModelShape, inputs: PlanInputs, *, min_sequences: float = MIN_SEQUENCES) -> MemoryPlan:
+def fit(model: ModelShape, inputs: PlanInputs, *, min_sequences: float = MIN_SEQUENCES,
+        keep: frozenset[str] = frozenset()) -> MemoryPlan:
     """The plan after turning the plugin's memory-costly features down or off, in :func:`_steps`' order,
     until the KV cache holds ``min_sequences`` sequences of ``max_model_len`` tokens; each change is one line
-    of the returned plan's ``changes`` (what, what it freed, why). The leanest plan when even that falls
-    short of the target; :class:`PlanDoesNotFit` when it holds less than one sequence."""
+    of the returned plan's ``changes`` (what, what it freed, why). ``keep``: :class:`PlanInputs` fields no step
+    may change (the settings the operator gave). The leanest plan when even that falls short of the target;
+    :class:`PlanDoesNotFit` when it holds less than one sequence."""
     current = plan(model, inputs)
     changes: list[str] = []
     while current.max_concurrency < min_sequences:
-        tries = ((plan(model, candidate), what) for candidate, what in _steps(current.inputs))
+        steps = ((c, what) for c, what in _steps(current.inputs)
+                 if all(getattr(c, name) == getattr(current.inputs, name) for name in keep))
+        tries = ((plan(model, candidate), what) for candidate, what in steps)
         step = next(((p, what) for p, what in tries if p.kv_bytes > current.kv_bytes), None)
         if step is None:
             break
