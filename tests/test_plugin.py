@@ -45,9 +45,9 @@ def test_a_spawned_engine_process_logs_the_plugins_lines_as_the_server_does(monk
     import sys
 
     from clef_vllm import plugin
-    from clef_vllm.server import logs
+    from clef_vllm.util import logs
 
-    child = ("import logging; from clef_vllm.server.logs import inherit_logging; print(inherit_logging()); "
+    child = ("import logging; from clef_vllm.util.logs import inherit_logging; print(inherit_logging()); "
              "logging.getLogger('clef_vllm.worker').info('clef memory budget: 1 GiB'); "
              "logging.getLogger('clef_vllm.worker').debug('not at info')")
     env = {k: v for k, v in os.environ.items() if k != logs.LOG_ENV}

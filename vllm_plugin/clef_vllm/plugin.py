@@ -18,7 +18,7 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    from clef_vllm.server.logs import inherit_logging
+    from clef_vllm.util.logs import inherit_logging
     from clef_vllm.util.stacks import enable_stack_dumps
     from clef_vllm.worker.dummy_loader import register_loader as register_dummy_loader
     from clef_vllm.worker.scheduler import install_block_hasher

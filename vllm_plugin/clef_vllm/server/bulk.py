@@ -35,7 +35,7 @@ from clef_vllm.server.admission import BULK
 from clef_vllm.server.body import BodyReader, body_too_large
 from clef_vllm.server.context import RequestContext
 from clef_vllm.server.errors import error_body, error_status, outcome
-from clef_vllm.server.logs import LOG_CONTEXT
+from clef_vllm.util.logs import LOG_CONTEXT
 from clef_vllm.server.service import DecisionService
 
 log = logging.getLogger("clef_vllm.server")

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
     same server on another backend (``clef-serve-ray``: clef_vllm/server/serve_ray.py)."""
     parser = parser or build_parser()
     args = parser.parse_args(with_config(parser, sys.argv[1:] if argv is None else list(argv)))
-    from clef_vllm.server.logs import setup_logging
+    from clef_vllm.util.logs import setup_logging
     from clef_vllm.util.heap import bound_native_caches
 
     bound_native_caches()                     # before the backend builds its first oneDNN primitive

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from clef_vllm.server.logs import LOG_CONTEXT
+from clef_vllm.util.logs import LOG_CONTEXT
 
 log = logging.getLogger("clef_vllm.server")
 

@@ -20,7 +20,7 @@ from clef_vllm.server.context import CONTEXT_KEY, RequestContext, accept_request
 from clef_vllm.server.decisions import DECISIONS_DIALECT, DECISIONS_PREFIX, DECISIONS_ROUTES, decisions_path
 from clef_vllm.server.errors import OUTCOMES, error_response, outcome
 from clef_vllm.server.hosted import HOSTED_DIALECT, HOSTED_ROUTE, hosted_path, hosted_route_label
-from clef_vllm.server.logs import LOG_CONTEXT
+from clef_vllm.util.logs import LOG_CONTEXT
 from clef_vllm.server.metrics import ServerMetrics
 
 log = logging.getLogger("clef_vllm.server")

@@ -1,4 +1,4 @@
-"""Logging for the server: text or one JSON object per line, with the request id on every line.
+"""Logging for the server and the engine processes it starts: text or one JSON object per line, with the request id on every line.
 
 The request id (and, inside a bulk stream, the record index) lives in a context variable that
 the HTTP middleware sets; a filter copies it onto every log record emitted while serving that
