@@ -203,6 +203,25 @@ def test_videos_equal_the_release_math_in_float32(backend, tiny_release, release
     assert again.input_ids == encoded[0].input_ids and again.media.digest != encoded[0].media.digest
 
 
+def test_the_media_block_puts_videos_after_images_with_their_tensors(backend):
+    """The block and the inputs from per-item entries: an image's pad count, a video's VideoBlock (what the
+    checkpoint's processor made of it, built by hand here: CI has no torchvision)."""
+    from clef_vllm.schema.media_inputs import VideoBlock
+
+    media = backend.encoder.media
+    body = image_requests(1)[0] | {"images": [data_uri(picture((256, 256), 1))], "videos": [frames_of((64, 64), 2, 1)]}
+    items = parsed(body)._media
+    video = VideoBlock((248053, 248057, 248057, 248054), 2, torch.ones(8, 1536), torch.tensor([[1, 2, 4]]))
+    block = media.block([64, video])
+    assert block == [media.start_id] + [media.pad_id] * 64 + [media.end_id] + list(video.ids) + media.newline_ids
+    inputs = media.inputs(items, [64, video])
+    assert inputs.token_counts == (64, 2) and inputs.num_images == 1 and inputs.num_tokens == 66
+    assert torch.equal(inputs.pixel_values_videos, video.pixel_values) and inputs.video_grid_thw.tolist() == [[1, 2, 4]]
+    assert inputs.image_grid_thw.tolist() == [[1, 16, 16]]
+    only = media.inputs(items[1:], [video])
+    assert only.pixel_values is None and only.token_counts == (2,) and only.digest != inputs.digest
+
+
 @pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
 def test_videos_without_torchvision_are_refused_by_name(backend):
     with pytest.raises(RequestError) as info:
