@@ -74,7 +74,7 @@ def image_warmup(media, text: list[int], side: int = 256) -> tuple[dict, list[in
     engine makes of it (``media``: the encoder's ``MediaProcessor``)."""
     from PIL import Image
 
-    count = media.image_processor.get_number_of_image_patches(side, side) // media.merge_size ** 2
+    count = media.image_tokens(side, side)
     prompt = {"prompt_token_ids": text[:8] + media.block([1]) + text[8:],
               "multi_modal_data": {"image": [Image.new("RGB", (side, side), (200, 30, 30))]}}
     return prompt, text[:8] + media.block([count]) + text[8:]

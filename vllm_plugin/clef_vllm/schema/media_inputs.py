@@ -135,17 +135,21 @@ class MediaProcessor:
 
     def token_counts(self, items: Sequence[MediaItem],
                      checkpoint: Callable[[], None] | None = None) -> tuple[int | VideoBlock, ...]:
-        """Per image its pad tokens, from the sizes its header declares (no pixel is decoded): the processor's
-        resize to a multiple of 32 px within its pixel bounds, one token per 32 x 32 px. Per video (images come
+        """Per image its pad tokens (:meth:`image_tokens`), from the sizes its header declares (no pixel is
+        decoded). Per video (images come
         first on the wire) its :class:`VideoBlock`: the processor runs on its frames here, since its ids depend on
         them."""
         videos = [m for m in items if m.kind == "video"]
         if videos and self.video_processor is None:
             raise RequestError(f"videos are not served here: {self.no_videos}", kind=Kind.UNSUPPORTED,
                                field=videos[0].field.split("[", 1)[0])
-        count = self.image_processor.get_number_of_image_patches
-        return tuple(count(m.height, m.width) // self.merge_size ** 2 if m.kind == "image" else
-                     self.video_block(m, checkpoint) for m in items)
+        return tuple(self.image_tokens(m.height, m.width) if m.kind == "image" else self.video_block(m, checkpoint)
+                     for m in items)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """The pad tokens of an image of ``height`` x ``width`` px: the processor's resize to a multiple of 32 px
+        within its pixel bounds, one token per 32 x 32 px."""
+        return self.image_processor.get_number_of_image_patches(height, width) // self.merge_size ** 2
 
     def video_block(self, item: MediaItem, checkpoint: Callable[[], None] | None = None) -> VideoBlock:
         """One video through the checkpoint's processor (its frames at :data:`VIDEO_FPS`)."""
@@ -204,9 +208,8 @@ class MediaProcessor:
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
             got = tuple(int(g.prod()) // self.merge_size ** 2 for g in grid)
         else:
-            count = self.image_processor.get_number_of_image_patches
             pixel_values = grid = None
-            got = tuple(count(im.height, im.width) // self.merge_size ** 2 for im in images)
+            got = tuple(self.image_tokens(im.height, im.width) for im in images)
         if got != tuple(counts):                  # a header that lied about the size; parse_media decodes it
             raise RequestError(f"the decoded images make {got} tokens, their headers {tuple(counts)}",
                                kind=Kind.MEDIA_INVALID, field="images")
