@@ -141,13 +141,18 @@ def test_what_the_operator_gave_is_kept_and_the_rest_turned_down(hybrid_9b, capl
                           given=frozenset({"max_num_batched_tokens"}))
     assert both.max_num_batched_tokens == 8192 and not both.state_cache
 
-    from clef_vllm.backends import make_backend, memory_fit
-    from clef_vllm.backends.vllm_backend import VllmBackend
+    from clef_vllm.backends import make_backend, memory_fit, vllm_backend
 
     seen = []
-    monkeypatch.setattr(VllmBackend, "__init__", lambda self, model_dir, opts, given=frozenset(): seen.append(given))
-    make_backend(hybrid_9b, "vllm", state_cache=True, max_num_seqs=None)
-    assert seen == [frozenset({"state_cache"})]
+
+    def stop_at_the_plan(model_dir, opts, device=None, given=frozenset()):
+        seen.append(given)
+        raise PlanDoesNotFit("stop here")
+
+    monkeypatch.setattr(vllm_backend, "fit_options", stop_at_the_plan)
+    with pytest.raises(PlanDoesNotFit, match="stop here"):
+        make_backend(hybrid_9b, "vllm", state_cache=True, max_num_seqs=None, load_format="clef-dummy")
+    assert seen == [frozenset({"state_cache", "load_format"})]
     assert memory_fit.PLAN_FIELDS.keys() <= {f.name for f in dataclasses.fields(VllmOptions)}
 
 

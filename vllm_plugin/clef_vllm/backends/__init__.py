@@ -44,14 +44,13 @@ def make_backend(model_dir, backend: str = "auto", **options) -> Backend:
     :class:`VllmOptions`; ``None`` = default). They are validated before anything is loaded: an
     unknown option, one of the other backend, or a bad value raises :class:`OptionError`."""
     kind = resolve_backend(backend)
-    opts = backend_options(kind, options)
     if kind == "reference":
         from clef_vllm.backends.reference import ReferenceBackend
 
-        return ReferenceBackend(model_dir, opts)
+        return ReferenceBackend(model_dir, backend_options(kind, options))
     from clef_vllm.backends.vllm_backend import VllmBackend
 
-    return VllmBackend(model_dir, opts, given=frozenset(k for k, v in options.items() if v is not None))
+    return VllmBackend(model_dir, **options)     # validates them first; its memory plan keeps the ones given
 
 
 __all__ = ["BACKENDS", "Backend", "OptionError", "ReferenceOptions", "VllmOptions", "backend_options", "make_backend",

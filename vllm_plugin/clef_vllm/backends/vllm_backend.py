@@ -236,10 +236,10 @@ class VllmBackend(Backend):
     _pad_id: int | None = None
 
     def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
-                 encoder: RequestEncoder | None = None, given: frozenset[str] = frozenset(), **kwargs: Any):
-        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.VllmOptions`;
-        ``given``: the options the operator set, which the memory plan keeps (keyword arguments count as given)."""
-        given = given | frozenset(k for k, v in kwargs.items() if v is not None)
+                 encoder: RequestEncoder | None = None, **kwargs: Any):
+        """``options`` (or the same as keyword arguments): :class:`~clef_vllm.backends.options.VllmOptions`. The
+        memory plan keeps the keyword arguments given (not ``None``) as the operator set them."""
+        given = frozenset(k for k, v in kwargs.items() if v is not None)
         self.options = options if options is not None else backend_options("vllm", kwargs)
         import_vllm()   # fail early, naming the extra to install
 
