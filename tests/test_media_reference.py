@@ -222,6 +222,35 @@ def test_the_media_block_puts_videos_after_images_with_their_tensors(backend):
     assert only.pixel_values is None and only.token_counts == (2,) and only.digest != inputs.digest
 
 
+def test_a_videos_frames_reach_the_processor_decoded_in_order_at_two_per_second(backend):
+    """What the checkpoint's processor is handed for a video (recorded by a stand-in: CI has no torchvision): its
+    frames as one uint8 array in order, RGB, and metadata at 2 fps keeping every frame."""
+    import copy
+
+    import numpy as np
+
+    calls = []
+
+    class Recorder:
+        video_token_id = 248057
+
+        def __call__(self, text, videos, video_metadata, return_tensors):
+            calls.append((text, videos, video_metadata))
+            return {"input_ids": torch.tensor([[248053, 248057, 248054]]), "pixel_values_videos": torch.zeros(4, 8),
+                    "video_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    media = copy.copy(backend.encoder.media)
+    media.video_processor = Recorder()
+    item = parsed(image_requests(1)[0] | {"videos": [frames_of((48, 32), 3, 4, "PNG")]})._media[0]
+    block = media.video_block(item)
+    (text, (frames,), (meta,)), = calls
+    want = np.stack([np.asarray(f) for f in item.frames_rgb()])
+    assert text == ["<|vision_start|><|video_pad|><|vision_end|>"] and frames.dtype == np.uint8
+    assert frames.shape == (3, 32, 48, 3) and np.array_equal(frames, want)
+    assert (meta.fps, meta.total_num_frames, list(meta.frames_indices), meta.duration) == (2.0, 3, [0, 1, 2], 1.5)
+    assert block.ids == (248053, 248057, 248054) and block.pads == 1
+
+
 @pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
 def test_videos_without_torchvision_are_refused_by_name(backend):
     with pytest.raises(RequestError) as info:

@@ -87,12 +87,15 @@ class MediaItem:
     def nbytes(self) -> int:
         return sum(len(s) for s in self.sources if isinstance(s, (bytes, bytearray)))
 
+    def rgb_frames(self, check: Callable[[], None] | None = None):
+        """Each decoded frame as an RGB ``PIL.Image``, one at a time (an image: its first frame only); ``check`` is
+        called between frames (it raises to stop the work)."""
+        for frame in _frames(self, check=check or no_check):
+            yield frame.convert("RGB")
+
     def frames_rgb(self) -> list:
         """The decoded frames as RGB ``PIL.Image`` objects (an image: its first frame only)."""
-        out = []
-        for frame in _frames(self, check=no_check):
-            out.append(frame.convert("RGB"))
-        return out
+        return list(self.rgb_frames())
 
 
 # --------------------------------------------------------------------------- errors

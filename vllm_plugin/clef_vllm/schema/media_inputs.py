@@ -156,14 +156,13 @@ class MediaProcessor:
         import numpy as np
         from transformers.video_utils import VideoMetadata
 
-        frames = []
-        for frame in item.frames_rgb():
-            (checkpoint or no_check)()
-            frames.append(np.asarray(frame))
-        n = len(frames)
+        n = item.frames
+        frames = np.empty((n, item.height, item.width, 3), np.uint8)     # filled one decoded frame at a time
+        for i, frame in enumerate(item.rgb_frames(checkpoint)):
+            frames[i] = np.asarray(frame)
         metadata = VideoMetadata(total_num_frames=n, fps=VIDEO_FPS, width=item.width, height=item.height,
                                  duration=n / VIDEO_FPS, frames_indices=list(range(n)))
-        out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[np.stack(frames)], video_metadata=[metadata],
+        out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[frames], video_metadata=[metadata],
                                    return_tensors="pt")
         ids = tuple(int(i) for i in out["input_ids"][0])
         pads = sum(1 for i in ids if i == self.video_pad_id)
