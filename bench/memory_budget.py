@@ -571,10 +571,12 @@ class Pools:
 
 def build_pools(ckpt: str, *, seed: int = 0, short_tokens: int = 360, long_tokens: int = 16384,
                 shared_tokens: int = 15872, max_model_len: int = 16384, n_short: int = 256, n_long: int = 48,
-                n_shared: int = 96, keep_ids: bool = False, image_px: int = 0, n_images: int = 12) -> Pools:
+                n_shared: int = 96, keep_ids: bool = False, image_px: int = 0, n_images: int = 12,
+                video_frames: int = 0) -> Pools:
     """clef-bench's ``short``, ``long`` and ``shared-state`` variants on the checkpoint's tokenizer; with
     ``image_px``, ``n_images`` short requests that each carry one picture of ``image_px`` squared (a different one each:
-    the engine's encoder at the largest image a 16 GB card takes, 2,048 squared)."""
+    the engine's encoder at the largest image a 16 GB card takes, 2,048 squared); with ``video_frames`` too, every
+    other one carries a video of that many frames of half that side instead (as many vision tokens for 8 frames)."""
     from clef_vllm.bench.workloads import WARM_START, RequestFactory, build_variants
     from clef_vllm.schema.encoding import RequestEncoder
 
@@ -588,19 +590,24 @@ def build_pools(ckpt: str, *, seed: int = 0, short_tokens: int = 360, long_token
                  shared=factory.requests(shared, n_shared), shared_warm=factory.requests(shared, 2, start=WARM_START),
                  settings={"seed": seed, "short_tokens": short_tokens, "long_tokens": long_tokens,
                            "shared_state_tokens": shared_tokens, "variants": [v.name for v in variants],
-                           "image_px": image_px, "image_requests": n_images if image_px else 0},
-                 images=image_requests(short_pool, image_px, n_images, seed) if image_px else [])
+                           "image_px": image_px, "image_requests": n_images if image_px else 0,
+                           "video_frames": video_frames if image_px else 0},
+                 images=image_requests(short_pool, image_px, n_images, seed, video_frames) if image_px else [])
 
 
-def image_requests(short: list, px: int, n: int, seed: int) -> list:
-    """``n`` of the short requests, each with one JPEG picture of ``px`` x ``px`` (expected tokens unknown)."""
+def image_requests(short: list, px: int, n: int, seed: int, video_frames: int = 0) -> list:
+    """``n`` of the short requests, each with one JPEG picture of ``px`` x ``px``, or (every other one, with
+    ``video_frames``) a video of that many JPEG frames of ``px / 2`` squared (expected tokens unknown)."""
     from clef_vllm.bench.workloads import BenchRequest
-    from clef_vllm.testing.images import data_uri, picture
+    from clef_vllm.testing.images import data_uri, picture, video_frames as frames_of
 
     out = []
     for i in range(n):
         base = short[i % len(short)]
-        body = {**base.body, "images": [data_uri(picture((px, px), seed * 1000 + i, "JPEG"), "image/jpeg")]}
+        if video_frames and i % 2:
+            body = {**base.body, "videos": [frames_of((px // 2, px // 2), video_frames, seed * 1000 + i, "JPEG")]}
+        else:
+            body = {**base.body, "images": [data_uri(picture((px, px), seed * 1000 + i, "JPEG"), "image/jpeg")]}
         out.append(BenchRequest("images", body, json.dumps(body, separators=(",", ":")).encode(), base.questions,
                                 None, label=f"images#{i}"))
     return out
@@ -1044,7 +1051,8 @@ def _row_config(a: argparse.Namespace, card: Card, raw: bool, log_dir: Path) -> 
 def _pools(a: argparse.Namespace) -> Pools:
     t0 = time.monotonic()
     pools = build_pools(str(a.ckpt), seed=a.seed, short_tokens=a.short_tokens, long_tokens=a.long_tokens,
-                        shared_tokens=a.shared_tokens, max_model_len=a.max_model_len, image_px=a.image_px)
+                        shared_tokens=a.shared_tokens, max_model_len=a.max_model_len, image_px=a.image_px,
+                        video_frames=a.video_frames)
     say(f"requests: {len(pools.short)} short ({pools.short[0].expected_tokens} tokens), {len(pools.long)} long "
         f"({pools.long[0].expected_tokens}), {len(pools.shared)} shared-state ({pools.shared[0].expected_tokens}) "
         f"in {time.monotonic() - t0:.1f}s")
@@ -1156,6 +1164,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-px", type=int, default=0,
                    help="an images phase: short requests with one PICTURE-px square JPEG each (2048: the 16 GB card's "
                         "largest; default 0 = none; a --text-only server answers them 400)")
+    p.add_argument("--video-frames", type=int, default=0,
+                   help="with --image-px: every other request of the images phase carries a video of that many JPEG "
+                        "frames of half the picture's side instead (8 with 2048: 4,096 vision tokens, as the picture)")
     p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     p.add_argument("--device-index", type=int, default=None, help="NVML index (default: CUDA_VISIBLE_DEVICES' first, else 0)")
     p.add_argument("--label", default="", help="a tag in the log names (default: from the flags)")

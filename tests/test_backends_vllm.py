@@ -124,7 +124,7 @@ def test_an_image_request_reaches_the_engine_as_one_pad_per_image_with_its_image
     pad = encoder.media.pad_id
     two = encoded(1, 2)
     assert two.media.pixel_values is None and len(two.media.images) == 2
-    prompt = media_prompt(two, pad)
+    prompt = media_prompt(two)
     ids = prompt["prompt_token_ids"]
     assert ids.count(pad) == 2 and prompt["multi_modal_data"]["image"] == list(two.media.images)
     counts, expanded = iter(two.media.token_counts), []
@@ -158,14 +158,14 @@ def test_an_image_request_reaches_the_engine_as_one_pad_per_image_with_its_image
                                   outputs=SimpleNamespace(data=torch.full((HeadSpec.from_encoded(two).num_options,), .5)))
 
     with vllm_cpu.bare_vllm_backend(max_num_seqs=8, data_parallel_size=1) as backend:
-        backend.encoder, backend._pad_id, backend.engine = encoder, pad, StandInEngine()
+        backend.encoder, backend._sees, backend.engine = encoder, True, StandInEngine()
         backend.options = VllmOptions()
         assert backend.decide_batch([two])[0].tolist() == [.5] * HeadSpec.from_encoded(two).num_options
         assert backend.engine.prompts[0]["prompt_token_ids"] == ids
 
     # engine settings: images through the tower, or every limit 0 (--text-only, or a checkpoint that cannot see)
     seeing = engine_kwargs(tiny_release, VllmOptions())
-    assert seeing["limit_mm_per_prompt"] == {"image": {"count": ENGINE_MAX_IMAGES}, "video": 0}
+    assert seeing["limit_mm_per_prompt"]["image"] == {"count": ENGINE_MAX_IMAGES}
     assert seeing["skip_tokenizer_init"] is False
     blind = {"image": 0, "video": 0}
     assert engine_kwargs(tiny_release, VllmOptions(text_only=True))["limit_mm_per_prompt"] == blind
@@ -174,6 +174,95 @@ def test_an_image_request_reaches_the_engine_as_one_pad_per_image_with_its_image
     (no_processor / "preprocessor_config.json").unlink()
     assert engine_kwargs(no_processor, VllmOptions())["limit_mm_per_prompt"] == blind
 
+
+
+def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadata(tiny_release, monkeypatch):
+    """A request with an image and a video: vLLM's prompt holds the release's placeholder text per item (vLLM's
+    processor expands both; the ids it ends up with must be the encoder's, which the checkpoint's processor made:
+    a stand-in here, CI has no torchvision), the image, and the video's frames as decoded with metadata keeping
+    every frame at 2 fps. A video past the largest image's tokens is 413, one the processor refuses 422, each
+    naming it; the engine takes videos (dummy: two frames of the largest image) only where transformers can run
+    the video processor."""
+    import numpy as np
+
+    from clef_vllm.backends import vllm_media
+    from clef_vllm.backends.options import VllmOptions
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.errors import Kind, RequestError
+    from clef_vllm.schema.media import decode_media
+    from clef_vllm.testing.images import data_uri, picture
+
+    encoder = RequestEncoder.from_pretrained(tiny_release, pixels=False)
+    media = encoder.media
+    start, end, vpad = media.start_id, media.end_id, media.video_pad_id
+    seen = []
+
+    class StandInProcessor:                 # the checkpoint's Qwen3VLProcessor: two frames per temporal patch
+        def __call__(self, text, videos, video_metadata, return_tensors):
+            (frames,), (meta,) = videos, video_metadata
+            seen.append(meta)
+            if len(frames) < 2:
+                raise ValueError("t:1 must be larger than temporal_factor:2")
+            ids = [start]
+            for _ in range(len(frames) // 2):
+                ids += [99, start] + [vpad] * 4 + [end]        # "<t seconds>", then the frames' pads
+            return {"input_ids": torch.tensor([ids + [end]]), "pixel_values_videos": torch.zeros(1),
+                    "video_grid_thw": torch.tensor([[len(frames) // 2, 4, 4]])}
+
+    media.video_processor = StandInProcessor()
+    frames = [data_uri(picture((64, 48), 50 + k)) for k in range(4)]
+
+    def encode(videos):
+        request = parse_request(REQUEST | {"images": [data_uri(picture((96, 64), 1))], "videos": videos})
+        decode_media(request._media)
+        return encoder.encode(request)
+
+    enc = encode([frames])
+    prompt = vllm_media.media_prompt(enc)
+    a = enc.media_offset
+    block = [start, media.pad_id, end, start, vpad, end] + media.newline_ids
+    assert prompt["prompt_token_ids"] == enc.input_ids[:a] + block + enc.input_ids[a + enc.media_tokens:]
+    video_ids = [start] + [99, start, vpad, vpad, vpad, vpad, end] * 2 + [end]
+    assert enc.input_ids[a:a + enc.media_tokens] == \
+        [start] + [media.pad_id] * enc.media.token_counts[0] + [end] + video_ids + media.newline_ids
+    assert enc.media.token_counts[1] == 8 and enc.media.pixel_values_videos is None
+    (image,), ((got, meta),) = prompt["multi_modal_data"]["image"], prompt["multi_modal_data"]["video"]
+    assert image.size == (96, 64) and got.dtype == np.uint8 and got.shape == (4, 48, 64, 3)
+    assert np.array_equal(got[2], np.asarray(decode_first(frames[2])))
+    assert meta == {"total_num_frames": 4, "fps": 2.0, "width": 64, "height": 48, "duration": 2.0,
+                    "frames_indices": [0, 1, 2, 3], "do_sample_frames": False}
+    assert seen[0].fps == 2.0 and list(seen[0].frames_indices) == [0, 1, 2, 3]
+    with pytest.raises(RequestError) as info:
+        vllm_media.media_prompt(enc, item_tokens=7)
+    assert (info.value.kind, info.value.field) == (Kind.MEDIA_TOO_LARGE, "videos[0]") and "8 vision tokens" in \
+        info.value.message
+    with pytest.raises(RequestError) as info:
+        encode([frames[:1]])
+    assert (info.value.kind, info.value.field) == (Kind.MEDIA_INVALID, "videos[0]")
+    assert "temporal_factor" in info.value.message
+
+    # the engine's settings: videos only where the video processor can run (torchvision installed)
+    side = 2048
+    opts = VllmOptions(largest_image_pixels=side * side)
+    assert vllm_media.video_tokens(media, opts) == media.image_tokens(side, side)      # the largest image's
+    assert vllm_media.video_tokens(media, VllmOptions()) is None
+    monkeypatch.setattr(vllm_media, "processor_backend", lambda: None)
+    assert engine_kwargs(tiny_release, opts)["limit_mm_per_prompt"] == {
+        "image": {"count": vllm_media.ENGINE_MAX_IMAGES, "width": side, "height": side},
+        "video": {"count": vllm_media.ENGINE_MAX_VIDEOS, "num_frames": 2, "width": side, "height": side}}
+    monkeypatch.setattr(vllm_media, "processor_backend", lambda: "pil")
+    assert engine_kwargs(tiny_release, opts)["limit_mm_per_prompt"]["video"] == 0
+
+
+def decode_first(uri: str):
+    import base64
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).convert("RGB")
 
 def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):
     """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and

@@ -9,8 +9,6 @@ hidden states; the head's math written out literally (tests/support/release_math
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
@@ -23,7 +21,8 @@ from clef_vllm.schema.media_inputs import IMAGE_PLACEHOLDER, processor_backend
 from clef_vllm.server.errors import OUTCOMES
 from support.encoding_spec import spec_encode
 from support.release_math import literal_logits
-from clef_vllm.testing.images import data_uri, image_requests, picture
+from clef_vllm.testing.images import animated_gif, data_uri, image_requests, picture
+from clef_vllm.testing.images import video_frames as frames_of
 
 def parsed(body: dict):
     req = parse_request(body)
@@ -134,19 +133,6 @@ needs_torchvision = pytest.mark.skipif(processor_backend() is not None,
                                        reason="transformers' video processor needs torchvision (the GPU machine has it)")
 
 
-def frames_of(size, n: int, seed: int, fmt: str = "PNG") -> list[str]:
-    return [data_uri(picture(size, seed * 100 + k, fmt), f"image/{fmt.lower()}") for k in range(n)]
-
-
-def animated_gif(size, n: int, seed: int) -> str:
-    from PIL import Image
-
-    frames = [Image.open(io.BytesIO(picture(size, seed * 100 + k))).convert("RGB") for k in range(n)]
-    out = io.BytesIO()
-    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
-    return data_uri(out.getvalue(), "image/gif")
-
-
 def video_oracle(tiny_release, body: dict, model) -> tuple[list[int], list, torch.Tensor]:
     """The release's math with videos: its whole processor (``Qwen3VLProcessor``) on the placeholder text, each
     video's frames at the processor's 2 fps, the multimodal model in float32, the head written out."""
@@ -231,15 +217,15 @@ def test_a_videos_frames_reach_the_processor_decoded_in_order_at_two_per_second(
 
     calls = []
 
-    class Recorder:
-        video_token_id = 248057
+    media = copy.copy(backend.encoder.media)
+    ids = (media.start_id, media.video_pad_id, media.end_id)
 
+    class Recorder:
         def __call__(self, text, videos, video_metadata, return_tensors):
             calls.append((text, videos, video_metadata))
-            return {"input_ids": torch.tensor([[248053, 248057, 248054]]), "pixel_values_videos": torch.zeros(4, 8),
+            return {"input_ids": torch.tensor([ids]), "pixel_values_videos": torch.zeros(4, 8),
                     "video_grid_thw": torch.tensor([[1, 2, 2]])}
 
-    media = copy.copy(backend.encoder.media)
     media.video_processor = Recorder()
     item = parsed(image_requests(1)[0] | {"videos": [frames_of((48, 32), 3, 4, "PNG")]})._media[0]
     block = media.video_block(item)
@@ -248,7 +234,7 @@ def test_a_videos_frames_reach_the_processor_decoded_in_order_at_two_per_second(
     assert text == ["<|vision_start|><|video_pad|><|vision_end|>"] and frames.dtype == np.uint8
     assert frames.shape == (3, 32, 48, 3) and np.array_equal(frames, want)
     assert (meta.fps, meta.total_num_frames, list(meta.frames_indices), meta.duration) == (2.0, 3, [0, 1, 2], 1.5)
-    assert block.ids == (248053, 248057, 248054) and block.pads == 1
+    assert block.ids == ids and block.pads == 1
 
 
 @pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
@@ -259,14 +245,15 @@ def test_videos_without_torchvision_are_refused_by_name(backend):
     assert "needs torchvision" in info.value.message
 
 
-def test_an_encoder_for_the_vllm_backend_refuses_videos_by_name(tiny_release):
+@pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
+def test_an_encoder_for_the_vllm_backend_refuses_videos_without_torchvision_by_name(tiny_release):
     from clef_vllm.schema.encoding import RequestEncoder
 
     encoder = RequestEncoder.from_pretrained(str(tiny_release), pixels=False)
     with pytest.raises(RequestError) as info:
         encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 2, 1)]}))
     assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "videos")
-    assert "served by the reference backend" in info.value.message
+    assert "needs torchvision" in info.value.message
 
 
 def test_text_only_loads_no_vision_tower_and_refuses_images_by_name(tiny_release, cache_dir):

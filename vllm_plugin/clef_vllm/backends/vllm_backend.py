@@ -31,7 +31,8 @@ from clef_vllm.backends.engine_settings import remote_ranks
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
-from clef_vllm.backends.vllm_media import engine_media_limits, image_warmup, media_prompt, media_settings, sees
+from clef_vllm.backends.vllm_media import (engine_media_limits, image_warmup, media_prompt, media_settings, sees,
+                                          video_tokens)
 from clef_vllm.contract import PARAMS_KEY, POOLING_TASK, SETTINGS_KEY, WorkerSettings
 from clef_vllm.model.checkpoint import load_head_config, locate_checkpoint
 from clef_vllm.model.features import HeadSpec
@@ -233,7 +234,8 @@ class VllmBackend(Backend):
     _watchdog: RankWatchdog | None = None
     _rank_failure: str | None = None
     #: the image pad's id where the engine takes images (None: text only)
-    _pad_id: int | None = None
+    _sees: bool = False
+    _video_tokens: int | None = None
 
     def __init__(self, model_dir: str | Path, options: VllmOptions | None = None, *,
                  encoder: RequestEncoder | None = None, **kwargs: Any):
@@ -254,7 +256,8 @@ class VllmBackend(Backend):
                    if self.options.text_only else "the checkpoint has no vision tower and image processor")
         self.encoder = encoder or RequestEncoder.from_pretrained(self.files.root, max_length=self.max_model_len,
                                                                  images=refusal, pixels=False)
-        self._pad_id = self.encoder.media.pad_id if self.encoder.media is not None else None
+        self._sees = self.encoder.media is not None
+        self._video_tokens = video_tokens(self.encoder.media, self.options)
         self.kwargs = engine_kwargs(self.files.root, self.options)
         self.warmup_enabled = self.options.warmup
         self.state_cache = bool(self.kwargs.get("enable_prefix_caching"))
@@ -379,7 +382,7 @@ class VllmBackend(Backend):
         for batch in batches:
             await bounded_warmup_step(f"a batch of {len(batch)} prompts ({sorted(set(batch))} tokens)",
                                       asyncio.gather(*[self._run_ids(ids(n)) for n in batch]))
-        if self._pad_id is not None:                 # the vision tower's kernels, vLLM's image processor
+        if self._sees:                               # the vision tower's kernels, vLLM's image processor
             prompt, with_image = image_warmup(self.encoder.media, ids(200))
             await bounded_warmup_step("a prompt with an image", self._run_ids(with_image, prompt=prompt))
         round_ = warmup_state_cache(self.kwargs)
@@ -475,12 +478,12 @@ class VllmBackend(Backend):
         return final
 
     def _prompt(self, encoded: EncodedRequest) -> dict:
-        """vLLM's prompt of an encoded request: its ids, or with images their collapsed pads and the images."""
+        """vLLM's prompt of an encoded request: its ids, or with media one pad per item and the media."""
         if encoded.media is None:
             return engine_input(encoded.input_ids)
-        if self._pad_id is None:     # an encoder with an image processor, an engine without: never run pads as text
+        if not self._sees:           # an encoder with an image processor, an engine without: never run pads as text
             raise media_refused(self.encoder.text_only)
-        return media_prompt(encoded, self._pad_id, self.options.largest_image_pixels)
+        return media_prompt(encoded, self.options.largest_image_pixels, self._video_tokens)
 
     def media_limits(self, limits):
         return engine_media_limits(limits, self.options)

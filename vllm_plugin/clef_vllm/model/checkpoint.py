@@ -68,6 +68,11 @@ class CheckpointFiles:
         (``preprocessor_config.json``) beside it."""
         return isinstance(self.config.get("vision_config"), dict) and (self.root / "preprocessor_config.json").is_file()
 
+    @property
+    def has_video(self) -> bool:
+        """Whether it can see videos too: the release's video processor (``video_preprocessor_config.json``)."""
+        return self.has_vision and (self.root / "video_preprocessor_config.json").is_file()
+
 
 def locate_checkpoint(path: str | Path, require_weights: bool = True) -> CheckpointFiles:
     """Find every part of the checkpoint at ``path``; raise CheckpointError naming what is missing.

@@ -356,7 +356,8 @@ def plan(model: ModelShape, inputs: PlanInputs, changes: Sequence[str] = ()) -> 
         encoder = int(VISION_BYTES_PER_PATCH * (vh + vi) / VISION_REF_WIDTH * 4 * tokens)
         outputs = 2 * out * tokens          # its features stay in the encoder cache for the step
         parts.append(Part("vision encoder", max(encoder - peak, 0) + outputs,
-                          f"the largest image ({i.image_pixels / 1e6:.1f} MP, {tokens:,} tokens; run in vLLM's "
+                          f"the largest image, or a video of as many tokens ({i.image_pixels / 1e6:.1f} MP, "
+                          f"{tokens:,} tokens; run in vLLM's "
                           f"profiling): {gib(encoder)} GiB transient, above the step's peak; its features "
                           f"{gib(outputs)} GiB", "vllm"))
         peak = max(peak, encoder)

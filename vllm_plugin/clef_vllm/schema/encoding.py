@@ -216,6 +216,7 @@ class EncodedRequest:
     #: The request's images, processed (None: text only); their id block starts right after the prompt prefix.
     media: MediaInputs | None = field(default=None, repr=False)
     media_tokens: int = 0               # length of that block (start, pads and end per image, a newline)
+    media_offset: int = 0               # where it starts (the prompt prefix's length)
     _lexical_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -422,7 +423,8 @@ class RequestEncoder:
         ]
         ids = self._prefix + media_ids + state + schema + self._suffix
         return EncodedRequest(ids, fields, state_tokens=len(state), truncated_state_tokens=truncated,
-                              schema_offset=offset, truncation_exact=exact, media=media, media_tokens=len(media_ids))
+                              schema_offset=offset, truncation_exact=exact, media=media, media_tokens=len(media_ids),
+                              media_offset=len(self._prefix))
 
     def state_ids(self, state: Any, keep: int,
                   checkpoint: Callable[[], None] | None = None) -> tuple[list[int], int, bool]:

@@ -15,8 +15,10 @@ torchvision): one call per video on ``"<|vision_start|><|video_pad|><|vision_end
 frames) and its ``pixel_values_videos`` / ``video_grid_thw``. A video's frames are taken at the processor's own
 rate (``fps`` 2: frame ``i`` at ``i / 2`` seconds), so it keeps every frame. The media block is the images' blocks,
 then the videos', then ``"\n"``: what the processor makes of the release's whole placeholder text, since special
-tokens split the text it tokenizes. Only the reference backend takes videos (``pixels`` on) and only where
-torchvision is installed; elsewhere a video is refused by name.
+tokens split the text it tokenizes. Videos are served only where torchvision is installed; elsewhere a video is
+refused by name. A backend that runs the processor itself (vLLM: ``pixels`` off) gets each video's decoded frames
+and their metadata (:attr:`MediaInputs.videos`) and, in :meth:`MediaProcessor.prompt_block`, the block as the
+release's placeholder text makes it, before any pad is expanded.
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ class VideoBlock:
 
     ids: tuple[int, ...]
     pads: int
-    pixel_values: Any
+    pixel_values: Any                    # None where the backend runs the processor itself (vLLM) ...
     grid_thw: Any
+    frames: Any = None                   # ... which gets the decoded frames instead: uint8 [frames, height, width, 3]
+
+    def metadata(self) -> dict:
+        """The frames' metadata as vLLM's Qwen3-VL processor takes it: every frame kept, frame ``i`` at ``i / 2``
+        seconds (what the reference's processor call samples, see :func:`video_metadata`)."""
+        n, height, width = self.frames.shape[:3]
+        return dict(video_metadata(n, width, height), do_sample_frames=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +75,8 @@ class MediaInputs:
     digest: bytes
     pixel_values_videos: Any = None      # the videos' tensors (the reference backend only)
     video_grid_thw: Any = None
+    videos: tuple = ()                   # per video (its frames, their metadata): a backend with its own processor
+    prompt_block: tuple[int, ...] = ()   # the block before the processor expands it (MediaProcessor.prompt_block)
 
     @property
     def num_images(self) -> int:
@@ -92,6 +103,7 @@ class MediaProcessor:
         self.start_id = token_ids["<|vision_start|>"]
         self.end_id = token_ids["<|vision_end|>"]
         self.pad_id = token_ids["<|image_pad|>"]
+        self.video_pad_id = token_ids.get("<|video_pad|>")
         self.newline_ids = list(newline_ids)
         settings = {k: v for k, v in sorted(image_processor.to_dict().items()) if not k.startswith("_")}
         if video_processor is not None:
@@ -123,8 +135,8 @@ class MediaProcessor:
                 raise ValueError(f"{folder}: the tokenizer has no {token} token; the image processor needs it")
             ids[token] = tid
         newline = [e.ids for e in tokenizer.encode_batch([MEDIA_END], add_special_tokens=False)][0]
-        videos, why = _video_processor(folder) if pixels else (None, "this backend takes images; videos are "
-                                                                     "served by the reference backend")
+        ids["<|video_pad|>"] = tokenizer.token_to_id("<|video_pad|>")
+        videos, why = _video_processor(folder)
         return cls(processor, ids, newline, pixels=pixels, video_processor=videos, no_videos=why)
 
     def describe(self) -> dict:
@@ -152,7 +164,8 @@ class MediaProcessor:
         return self.image_processor.get_number_of_image_patches(height, width) // self.merge_size ** 2
 
     def video_block(self, item: MediaItem, checkpoint: Callable[[], None] | None = None) -> VideoBlock:
-        """One video through the checkpoint's processor (its frames at :data:`VIDEO_FPS`)."""
+        """One video through the checkpoint's processor (its frames at :data:`VIDEO_FPS`). Without :attr:`pixels`
+        the processor runs for the ids alone (they depend on the frames' grid); the block keeps the frames."""
         import numpy as np
         from transformers.video_utils import VideoMetadata
 
@@ -160,17 +173,27 @@ class MediaProcessor:
         frames = np.empty((n, item.height, item.width, 3), np.uint8)     # filled one decoded frame at a time
         for i, frame in enumerate(item.rgb_frames(checkpoint)):
             frames[i] = np.asarray(frame)
-        metadata = VideoMetadata(total_num_frames=n, fps=VIDEO_FPS, width=item.width, height=item.height,
-                                 duration=n / VIDEO_FPS, frames_indices=list(range(n)))
-        out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[frames], video_metadata=[metadata],
-                                   return_tensors="pt")
+        metadata = VideoMetadata(**video_metadata(n, item.width, item.height))
+        try:
+            out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[frames], video_metadata=[metadata],
+                                       return_tensors="pt")
+        except ValueError as exc:     # the processor's own limits (two frames at least, aspect ratio below 200)
+            raise RequestError(f"the checkpoint's video processor refuses it: {exc}", kind=Kind.MEDIA_INVALID,
+                               field=item.field) from None
         ids = tuple(int(i) for i in out["input_ids"][0])
         pads = sum(1 for i in ids if i == self.video_pad_id)
-        return VideoBlock(ids, pads, out["pixel_values_videos"], out["video_grid_thw"])
+        if self.pixels:
+            return VideoBlock(ids, pads, out["pixel_values_videos"], out["video_grid_thw"])
+        return VideoBlock(ids, pads, None, out["video_grid_thw"], frames=frames)
 
-    @property
-    def video_pad_id(self) -> int:
-        return int(self.video_processor.video_token_id)
+    def prompt_block(self, counts: Sequence[int | VideoBlock]) -> list[int]:
+        """The media block before the processor expands it, as the release's placeholder text tokenizes: per image
+        its start, one ``<|image_pad|>`` and its end; per video its start, one ``<|video_pad|>`` and its end; then
+        a newline (what a backend that runs the processor itself, vLLM, is given)."""
+        ids: list[int] = []
+        for n in counts:
+            ids += [self.start_id, self.video_pad_id if isinstance(n, VideoBlock) else self.pad_id, self.end_id]
+        return ids + self.newline_ids
 
     def block(self, counts: Sequence[int | VideoBlock]) -> list[int]:
         """The media id block: per image its start token, ``counts[i]`` pads and its end token; per video its
@@ -215,12 +238,23 @@ class MediaProcessor:
         digest = hashlib.blake2b(self._settings, digest_size=16)
         for item in items:
             digest.update(item.digest.encode())
+        prompt = () if self.pixels else tuple(self.prompt_block([*got, *videos]))
         if not videos:
-            return MediaInputs(tuple(images), pixel_values, grid, got, digest.digest())
+            return MediaInputs(tuple(images), pixel_values, grid, got, digest.digest(), prompt_block=prompt)
+        counts = got + tuple(v.pads for v in videos)
+        if not self.pixels:
+            return MediaInputs(tuple(images), None, None, counts, digest.digest(), prompt_block=prompt,
+                               videos=tuple((v.frames, v.metadata()) for v in videos))
         import torch
 
-        return MediaInputs(tuple(images), pixel_values, grid, got + tuple(v.pads for v in videos), digest.digest(),
+        return MediaInputs(tuple(images), pixel_values, grid, counts, digest.digest(),
                            torch.cat([v.pixel_values for v in videos]), torch.cat([v.grid_thw for v in videos]))
+
+
+def video_metadata(frames: int, width: int, height: int) -> dict:
+    """A video's metadata as the processor is given it: ``frames`` frames at :data:`VIDEO_FPS`, every one kept."""
+    return dict(total_num_frames=frames, fps=VIDEO_FPS, width=width, height=height, duration=frames / VIDEO_FPS,
+                frames_indices=list(range(frames)))
 
 
 def _video_processor(folder: Path):
@@ -258,4 +292,4 @@ def _pixels(processor, size_key: str, attr: str) -> int | None:
 
 
 __all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "VIDEO_FPS", "VIDEO_PLACEHOLDER", "MediaInputs", "MediaProcessor",
-           "VideoBlock", "processor_backend"]
+           "VideoBlock", "processor_backend", "video_metadata"]

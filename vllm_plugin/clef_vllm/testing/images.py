@@ -1,6 +1,7 @@
 """Image entries built for the media tests, the GPU parity run and ``bench/soak.py``'s media mix: pictures in any
 Pillow format, ``data:`` URIs, a PNG whose header declares more pixels than it holds (a decompression bomb), and
-requests with 0-4 images of varied sizes, formats and modes."""
+requests with 0-4 images of varied sizes, formats and modes, and requests with a video (its frames, or an animated
+GIF)."""
 
 from __future__ import annotations
 
@@ -80,4 +81,37 @@ def image_requests(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-__all__ = ["QUESTIONS", "SIZES", "data_uri", "image_bytes", "image_requests", "noisy", "picture", "png_declaring"]
+def video_frames(size: tuple[int, int], n: int, seed: int, fmt: str = "PNG") -> list[str]:
+    """A video as the wire takes it: ``n`` noisy frames of ``size``, each a ``data:`` URI in ``fmt``."""
+    return [data_uri(picture(size, seed * 100 + k, fmt), f"image/{fmt.lower()}") for k in range(n)]
+
+
+def animated_gif(size: tuple[int, int], n: int, seed: int) -> str:
+    """A video as one animated GIF of ``n`` noisy frames, as a ``data:`` URI."""
+    from PIL import Image
+
+    frames = [Image.open(io.BytesIO(picture(size, seed * 100 + k))).convert("RGB") for k in range(n)]
+    out = io.BytesIO()
+    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return data_uri(out.getvalue(), "image/gif")
+
+
+#: Video frame sizes: small, tall, wide, and one whose frames the processor scales up.
+VIDEO_SIZES = [(64, 48), (96, 64), (160, 120), (48, 200), (320, 240), (40, 40)]
+
+
+def video_requests(n: int, seed: int = 0) -> list[dict]:
+    """``n`` requests with one video each (2 to 9 PNG or JPEG frames, every fifth an animated GIF) after 0 to 2
+    images, varied states."""
+    rng = random.Random(seed)
+    out = []
+    for i, body in enumerate(image_requests(n, seed)):
+        size, frames = rng.choice(VIDEO_SIZES), rng.randint(2, 9)
+        video = (animated_gif(size, frames, seed * 1000 + i) if i % 5 == 4
+                 else video_frames(size, frames, seed * 1000 + i, rng.choice(["PNG", "JPEG"])))
+        out.append(body | {"images": body["images"][:i % 3], "videos": [video]})
+    return out
+
+
+__all__ = ["QUESTIONS", "SIZES", "VIDEO_SIZES", "animated_gif", "data_uri", "image_bytes", "image_requests", "noisy",
+           "picture", "png_declaring", "video_frames", "video_requests"]
