@@ -191,7 +191,7 @@ def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadat
     from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.encoding import RequestEncoder
     from clef_vllm.schema.errors import Kind, RequestError
-    from clef_vllm.schema.media import decode_media
+    from clef_vllm.schema.media import MediaLimits, decode_media
     from clef_vllm.testing.images import data_uri, picture
 
     encoder = RequestEncoder.from_pretrained(tiny_release, pixels=False)
@@ -248,6 +248,9 @@ def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadat
     opts = VllmOptions(largest_image_pixels=side * side)
     assert vllm_media.video_tokens(media, opts) == media.image_tokens(side, side)      # the largest image's
     assert vllm_media.video_tokens(media, VllmOptions()) is None
+    wide = vllm_media.engine_media_limits(MediaLimits(max_images=100, max_videos=20), opts)
+    assert (wide.max_images, wide.max_videos, wide.max_pixels) == (vllm_media.ENGINE_MAX_IMAGES,
+                                                                   vllm_media.ENGINE_MAX_VIDEOS, side * side)
     monkeypatch.setattr(vllm_media, "processor_backend", lambda: None)
     assert engine_kwargs(tiny_release, opts)["limit_mm_per_prompt"] == {
         "image": {"count": vllm_media.ENGINE_MAX_IMAGES, "width": side, "height": side},

@@ -237,6 +237,16 @@ def test_a_videos_frames_reach_the_processor_decoded_in_order_at_two_per_second(
     assert block.ids == ids and block.pads == 1
 
 
+@needs_torchvision
+def test_a_video_of_one_frame_is_refused_by_name(backend):
+    """The release's video processor takes two frames at least (one temporal patch): one frame is 422 naming the
+    video, not a server error."""
+    with pytest.raises(RequestError) as info:
+        backend.encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 1, 3)]}))
+    assert (info.value.kind, info.value.field) == (Kind.MEDIA_INVALID, "videos[0]")
+    assert "video processor refuses it" in info.value.message
+
+
 @pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
 def test_videos_without_torchvision_are_refused_by_name(backend):
     with pytest.raises(RequestError) as info:

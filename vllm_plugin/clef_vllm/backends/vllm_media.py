@@ -109,12 +109,12 @@ def image_warmup(media, text: list[int], side: int = 256) -> tuple[dict, list[in
 
 
 def engine_media_limits(limits, opts: VllmOptions):
-    """The server's media limits (``MediaLimits``), no larger than the engine's largest image, so that a larger one
-    is refused from its header, before any pixel is decoded."""
+    """The server's media limits (``MediaLimits``), no larger than the engine's largest image (a larger one is
+    refused from its header, before any pixel is decoded) and its per-prompt counts (the one past is 422)."""
     largest = opts.largest_image_pixels
-    if largest and largest < limits.max_pixels:
-        return dataclasses.replace(limits, max_pixels=largest)
-    return limits
+    return dataclasses.replace(limits, max_pixels=min(limits.max_pixels, largest or limits.max_pixels),
+                               max_images=min(limits.max_images, ENGINE_MAX_IMAGES),
+                               max_videos=min(limits.max_videos, ENGINE_MAX_VIDEOS))
 
 
 __all__ = ["ENGINE_MAX_IMAGES", "ENGINE_MAX_VIDEOS", "MM_PROCESSOR_CACHE_GB", "engine_media_limits", "image_warmup",
