@@ -72,6 +72,8 @@ CASES = [
     pytest.param(["data:image/png;base64,@@@@"], 400, 400, 5006, "images[0]", "not valid base64", id="bad-base64"),
     pytest.param(["https://example.com/a.png"], 400, 400, 5006, "images[0]", "remote URLs are not fetched", id="url"),
     pytest.param([PNG] * 9, 422, 422, 5012, "images[4]", "", id="nine-images"),    # reference: 8; hosted: 4
+    pytest.param([PNG, data_uri(image_bytes("PNG", (4020, 20)))], 422, 422, 5012, "images[1]",
+                 "absolute aspect ratio must be smaller than 200", id="aspect-ratio"),
 ]
 
 

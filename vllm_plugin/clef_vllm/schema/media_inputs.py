@@ -155,8 +155,14 @@ class MediaProcessor:
         if videos and self.video_processor is None:
             raise RequestError(f"videos are not served here: {self.no_videos}", kind=Kind.UNSUPPORTED,
                                field=videos[0].field.split("[", 1)[0])
-        return tuple(self.image_tokens(m.height, m.width) if m.kind == "image" else self.video_block(m, checkpoint)
-                     for m in items)
+        return tuple(self._image_tokens(m) if m.kind == "image" else self.video_block(m, checkpoint) for m in items)
+
+    def _image_tokens(self, item: MediaItem) -> int:
+        try:
+            return self.image_tokens(item.height, item.width)
+        except ValueError as exc:     # the processor's own limit: an aspect ratio below 200
+            raise RequestError(f"the checkpoint's image processor refuses it: {exc}", kind=Kind.MEDIA_INVALID,
+                               field=item.field) from None
 
     def image_tokens(self, height: int, width: int) -> int:
         """The pad tokens of an image of ``height`` x ``width`` px: the processor's resize to a multiple of 32 px
