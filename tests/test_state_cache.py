@@ -402,7 +402,7 @@ def test_the_warm_up_caches_a_state_and_hits_it_when_the_cache_is_on(tiny_releas
                           "max_model_len": max_model_len}
         backend.files = SimpleNamespace(text_config={"vocab_size": 500})
         if encoder is not None:                                  # an engine that takes images
-            backend.encoder, backend._pad_id = encoder, encoder.media.pad_id
+            backend.encoder, backend._sees = encoder, True
         calls = []
 
         async def encode(prompt, ids, spec, rank=None, use_cache=True, warmup=False):
