@@ -233,7 +233,7 @@ class VllmBackend(Backend):
     #: the remote ranks' liveness probes (``--rank-watchdog-s``), and why they declared a rank dead
     _watchdog: RankWatchdog | None = None
     _rank_failure: str | None = None
-    #: the image pad's id where the engine takes images (None: text only)
+    #: whether the engine takes media (False: text only); the most vision tokens a video may make (None: no cap)
     _sees: bool = False
     _video_tokens: int | None = None
 
