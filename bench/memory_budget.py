@@ -47,7 +47,8 @@ A row (one JSON object; ``run`` appends it to ``--out``, a JSON list):
   ``raw_note``: why raw vLLM has no figure; ``errors``: answers other than 200 over the load;
   ``state_cache_hits``: answers that read cached state tokens; ``long_ok``: every long request answered
   200 (null when none was sent); ``load_seconds``: the load's wall time; ``image_p50_ms`` / ``images_ok``
-  (``--image-px``): the images phase's p50 at c=4 and whether every image request answered 200 (null without it).
+  (``--image-px``): the images phase's p50 at c=4 and whether every image request answered 200 (null without it;
+  with ``--video-frames``, every other request of that phase carries a video instead, and counts the same way).
 - ``log_lines``: vLLM's "Model loading took…", "Available KV cache memory…", "GPU KV cache size…"
   lines and the plugin's ``clef memory…`` lines, verbatim (colour codes removed); a server that did not
   start adds its log's last lines.
