@@ -237,33 +237,31 @@ def test_a_videos_frames_reach_the_processor_decoded_in_order_at_two_per_second(
     assert block.ids == ids and block.pads == 1
 
 
+def video_refusal(encoder, frames: int) -> RequestError:
+    """What encoding a request with one video of ``frames`` 64 x 64 frames raises."""
+    with pytest.raises(RequestError) as info:
+        encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), frames, 3)]}))
+    return info.value
+
+
 @needs_torchvision
 def test_a_video_of_one_frame_is_refused_by_name(backend):
     """The release's video processor takes two frames at least (one temporal patch): one frame is 422 naming the
     video, not a server error."""
-    with pytest.raises(RequestError) as info:
-        backend.encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 1, 3)]}))
-    assert (info.value.kind, info.value.field) == (Kind.MEDIA_INVALID, "videos[0]")
-    assert "video processor refuses it" in info.value.message
+    error = video_refusal(backend.encoder, 1)
+    assert (error.kind, error.field) == (Kind.MEDIA_INVALID, "videos[0]")
+    assert "video processor refuses it" in error.message
 
 
 @pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
-def test_videos_without_torchvision_are_refused_by_name(backend):
-    with pytest.raises(RequestError) as info:
-        backend.encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 2, 1)]}))
-    assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "videos")
-    assert "needs torchvision" in info.value.message
-
-
-@pytest.mark.skipif(processor_backend() is None, reason="torchvision is installed: videos are served")
-def test_an_encoder_for_the_vllm_backend_refuses_videos_without_torchvision_by_name(tiny_release):
+@pytest.mark.parametrize("pixels", [True, False], ids=["reference", "vllm"])
+def test_videos_without_torchvision_are_refused_by_name(tiny_release, pixels):
+    """Both backends' encoders (the vLLM backend's runs no pixels) refuse a video by name without torchvision."""
     from clef_vllm.schema.encoding import RequestEncoder
 
-    encoder = RequestEncoder.from_pretrained(str(tiny_release), pixels=False)
-    with pytest.raises(RequestError) as info:
-        encoder.encode(parsed(image_requests(1)[0] | {"videos": [frames_of((64, 64), 2, 1)]}))
-    assert (info.value.kind, info.value.field) == (Kind.UNSUPPORTED, "videos")
-    assert "needs torchvision" in info.value.message
+    error = video_refusal(RequestEncoder.from_pretrained(str(tiny_release), pixels=pixels), 2)
+    assert (error.kind, error.field) == (Kind.UNSUPPORTED, "videos")
+    assert "needs torchvision" in error.message
 
 
 def test_text_only_loads_no_vision_tower_and_refuses_images_by_name(tiny_release, cache_dir):
