@@ -161,8 +161,7 @@ class MediaProcessor:
         try:
             return self.image_tokens(item.height, item.width)
         except ValueError as exc:     # the processor's own limit: an aspect ratio below 200
-            raise RequestError(f"the checkpoint's image processor refuses it: {exc}", kind=Kind.MEDIA_INVALID,
-                               field=item.field) from None
+            raise _refused("image", item, exc) from None
 
     def image_tokens(self, height: int, width: int) -> int:
         """The pad tokens of an image of ``height`` x ``width`` px: the processor's resize to a multiple of 32 px
@@ -184,8 +183,7 @@ class MediaProcessor:
             out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[frames], video_metadata=[metadata],
                                        return_tensors="pt")
         except ValueError as exc:     # the processor's own limits (two frames at least, aspect ratio below 200)
-            raise RequestError(f"the checkpoint's video processor refuses it: {exc}", kind=Kind.MEDIA_INVALID,
-                               field=item.field) from None
+            raise _refused("video", item, exc) from None
         ids = tuple(int(i) for i in out["input_ids"][0])
         pads = sum(1 for i in ids if i == self.video_pad_id)
         if self.pixels:
@@ -255,6 +253,12 @@ class MediaProcessor:
 
         return MediaInputs(tuple(images), pixel_values, grid, counts, digest.digest(),
                            torch.cat([v.pixel_values for v in videos]), torch.cat([v.grid_thw for v in videos]))
+
+
+def _refused(processor: str, item: MediaItem, exc: ValueError) -> RequestError:
+    """422 naming an item the checkpoint's ``processor`` (image or video) refuses, with its reason."""
+    return RequestError(f"the checkpoint's {processor} processor refuses it: {exc}", kind=Kind.MEDIA_INVALID,
+                        field=item.field)
 
 
 def video_metadata(frames: int, width: int, height: int) -> dict:
