@@ -65,13 +65,13 @@ def picture(size: tuple[int, int], seed: int, fmt: str = "PNG", mode: str = "RGB
 SIZES = [(40, 40), (300, 120), (64, 512), (257, 255), (530, 530), (90, 700)]
 
 
-def image_requests(n: int, seed: int = 0) -> list[dict]:
-    """``n`` requests with 0 to 4 images each (PNG, JPEG, WebP, RGBA and grey PNGs), varied states."""
+def image_requests(n: int, seed: int = 0, max_images: int = 4) -> list[dict]:
+    """``n`` requests with 0 to ``max_images`` images each (PNG, JPEG, WebP, RGBA and grey PNGs), varied states."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         images = []
-        for j in range(i % 5):
+        for j in range(i % (max_images + 1)):
             fmt, mime, mode = rng.choice([("PNG", "image/png", "RGB"), ("JPEG", "image/jpeg", "RGB"),
                                           ("WEBP", "image/webp", "RGB"), ("PNG", "image/png", "RGBA"),
                                           ("PNG", "image/png", "L")])
@@ -105,11 +105,11 @@ def video_requests(n: int, seed: int = 0) -> list[dict]:
     images, varied states."""
     rng = random.Random(seed)
     out = []
-    for i, body in enumerate(image_requests(n, seed)):
+    for i, body in enumerate(image_requests(n, seed, max_images=2)):
         size, frames = rng.choice(VIDEO_SIZES), rng.randint(2, 9)
         video = (animated_gif(size, frames, seed * 1000 + i) if i % 5 == 4
                  else video_frames(size, frames, seed * 1000 + i, rng.choice(["PNG", "JPEG"])))
-        out.append(body | {"images": body["images"][:i % 3], "videos": [video]})
+        out.append(body | {"videos": [video]})
     return out
 
 
