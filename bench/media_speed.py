@@ -14,6 +14,14 @@ memory lines (vLLM's "Model loading took", "Available KV cache memory", the plug
 
     source bench/setup.sh && python3 bench/make_ckpt.py 9b /root/ckpt/h --hybrid 17
     python3 bench/media_speed.py --ckpt /root/ckpt/h --out $OUT/media_speed.json 2>&1 | tee $OUT/media_speed.log
+
+``--host-memory`` measures instead (CPU only, no engine) what the server's media budget (``--media-memory``) is
+sized by: the peak resident memory of encoding one request with media, over its pixels, each case in a fresh
+process, with the reference backend's encoder (the processor's tensors) and the vLLM front end's (the decoded
+frames kept for vLLM; vLLM's own processor then runs like the reference's):
+
+    python3 bench/make_ckpt.py tiny /tmp/tiny && python3 bench/media_speed.py --host-memory --ckpt /tmp/tiny \
+        --out bench/results/media_host_memory.json
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,6 +157,58 @@ def raw_run(args, encoded_like) -> dict:
     return asyncio.run(main())
 
 
+#: --host-memory's cases: (name, sizes of its images, frames of its one video and their size)
+HOST_CASES = (("one 3072x3072 JPEG", [3072], 0, 0), ("four 1536x1536 JPEGs", [1536] * 4, 0, 0),
+              ("a video of 16 1024x1024 frames", [], 16, 1024))
+
+
+def host_case(ckpt: str, case: int, pixels: bool) -> dict:
+    """Encode one request of ``HOST_CASES[case]`` in this (fresh) process: its pixels and the peak RSS it added."""
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.testing.images import QUESTIONS as ASKED
+    from clef_vllm.testing.images import data_uri, picture, video_frames
+
+    name, sizes, frames, side = HOST_CASES[case]
+    encoder = RequestEncoder.from_pretrained(ckpt, pixels=pixels)
+    body = {"model": "clef-flash", "state": "the invoice total does not match the order", "questions": ASKED,
+            "images": [data_uri(picture((px, px), i, "JPEG"), "image/jpeg") for i, px in enumerate(sizes)]}
+    if frames:
+        body["videos"] = [video_frames((side, side), frames, 1, "JPEG")]
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.media import decode_media
+
+    request = parse_request(body)
+    decode_media(request._media)
+    pixel_count = sum(i.width * i.height * i.frames for i in request._media)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    encoded = encoder.encode(request)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"case": name, "encoder": "reference (pixels)" if pixels else "vLLM front end (frames kept)",
+            "pixels": pixel_count, "media_tokens": encoded.media_tokens, "peak_added_mib": round((peak - before) / 2 ** 20, 1),
+            "bytes_per_pixel": round((peak - before) / pixel_count, 1)}
+
+
+def host_memory(args) -> int:
+    rows = []
+    for case in range(len(HOST_CASES)):
+        for pixels in (True, False):
+            run = subprocess.run([sys.executable, __file__, "--ckpt", args.ckpt, "--out", "-", "--host-case",
+                                  f"{case}:{int(pixels)}"], capture_output=True, text=True)
+            if run.returncode:
+                reason = (run.stderr.strip().splitlines() or ["failed"])[-1]
+                rows.append({"case": HOST_CASES[case][0], "pixels": pixels, "skipped": reason})
+            else:
+                rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    import torch
+    import transformers
+
+    report = {"command": " ".join(sys.argv[1:]), "torch": torch.__version__, "transformers": transformers.__version__,
+              "rows": rows}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", required=True)
@@ -157,7 +220,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--skip-raw", action="store_true")
     ap.add_argument("--text-only-too", action="store_true")
+    ap.add_argument("--host-memory", action="store_true", help="the host memory a request's media cost (CPU only)")
+    ap.add_argument("--host-case", default=None, help=argparse.SUPPRESS)     # one --host-memory case, in its process
     args = ap.parse_args()
+    if args.host_case is not None:
+        case, pixels = args.host_case.split(":")
+        print(json.dumps(host_case(args.ckpt, int(case), pixels == "1")))
+        return 0
+    if args.host_memory:
+        return host_memory(args)
     import torch
 
     from clef_vllm.schema.encoding import RequestEncoder

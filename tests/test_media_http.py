@@ -5,10 +5,13 @@ SDK); each bad image is its own 4xx in the route's envelope, naming the entry an
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from conftest import REQUEST, LiveServer
+from support.server_calls import held, metric, post, release, server_timing, wait_until
 from clef_vllm.schema.media_inputs import processor_backend
 from clef_vllm.testing.images import data_uri, image_bytes, noisy, png_declaring
 
@@ -129,10 +132,18 @@ def test_the_sdk_sees_the_hosted_codes(live_server):
 
 
 @pytest.fixture(scope="module")
-def strict_server(tiny_release, cache_dir):
+def holds(tmp_path_factory):
+    return tmp_path_factory.mktemp("holds")
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_release, cache_dir, holds):
+    """Small limits; the media of one 10 x 10 picture (6,400 bytes at 64 a pixel) in progress at a time; the
+    ``hold_dir`` fault hook (a decision asking ``hold.NAME`` stays in the engine until ``holds/NAME`` exists)."""
     server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--max-images", "2",
                          "--max-image-pixels", "100", "--max-image-bytes", "4096", "--max-media-bytes", "6000",
-                         "--max-video-frames", "2"]).wait_ready()
+                         "--max-video-frames", "2", "--max-media-memory", "6400"],
+                        env={"CLEF_VLLM_FAULTS": f"hold_dir={holds}"}).wait_ready()
     yield server
     server.stop()
 
@@ -150,10 +161,36 @@ def test_the_reference_limits_are_flags(strict_server):
     assert answered(strict_server, REQUEST | {"images": [data_uri(image_bytes("PNG", (11, 10)))] * 3}, HOSTED)
 
 
+def test_the_media_of_requests_in_progress_stay_within_the_media_memory(strict_server, holds):
+    """A request whose media do not fit in ``--max-media-memory`` waits for the one ahead of it (nothing is
+    refused or lost); a request without media passes it; one whose client leaves while it waits leaves no trace."""
+    small = data_uri(image_bytes("PNG", (10, 10)))
+    held_bytes = lambda: metric(strict_server, "clef_media_memory_bytes")       # noqa: E731
+    waiting = lambda: metric(strict_server, "clef_media_waiting")               # noqa: E731
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(post, strict_server, held("m1", images=[small]))
+        wait_until(lambda: held_bytes() == 6400, "the first request's media held")
+        second = pool.submit(post, strict_server, REQUEST | {"images": [small]})
+        wait_until(lambda: waiting() == 1, "the second request waiting")
+        third = pool.submit(httpx.post, strict_server.url + "/v1/systemone", json=REQUEST | {"images": [small]},
+                            timeout=3)                         # its client leaves while it waits
+        wait_until(lambda: waiting() == 2, "the third request waiting")
+        with pytest.raises(httpx.ReadTimeout):
+            third.result()
+        wait_until(lambda: waiting() == 1, "the third request gone")
+        assert post(strict_server, REQUEST).status_code == 200        # text passes the waiting media
+        assert not second.done() and held_bytes() == 6400
+        release(holds, "m1")
+        assert first.result().status_code == 200
+        answer = second.result()
+        assert answer.status_code == 200 and server_timing(answer)["queue"] > 0, answer.text
+    assert (held_bytes(), waiting()) == (0, 0)
+
+
 def test_media_flags_are_tuning_flags():
     from clef_vllm.server.cli import build_parser
 
     parser = build_parser()
     for dest in ("max_images", "max_videos", "max_video_frames", "max_image_pixels", "max_image_bytes",
-                 "max_media_bytes", "max_media_pixels"):
+                 "max_media_bytes", "max_media_pixels", "max_media_memory"):
         assert dest in parser.clef_tuning

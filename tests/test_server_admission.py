@@ -62,3 +62,59 @@ def test_admission_order_priority_bound_and_cancellation():
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_memory_budget_waits_in_order_lets_a_large_request_run_alone_and_forgets_a_cancelled_waiter():
+    from clef_vllm.server.admission import MemoryBudget
+
+    async def scenario():
+        budget = MemoryBudget(100)
+        running = []
+
+        async def request(tag, n, until):
+            async with budget.hold(n):
+                running.append(tag)
+                await until.wait()
+                running.remove(tag)
+
+        gates = {tag: asyncio.Event() for tag in "abcdef"}
+        a = asyncio.create_task(request("a", 60, gates["a"]))
+        b = asyncio.create_task(request("b", 60, gates["b"]))           # 120 > 100: waits for a
+        c = asyncio.create_task(request("c", 30, gates["c"]))           # would fit, but b is ahead of it
+        await _settle()
+        assert running == ["a"] and (budget.held, budget.waiting) == (60, 2)
+        gates["a"].set()
+        await _settle()
+        assert running == ["b", "c"] and (budget.held, budget.waiting) == (90, 0)
+        big = asyncio.create_task(request("big", 500, gates["d"]))      # more than all of it: runs alone
+        late = asyncio.create_task(request("late", 10, gates["e"]))
+        await _settle()
+        assert budget.waiting == 2 and "big" not in running
+        gates["b"].set()
+        gates["c"].set()
+        await _settle()
+        assert running == ["big"] and budget.held == 500
+        gates["d"].set()
+        await _settle()
+        assert running == ["late"]
+        gates["e"].set()
+        await asyncio.gather(a, b, c, big, late)
+        assert (budget.held, budget.waiting) == (0, 0)
+        # a waiter cancelled at the head of the queue lets the ones behind it in
+        first = asyncio.create_task(request("first", 80, gates["f"]))
+        await _settle()
+        head = asyncio.create_task(request("head", 50, asyncio.Event()))
+        small = asyncio.create_task(request("small", 20, gates["f"]))
+        await _settle()
+        assert running == ["first"] and budget.waiting == 2
+        head.cancel()
+        await _settle()
+        assert running == ["first", "small"] and (budget.held, budget.waiting) == (100, 0)
+        gates["f"].set()
+        await asyncio.gather(first, small, head, return_exceptions=True)
+        assert (budget.held, budget.waiting) == (0, 0)
+        unbounded = MemoryBudget(None)
+        async with unbounded.hold(10 ** 12), unbounded.hold(10 ** 12):
+            assert unbounded.held == 2 * 10 ** 12
+
+    asyncio.run(scenario())

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from clef_vllm.server.context import RequestContext, WorkCancelled
-from clef_vllm.server.service import CpuPool
+from clef_vllm.server.cpu_pool import CpuPool
 
 
 def test_cancelled_pool_work_stops_at_its_next_checkpoint_and_queued_work_never_runs():

@@ -57,6 +57,20 @@ class MediaLimits:
     videos: bool = True                       # False: the dialect has no ``videos`` field (422 "unknown field")
 
 
+#: Host memory one pixel of a request's images and frames is budgeted at while the request is in progress
+#: (``--max-media-memory``): the processor's float32 copies of it (resized, normalised, cut into patches) and its
+#: decoded RGB bytes. Measured peak over pixels, encoding one request: 61-67 bytes with the processor's tensors,
+#: 4 for the decoded frames the vLLM front end keeps (vLLM's own processor then runs as the reference's does);
+#: ``bench/media_speed.py --host-memory``.
+HOST_BYTES_PER_PIXEL = 64
+
+
+def host_bytes(items: Sequence["MediaItem"]) -> int:
+    """What a request's media are budgeted at in host memory: their pixels (every image, every frame of every
+    video, as their headers declare them) times :data:`HOST_BYTES_PER_PIXEL`."""
+    return HOST_BYTES_PER_PIXEL * sum(item.width * item.height * item.frames for item in items)
+
+
 #: The reference dialect's defaults (each a server flag: --max-images ...).
 DEFAULT_MEDIA_LIMITS = MediaLimits()
 #: The hosted service's body cap (its documented 13 MiB): the workers-ai dialect's, below ``--max-body-bytes``.

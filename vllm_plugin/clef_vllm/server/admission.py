@@ -6,6 +6,9 @@ bound of their own (each bulk stream has its own concurrency bound). A freed slo
 oldest interactive waiter, except that every ``BULK_EVERY``-th slot freed while both classes
 wait goes to the oldest bulk waiter, so a saturating interactive load never starves a bulk job.
 Slots are handed over first-in first-out within each class.
+
+:class:`MemoryBudget` bounds the host memory that requests in progress hold (their decoded media): a request
+waits, first-in first-out, until its bytes fit.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 INTERACTIVE = "interactive"
 BULK = "bulk"
@@ -87,3 +92,60 @@ class Admission:
         """Seconds a refused client should wait: the time to drain the queue ahead of it (1..60)."""
         waves = (self.waiting(INTERACTIVE) + self.in_flight) / self.max_in_flight
         return int(min(60, max(1, math.ceil(waves * self._service_s))))
+
+
+class MemoryBudget:
+    """At most ``capacity`` bytes held by requests in progress. A request whose bytes do not fit waits,
+    first-in first-out (a large one is not overtaken by smaller ones behind it), until enough are given back;
+    one that needs more than ``capacity`` runs alone. ``capacity`` None: no bound."""
+
+    def __init__(self, capacity: int | None):
+        if capacity is not None and capacity < 1:
+            raise ValueError("capacity must be >= 1 byte, or None")
+        self.capacity = capacity
+        self.held = 0
+        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _fits(self, n: int) -> bool:
+        return self.capacity is None or self.held == 0 or self.held + n <= self.capacity
+
+    @asynccontextmanager
+    async def hold(self, n: int) -> AsyncIterator[None]:
+        """Hold ``n`` bytes for the block, waiting for them first (cancellable while it waits)."""
+        await self._acquire(n)
+        try:
+            yield
+        finally:
+            self._release(n)
+
+    async def _acquire(self, n: int) -> None:
+        if not self._waiting and self._fits(n):
+            self.held += n
+            return
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].done() and not entry[1].cancelled():
+                self._release(n)          # the bytes arrived just as we were cancelled: pass them on
+            else:
+                if entry in self._waiting:
+                    self._waiting.remove(entry)
+                self._wake()              # the head may have left: the next ones may fit now
+            raise
+
+    def _release(self, n: int) -> None:
+        self.held -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][0]):
+            n, fut = self._waiting.popleft()
+            if not fut.done():
+                self.held += n
+                fut.set_result(None)

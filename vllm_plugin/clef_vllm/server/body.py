@@ -1,7 +1,7 @@
 """Request bodies: reading them (size cap, slow-client timeouts, disconnects, shutdown), checking
 their media type, and decoding them as strict JSON within the structural limits.
 
-Decoding runs in the server's CPU pool (see service.py), never on the event loop. Before
+Decoding runs in the server's CPU pool (see cpu_pool.py), never on the event loop. Before
 ``json.loads`` builds a single object, a scan counts the body's JSON values in windows of
 :data:`SCAN_WINDOW` bytes (each a few C calls, so the GIL is released between them) and refuses a
 body with more values than :class:`~clef_vllm.schema.protocol.RequestLimits` allows: a million keys or a

@@ -32,15 +32,15 @@ import uvicorn
 from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
-from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, MediaLimits
+from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, HOST_BYTES_PER_PIXEL, MediaLimits
 from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.connection import PROBE_CONNECTIONS
 from clef_vllm.server.flags import Sections, add_help_flags, mark_tuning, with_config
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                       DEFAULT_MAX_BULK_LINES,
-                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S,
-                                       DEFAULT_SERVED_MODELS, DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
+                                       DEFAULT_MAX_BULK_LINES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MEDIA_MEMORY,
+                                       DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SERVED_MODELS,
+                                       DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
 from clef_vllm.version import __version__
 
 API_KEY_ENV = "CLEF_API_KEY"
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-media-pixels", type=_positive_int, default=m.max_total_pixels,
                      help=f"pixels of all images and video frames of a request (the decoding work), 413 beyond "
                           f"(default {m.max_total_pixels:,})")
+    lim.add_argument("--max-media-memory", type=_non_negative_int, default=DEFAULT_MAX_MEDIA_MEMORY,
+                     help=f"host memory (bytes) the images and videos of the requests in progress may take together, "
+                          f"each pixel counted at {HOST_BYTES_PER_PIXEL} bytes (decoded and processed): a request "
+                          f"whose media do not fit waits for the ones ahead of it (--request-timeout runs), one "
+                          f"larger than all of it runs alone; 0 = no bound (default {DEFAULT_MAX_MEDIA_MEMORY}, 2 GiB)")
 
     sec = s["security"]
     sec.add_argument("--api-key", action="append", default=None,
@@ -341,6 +346,7 @@ def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | Non
         auth_health_metrics=args.auth_health_metrics, cors_origins=_split(args.cors_origins),
         near_tie_margin=args.near_tie_margin, bulk_concurrency=args.bulk_concurrency,
         max_bulk_streams=args.max_bulk_streams, max_bulk_lines=args.max_bulk_lines or None,
+        max_media_memory=args.max_media_memory or None,
         header_timeout_s=args.header_timeout or None,
         body_timeout_s=args.body_timeout or None, min_body_rate=args.min_body_rate or None,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,

@@ -10,107 +10,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
-import functools
 import gc
 import json
 import logging
-import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator
 
-from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats, _libc_malloc_trim
+from clef_vllm.backends.base import REQUEST_STATS, Backend, BackendDeadError, RequestStats
 from clef_vllm.schema.answers import build_response, hosted_envelope
 from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.errors import ClefError, ClientClosed, Kind, RequestError, ServiceError
-from clef_vllm.schema.media import HOSTED_MAX_BODY_BYTES, decode_media
+from clef_vllm.schema.media import HOSTED_MAX_BODY_BYTES, decode_media, host_bytes
 from clef_vllm.schema.openai_decisions import check_fits
 from clef_vllm.schema.protocol import Dialect, RequestLimits, SystemOneRequest
-from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, QueueFull
+from clef_vllm.server.admission import BULK, INTERACTIVE, Admission, MemoryBudget, QueueFull
 from clef_vllm.server.body import BodyReader, decode_json, declared_length
 from clef_vllm.server.context import RequestContext
+from clef_vllm.server.cpu_pool import TRIM_AFTER_BYTES, CpuPool, Trimmer, default_cpu_workers
 from clef_vllm.server.loop_lag import INTERVAL_S, watch_loop_lag
 from clef_vllm.server.metrics import ServerMetrics
-from clef_vllm.server.settings import DEFAULT_CPU_INLINE_BYTES, ServerSettings
+from clef_vllm.server.settings import ServerSettings
 from clef_vllm.util.heap import LONG_PAUSE_LINE, FullCollections, freeze_heap
 
 log = logging.getLogger("clef_vllm.server")
 
-#: A request whose body had at least this many bytes is followed by a ``malloc_trim`` (at most one
-#: per :data:`TRIM_INTERVAL_S`), so the memory its parsing used goes back to the OS.
-TRIM_AFTER_BYTES = 1 << 20
-TRIM_INTERVAL_S = 0.5
 #: How long, after the shutdown timeout, requests get to send their 503 before the exit.
 ABANDON_GRACE_S = 0.5
-
-
-class CpuPool:
-    """The bounded pool of threads that decodes, validates, encodes and serialises requests, so the
-    event loop only moves bytes. Work is cancelled through its request's context: a job that has
-    not started never runs; a running one stops at its next ``ctx.checkpoint()``. The work of a
-    request whose body is at most ``inline_bytes`` (``--cpu-inline-bytes``) runs on the loop instead."""
-
-    def __init__(self, workers: int, inline_bytes: int = DEFAULT_CPU_INLINE_BYTES):
-        self.workers = max(1, int(workers))
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="clef-cpu")
-        self.queued = 0
-        self.inline_bytes = inline_bytes
-
-    async def run(self, ctx: RequestContext | None, fn: Callable, *args, inline: bool = True) -> Any:
-        """``fn(*args)`` in the pool (on the loop for a small body unless ``inline`` is False: media decoding,
-        whose work does not follow the body's size)."""
-        if inline and ctx is not None and 0 < ctx.body_bytes <= self.inline_bytes:
-            ctx.checkpoint()
-            return fn(*args)
-        ctx_vars = contextvars.copy_context()            # log lines keep the request id
-        call = functools.partial(ctx_vars.run, fn, *args)
-        self.queued += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
-        except asyncio.CancelledError:
-            if ctx is not None:
-                ctx.cancelled.set()
-            raise
-        finally:
-            self.queued -= 1
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class Trimmer:
-    """Hands freed heap memory back to the OS (glibc ``malloc_trim``) after large requests: at most
-    once per ``interval`` seconds, and always once after the last large request."""
-
-    def __init__(self, pool: CpuPool, interval: float = TRIM_INTERVAL_S):
-        self._trim = _libc_malloc_trim()
-        self._pool = pool
-        self._interval = interval
-        self._last = 0.0
-        self._pending = False
-        self.trims = 0
-
-    def request(self) -> None:
-        if self._trim is None or self._pending:
-            return
-        self._pending = True
-        loop = asyncio.get_running_loop()
-        loop.call_later(max(0.0, self._last + self._interval - time.monotonic()),
-                        lambda: loop.create_task(self._run()))
-
-    async def _run(self) -> None:
-        try:
-            await self._pool.run(None, self._trim, 0)
-            self.trims += 1
-        except Exception as exc:  # noqa: BLE001 - trimming is best effort
-            log.debug("malloc_trim: %s", exc)
-        finally:
-            self._last = time.monotonic()
-            self._pending = False
 
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
@@ -143,6 +71,7 @@ class DecisionService:
         self.pool = CpuPool(settings.cpu_workers or default_cpu_workers(), settings.cpu_inline_bytes)
         self.trimmer = Trimmer(self.pool)
         self.buffered_bytes = 0                          # request bodies held in memory
+        self.media_memory = MemoryBudget(settings.max_media_memory)   # the decoded media of requests in progress
         # objects out of the full collections, counted once (``gc.get_freeze_count()`` walks them all: ~40 ms of
         # the event loop for start-up's ~400,000 on 2 cores, so a /metrics scrape must not count them again)
         self.frozen_objects = gc.get_freeze_count()
@@ -179,6 +108,10 @@ class DecisionService:
         m.gauge("clef_cpu_jobs", "Jobs (decode, validate, encode, serialise) queued or running in the CPU pool",
                 lambda: float(self.pool.queued))
         m.gauge("clef_buffered_body_bytes", "Request body bytes held in memory", lambda: float(self.buffered_bytes))
+        m.gauge("clef_media_memory_bytes", "Host memory the media of requests in progress are budgeted at "
+                "(--max-media-memory)", lambda: float(self.media_memory.held))
+        m.gauge("clef_media_waiting", "Requests with media waiting for --max-media-memory",
+                lambda: float(self.media_memory.waiting))
 
     def _long_gc_pause(self, ms: float, freed: int) -> None:
         """A full garbage collection of ``ms`` (at least :data:`clef_vllm.util.heap.LONG_PAUSE_MS`) stopped the event
@@ -424,15 +357,30 @@ class DecisionService:
             raw = raw.pop()
         parsed = await self.pool.run(ctx, self._parse, raw, ctx, dialect)
         del raw
-        if parsed._media:           # every frame decoded once (corrupt data: 422), in the pool whatever the body's size
-            await self.pool.run(ctx, decode_media, parsed._media, ctx.checkpoint, inline=False)
         ctx.add_stage("parse", time.perf_counter() - t0)
-        ctx.questions = len(parsed.questions)
-        encoded, probs = await self._admitted(parsed, ctx, kind)
-        payload = await self.pool.run(ctx, build_response, parsed, encoded, probs, dialect)
+        async with self._media_held(parsed, ctx):
+            if parsed._media:       # every frame decoded once (corrupt data: 422), in the pool whatever the body's size
+                t1 = time.perf_counter()
+                await self.pool.run(ctx, decode_media, parsed._media, ctx.checkpoint, inline=False)
+                ctx.add_stage("parse", time.perf_counter() - t1)
+            ctx.questions = len(parsed.questions)
+            encoded, probs = await self._admitted(parsed, ctx, kind)
+            payload = await self.pool.run(ctx, build_response, parsed, encoded, probs, dialect)
         self.metrics.observe_decision(encoded, probs)
         self.metrics.observe_stages(kind, ctx.stages)
         return hosted_envelope(payload) if dialect is Dialect.WORKERS_AI else payload
+
+    @contextlib.asynccontextmanager
+    async def _media_held(self, parsed: SystemOneRequest, ctx: RequestContext):
+        """Hold the request's media's share of ``--max-media-memory`` (:func:`host_bytes`, from their headers) from
+        decoding to the answer; waiting for it counts as queueing (``--request-timeout`` runs)."""
+        if not parsed._media:
+            yield
+            return
+        t0 = time.perf_counter()
+        async with self.media_memory.hold(host_bytes(parsed._media)):
+            ctx.add_stage("queue", time.perf_counter() - t0)
+            yield
 
     async def answer_unless_gone(self, raw: bytes, ctx: RequestContext,
                                  receive: Callable[[], Awaitable[dict]]) -> bytes:
@@ -588,8 +536,3 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 def render_json(payload: dict) -> bytes:
     """A response body as Starlette's JSONResponse writes it."""
     return json.dumps(payload, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
-
-
-def default_cpu_workers() -> int:
-    """Threads of the CPU pool: one per core, at most 8 (tokenization itself runs on all cores)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))

@@ -26,6 +26,9 @@ DEFAULT_MAX_BULK_LINES = 100_000
 DEFAULT_CPU_INLINE_BYTES = 4096
 #: Request bodies held in memory at once, in multiples of --max-body-bytes (beyond: 429).
 BUFFERED_BODIES = 16
+#: Host memory the media of the requests in progress are budgeted at, together (schema.media.host_bytes: 64 bytes a
+#: pixel): 2 GiB is two 16 MP pictures, or about 120 of 512 x 512, in progress at once; the next waits.
+DEFAULT_MAX_MEDIA_MEMORY = 2 << 30
 OVER_LENGTH_POLICIES = ("truncate", "reject")
 
 
@@ -47,6 +50,7 @@ class ServerSettings:
     over_length: str = "truncate"             # "truncate" (cut the state's end) | "reject" (413)
     media: MediaLimits = DEFAULT_MEDIA_LIMITS  # images/videos of the reference dialect (workers-ai: the hosted limits)
     max_buffered_bytes: int | None = None     # default: BUFFERED_BODIES x max_body_bytes
+    max_media_memory: int | None = DEFAULT_MAX_MEDIA_MEMORY   # media of requests in progress (bytes); None: no bound
     # slow clients and connections
     header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S
