@@ -122,6 +122,26 @@ def test_invalid_item_raises_naming_its_index_before_any_work(clef, monkeypatch)
     assert calls == []
 
 
+def test_a_batch_with_more_media_than_max_media_memory_is_decided_in_chunks(clef, monkeypatch):
+    """Consecutive chunks whose media fit ``max_media_memory`` (a text request costs nothing; a request over it runs
+    alone), the answers in order and equal to the batch decided at once."""
+    from clef_vllm.api import media_chunks
+    from clef_vllm.testing.images import data_uri, picture
+
+    assert [list(c) for c in media_chunks([5, 0, 5, 5, 20, 0, 1], 10)] == [[0, 1, 2], [3], [4], [5, 6]]
+    assert [list(c) for c in media_chunks([5, 5, 5], None)] == [[0, 1, 2]] and media_chunks([], 10) == []
+    pictures = [data_uri(picture((64, 64), seed)) for seed in range(5)]
+    batch = [REQUEST | {"images": [pictures[0]]}, REQUEST, REQUEST | {"images": [pictures[1]]},
+             REQUEST | {"images": pictures[2:4]}, REQUEST | {"images": [pictures[4]]}]
+    whole = clef.systemone_batch(batch)
+    chunks = []
+    decide = clef.backend.decide_batch
+    monkeypatch.setattr(clef.backend, "decide_batch", lambda enc: chunks.append(len(enc)) or decide(enc))
+    monkeypatch.setattr(clef, "max_media_memory", 2 * 64 * 64 * 64)       # two 64 x 64 pictures at 64 bytes a pixel
+    assert clef.systemone_batch(batch) == whole
+    assert chunks == [3, 1, 1]
+
+
 def test_reference_dialect_ignores_unknown_fields_and_says_so(clef):
     request = REQUEST | {"id": "rec-7", "media_kwargs": {"x": 1}, "unknown": True}
     request["questions"] = {**REQUEST["questions"], "large": {**REQUEST["questions"]["large"], "instuctions": "typo"}}

@@ -19,7 +19,7 @@ from clef_vllm.schema.answers import build_response
 from clef_vllm.schema.dialects import parse_request
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
 from clef_vllm.schema.errors import ClefError, RequestError  # noqa: F401 - RequestError is what callers catch
-from clef_vllm.schema.media import MEDIA_KEYS, decode_media
+from clef_vllm.schema.media import DEFAULT_MAX_MEDIA_MEMORY, MEDIA_KEYS, decode_media, host_bytes
 from clef_vllm.schema.openai_decisions import check_fits
 from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect, RequestLimits, attach_media
 
@@ -32,13 +32,18 @@ class Clef:
     ``"reference"`` or ``"vllm"``. ``dtype``: the model's dtype (on the reference backend a
     ``"float32"`` model is float32 throughout, backbone and head, as the release's own loader;
     the vLLM backend runs ``"bfloat16"``; ``head_dtype="float32"`` gives a float32 head on either).
+    ``max_media_memory``: the host memory (bytes) a batch's images and videos may take at once, each pixel counted
+    as the server counts it (:data:`~clef_vllm.schema.media.HOST_BYTES_PER_PIXEL`); a batch with more is encoded
+    and decided in consecutive chunks within it (``None``: all at once).
     ``engine_options`` are the backend's typed options (:mod:`clef_vllm.backends.options`, e.g.
     ``device="cuda"`` for reference; ``gpu_memory_utilization=0.5`` for vLLM); one that does not
     exist or belongs to the other backend raises :class:`~clef_vllm.backends.OptionError`.
     """
 
     def __init__(self, model_dir: str | Path | None = "demo", backend: str = "auto", dtype: str = "bfloat16",
-                 max_model_len: int = DEFAULT_MAX_LENGTH, dialect: str = "reference", **engine_options: Any):
+                 max_model_len: int = DEFAULT_MAX_LENGTH, dialect: str = "reference",
+                 max_media_memory: int | None = DEFAULT_MAX_MEDIA_MEMORY, **engine_options: Any):
+        self.max_media_memory = max_media_memory
         self.dialect = Dialect(dialect)
         if self.dialect not in SYSTEMONE_DIALECTS:
             raise ValueError(f"dialect must be one of {[d.value for d in SYSTEMONE_DIALECTS]}, got {dialect!r} "
@@ -51,13 +56,14 @@ class Clef:
         """Answer one SystemOne request; raises :class:`~clef_vllm.schema.errors.RequestError` (a ValueError
         naming the field; ``.kind`` says what is wrong) for invalid input. ``images`` (and ``videos``, reference
         dialect) may hold ``PIL.Image`` objects, bytes or local paths besides data: URIs; they are validated as
-        the server validates them (docs/protocol.md, Media), then refused: this build's model sees no images."""
+        the server validates them (docs/protocol.md, Media)."""
         return self.systemone_batch([request])[0]
 
     def systemone_batch(self, requests: Sequence[dict]) -> list[dict]:
         """Answer many requests in one batch (order preserved). An invalid request raises
-        :class:`~clef_vllm.schema.errors.RequestError` naming its index (``requests[3].questions.x...``)
-        before any work is done."""
+        :class:`~clef_vllm.schema.errors.RequestError` naming its index (``requests[3].questions.x...``), and no
+        answer is returned: a request the parser refuses, before any work is done; one refused at encoding (too
+        long; media the processor refuses), once the chunks before it (``max_media_memory``) were decided."""
         return self._batch(requests, self.dialect)
 
     def decisions(self, request: dict) -> dict:
@@ -71,22 +77,27 @@ class Clef:
         return self._batch(requests, Dialect.OPENAI)
 
     def _batch(self, requests: Sequence[dict], dialect: Dialect) -> list[dict]:
-        parsed, encoded = [], []
         limits = self.backend.encoder.request_limits()
+        named = (lambda i: f"requests[{i}]") if len(requests) > 1 else (lambda i: None)
+        parsed = []
         for i, body in enumerate(requests):
             try:
-                req = _parse(body, dialect, limits)
-                enc = self.backend.encoder.encode(req)
-                if dialect is Dialect.OPENAI:
-                    check_fits(enc)
+                parsed.append(_parse(body, dialect, limits))
             except ClefError as exc:
-                raise exc.with_field_prefix(f"requests[{i}]" if len(requests) > 1 else None) from None
-            parsed.append(req)
-            encoded.append(enc)
-        if not encoded:
-            return []
-        probs = self.backend.decide_batch(encoded)
-        return [build_response(r, e, p, dialect) for r, e, p in zip(parsed, encoded, probs)]
+                raise exc.with_field_prefix(named(i)) from None
+        answers: list[dict] = []
+        for chunk in media_chunks([host_bytes(req._media) for req in parsed], self.max_media_memory):
+            encoded = []
+            for i in chunk:
+                try:
+                    encoded.append(self.backend.encoder.encode(parsed[i]))
+                    if dialect is Dialect.OPENAI:
+                        check_fits(encoded[-1])
+                except ClefError as exc:
+                    raise exc.with_field_prefix(named(i)) from None
+            probs = self.backend.decide_batch(encoded)
+            answers += [build_response(parsed[i], e, p, dialect) for i, e, p in zip(chunk, encoded, probs)]
+        return answers
 
     def close(self) -> None:
         self.backend.close()
@@ -96,6 +107,20 @@ class Clef:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def media_chunks(costs: Sequence[int], budget: int | None) -> list[range]:
+    """Consecutive runs of requests whose media ``costs`` (bytes) add up to at most ``budget`` (a request costing
+    more runs alone; ``None``: one run)."""
+    chunks, start, held = [], 0, 0
+    for i, cost in enumerate(costs):
+        if budget is not None and i > start and held + cost > budget:
+            chunks.append(range(start, i))
+            start, held = i, 0
+        held += cost
+    if start < len(costs):
+        chunks.append(range(start, len(costs)))
+    return chunks
 
 
 def _parse(body: Any, dialect: Dialect, limits: RequestLimits) -> Any:

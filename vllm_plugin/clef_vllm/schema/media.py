@@ -63,6 +63,9 @@ class MediaLimits:
 #: 4 for the decoded frames the vLLM front end keeps (vLLM's own processor then runs as the reference's does);
 #: ``bench/media_speed.py --host-memory``.
 HOST_BYTES_PER_PIXEL = 64
+#: Host memory the media of the requests in progress may take together (the server's ``--max-media-memory``, the
+#: offline API's ``max_media_memory``): 2 GiB is two 16 MP pictures, or about 120 of 512 x 512, at once.
+DEFAULT_MAX_MEDIA_MEMORY = 2 << 30
 
 
 def host_bytes(items: Sequence["MediaItem"]) -> int:

@@ -32,13 +32,13 @@ import uvicorn
 from clef_vllm.backends import BACKENDS
 from clef_vllm.backends.options import OptionError, add_flags, backend_options, flag_of, given_options, on_off
 from clef_vllm.schema.encoding import DEFAULT_MAX_LENGTH
-from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, HOST_BYTES_PER_PIXEL, MediaLimits
+from clef_vllm.schema.media import DEFAULT_MAX_MEDIA_MEMORY, DEFAULT_MEDIA_LIMITS, HOST_BYTES_PER_PIXEL, MediaLimits
 from clef_vllm.schema.protocol import SYSTEMONE_DIALECTS, Dialect
 from clef_vllm.server.connection import PROBE_CONNECTIONS
 from clef_vllm.server.flags import Sections, add_help_flags, mark_tuning, with_config
 from clef_vllm.server.settings import (BUFFERED_BODIES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_CPU_INLINE_BYTES,
                                        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                       DEFAULT_MAX_BULK_LINES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MEDIA_MEMORY,
+                                       DEFAULT_MAX_BULK_LINES, DEFAULT_MAX_CONNECTIONS,
                                        DEFAULT_MIN_BODY_RATE, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_SERVED_MODELS,
                                        DEFAULT_SHUTDOWN_TIMEOUT_S, OVER_LENGTH_POLICIES)
 from clef_vllm.version import __version__

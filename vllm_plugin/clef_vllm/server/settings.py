@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from clef_vllm.schema.media import DEFAULT_MEDIA_LIMITS, MediaLimits
+from clef_vllm.schema.media import DEFAULT_MAX_MEDIA_MEMORY, DEFAULT_MEDIA_LIMITS, MediaLimits
 from clef_vllm.schema.protocol import Dialect
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -26,9 +26,6 @@ DEFAULT_MAX_BULK_LINES = 100_000
 DEFAULT_CPU_INLINE_BYTES = 4096
 #: Request bodies held in memory at once, in multiples of --max-body-bytes (beyond: 429).
 BUFFERED_BODIES = 16
-#: Host memory the media of the requests in progress are budgeted at, together (schema.media.host_bytes: 64 bytes a
-#: pixel): 2 GiB is two 16 MP pictures, or about 120 of 512 x 512, in progress at once; the next waits.
-DEFAULT_MAX_MEDIA_MEMORY = 2 << 30
 OVER_LENGTH_POLICIES = ("truncate", "reject")
 
 
