@@ -200,15 +200,18 @@ def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadat
     seen = []
 
     class StandInProcessor:                 # the checkpoint's Qwen3VLProcessor: two frames per temporal patch
+        collapse = False                    # transformers 5.25 on: the placeholder's own start and end dropped
+
         def __call__(self, text, videos, video_metadata, return_tensors):
             (frames,), (meta,) = videos, video_metadata
             seen.append(meta)
             if len(frames) < 2:
                 raise ValueError("t:1 must be larger than temporal_factor:2")
-            ids = [start]
+            ids = []
             for _ in range(len(frames) // 2):
                 ids += [99, start] + [vpad] * 4 + [end]        # "<t seconds>", then the frames' pads
-            return {"input_ids": torch.tensor([ids + [end]]), "pixel_values_videos": torch.zeros(1),
+            ids = ids if self.collapse else [start] + ids + [end]
+            return {"input_ids": torch.tensor([ids]), "pixel_values_videos": torch.zeros(1),
                     "video_grid_thw": torch.tensor([[len(frames) // 2, 4, 4]])}
 
     media.video_processor = StandInProcessor()
@@ -228,6 +231,9 @@ def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadat
     assert enc.input_ids[a:a + enc.media_tokens] == \
         [start] + [media.pad_id] * enc.media.token_counts[0] + [end] + video_ids + media.newline_ids
     assert enc.media.token_counts[1] == 8 and enc.media.pixel_values_videos is None
+    media.video_processor.collapse = True
+    assert encode([frames]).input_ids == enc.input_ids          # the release's ids whatever transformers does
+    media.video_processor.collapse = False
     (image,), ((got, meta),) = prompt["multi_modal_data"]["image"], prompt["multi_modal_data"]["video"]
     assert image.size == (96, 64) and got.dtype == np.uint8 and got.shape == (4, 48, 64, 3)
     assert np.array_equal(got[2], np.asarray(decode_first(frames[2])))
@@ -266,6 +272,83 @@ def decode_first(uri: str):
     from PIL import Image
 
     return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).convert("RGB")
+
+@pytest.mark.parametrize("processor", ["vllm", "clef"])
+def test_vllm_expands_a_video_with_a_processor_that_refuses_a_placeholder_without_its_video(tiny_release, processor):
+    """vLLM 0.28's Qwen3-VL processor expands each video with one call of the checkpoint's processor, then calls it
+    for the rest of the prompt with the videos taken out and their placeholders left in; transformers 5.23 and later
+    refuse that ("... tokens in the text but no videos were passed"). A stand-in processor refusing as they do: vLLM's
+    own class fails, ``ClefMultiModalProcessor`` (the one registered for the architecture) expands the image and the
+    video, the video's ids nested in its placeholder's start and end."""
+    import types
+
+    import numpy as np
+    from PIL import Image
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalProcessor
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from clef_vllm import ARCHITECTURE, plugin
+    from clef_vllm.backends.vllm_backend import engine_kwargs
+    from clef_vllm.schema.media_inputs import VIDEO_PLACEHOLDER, video_metadata
+    from clef_vllm.worker.processor import ClefMultiModalProcessor
+
+    plugin.register()
+    limits = engine_kwargs(tiny_release)["limit_mm_per_prompt"]
+    limits["video"] = {"count": 1, "num_frames": 2, "width": 64, "height": 64}
+    config = ModelConfig(model=str(tiny_release), skip_tokenizer_init=False, dtype="bfloat16", enforce_eager=True,
+                         max_model_len=2048, runner="pooling", hf_overrides={"architectures": [ARCHITECTURE]},
+                         limit_mm_per_prompt=limits)
+    proc = MULTIMODAL_REGISTRY.create_processor(config)
+    assert type(proc) is ClefMultiModalProcessor
+    if processor == "vllm":
+        proc.__class__ = Qwen3VLMultiModalProcessor
+    tok = proc.info.get_tokenizer()
+    start, end, image_pad, video_pad = tok.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+
+    class NewTransformersProcessor:          # Qwen3VLProcessor's contract, refusing as transformers >= 5.23 does
+        video_token, image_token = "<|video_pad|>", "<|image_pad|>"
+        video_processor = types.SimpleNamespace(temporal_patch_size=2, fps=2.0, min_frames=4, max_frames=768)
+
+        def replace_video_token(self, video_inputs, video_idx, **kwargs):     # transformers >= 5.10: the bare pad
+            raise NotImplementedError
+
+        def __call__(self, text=None, images=None, videos=None, video_metadata=None, return_tensors=None):
+            text = text if isinstance(text, str) else text[0]
+            if text.count(self.video_token) != len(videos or []):
+                raise ValueError(f"Found {text.count(self.video_token)} {self.video_token} tokens in the text but "
+                                 "no videos were passed.")
+            out = {}
+            if images:
+                out |= {"pixel_values": torch.zeros(4 * len(images), 1536),
+                        "image_grid_thw": torch.tensor([[1, 2, 2]] * len(images))}
+                text = text.replace(self.image_token, "<|image_pad|>")     # one token per 2 x 2 patches
+            if videos:
+                frames = len(videos[0][0])
+                out |= {"pixel_values_videos": torch.zeros(4 * frames // 2, 1536),
+                        "video_grid_thw": torch.tensor([[frames // 2, 2, 2]])}
+            out["input_ids"] = torch.tensor([tok.encode(text, add_special_tokens=False)])
+            return out
+
+    stand_in = NewTransformersProcessor()
+    proc.info.get_hf_processor = lambda **kwargs: stand_in
+    frames = np.zeros((4, 64, 64, 3), np.uint8)
+    data = {"images": [Image.new("RGB", (64, 64))],
+            "videos": [(frames, dict(video_metadata(4, 64, 64), do_sample_frames=False))]}
+    text = "<|vision_start|><|image_pad|><|vision_end|>" + VIDEO_PLACEHOLDER
+    if processor == "vllm":
+        with pytest.raises(ValueError, match="Failed to apply") as info:
+            proc._call_hf_processor(text, data, {}, {})
+        assert "no videos were passed" in str(info.value.__cause__)
+        return
+    out = proc._call_hf_processor(text, data, {}, {})
+    ids = out["input_ids"][0] if isinstance(out["input_ids"], list) else out["input_ids"][0].tolist()
+    assert ids[:3] == [start, image_pad, end] and ids[3] == start and ids[-1] == end
+    assert ids.count(video_pad) == 2 * 1 and ids.count(start) == 1 + 1 + 2      # two temporal groups of one token
+    assert tok.convert_tokens_to_ids("<|vision_pad|>") not in ids
+    assert out["video_grid_thw"].tolist() == [[2, 2, 2]]
+
 
 def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):
     """``CLEF_VLLM_PROFILE=DIR[,START[,COUNT]]``: vLLM's profiler starts before client decision START and

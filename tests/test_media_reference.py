@@ -135,7 +135,10 @@ needs_torchvision = pytest.mark.skipif(processor_backend() is not None,
 
 def video_oracle(tiny_release, body: dict, model) -> tuple[list[int], list, torch.Tensor]:
     """The release's math with videos: its whole processor (``Qwen3VLProcessor``) on the placeholder text, each
-    video's frames at the processor's 2 fps, the multimodal model in float32, the head written out."""
+    video's frames at the processor's 2 fps, the multimodal model in float32, the head written out. The processor
+    expands each ``<|video_pad|>``, and the placeholder's own start and end stay around it (transformers 5.10.2, the
+    release's; 5.25 drops them): each video's expansion is taken from the processor on a bare ``<|video_pad|>`` and
+    put between them, as the release's text has them."""
     import numpy as np
     from transformers import AutoProcessor, AutoTokenizer
     from transformers.video_utils import VideoMetadata
@@ -148,10 +151,17 @@ def video_oracle(tiny_release, body: dict, model) -> tuple[list[int], list, torc
     meta = [VideoMetadata(total_num_frames=len(v), fps=2.0, width=v.shape[2], height=v.shape[1],
                           duration=len(v) / 2, frames_indices=list(range(len(v)))) for v in videos]
     processor = AutoProcessor.from_pretrained(str(tiny_release))
-    text = "<|vision_start|><|image_pad|><|vision_end|>" * len(images) + \
-        "<|vision_start|><|video_pad|><|vision_end|>" * len(videos) + "\n"
-    out = processor(text=[text], images=images or None, videos=videos, video_metadata=meta, return_tensors="pt")
-    ids, spans, _ = spec_encode(T, body, media=out["input_ids"][0].tolist())
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>" * len(images) + "<|video_pad|>" * len(videos)],
+                    images=images or None, videos=videos, video_metadata=meta, return_tensors="pt")
+    expanded = out["input_ids"][0].tolist()
+    singles = [processor(text=["<|video_pad|>"], videos=[v], video_metadata=[m], return_tensors="pt")["input_ids"][0]
+               .tolist() for v, m in zip(videos, meta)]
+    video_from = len(expanded) - sum(map(len, singles))
+    assert expanded[video_from:] == sum(singles, [])
+    media = expanded[:video_from]
+    for single in singles:
+        media += T("<|vision_start|>") + single + T("<|vision_end|>")
+    ids, spans, _ = spec_encode(T, body, media=media + T("\n"))
     x = torch.tensor([ids])
     types = (x == model.config.image_token_id).int() + 2 * (x == model.config.video_token_id).int()
     pixels = {k: out[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")

@@ -185,6 +185,8 @@ class MediaProcessor:
         except ValueError as exc:     # the processor's own limits (two frames at least, aspect ratio below 200)
             raise _refused("video", item, exc) from None
         ids = tuple(int(i) for i in out["input_ids"][0])
+        if ids[0] != self.start_id:       # transformers 5.25 on drops the placeholder's own start and end (nested)
+            ids = (self.start_id, *ids, self.end_id)
         pads = sum(1 for i in ids if i == self.video_pad_id)
         if self.pixels:
             return VideoBlock(ids, pads, out["pixel_values_videos"], out["video_grid_thw"])

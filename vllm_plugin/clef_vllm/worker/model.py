@@ -26,7 +26,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE, SupportsMultiModal
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase, Qwen3_5Model, Qwen3_5ProcessingInfo
-from vllm.model_executor.models.qwen3_vl import Qwen3VLDummyInputsBuilder, Qwen3VLMultiModalProcessor
+from vllm.model_executor.models.qwen3_vl import Qwen3VLDummyInputsBuilder
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.platforms import current_platform
@@ -47,6 +47,7 @@ from clef_vllm.worker.embedding import Int8RowEmbedding
 from clef_vllm.worker.fast.registry import (DEFAULT_BUCKETS, SPLIT_TOKENS, GdnGraphRunner, HeadGraphRunner,
                                             StepGraphRunner, gdn_metadata, gdn_tuning, nvfp4_bf16, triton_gdn)
 from clef_vllm.worker.pooler import ClefPooler, StateCacheSettings
+from clef_vllm.worker.processor import ClefMultiModalProcessor
 
 log = logging.getLogger("clef_vllm")
 
@@ -66,8 +67,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 
-# vLLM's Qwen3.5 image processing (the checkpoint's processor expands each image's pad to its grid's tokens).
-@MULTIMODAL_REGISTRY.register_processor(Qwen3VLMultiModalProcessor, info=Qwen3_5ProcessingInfo,
+# vLLM's Qwen3.5 media processing (the checkpoint's processors expand each image's and video's placeholder).
+@MULTIMODAL_REGISTRY.register_processor(ClefMultiModalProcessor, info=Qwen3_5ProcessingInfo,
                                         dummy_inputs=Qwen3VLDummyInputsBuilder)
 class ClefFlashForDecision(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, SupportsMultiModal):
     """Qwen3.5 backbone (+ its BF16 vision tower unless the engine serves text only) + joint schema head, served
