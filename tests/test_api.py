@@ -9,6 +9,7 @@ import torch
 
 import clef_vllm
 from clef_vllm.schema.errors import Kind
+from clef_vllm.schema.media import HOST_BYTES_PER_PIXEL
 from clef_vllm.schema.protocol import RequestError
 
 REQUEST = {
@@ -137,7 +138,7 @@ def test_a_batch_with_more_media_than_max_media_memory_is_decided_in_chunks(clef
     chunks = []
     decide = clef.backend.decide_batch
     monkeypatch.setattr(clef.backend, "decide_batch", lambda enc: chunks.append(len(enc)) or decide(enc))
-    monkeypatch.setattr(clef, "max_media_memory", 2 * 64 * 64 * 64)       # two 64 x 64 pictures at 64 bytes a pixel
+    monkeypatch.setattr(clef, "max_media_memory", 2 * 64 * 64 * HOST_BYTES_PER_PIXEL)   # two 64 x 64 pictures
     assert clef.systemone_batch(batch) == whole
     assert chunks == [3, 1, 1]
 

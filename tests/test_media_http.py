@@ -138,11 +138,11 @@ def holds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def strict_server(tiny_release, cache_dir, holds):
-    """Small limits; the media of one 10 x 10 picture (6,400 bytes at 64 a pixel) in progress at a time; the
+    """Small limits; the media of one 10 x 10 picture (7,200 bytes at 72 a pixel) in progress at a time; the
     ``hold_dir`` fault hook (a decision asking ``hold.NAME`` stays in the engine until ``holds/NAME`` exists)."""
     server = LiveServer(["--model", str(tiny_release), "--backend", "reference", "--max-images", "2",
                          "--max-image-pixels", "100", "--max-image-bytes", "4096", "--max-media-bytes", "6000",
-                         "--max-video-frames", "2", "--max-media-memory", "6400"],
+                         "--max-video-frames", "2", "--max-media-memory", "7200"],
                         env={"CLEF_VLLM_FAULTS": f"hold_dir={holds}"}).wait_ready()
     yield server
     server.stop()
@@ -169,7 +169,7 @@ def test_the_media_of_requests_in_progress_stay_within_the_media_memory(strict_s
     waiting = lambda: metric(strict_server, "clef_media_waiting")               # noqa: E731
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(post, strict_server, held("m1", images=[small]))
-        wait_until(lambda: held_bytes() == 6400, "the first request's media held")
+        wait_until(lambda: held_bytes() == 7200, "the first request's media held")
         second = pool.submit(post, strict_server, REQUEST | {"images": [small]})
         wait_until(lambda: waiting() == 1, "the second request waiting")
         third = pool.submit(httpx.post, strict_server.url + "/v1/systemone", json=REQUEST | {"images": [small]},
@@ -179,7 +179,7 @@ def test_the_media_of_requests_in_progress_stay_within_the_media_memory(strict_s
             third.result()
         wait_until(lambda: waiting() == 1, "the third request gone")
         assert post(strict_server, REQUEST).status_code == 200        # text passes the waiting media
-        assert not second.done() and held_bytes() == 6400
+        assert not second.done() and held_bytes() == 7200
         release(holds, "m1")
         assert first.result().status_code == 200
         answer = second.result()

@@ -61,10 +61,10 @@ class MediaLimits:
 #: (``--max-media-memory``): the processor's float32 copies of it (resized, normalised, cut into patches) and its
 #: decoded RGB bytes. Measured peak over pixels, encoding one request: 61-67 bytes with the processor's tensors,
 #: 4 for the decoded frames the vLLM front end keeps (vLLM's own processor then runs as the reference's does);
-#: ``bench/media_speed.py --host-memory``.
-HOST_BYTES_PER_PIXEL = 64
+#: ``bench/media_speed.py --host-memory``. Counted above the largest measured peak.
+HOST_BYTES_PER_PIXEL = 72
 #: Host memory the media of the requests in progress may take together (the server's ``--max-media-memory``, the
-#: offline API's ``max_media_memory``): 2 GiB is two 16 MP pictures, or about 120 of 512 x 512, at once.
+#: offline API's ``max_media_memory``): 2 GiB is one 16 MP picture (1.2 GB) and smaller ones beside it, or about 110 of 512 x 512, at once.
 DEFAULT_MAX_MEDIA_MEMORY = 2 << 30
 
 
