@@ -15,7 +15,7 @@ memory lines (vLLM's "Model loading took", "Available KV cache memory", the plug
     source bench/setup.sh && python3 bench/make_ckpt.py 9b /root/ckpt/h --hybrid 17
     python3 bench/media_speed.py --ckpt /root/ckpt/h --out $OUT/media_speed.json 2>&1 | tee $OUT/media_speed.log
 
-``--host-memory`` measures instead (CPU only, no engine) what the server's media budget (``--media-memory``) is
+``--host-memory`` measures instead (CPU only, no engine) what the server's media budget (``--max-media-memory``) is
 sized by: the peak resident memory of encoding one request with media, over its pixels, each case in a fresh
 process, with the reference backend's encoder (the processor's tensors) and the vLLM front end's (the decoded
 frames kept for vLLM; vLLM's own processor then runs like the reference's):
@@ -164,7 +164,9 @@ HOST_CASES = (("one 3072x3072 JPEG", [3072], 0, 0), ("four 1536x1536 JPEGs", [15
 
 def host_case(ckpt: str, case: int, pixels: bool) -> dict:
     """Encode one request of ``HOST_CASES[case]`` in this (fresh) process: its pixels and the peak RSS it added."""
+    from clef_vllm.schema.dialects import parse_request
     from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.media import decode_media
     from clef_vllm.testing.images import QUESTIONS as ASKED
     from clef_vllm.testing.images import data_uri, picture, video_frames
 
@@ -174,9 +176,6 @@ def host_case(ckpt: str, case: int, pixels: bool) -> dict:
             "images": [data_uri(picture((px, px), i, "JPEG"), "image/jpeg") for i, px in enumerate(sizes)]}
     if frames:
         body["videos"] = [video_frames((side, side), frames, 1, "JPEG")]
-    from clef_vllm.schema.dialects import parse_request
-    from clef_vllm.schema.media import decode_media
-
     request = parse_request(body)
     decode_media(request._media)
     pixel_count = sum(i.width * i.height * i.frames for i in request._media)
@@ -184,8 +183,8 @@ def host_case(ckpt: str, case: int, pixels: bool) -> dict:
     encoded = encoder.encode(request)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"case": name, "encoder": "reference (pixels)" if pixels else "vLLM front end (frames kept)",
-            "pixels": pixel_count, "media_tokens": encoded.media_tokens, "peak_added_mib": round((peak - before) / 2 ** 20, 1),
-            "bytes_per_pixel": round((peak - before) / pixel_count, 1)}
+            "pixels": pixel_count, "media_tokens": encoded.media_tokens,
+            "peak_added_mib": round((peak - before) / 2 ** 20, 1), "bytes_per_pixel": round((peak - before) / pixel_count, 1)}
 
 
 def host_memory(args) -> int:

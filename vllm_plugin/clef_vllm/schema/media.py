@@ -64,7 +64,8 @@ class MediaLimits:
 #: ``bench/media_speed.py --host-memory``. Counted above the largest measured peak.
 HOST_BYTES_PER_PIXEL = 72
 #: Host memory the media of the requests in progress may take together (the server's ``--max-media-memory``, the
-#: offline API's ``max_media_memory``): 2 GiB is one 16 MP picture (1.2 GB) and smaller ones beside it, or about 110 of 512 x 512, at once.
+#: offline API's ``max_media_memory``): 2 GiB is one 16 MP picture (1.2 GB) and smaller ones beside it, or about
+#: 110 of 512 x 512, at once.
 DEFAULT_MAX_MEDIA_MEMORY = 2 << 30
 
 

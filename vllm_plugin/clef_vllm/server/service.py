@@ -358,11 +358,7 @@ class DecisionService:
         parsed = await self.pool.run(ctx, self._parse, raw, ctx, dialect)
         del raw
         ctx.add_stage("parse", time.perf_counter() - t0)
-        async with self._media_held(parsed, ctx):
-            if parsed._media:       # every frame decoded once (corrupt data: 422), in the pool whatever the body's size
-                t1 = time.perf_counter()
-                await self.pool.run(ctx, decode_media, parsed._media, ctx.checkpoint, inline=False)
-                ctx.add_stage("parse", time.perf_counter() - t1)
+        async with self._media_decoded(parsed, ctx):
             ctx.questions = len(parsed.questions)
             encoded, probs = await self._admitted(parsed, ctx, kind)
             payload = await self.pool.run(ctx, build_response, parsed, encoded, probs, dialect)
@@ -371,15 +367,19 @@ class DecisionService:
         return hosted_envelope(payload) if dialect is Dialect.WORKERS_AI else payload
 
     @contextlib.asynccontextmanager
-    async def _media_held(self, parsed: SystemOneRequest, ctx: RequestContext):
-        """Hold the request's media's share of ``--max-media-memory`` (:func:`host_bytes`, from their headers) from
-        decoding to the answer; waiting for it counts as queueing (``--request-timeout`` runs)."""
+    async def _media_decoded(self, parsed: SystemOneRequest, ctx: RequestContext):
+        """For a request with media: hold their share of ``--max-media-memory`` (:func:`host_bytes`, from their
+        headers; waiting for it counts as queueing, ``--request-timeout`` runs), then decode every frame once
+        (corrupt data: 422) in the pool whatever the body's size, and keep the share until the answer."""
         if not parsed._media:
             yield
             return
         t0 = time.perf_counter()
         async with self.media_memory.hold(host_bytes(parsed._media)):
-            ctx.add_stage("queue", time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            ctx.add_stage("queue", t1 - t0)
+            await self.pool.run(ctx, decode_media, parsed._media, ctx.checkpoint, inline=False)
+            ctx.add_stage("parse", time.perf_counter() - t1)
             yield
 
     async def answer_unless_gone(self, raw: bytes, ctx: RequestContext,
