@@ -274,12 +274,15 @@ def decode_first(uri: str):
     return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).convert("RGB")
 
 @pytest.mark.parametrize("processor", ["vllm", "clef"])
-def test_vllm_expands_a_video_with_a_processor_that_refuses_a_placeholder_without_its_video(tiny_release, processor):
+@pytest.mark.parametrize("transformers", ["5.23+", "before 5.10"])
+def test_vllm_expands_a_video_as_the_release_whatever_the_transformers(tiny_release, processor, transformers):
     """vLLM 0.28's Qwen3-VL processor expands each video with one call of the checkpoint's processor, then calls it
     for the rest of the prompt with the videos taken out and their placeholders left in; transformers 5.23 and later
-    refuse that ("... tokens in the text but no videos were passed"). A stand-in processor refusing as they do: vLLM's
-    own class fails, ``ClefMultiModalProcessor`` (the one registered for the architecture) expands the image and the
-    video, the video's ids nested in its placeholder's start and end."""
+    refuse that ("... tokens in the text but no videos were passed"), and with a transformers before 5.10 (one vLLM
+    allows) it replaces the placeholder's start and end too. Stand-in processors of both kinds: vLLM's own class
+    fails on the first and drops the nesting with the second; ``ClefMultiModalProcessor`` (the one registered for the
+    architecture) expands the image and the video with both, the video's ids nested in its placeholder's start and
+    end as the release's are."""
     import types
 
     import numpy as np
@@ -310,13 +313,14 @@ def test_vllm_expands_a_video_with_a_processor_that_refuses_a_placeholder_withou
     class NewTransformersProcessor:          # Qwen3VLProcessor's contract, refusing as transformers >= 5.23 does
         video_token, image_token = "<|video_pad|>", "<|image_pad|>"
         video_processor = types.SimpleNamespace(temporal_patch_size=2, fps=2.0, min_frames=4, max_frames=768)
+        refuses = True
 
         def replace_video_token(self, video_inputs, video_idx, **kwargs):     # transformers >= 5.10: the bare pad
             raise NotImplementedError
 
         def __call__(self, text=None, images=None, videos=None, video_metadata=None, return_tensors=None):
             text = text if isinstance(text, str) else text[0]
-            if text.count(self.video_token) != len(videos or []):
+            if self.refuses and text.count(self.video_token) != len(videos or []):
                 raise ValueError(f"Found {text.count(self.video_token)} {self.video_token} tokens in the text but "
                                  "no videos were passed.")
             out = {}
@@ -331,19 +335,25 @@ def test_vllm_expands_a_video_with_a_processor_that_refuses_a_placeholder_withou
             out["input_ids"] = torch.tensor([tok.encode(text, add_special_tokens=False)])
             return out
 
-    stand_in = NewTransformersProcessor()
+    class OldTransformersProcessor(NewTransformersProcessor):     # before 5.10: the whole placeholder, no refusal
+        replace_video_token, refuses = None, False
+
+    stand_in = NewTransformersProcessor() if transformers == "5.23+" else OldTransformersProcessor()
     proc.info.get_hf_processor = lambda **kwargs: stand_in
     frames = np.zeros((4, 64, 64, 3), np.uint8)
     data = {"images": [Image.new("RGB", (64, 64))],
             "videos": [(frames, dict(video_metadata(4, 64, 64), do_sample_frames=False))]}
     text = "<|vision_start|><|image_pad|><|vision_end|>" + VIDEO_PLACEHOLDER
-    if processor == "vllm":
+    if processor == "vllm" and transformers == "5.23+":
         with pytest.raises(ValueError, match="Failed to apply") as info:
             proc._call_hf_processor(text, data, {}, {})
         assert "no videos were passed" in str(info.value.__cause__)
         return
     out = proc._call_hf_processor(text, data, {}, {})
     ids = out["input_ids"][0] if isinstance(out["input_ids"], list) else out["input_ids"][0].tolist()
+    if processor == "vllm":          # the whole placeholder replaced: the video's outer start and end are gone
+        assert ids[:3] == [start, image_pad, end] and ids[3] != start and ids.count(start) == 1 + 2
+        return
     assert ids[:3] == [start, image_pad, end] and ids[3] == start and ids[-1] == end
     assert ids.count(video_pad) == 2 * 1 and ids.count(start) == 1 + 1 + 2      # two temporal groups of one token
     assert tok.convert_tokens_to_ids("<|vision_pad|>") not in ids

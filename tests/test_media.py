@@ -66,6 +66,25 @@ def test_valid_images_pass_validation_and_are_encoded(encoder, fmt, mime, dialec
     assert OUTCOMES[Kind.UNSUPPORTED].status == 400
 
 
+def test_image_tokens_with_the_image_processor_of_an_older_transformers():
+    """transformers before 5.10 (vLLM 0.28 allows 5.5.3 on) read ``images_kwargs`` in ``get_number_of_image_patches``
+    without a default for it: the encoder passes one, so an image's token count works with every version."""
+    from clef_vllm.schema.media_inputs import MediaProcessor
+
+    class OlderImageProcessor:                # transformers 5.9's method: ``None`` for its third argument fails
+        merge_size = 2
+
+        def to_dict(self):
+            return {}
+
+        def get_number_of_image_patches(self, height, width, images_kwargs=None):
+            pixels = images_kwargs["min_pixels"] if "min_pixels" in images_kwargs else 65536
+            return max(height * width, pixels) // (16 * 16)
+
+    ids = {"<|vision_start|>": 1, "<|vision_end|>": 2, "<|image_pad|>": 3}
+    assert MediaProcessor(OlderImageProcessor(), ids, [198]).image_tokens(512, 512) == 1024 // 4
+
+
 def test_gif_is_its_first_frame_in_the_reference_dialect_and_refused_by_workers_ai():
     frames = [Image.new("RGB", (6, 4), c) for c in ("red", "blue", "green")]
     out = io.BytesIO()

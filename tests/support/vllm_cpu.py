@@ -103,7 +103,8 @@ def vllm_config_for(checkpoint, load_format: str = "auto", max_model_len: int = 
     from clef_vllm import ARCHITECTURE
 
     model_kwargs.setdefault("hf_overrides", {"architectures": [ARCHITECTURE]})
-    mc = ModelConfig(model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+    model_kwargs.setdefault("skip_tokenizer_init", False)     # as a seeing engine: its processor needs the tokenizer
+    mc = ModelConfig(model=str(checkpoint), dtype="bfloat16", enforce_eager=True,
                      max_model_len=max_model_len, runner="pooling", **model_kwargs)
     return VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"),
                       load_config=LoadConfig(load_format=load_format),

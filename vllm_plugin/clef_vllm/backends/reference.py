@@ -18,6 +18,7 @@ at the state's end): float32 answers equal one pass within 1e-5 (tests/test_refe
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -267,15 +268,17 @@ class ReferenceBackend(Backend):
         key = prefix_digest(e.input_ids, p)
         kept = self.states.get(key)
         cached = p if kept is not None else 0
+        # transformers 5.24 renamed the models' ``past_key_values`` to ``cache`` (the old name is deprecated there)
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         if kept is None:
             out = self.model(input_ids=ids[:, :p], use_cache=True)
-            cache, state_hidden = out.cache, out.last_hidden_state
+            cache, state_hidden = getattr(out, name), out.last_hidden_state
             if self.states.put(key, cache, state_hidden):
                 cache = copy.deepcopy(cache)         # the rest of the prompt extends a copy; the kept one stays
         else:
             cache, state_hidden = kept
             cache = copy.deepcopy(cache)
-        rest = self.model(input_ids=ids[:, p:], cache=cache, use_cache=True)
+        rest = self.model(input_ids=ids[:, p:], use_cache=True, **{name: cache})
         return torch.cat([state_hidden, rest.last_hidden_state], dim=1), cached
 
     @torch.inference_mode()

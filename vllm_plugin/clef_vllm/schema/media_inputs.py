@@ -166,7 +166,7 @@ class MediaProcessor:
     def image_tokens(self, height: int, width: int) -> int:
         """The pad tokens of an image of ``height`` x ``width`` px: the processor's resize to a multiple of 32 px
         within its pixel bounds, one token per 32 x 32 px."""
-        return self.image_processor.get_number_of_image_patches(height, width) // self.merge_size ** 2
+        return self.image_processor.get_number_of_image_patches(height, width, {}) // self.merge_size ** 2
 
     def video_block(self, item: MediaItem, checkpoint: Callable[[], None] | None = None) -> VideoBlock:
         """One video through the checkpoint's processor (its frames at :data:`VIDEO_FPS`). Without :attr:`pixels`

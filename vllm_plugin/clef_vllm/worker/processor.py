@@ -9,6 +9,12 @@ passed", so every request with a video failed in vLLM's front end. :class:`ClefM
 call each such placeholder as ``<|vision_pad|>`` (a special token no processor expands) and puts the
 ``<|video_pad|>`` id back in the ids it returns, so vLLM's swap finds its placeholders; every other call is
 vLLM's own.
+
+The release's ids nest each video's timestamped frame groups inside its placeholder's own ``<|vision_start|>`` and
+``<|vision_end|>`` (it was saved with transformers 5.10.2). vLLM keeps that nesting only with a transformers of 5.10
+or later (it swaps the bare ``<|video_pad|>``); with an older one, which vLLM 0.28 also allows, it swaps the whole
+placeholder and the pair is lost. :class:`ClefMultiModalProcessor` always swaps the bare pad, so vLLM's ids are the
+release's (and the encoder's, which the backend checks per request) whatever transformers is installed.
 """
 
 from __future__ import annotations
@@ -46,7 +52,13 @@ class _VideoPadsWithoutVideos(BaseMultiModalProcessor):
 
 
 class ClefMultiModalProcessor(Qwen3VLMultiModalProcessor, _VideoPadsWithoutVideos):
-    """vLLM's Qwen3-VL processor; its call without videos goes through :class:`_VideoPadsWithoutVideos`."""
+    """vLLM's Qwen3-VL processor; its call without videos goes through :class:`_VideoPadsWithoutVideos`, and it
+    expands each video's bare pad, keeping the placeholder's start and end around the frames (the module's
+    docstring)."""
+
+    @staticmethod
+    def _expands_only_video_token(hf_processor: object) -> bool:
+        return True
 
 
 __all__ = ["ClefMultiModalProcessor"]
