@@ -282,7 +282,7 @@ def test_vllm_expands_a_video_as_the_release_whatever_the_transformers(tiny_rele
     allows) it replaces the placeholder's start and end too. Stand-in processors of both kinds: vLLM's own class
     fails on the first and drops the nesting with the second; ``ClefMultiModalProcessor`` (the one registered for the
     architecture) expands the image and the video with both, the video's ids nested in its placeholder's start and
-    end as the release's are."""
+    end as the release's are, each video processed as the encoder processes it."""
     import types
 
     import numpy as np
@@ -312,14 +312,18 @@ def test_vllm_expands_a_video_as_the_release_whatever_the_transformers(tiny_rele
 
     class NewTransformersProcessor:          # Qwen3VLProcessor's contract, refusing as transformers >= 5.23 does
         video_token, image_token = "<|video_pad|>", "<|image_pad|>"
-        video_processor = types.SimpleNamespace(temporal_patch_size=2, fps=2.0, min_frames=4, max_frames=768)
+        video_processor = types.SimpleNamespace(temporal_patch_size=2, fps=2.0, min_frames=4, max_frames=768,
+                                                cap_pixels_per_frame=None)     # transformers >= 5.17's setting
         refuses = True
+        video_calls: list[dict] = []
 
         def replace_video_token(self, video_inputs, video_idx, **kwargs):     # transformers >= 5.10: the bare pad
             raise NotImplementedError
 
-        def __call__(self, text=None, images=None, videos=None, video_metadata=None, return_tensors=None):
+        def __call__(self, text=None, images=None, videos=None, video_metadata=None, return_tensors=None, **kwargs):
             text = text if isinstance(text, str) else text[0]
+            if videos:
+                self.video_calls.append(kwargs)
             if self.refuses and text.count(self.video_token) != len(videos or []):
                 raise ValueError(f"Found {text.count(self.video_token)} {self.video_token} tokens in the text but "
                                  "no videos were passed.")
@@ -337,6 +341,7 @@ def test_vllm_expands_a_video_as_the_release_whatever_the_transformers(tiny_rele
 
     class OldTransformersProcessor(NewTransformersProcessor):     # before 5.10: the whole placeholder, no refusal
         replace_video_token, refuses = None, False
+        video_processor = types.SimpleNamespace(temporal_patch_size=2, fps=2.0, min_frames=4, max_frames=768)
 
     stand_in = NewTransformersProcessor() if transformers == "5.23+" else OldTransformersProcessor()
     proc.info.get_hf_processor = lambda **kwargs: stand_in
@@ -358,6 +363,9 @@ def test_vllm_expands_a_video_as_the_release_whatever_the_transformers(tiny_rele
     assert ids.count(video_pad) == 2 * 1 and ids.count(start) == 1 + 1 + 2      # two temporal groups of one token
     assert tok.convert_tokens_to_ids("<|vision_pad|>") not in ids
     assert out["video_grid_thw"].tolist() == [[2, 2, 2]]
+    # the video's own call is given what the encoder gives the video processor: no per-frame cap where it exists
+    assert [c.get("cap_pixels_per_frame", "absent") for c in stand_in.video_calls] == (
+        [False] if transformers == "5.23+" else ["absent"])
 
 
 def test_the_engine_core_is_profiled_over_a_window_of_client_decisions(tmp_path, caplog):

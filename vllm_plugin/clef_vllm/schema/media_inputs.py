@@ -181,7 +181,7 @@ class MediaProcessor:
         metadata = VideoMetadata(**video_metadata(n, item.width, item.height))
         try:
             out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[frames], video_metadata=[metadata],
-                                       return_tensors="pt")
+                                       return_tensors="pt", **video_kwargs(self.video_processor))
         except ValueError as exc:     # the processor's own limits (two frames at least, aspect ratio below 200)
             raise _refused("video", item, exc) from None
         ids = tuple(int(i) for i in out["input_ids"][0])
@@ -263,6 +263,15 @@ def _refused(processor: str, item: MediaItem, exc: ValueError) -> RequestError:
                         field=item.field)
 
 
+def video_kwargs(processor) -> dict:
+    """What every call of the checkpoint's ``processor`` (transformers' ``Qwen3VLProcessor``) with a video is given
+    beside the frames, here and in vLLM's front end: no per-frame pixel cap (``cap_pixels_per_frame``), as the
+    release's processor (transformers 5.10.2) resizes. Newer transformers warn that such a cap will become their
+    default; where the setting does not exist there is no cap and nothing is passed."""
+    capped = hasattr(getattr(processor, "video_processor", None), "cap_pixels_per_frame")
+    return {"cap_pixels_per_frame": False} if capped else {}
+
+
 def video_metadata(frames: int, width: int, height: int) -> dict:
     """A video's metadata as the processor is given it: ``frames`` frames at :data:`VIDEO_FPS`, every one kept."""
     return dict(total_num_frames=frames, fps=VIDEO_FPS, width=width, height=height, duration=frames / VIDEO_FPS,
@@ -304,4 +313,4 @@ def _pixels(processor, size_key: str, attr: str) -> int | None:
 
 
 __all__ = ["IMAGE_PLACEHOLDER", "MEDIA_END", "VIDEO_FPS", "VIDEO_PLACEHOLDER", "MediaInputs", "MediaProcessor",
-           "VideoBlock", "processor_backend", "video_metadata"]
+           "VideoBlock", "processor_backend", "video_kwargs", "video_metadata"]

@@ -7,8 +7,9 @@ the checkpoint's processor once more for the rest of the prompt, with the videos
 transformers 5.23 and later refuse that call: "Found 1 <|video_pad|> tokens in the text but no videos were
 passed", so every request with a video failed in vLLM's front end. :class:`ClefMultiModalProcessor` hands that
 call each such placeholder as ``<|vision_pad|>`` (a special token no processor expands) and puts the
-``<|video_pad|>`` id back in the ids it returns, so vLLM's swap finds its placeholders; every other call is
-vLLM's own.
+``<|video_pad|>`` id back in the ids it returns, so vLLM's swap finds its placeholders; each video's own call gets
+what the encoder gives the video processor (:func:`~clef_vllm.schema.media_inputs.video_kwargs`); every other call
+is vLLM's own.
 
 The release's ids nest each video's timestamped frame groups inside its placeholder's own ``<|vision_start|>`` and
 ``<|vision_end|>`` (it was saved with transformers 5.10.2). vLLM keeps that nesting only with a transformers of 5.10
@@ -26,6 +27,8 @@ from transformers import BatchFeature
 from vllm.model_executor.models.qwen3_vl import Qwen3VLMultiModalProcessor
 from vllm.multimodal.processing import BaseMultiModalProcessor
 
+from clef_vllm.schema.media_inputs import video_kwargs
+
 VIDEO_PAD = "<|video_pad|>"
 #: What a video's placeholder is called in the call that has no videos (a special token of Qwen3.5's vocabulary
 #: that neither the image nor the video processor expands).
@@ -37,8 +40,10 @@ class _VideoPadsWithoutVideos(BaseMultiModalProcessor):
 
     def _call_hf_processor(self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object],
                            tok_kwargs: Mapping[str, object]) -> BatchFeature:
-        if (not isinstance(prompt, str) or VIDEO_PAD not in prompt or STAND_IN in prompt
-                or mm_data.get("videos")):
+        if mm_data.get("videos"):          # one video's own call: as the encoder calls the video processor
+            extra = video_kwargs(self.info.get_hf_processor())
+            return super()._call_hf_processor(prompt, mm_data, {**mm_kwargs, **extra}, tok_kwargs)
+        if not isinstance(prompt, str) or VIDEO_PAD not in prompt or STAND_IN in prompt:
             return super()._call_hf_processor(prompt, mm_data, mm_kwargs, tok_kwargs)
         out = super()._call_hf_processor(prompt.replace(VIDEO_PAD, STAND_IN), mm_data, mm_kwargs, tok_kwargs)
         tokenizer = self.info.get_tokenizer()
