@@ -185,6 +185,9 @@ class ReferenceBackend(Backend):
         self.head = load_head(self.files, dtype=self.head_dtype, device=self.device)
         vision: dict | None = None if opts.text_only or "vision_config" not in self.files.config else {}
         self.model, self.lm_table = load_text_backbone(self.files, self.device, self.dtype, vision=vision)
+        # the model's cache argument and output: transformers 5.24 renamed ``past_key_values`` to ``cache``
+        self._cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
         self.lm_table.to(self.device)
         self.multimodal = None               # Qwen3_5Model around self.model, for requests with images
         if vision:
@@ -268,8 +271,7 @@ class ReferenceBackend(Backend):
         key = prefix_digest(e.input_ids, p)
         kept = self.states.get(key)
         cached = p if kept is not None else 0
-        # transformers 5.24 renamed the models' ``past_key_values`` to ``cache`` (the old name is deprecated there)
-        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        name = self._cache_name
         if kept is None:
             out = self.model(input_ids=ids[:, :p], use_cache=True)
             cache, state_hidden = getattr(out, name), out.last_hidden_state

@@ -35,8 +35,9 @@ VIDEO_PAD = "<|video_pad|>"
 STAND_IN = "<|vision_pad|>"
 
 
-class _VideoPadsWithoutVideos(BaseMultiModalProcessor):
-    """Sits between vLLM's Qwen3-VL processor and its base class (see the module's docstring)."""
+class _VideoCalls(BaseMultiModalProcessor):
+    """The checkpoint processor's calls for a prompt with videos: each video's own, and the one for the rest of the
+    prompt without them. Sits between vLLM's Qwen3-VL processor and its base class (see the module's docstring)."""
 
     def _call_hf_processor(self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object],
                            tok_kwargs: Mapping[str, object]) -> BatchFeature:
@@ -56,10 +57,10 @@ class _VideoPadsWithoutVideos(BaseMultiModalProcessor):
         return out
 
 
-class ClefMultiModalProcessor(Qwen3VLMultiModalProcessor, _VideoPadsWithoutVideos):
-    """vLLM's Qwen3-VL processor; its call without videos goes through :class:`_VideoPadsWithoutVideos`, and it
-    expands each video's bare pad, keeping the placeholder's start and end around the frames (the module's
-    docstring)."""
+class ClefMultiModalProcessor(Qwen3VLMultiModalProcessor, _VideoCalls):
+    """vLLM's Qwen3-VL processor; its calls of the checkpoint's processor for a prompt with videos go through
+    :class:`_VideoCalls`, and it expands each video's bare pad, keeping the placeholder's start and end around the
+    frames (the module's docstring)."""
 
     @staticmethod
     def _expands_only_video_token(hf_processor: object) -> bool:
