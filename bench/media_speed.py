@@ -22,6 +22,12 @@ frames kept for vLLM; vLLM's own processor then runs like the reference's):
 
     python3 bench/make_ckpt.py tiny /tmp/tiny && python3 bench/media_speed.py --host-memory --ckpt /tmp/tiny \
         --out bench/results/media_host_memory.json
+
+``--front-end-videos N`` measures (CPU only, torchvision installed) the vLLM front end's encoding of N requests with
+one video each (16 JPEG frames of 1280 x 720, other pictures every time): decoding, and the checkpoint's processor
+for the ids only where no video of that size came lately (its ids cache off, then on):
+
+    python3 bench/media_speed.py --front-end-videos 8 --ckpt /tmp/tiny --out bench/results/media_front_end_videos.json
 """
 
 from __future__ import annotations
@@ -208,6 +214,41 @@ def host_memory(args) -> int:
     return 0
 
 
+def front_end_videos(args) -> int:
+    from clef_vllm.schema.dialects import parse_request
+    from clef_vllm.schema.encoding import RequestEncoder
+    from clef_vllm.schema.media import decode_media
+    from clef_vllm.schema.media_inputs import VIDEO_IDS_BYTES, VIDEO_IDS_ITEMS
+    from clef_vllm.testing.images import QUESTIONS as ASKED
+    from clef_vllm.testing.images import video_frames
+    from clef_vllm.util.lru import SizedLRU
+
+    encoder = RequestEncoder.from_pretrained(args.ckpt, pixels=False)
+    bodies = [{"model": "clef-flash", "state": "the checkout page froze", "questions": ASKED,
+               "videos": [video_frames((1280, 720), 16, seed, "JPEG")]} for seed in range(args.front_end_videos + 1)]
+
+    def encode_ms(body: dict) -> float:
+        t0 = time.perf_counter()
+        request = parse_request(body)
+        decode_media(request._media)
+        encoder.encode(request)
+        return (time.perf_counter() - t0) * 1000
+
+    encode_ms(bodies[-1])                   # the processor's first call (its imports) is not measured
+    import torchvision
+    import transformers
+
+    report = {"command": " ".join(sys.argv[1:]), "video": "16 JPEG frames of 1280 x 720",
+              "transformers": transformers.__version__, "torchvision": torchvision.__version__, "runs": {}}
+    for label, ids in (("ids cache off", SizedLRU(0)), ("ids cache on", SizedLRU(VIDEO_IDS_BYTES, VIDEO_IDS_ITEMS))):
+        encoder.media._video_ids = ids
+        ms = [round(encode_ms(b), 1) for b in bodies[:-1]]
+        report["runs"][label] = {"median_ms": statistics.median(ms), "ms": ms}
+        print(label, report["runs"][label], flush=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", required=True)
@@ -221,6 +262,8 @@ def main() -> int:
     ap.add_argument("--text-only-too", action="store_true")
     ap.add_argument("--host-memory", action="store_true", help="the host memory a request's media cost (CPU only)")
     ap.add_argument("--host-case", default=None, help=argparse.SUPPRESS)     # one --host-memory case, in its process
+    ap.add_argument("--front-end-videos", type=int, default=0, metavar="N",
+                    help="the vLLM front end's encoding of N requests with a video (CPU only)")
     args = ap.parse_args()
     if args.host_case is not None:
         case, pixels = args.host_case.split(":")
@@ -228,6 +271,8 @@ def main() -> int:
         return 0
     if args.host_memory:
         return host_memory(args)
+    if args.front_end_videos:
+        return front_end_videos(args)
     import torch
 
     from clef_vllm.schema.encoding import RequestEncoder

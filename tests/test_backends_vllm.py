@@ -180,9 +180,9 @@ def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadat
     """A request with an image and a video: vLLM's prompt holds the release's placeholder text per item (vLLM's
     processor expands both; the ids it ends up with must be the encoder's, which the checkpoint's processor made:
     a stand-in here, CI has no torchvision), the image, and the video's frames as decoded with metadata keeping
-    every frame at 2 fps. A video past the largest image's tokens is 413, one the processor refuses 422, each
-    naming it; the engine takes videos (dummy: two frames of the largest image) only where transformers can run
-    the video processor."""
+    every frame at 2 fps; a video of a size seen lately gets its ids without the processor. A video past the largest
+    image's tokens is 413, one the processor refuses 422, each naming it; the engine takes videos (dummy: two
+    frames of the largest image) only where transformers can run the video processor."""
     import numpy as np
 
     from clef_vllm.backends import vllm_media
@@ -231,8 +231,13 @@ def test_a_video_reaches_the_engine_as_one_pad_with_its_frames_and_their_metadat
     assert enc.input_ids[a:a + enc.media_tokens] == \
         [start] + [media.pad_id] * enc.media.token_counts[0] + [end] + video_ids + media.newline_ids
     assert enc.media.token_counts[1] == 8 and enc.media.pixel_values_videos is None
-    media.video_processor.collapse = True
-    assert encode([frames]).input_ids == enc.input_ids          # the release's ids whatever transformers does
+    calls = len(seen)
+    again = encode([[data_uri(picture((64, 48), 80 + k)) for k in range(4)]])      # the same size, other pictures
+    assert again.input_ids == enc.input_ids and len(seen) == calls      # ids by size alone: no processor run
+    assert not np.array_equal(again.media.videos[0][0], enc.media.videos[0][0])       # its own frames
+    media.video_processor.collapse = True                       # a size not seen lately goes through the processor
+    assert encode([[data_uri(picture((80, 48), 50 + k)) for k in range(4)]]).input_ids == enc.input_ids
+    assert len(seen) == calls + 1                               # the release's ids whatever transformers does
     media.video_processor.collapse = False
     (image,), ((got, meta),) = prompt["multi_modal_data"]["image"], prompt["multi_modal_data"]["video"]
     assert image.size == (96, 64) and got.dtype == np.uint8 and got.shape == (4, 48, 64, 3)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 from clef_vllm.schema.errors import Kind, RequestError
 from clef_vllm.schema.media import MediaItem, no_check
+from clef_vllm.util.lru import SizedLRU
 
 log = logging.getLogger("clef_vllm")
 
@@ -40,6 +41,9 @@ VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 MEDIA_END = "\n"
 #: The rate a video's frames are taken at: the release's video processor's ``fps`` (every frame kept).
 VIDEO_FPS = 2.0
+#: the bound on the video ids kept by size (:class:`MediaProcessor`, without pixels): bytes (40 a token, a Python
+#: int in a tuple), entries
+VIDEO_IDS_BYTES, VIDEO_IDS_ITEMS = 16 << 20, 512
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +100,9 @@ class MediaProcessor:
         self.image_processor = image_processor
         #: the checkpoint's whole ``Qwen3VLProcessor`` (videos), or None; then ``no_videos`` says why
         self.video_processor = video_processor
+        #: without :attr:`pixels`, a video's ids and grid by its frame count, height and width: they depend on nothing
+        #: else, so a video of a size seen lately is not run through the processor again
+        self._video_ids = SizedLRU(VIDEO_IDS_BYTES, max_items=VIDEO_IDS_ITEMS)
         self.no_videos = no_videos
         #: whether :meth:`inputs` runs the processor (False: a backend that runs it itself gets decoded images)
         self.pixels = pixels
@@ -178,6 +185,9 @@ class MediaProcessor:
         frames = np.empty((n, item.height, item.width, 3), np.uint8)     # filled one decoded frame at a time
         for i, frame in enumerate(item.rgb_frames(checkpoint)):
             frames[i] = np.asarray(frame)
+        shape = (n, item.height, item.width)
+        if not self.pixels and (known := self._video_ids.get(shape)) is not None:
+            return VideoBlock(*known, frames=frames)
         metadata = VideoMetadata(**video_metadata(n, item.width, item.height))
         try:
             out = self.video_processor(text=[VIDEO_PLACEHOLDER], videos=[frames], video_metadata=[metadata],
@@ -190,6 +200,7 @@ class MediaProcessor:
         pads = sum(1 for i in ids if i == self.video_pad_id)
         if self.pixels:
             return VideoBlock(ids, pads, out["pixel_values_videos"], out["video_grid_thw"])
+        self._video_ids.put(shape, (ids, pads, None, out["video_grid_thw"]), 64 + 40 * len(ids))
         return VideoBlock(ids, pads, None, out["video_grid_thw"], frames=frames)
 
     def prompt_block(self, counts: Sequence[int | VideoBlock]) -> list[int]:
