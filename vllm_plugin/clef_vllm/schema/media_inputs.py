@@ -93,7 +93,8 @@ class MediaInputs:
 
 
 class MediaProcessor:
-    """The checkpoint's image processor and the media tokens' ids. Thread-safe (no state between calls)."""
+    """The checkpoint's image processor and the media tokens' ids. Thread-safe (its one store, video ids by size, is
+    locked)."""
 
     def __init__(self, image_processor, token_ids: dict[str, int], newline_ids: Sequence[int], pixels: bool = True,
                  video_processor=None, no_videos: str = "this checkpoint has no video processor"):
