@@ -190,7 +190,8 @@ def host_case(ckpt: str, case: int, pixels: bool) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"case": name, "encoder": "reference (pixels)" if pixels else "vLLM front end (frames kept)",
             "pixels": pixel_count, "media_tokens": encoded.media_tokens,
-            "peak_added_mib": round((peak - before) / 2 ** 20, 1), "bytes_per_pixel": round((peak - before) / pixel_count, 1)}
+            "peak_added_mib": round((peak - before) / 2 ** 20, 1),
+            "bytes_per_pixel": round((peak - before) / pixel_count, 1)}
 
 
 def host_memory(args) -> int:
