@@ -28,6 +28,7 @@ import torch
 
 from clef_vllm.backends.base import Backend, BackendDeadError
 from clef_vllm.backends.engine_settings import remote_ranks
+from clef_vllm.backends.engine_shutdown import shutdown_engine
 from clef_vllm.backends.memory_fit import fit_options
 from clef_vllm.backends.options import VllmOptions, backend_options, engine_args
 from clef_vllm.backends.rank_watchdog import RankWatchdog
@@ -590,10 +591,7 @@ class VllmBackend(Backend):
                     self._submit(self._profile.finish(engine)).result(timeout=120)
                 except Exception as exc:  # noqa: BLE001
                     log.warning("CLEF_VLLM_PROFILE at shutdown: %s", exc)
-            try:
-                engine.shutdown()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("engine shutdown: %s", exc)
+            shutdown_engine(engine, self._loop)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
