@@ -480,7 +480,7 @@ def test_nvfp4_kernel_bf16_on_a_checkpoint_without_nvfp4_layers_says_it_changes_
         assert "kernels: unquantized" in caplog.text and backend.kernels["capability"] == (9, 0)
 
 
-def test_closing_the_engine_stops_its_output_handler_before_vllm_kills_the_core(caplog):
+def test_closing_the_engine_stops_its_output_handler_before_vllm_kills_the_core():
     """vLLM's ``AsyncLLM.shutdown`` (run here as vLLM's own method on a stand-in engine) stops the engine core
     before it cancels the output handler, which then wakes to the dead core and logs a traceback: on every clean
     exit. ``shutdown_engine`` cancels the handler on the engine's loop first, so nothing is logged, and the
@@ -493,16 +493,17 @@ def test_closing_the_engine_stops_its_output_handler_before_vllm_kills_the_core(
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    handler_log = logging.getLogger("clef_vllm.test.output_handler")
+    logged = []                                       # what the handler would log (vLLM: a traceback)
 
     class Core:                                       # the engine core client: its shutdown kills the socket
         def __init__(self):
             self.output = loop.create_future()
             self.down = False
 
-        def shutdown(self, timeout=None):
+        def shutdown(self, timeout=None):             # vLLM's takes a while (the core's processes end)
             self.down = True
             loop.call_soon_threadsafe(lambda: self.output.done() or self.output.set_exception(EngineDeadError()))
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(timeout=5)
 
     def engine():
         async def make():
@@ -512,25 +513,23 @@ def test_closing_the_engine_stops_its_output_handler_before_vllm_kills_the_core(
             async def output_handler():               # vLLM's: waits on the core, logs whatever it raises
                 try:
                     await eng.engine_core.output
-                except Exception:  # noqa: BLE001 - as vLLM's handler: whatever the core raised
-                    handler_log.exception("AsyncLLM output_handler failed.")
+                except Exception as exc:  # noqa: BLE001 - as vLLM's handler: whatever the core raised
+                    logged.append(f"AsyncLLM output_handler failed: {exc!r}")
 
             eng.output_handler = asyncio.create_task(output_handler())
             return eng
         return asyncio.run_coroutine_threadsafe(make(), loop).result(timeout=5)
 
     try:
-        with caplog.at_level(logging.ERROR):          # vLLM's own order: the traceback this test is about
-            plain = engine()
-            plain.shutdown()
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(timeout=5)
-        assert "output_handler failed" in caplog.text and plain.engine_core.down
-        caplog.clear()
-        with caplog.at_level(logging.ERROR):
-            quiet = engine()
-            shutdown_engine(quiet, loop)
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(timeout=5)
-        assert caplog.text == "" and quiet.engine_core.down and quiet.output_handler.cancelled()
+        plain = engine()                              # vLLM's own order: the traceback this test is about
+        plain.shutdown()
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(timeout=5)
+        assert logged and "EngineDeadError" in logged[0] and plain.engine_core.down
+        logged.clear()
+        quiet = engine()
+        shutdown_engine(quiet, loop)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(timeout=5)
+        assert logged == [] and quiet.engine_core.down and quiet.output_handler.cancelled()
         shutdown_engine(quiet, loop)                  # again, the handler done: only vLLM's shutdown runs
     finally:
         loop.call_soon_threadsafe(loop.stop)
