@@ -14,15 +14,12 @@ import logging
 log = logging.getLogger(__name__)
 
 
-async def stop_output_handler(engine) -> bool:
-    """Cancel ``engine``'s output handler and wait for it to end (call on the engine's event loop). True when
-    there was a running handler to stop."""
+async def stop_output_handler(engine) -> None:
+    """Cancel ``engine``'s output handler, if it runs, and wait for it to end (on the engine's event loop)."""
     handler = getattr(engine, "output_handler", None)
-    if handler is None or handler.done():
-        return False
-    handler.cancel()
-    await asyncio.gather(handler, return_exceptions=True)
-    return True
+    if handler is not None and not handler.done():
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
 
 
 def shutdown_engine(engine, loop: asyncio.AbstractEventLoop) -> None:
